@@ -1,0 +1,1 @@
+"""The actors quiverd's daemon wires together; one module per actor."""

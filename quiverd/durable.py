@@ -1,0 +1,75 @@
+"""Crash-safe file writes: the one helper every sidecar, segment and checkpoint uses.
+
+Recipe: write ``<name>.tmp`` → fsync it → rename over ``<name>`` → fsync the
+directory. A reader sees the old file or the new one, never a mix. All functions
+here block: call them from a worker thread (``anyio.to_thread.run_sync``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+Buffer = bytes | bytearray | memoryview
+
+TMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so a rename or create inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, chunks: Iterable[Buffer]) -> int:
+    """Write every chunk fully (os.write may be short); returns bytes written."""
+    total = 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+            total += n
+    return total
+
+
+def atomic_write(
+    path: str | os.PathLike[str],
+    chunks: Iterable[Buffer] | Buffer,
+    *,
+    mode: int = 0o644,
+    hook: object = None,
+) -> int:
+    """Write ``chunks`` to ``path`` atomically and durably; returns the byte count.
+
+    ``hook``, when given, is called as ``hook(step)`` after each step
+    (``"tmp_written"``, ``"tmp_fsynced"``, ``"renamed"``, ``"dir_fsynced"``) so
+    crash tests can stop the process between steps.
+    """
+    if isinstance(chunks, bytes | bytearray | memoryview):
+        chunks = [chunks]
+    target = Path(path)
+    tmp = target.with_name(target.name + TMP_SUFFIX)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        n = write_all(fd, chunks)
+        _step(hook, "tmp_written")
+        os.fsync(fd)
+        _step(hook, "tmp_fsynced")
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.rename(tmp, target)
+    _step(hook, "renamed")
+    fsync_dir(target.parent)
+    _step(hook, "dir_fsynced")
+    return n
+
+
+def _step(hook: object, name: str) -> None:
+    if hook is not None:
+        hook(name)  # type: ignore[operator]
