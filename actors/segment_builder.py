@@ -1,0 +1,118 @@
+"""Segment builder: one per shard. Consumes DurableBatches, produces SealedSegments.
+
+    wal_writer ──DurableBatch──▶ segment_builder ──SealedSegment──▶ finalizer
+
+Bundles accumulate in an ``OpenSegment`` (per-stream accumulators keyed by
+``(slot, schema fingerprint)`` plus the manifest). The segment is sealed when
+it reaches ``target_size_bytes`` or ``max_streams``, when it has been open for
+``max_open_duration_ms`` (a timer, not the next arrival), when ``pressure`` is
+set (WAL or disk), and at end of stream (shutdown). Decoding Arrow payloads
+happens in one worker-thread hop per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import CapacityLimiter
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from quiverd.bundle import Bundle
+from quiverd.config import SegmentConfig
+from quiverd.messages import DurableBatch, SealedSegment
+from quiverd.segment import OpenSegment
+
+
+@dataclass
+class BuilderStats:
+    open_bundles: int = 0
+    open_bytes: int = 0
+    open_streams: int = 0
+    sealed: int = 0
+    next_segment_seq: int = 1
+
+
+async def run(
+    inbox: MemoryObjectReceiveStream[DurableBatch],
+    outbox: MemoryObjectSendStream[SealedSegment],
+    *,
+    cfg: SegmentConfig,
+    first_segment_seq: int,
+    recovered: list[Bundle],
+    limiter: CapacityLimiter,
+    stats: BuilderStats,
+    pressure: anyio.Event | None = None,
+    log: Any,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accumulate and seal until ``inbox`` ends; the last open segment is sealed then."""
+    builder = _Builder(outbox, cfg, first_segment_seq, limiter, stats, log)
+    async with inbox, outbox:
+        if recovered:
+            # Replayed WAL entries not yet in any segment: the open state before the crash.
+            await builder.add(recovered)
+            await builder.seal_if_full()
+        task_status.started()
+        while True:
+            with anyio.move_on_after(builder.seconds_left()) as timer:
+                try:
+                    batch = await inbox.receive()
+                except anyio.EndOfStream:
+                    break
+            if timer.cancelled_caught:
+                await builder.seal("age")
+                continue
+            await builder.add(list(batch.bundles))
+            if pressure is not None and pressure.is_set():
+                await builder.seal("pressure")
+            await builder.seal_if_full()
+        await builder.seal("shutdown")
+
+
+class _Builder:
+    def __init__(self, outbox: MemoryObjectSendStream[SealedSegment], cfg: SegmentConfig,
+                 next_seq: int, limiter: CapacityLimiter, stats: BuilderStats, log: Any) -> None:
+        self.outbox, self.cfg, self.limiter, self.stats, self.log = outbox, cfg, limiter, stats, log
+        self.stats.next_segment_seq = next_seq
+        self.open = OpenSegment()
+        self.opened_at: float | None = None
+
+    def seconds_left(self) -> float:
+        if self.opened_at is None:
+            return float("inf")
+        age_limit = self.cfg.max_open_duration_ms / 1000
+        return max(0.0, self.opened_at + age_limit - anyio.current_time())
+
+    async def add(self, bundles: list[Bundle]) -> None:
+        if self.opened_at is None:
+            self.opened_at = anyio.current_time()
+        segment = self.open
+
+        def add_all() -> None:
+            for b in bundles:
+                segment.add(b)
+
+        await anyio.to_thread.run_sync(add_all, limiter=self.limiter)
+        self.stats.open_bundles = segment.bundle_count
+        self.stats.open_bytes = segment.bytes
+        self.stats.open_streams = segment.stream_count
+
+    async def seal_if_full(self) -> None:
+        if self.open.bytes >= self.cfg.target_size_bytes:
+            await self.seal("size")
+        elif self.open.stream_count >= self.cfg.max_streams:
+            await self.seal("streams")
+
+    async def seal(self, reason: str) -> None:
+        if self.open.bundle_count == 0:
+            self.opened_at = None
+            return
+        sealed = SealedSegment(segment_seq=self.stats.next_segment_seq, segment=self.open,
+                               reason=reason)
+        self.stats.next_segment_seq += 1
+        self.stats.sealed += 1
+        self.open, self.opened_at = OpenSegment(), None
+        self.stats.open_bundles = self.stats.open_bytes = self.stats.open_streams = 0
+        await self.outbox.send(sealed)

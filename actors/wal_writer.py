@@ -1,0 +1,225 @@
+"""WAL writer: one per shard. Consumes AppendRequests, produces DurableBatches.
+
+    producers ──AppendRequest──▶ wal_writer ──DurableBatch──▶ segment_builder
+                                    ▲  │ AckReply / ErrorReply (per connection)
+    finalizer ──WalReleased─────────┘  ▼
+
+Each append batch is encoded and written in one worker-thread hop. Acks leave
+only after the fdatasync that covers the entry returned:
+
+- ``always``:   write + fdatasync in the same hop, then ack the batch.
+- ``interval``: a timer fires every ``flush_interval_ms`` (or early, once
+  ``flush_bytes`` are unsynced); one fdatasync covers every append written
+  before it started, and exactly those entries are acked after it returns.
+- ``never``:    ack after the write (tests and benchmarks only).
+
+A failed fdatasync raises DurabilityLost: nothing it covered is acked, the
+shard's task group fails and the daemon exits non-zero (systemd restarts it,
+replay recovers what was durable). It is never retried.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import CapacityLimiter
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from quiverd import walformat
+from quiverd.bundle import Bundle, MetaCodec
+from quiverd.config import WalConfig
+from quiverd.messages import AckReply, AppendRequest, DurableBatch, ErrorReply, WalReleased
+from quiverd.wal import WalFiles
+
+MAX_BATCH_ENTRIES = 256
+MAX_BATCH_BYTES = 16 * 1024 * 1024
+AT_CAPACITY = 5  # protocol ErrorCode.AT_CAPACITY
+
+
+@dataclass
+class WalStats:
+    appends: int = 0
+    fsyncs: int = 0
+    acks: int = 0
+    bytes_written: int = 0
+    last_sequence: int = 0
+    capacity_waits: int = 0
+    rejected: int = 0
+    inflight: int = 0
+
+
+@dataclass
+class _Pending:
+    """Written but not yet covered by an fdatasync."""
+
+    items: list[tuple[AppendRequest, Bundle]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+async def run(
+    inbox: MemoryObjectReceiveStream[AppendRequest],
+    outbox: MemoryObjectSendStream[DurableBatch],
+    releases: MemoryObjectReceiveStream[WalReleased],
+    *,
+    shard: int,
+    wal: WalFiles,
+    cfg: WalConfig,
+    next_sequence: int,
+    limiter: CapacityLimiter,
+    stats: WalStats,
+    log: Any,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Append, sync and acknowledge until ``inbox`` ends; then release until ``releases`` ends."""
+    writer = _Writer(shard, wal, cfg, next_sequence, limiter, stats, log, outbox)
+    async with releases, anyio.create_task_group() as tg:
+        # Releases outlive the inbox: the finalizer still writes the last segment
+        # after producers are gone, and ends `releases` when it is done.
+        tg.start_soon(writer.serve_releases, releases)
+        async with inbox, outbox, anyio.create_task_group() as timer_tg:
+            if cfg.flush_policy == "interval":
+                timer_tg.start_soon(writer.sync_on_timer)
+            task_status.started()
+            async for first in inbox:
+                await writer.append(_drain(first, inbox))
+            await writer.finish()
+            timer_tg.cancel_scope.cancel()
+    await anyio.to_thread.run_sync(wal.close, limiter=limiter)
+
+
+def _drain(first: AppendRequest, inbox: MemoryObjectReceiveStream[AppendRequest]) -> list[AppendRequest]:
+    """Take what is already queued, bounded in count and bytes: one hop per batch."""
+    batch, nbytes = [first], first.bundle.payload_bytes
+    while len(batch) < MAX_BATCH_ENTRIES and nbytes < MAX_BATCH_BYTES:
+        try:
+            req = inbox.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            break
+        batch.append(req)
+        nbytes += req.bundle.payload_bytes
+    return batch
+
+
+class _Writer:
+    def __init__(self, shard: int, wal: WalFiles, cfg: WalConfig, next_sequence: int,
+                 limiter: CapacityLimiter, stats: WalStats, log: Any,
+                 outbox: MemoryObjectSendStream[DurableBatch]) -> None:
+        self.shard, self.wal, self.cfg, self.limiter = shard, wal, cfg, limiter
+        self.next_sequence, self.stats, self.log, self.outbox = next_sequence, stats, log, outbox
+        self.meta = MetaCodec()
+        self.pending = _Pending()
+        self.kick = anyio.Event()  # set when flush_bytes are unsynced: sync early
+        self.capacity = anyio.Event()  # set when a release freed WAL space
+        self.sync_lock = anyio.Lock()  # keeps acks and DurableBatches in sequence order
+
+    async def append(self, batch: list[AppendRequest]) -> None:
+        entries: list[tuple[int, list[Any], int]] = []
+        placed: list[tuple[AppendRequest, Bundle]] = []
+        for req in batch:
+            slots = (*req.bundle.slots, self.meta.encode(req.bundle.client, req.bundle.txn))
+            size = walformat.entry_size(slots)
+            if not await self._wait_for_room(req, entries, placed, size):
+                continue
+            seq, ts = self.next_sequence, time.time_ns()
+            self.next_sequence += 1
+            pieces = walformat.encode_entry(ts_ns=ts, sequence=seq, slots=slots)
+            entries.append((seq, pieces, size))
+            placed.append((req, _stamp(req.bundle, seq, ts)))
+        if entries:
+            await self._write(entries, placed)
+
+    async def _wait_for_room(self, req: AppendRequest, entries: list[Any],
+                             placed: list[Any], size: int) -> bool:
+        """Block (``wait``) or refuse (``reject``) while the WAL is at capacity."""
+        while not self.wal.fits(size + sum(e[2] for e in entries)):
+            if self.cfg.at_capacity == "reject":
+                self.stats.rejected += 1
+                _reply(req, ErrorReply(request_id=req.request_id, code=AT_CAPACITY,
+                                       message=f"shard {self.shard} WAL is at capacity "
+                                       f"({self.wal.live_bytes} bytes in {self.wal.file_count} "
+                                       "files); retry later"))
+                return False
+            if entries:  # write what we have first so it can be synced and released
+                await self._write(list(entries), list(placed))
+                entries.clear()
+                placed.clear()
+                continue
+            self.stats.capacity_waits += 1
+            self.log.warning("wal_at_capacity", shard=self.shard, bytes=self.wal.live_bytes,
+                             files=self.wal.file_count)
+            self.kick.set()
+            self.capacity = anyio.Event()
+            await self.capacity.wait()
+        return True
+
+    async def _write(self, entries: list[tuple[int, list[Any], int]],
+                     placed: list[tuple[AppendRequest, Bundle]]) -> None:
+        sync_now = self.cfg.flush_policy == "always"
+        await anyio.to_thread.run_sync(lambda: self.wal.append(entries, sync=sync_now),
+                                       limiter=self.limiter)
+        nbytes = sum(e[2] for e in entries)
+        self.stats.appends += len(entries)
+        self.stats.bytes_written += nbytes
+        self.stats.last_sequence = entries[-1][0]
+        if sync_now:
+            self.stats.fsyncs += 1
+        if self.cfg.flush_policy == "interval":
+            self.pending.items.extend(placed)
+            self.pending.nbytes += nbytes
+            self.stats.inflight = len(self.pending.items)
+            if self.cfg.flush_bytes and self.pending.nbytes >= self.cfg.flush_bytes:
+                self.kick.set()
+        else:
+            await self._acknowledge(placed)
+
+    async def sync_on_timer(self) -> None:
+        """Group commit: one fdatasync per tick covers everything written before it."""
+        interval = self.cfg.flush_interval_ms / 1000
+        while True:
+            with anyio.move_on_after(interval):
+                await self.kick.wait()
+            self.kick = anyio.Event()
+            await self.sync_pending()
+
+    async def sync_pending(self) -> None:
+        async with self.sync_lock:
+            if not self.pending.items:
+                return
+            covered, self.pending = self.pending, _Pending()
+            await anyio.to_thread.run_sync(self.wal.sync, limiter=self.limiter)
+            self.stats.fsyncs += 1
+            self.stats.inflight = len(self.pending.items)
+            await self._acknowledge(covered.items)
+
+    async def _acknowledge(self, placed: list[tuple[AppendRequest, Bundle]]) -> None:
+        for req, bundle in placed:
+            _reply(req, AckReply(request_id=req.request_id, shard=self.shard,
+                                 sequence=bundle.sequence))
+        self.stats.acks += len(placed)
+        await self.outbox.send(DurableBatch(bundles=tuple(b for _, b in placed)))
+
+    async def finish(self) -> None:
+        """Inbox ended: make everything written durable and acknowledged."""
+        await self.sync_pending()
+
+    async def serve_releases(self, releases: MemoryObjectReceiveStream[WalReleased]) -> None:
+        async for msg in releases:
+            freed = await anyio.to_thread.run_sync(self.wal.release, msg.upto_sequence,
+                                                   limiter=self.limiter)
+            if freed:
+                self.capacity.set()
+
+
+def _stamp(bundle: Bundle, sequence: int, ts_ns: int) -> Bundle:
+    return Bundle(client=bundle.client, slots=bundle.slots, txn=bundle.txn,
+                  ingestion_ts_ns=ts_ns, sequence=sequence)
+
+
+def _reply(req: AppendRequest, reply: AckReply | ErrorReply) -> None:
+    try:
+        req.reply.send_nowait(reply)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass  # the producer hung up; its data is durable all the same

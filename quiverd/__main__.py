@@ -1,0 +1,5 @@
+import sys
+
+from quiverd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,195 @@
+"""RecordBundle: the unit of ingest, and the helpers every layer shares.
+
+A bundle is a fixed table of up to 64 optional slots; a present slot holds one
+Arrow IPC *stream* (schema + batches + EOS) exactly as the producer sent it.
+Bundle metadata that has no fixed WAL field (client name, transactional tag)
+travels in the reserved slot ``META_SLOT`` (SPEC §3 allows "a reserved slot"),
+so the producer's slot payloads are stored byte for byte, untouched:
+
+    slot 0..62   producer data          payload_type_id = slot id
+    slot 63      bundle metadata        payload_type_id = 0xFFFF
+                 one-row IPC stream: client utf8, job_id utf8?, partition u32?,
+                 attempt u32?, row_offset u64?
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import msgspec
+import pyarrow as pa
+
+Buffer = bytes | bytearray | memoryview
+
+MAX_SLOTS = 64
+META_SLOT = MAX_SLOTS - 1
+USER_SLOTS = META_SLOT  # producers may use slots 0..62
+META_PAYLOAD_TYPE = 0xFFFF
+FINGERPRINT_LEN = 32
+MAX_CLIENT_LEN = 255
+
+META_SCHEMA = pa.schema(
+    [
+        pa.field("client", pa.utf8(), nullable=False),
+        pa.field("job_id", pa.utf8()),
+        pa.field("partition", pa.uint32()),
+        pa.field("attempt", pa.uint32()),
+        pa.field("row_offset", pa.uint64()),
+    ]
+)
+
+
+class TxnTag(msgspec.Struct, frozen=True, kw_only=True):
+    """SPEC §7 transactional tag: which Spark task attempt wrote these rows."""
+
+    job_id: str
+    partition: int
+    attempt: int
+    row_offset: int
+
+
+class Slot(msgspec.Struct, frozen=True, kw_only=True):
+    """One present slot: its IPC stream bytes and what the WAL records about them."""
+
+    slot: int
+    fingerprint: bytes
+    row_count: int
+    ipc: Buffer
+    payload_type_id: int = -1  # -1: the slot id itself
+
+    @property
+    def type_id(self) -> int:
+        return self.slot if self.payload_type_id < 0 else self.payload_type_id
+
+
+class Bundle(msgspec.Struct, frozen=True, kw_only=True):
+    """A bundle as the daemon holds it: user slots only (never META_SLOT)."""
+
+    client: str
+    slots: tuple[Slot, ...]
+    txn: TxnTag | None = None
+    ingestion_ts_ns: int = 0
+    sequence: int = 0
+
+    @property
+    def row_count(self) -> int:
+        return sum(s.row_count for s in self.slots)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(s.ipc) for s in self.slots)
+
+    def tables(self) -> dict[int, pa.Table]:
+        """Decode every slot (zero copy over the payload buffers)."""
+        return {s.slot: read_ipc_stream(s.ipc) for s in self.slots}
+
+
+def fingerprint(schema: pa.Schema) -> bytes:
+    """32-byte SHA-256 of the canonical schema: names, types, nullability, order.
+
+    Schema- and field-level metadata are left out: they do not change how a
+    column is laid out, so they must not split a stream.
+    """
+    canonical = pa.schema([f.remove_metadata() for f in schema])
+    return hashlib.sha256(canonical.serialize().to_pybytes()).digest()
+
+
+def read_ipc_stream(payload: Buffer) -> pa.Table:
+    """Decode one IPC stream; raises ``pa.ArrowInvalid`` on malformed bytes."""
+    with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
+        return reader.read_all()
+
+
+def inspect_ipc_stream(payload: Buffer) -> tuple[bytes, int]:
+    """Validate an IPC stream fully; return (schema fingerprint, row count).
+
+    Raises ``pa.ArrowInvalid``/``ValueError`` for anything Arrow rejects,
+    including data buffers that do not match their declared lengths.
+    """
+    table = read_ipc_stream(payload)
+    table.validate(full=True)
+    return fingerprint(table.schema), table.num_rows
+
+
+def encode_ipc_stream(data: pa.Table | pa.RecordBatch) -> bytes:
+    """One IPC stream holding ``data`` (schema + batches + EOS)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, data.schema) as writer:
+        writer.write(data)
+    return sink.getvalue().to_pybytes()
+
+
+def make_slot(slot: int, data: pa.Table | pa.RecordBatch) -> Slot:
+    """Encode ``data`` as slot ``slot`` (client-side helper and tests)."""
+    return Slot(
+        slot=slot, fingerprint=fingerprint(data.schema), row_count=data.num_rows,
+        ipc=encode_ipc_stream(data),
+    )
+
+
+class MetaCodec:
+    """Encodes/decodes the META_SLOT payload; caches the common no-tag case.
+
+    The cache is bounded (LRU of ``capacity`` clients), per instance, so one
+    shard's codec holds at most ``capacity`` small payloads.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._capacity = capacity
+        self._cache: OrderedDict[str, Slot] = OrderedDict()
+
+    def encode(self, client: str, txn: TxnTag | None) -> Slot:
+        if txn is None:
+            hit = self._cache.get(client)
+            if hit is not None:
+                self._cache.move_to_end(client)
+                return hit
+        batch = pa.record_batch(
+            [
+                pa.array([client], pa.utf8()),
+                pa.array([txn.job_id if txn else None], pa.utf8()),
+                pa.array([txn.partition if txn else None], pa.uint32()),
+                pa.array([txn.attempt if txn else None], pa.uint32()),
+                pa.array([txn.row_offset if txn else None], pa.uint64()),
+            ],
+            schema=META_SCHEMA,
+        )
+        slot = Slot(
+            slot=META_SLOT, fingerprint=META_FINGERPRINT, row_count=1,
+            ipc=encode_ipc_stream(batch), payload_type_id=META_PAYLOAD_TYPE,
+        )
+        if txn is None:
+            self._cache[client] = slot
+            if len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+        return slot
+
+    @staticmethod
+    def decode(payload: Buffer) -> tuple[str, TxnTag | None]:
+        table = read_ipc_stream(payload)
+        if table.num_rows != 1 or table.schema.names[:1] != ["client"]:
+            raise ValueError("metadata slot must hold one row starting with 'client'")
+        row = table.to_pylist()[0]
+        txn = None
+        if row.get("job_id") is not None:
+            txn = TxnTag(
+                job_id=row["job_id"], partition=row["partition"],
+                attempt=row["attempt"], row_offset=row["row_offset"],
+            )
+        return row["client"], txn
+
+
+META_FINGERPRINT = fingerprint(META_SCHEMA)
+
+
+def split_meta(slots: list[Slot] | tuple[Slot, ...]) -> tuple[str, TxnTag | None, tuple[Slot, ...]]:
+    """Separate META_SLOT from user slots (as read back from the WAL)."""
+    client, txn = "", None
+    user: list[Slot] = []
+    for s in slots:
+        if s.slot == META_SLOT:
+            client, txn = MetaCodec.decode(s.ipc)
+        else:
+            user.append(s)
+    return client, txn, tuple(user)

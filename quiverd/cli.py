@@ -1,0 +1,188 @@
+"""The ``quiverd`` command line: daemon, producer tool and admin commands.
+
+    quiverd serve --config PATH            run the daemon
+    quiverd check-config PATH              validate a config file
+    quiverd send --socket S --client C FILE...   send Arrow IPC / Parquet files
+    quiverd status [--json]                daemon, per-shard counters (admin socket)
+    quiverd wal dump PATH [--json]         every WAL entry, with CRC ok/bad
+    quiverd segments list [--json]         finalized segments (admin socket)
+    quiverd segment dump FILE [--json]     one segment's directory, manifest, schemas
+    quiverd fsck DATA_DIR [--repair]       verify WAL, sidecars, segments
+
+Errors print the message and a ``hint:`` line; the exit code is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from quiverd import config as config_mod
+from quiverd.errors import QuiverError
+
+DEFAULT_CONFIG = "/etc/quiverd/config.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except QuiverError as exc:
+        print(f"quiverd: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quiverd", description="A durable Arrow buffer daemon.")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--config", default=DEFAULT_CONFIG)
+    s.set_defaults(func=_serve)
+
+    s = sub.add_parser("check-config", help="validate a config file")
+    s.add_argument("path")
+    s.set_defaults(func=_check_config)
+
+    s = sub.add_parser("send", help="send Arrow IPC or Parquet files, one bundle per batch")
+    s.add_argument("--socket", required=True)
+    s.add_argument("--client", required=True)
+    s.add_argument("--slot", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="print each ack as a JSON line")
+    s.add_argument("files", nargs="+")
+    s.set_defaults(func=_send)
+
+    for name, fn, text in (("status", _status, "daemon and per-shard counters"),):
+        s = sub.add_parser(name, help=text)
+        _admin_args(s)
+        s.set_defaults(func=fn)
+
+    wal = sub.add_parser("wal", help="WAL tools").add_subparsers(metavar="WAL_COMMAND")
+    s = wal.add_parser("dump", help="print the header and every entry of a WAL file")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_wal_dump)
+
+    segs = sub.add_parser("segments", help="segment listing").add_subparsers(metavar="CMD")
+    s = segs.add_parser("list", help="finalized segments of the running daemon")
+    _admin_args(s)
+    s.set_defaults(func=_segments_list)
+
+    seg = sub.add_parser("segment", help="segment file tools").add_subparsers(metavar="CMD")
+    s = seg.add_parser("dump", help="directory, manifest, statistics, representative schemas")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_segment_dump)
+
+    s = sub.add_parser("fsck", help="verify WAL, sidecars and every segment")
+    s.add_argument("data_dir")
+    s.add_argument("--repair", action="store_true", help="move damaged files to quarantine/")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_fsck)
+    return p
+
+
+def _admin_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--config", default=None, help="config whose admin socket to use")
+    s.add_argument("--socket", default=None, help="admin socket path (overrides --config)")
+    s.add_argument("--json", action="store_true")
+
+
+def _admin_socket(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    return config_mod.load(args.config or DEFAULT_CONFIG).admin_socket
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from quiverd.daemon import serve
+
+    return serve(config_mod.load(args.config))
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.path)
+    print(f"{args.path}: ok ({cfg.shard_count} shards, data_dir {cfg.data_dir})")
+    return 0
+
+
+def _send(args: argparse.Namespace) -> int:
+    from quiverd.sendcmd import send_files
+
+    return send_files(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from quiverd.admin import request
+
+    result = request(_admin_socket(args), "status")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"quiverd pid {result['pid']}  data_dir {result['data_dir']}  "
+          f"connections {result['connections']}  stopping {result['stopping']}")
+    cols = ["shard", "wal_bytes", "wal_files", "last_sequence", "fsyncs", "acks", "in_flight",
+            "open_bundles", "segments"]
+    _table(cols, result["shards"])
+    return 0
+
+
+def _segments_list(args: argparse.Namespace) -> int:
+    from quiverd.admin import request
+
+    rows = request(_admin_socket(args), "segments")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    _table(["shard", "segment_seq", "bundles", "bytes", "min_ts_ns", "max_ts_ns"], rows)
+    return 0
+
+
+def _wal_dump(args: argparse.Namespace) -> int:
+    from quiverd.walreplay import dump_wal
+
+    bad = 0
+    for row in dump_wal(Path(args.path)):
+        bad += row.get("crc_ok") is False or row.get("kind") in ("torn_tail", "error")
+        if args.json:
+            print(json.dumps(row, default=str))
+        else:
+            print("  ".join(f"{k}={v}" for k, v in row.items()))
+    return 1 if bad else 0
+
+
+def _segment_dump(args: argparse.Namespace) -> int:
+    from quiverd.segment_reader import describe_segment
+
+    info = describe_segment(Path(args.path))
+    print(json.dumps(info, indent=None if args.json else 2, default=str))
+    return 0
+
+
+def _fsck(args: argparse.Namespace) -> int:
+    from quiverd.fsck import run_fsck
+
+    return run_fsck(Path(args.data_dir), repair=args.repair, as_json=args.json)
+
+
+def _table(cols: list[str], rows: list[dict[str, Any]]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c)
+              for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(cols, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

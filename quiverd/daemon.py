@@ -1,0 +1,192 @@
+"""``quiverd serve``: one process, one root task group, one pipeline per shard.
+
+    ingest listener ─▶ wal_writer[n] ─▶ segment_builder[n] ─▶ finalizer[n] ─▶ dispatcher[n]
+                            ▲                                    │
+                            └────────── WalReleased ─────────────┘
+    admin socket (status, subscribers) reads every actor's counters.
+
+Startup: take ``data_dir/LOCK`` (flock), recover every shard (segments, WAL
+replay) in worker threads, start actors in dependency order, then listen, then
+tell systemd READY. Shutdown (SIGTERM/SIGINT): stop accepting and reading,
+deliver pending acks, let end-of-stream flow down every pipeline (final
+fdatasync, final segment), exit within ``shutdown_timeout_ms``; a second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from quiverd import logs
+from quiverd.admin import AdminServer
+from quiverd.config import Config
+from quiverd.errors import AlreadyRunning, DurabilityLost, QuiverError
+from quiverd.ingest import IngestServer
+from quiverd.sdnotify import Notifier
+from quiverd.shard import Shard
+
+EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """flock ``data_dir/LOCK``; a second instance gets AlreadyRunning naming the holder."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise AlreadyRunning(f"{data_dir} is in use by another quiverd (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class Daemon:
+    def __init__(self, cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.log = logs.get("daemon")
+        self.notifier = Notifier()
+        self.fault_hooks = fault_hooks or {}
+        self.shards: list[Shard] = []
+        self.ingest: IngestServer | None = None
+        self.stopping = False
+
+    async def run(self) -> None:
+        data_dir = Path(self.cfg.data_dir)
+        lock_fd = lock_data_dir(data_dir)
+        try:
+            await self._run()
+        finally:
+            os.close(lock_fd)
+            self.notifier.close()
+
+    async def _run(self) -> None:
+        cfg = self.cfg
+        self.shards = [Shard(i, cfg, fault_hooks=self.fault_hooks)
+                       for i in range(cfg.shard_count)]
+        async with anyio.create_task_group() as root:
+            for shard in self.shards:
+                await shard.recover()
+            root.start_soon(self._signals, root.cancel_scope)
+            async with anyio.create_task_group() as pipelines:
+                for shard in self.shards:
+                    await pipelines.start(shard.run)
+                self.ingest = IngestServer(cfg.ingest, cfg.ingest_socket,
+                                           [s.inbox for s in self.shards],
+                                           limiter=anyio.CapacityLimiter(2),
+                                           log=logs.get("ingest"))
+                admin = AdminServer(cfg.admin_socket, self, log=logs.get("admin"))
+                await pipelines.start(self.ingest.serve)
+                await root.start(admin.serve)
+                self.log.info("quiverd_ready", shards=cfg.shard_count, data_dir=cfg.data_dir,
+                              ingest_socket=str(cfg.ingest_socket))
+                self.notifier.ready(f"{cfg.shard_count} shards")
+                if self.notifier.watchdog_interval_s():
+                    root.start_soon(self._watchdog)
+            # Every pipeline drained: end the admin server and signal watchers.
+            root.cancel_scope.cancel()
+        self.log.info("quiverd_stopped")
+
+    def shutdown(self) -> None:
+        """Begin a graceful stop (idempotent)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.notifier.stopping()
+        self.log.info("quiverd_stopping")
+        if self.ingest is not None:
+            self.ingest.stop()
+
+    async def _signals(self, root_scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self.stopping:
+                    self.log.warning("quiverd_second_signal", signal=signum)
+                    os._exit(1)
+                self.shutdown()
+                # Bound the drain: past the timeout, cancel everything and exit non-zero.
+                root_scope.deadline = anyio.current_time() + self.cfg.shutdown_timeout_ms / 1000
+
+    async def _watchdog(self) -> None:
+        interval = self.notifier.watchdog_interval_s() or 1.0
+        while True:
+            self.notifier.watchdog()
+            await anyio.sleep(interval)
+
+    def status(self) -> dict[str, Any]:
+        ingest = self.ingest.stats if self.ingest else None
+        return {
+            "pid": os.getpid(),
+            "data_dir": self.cfg.data_dir,
+            "stopping": self.stopping,
+            "connections": ingest.connections if ingest else 0,
+            "ingest": vars(ingest) if ingest else {},
+            "shards": [s.status() for s in self.shards],
+        }
+
+    def segments(self) -> list[dict[str, Any]]:
+        rows = []
+        for shard in self.shards:
+            for seg in sorted(shard.segments.values(), key=lambda s: s.segment_seq):
+                rows.append({"shard": shard.index, "segment_seq": seg.segment_seq,
+                             "bundles": seg.bundle_count, "bytes": seg.size_bytes,
+                             "first_sequence": seg.first_sequence,
+                             "last_sequence": seg.last_sequence,
+                             "min_ts_ns": seg.min_ts_ns, "max_ts_ns": seg.max_ts_ns,
+                             "path": str(seg.path)})
+        return rows
+
+
+def serve(cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> int:
+    """Run the daemon until shut down; return the process exit code."""
+    logs.configure(cfg.log.format, cfg.log.level)
+    log = logs.get("daemon")
+    daemon = Daemon(cfg, fault_hooks=fault_hooks)
+    try:
+        anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
+    except BaseExceptionGroup as group:
+        return _report_fatal(group, log)
+    except QuiverError as exc:
+        return _report_fatal(BaseExceptionGroup("quiverd", [exc]), log)
+    if daemon.stopping and _timed_out(daemon):
+        return EXIT_FATAL
+    return 0
+
+
+def _timed_out(daemon: Daemon) -> bool:
+    return any(s.unfinished for s in daemon.shards)
+
+
+
+def _report_fatal(group: BaseExceptionGroup[BaseException], log: Any) -> int:
+    """Log the first fatal error with its hint; re-raise anything that is a bug."""
+    durability, rest = group.split(DurabilityLost)
+    if durability is not None:
+        exc: BaseException = _first(durability)
+        log.critical("quiverd_fatal_durability", error=str(exc), hint=getattr(exc, "hint", ""))
+        return EXIT_FATAL
+    known, bugs = group.split(QuiverError)
+    if known is None:
+        raise group
+    exc = _first(known)
+    log.error("quiverd_failed", error=str(exc), hint=getattr(exc, "hint", ""))
+    print(f"quiverd: {exc}", file=sys.stderr)
+    if getattr(exc, "hint", ""):
+        print(f"hint: {getattr(exc, 'hint')}", file=sys.stderr)
+    return 2 if isinstance(exc, AlreadyRunning) else EXIT_FATAL
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

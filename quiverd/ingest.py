@@ -1,0 +1,244 @@
+"""The ingest listener: producers' Unix socket, one task per connection.
+
+Per connection: check peer credentials (SO_PEERCRED) against the allowlist,
+handshake, then read BUNDLE frames, validate them (end check, Arrow IPC, row
+counts) in one worker-thread hop per read, route each to its shard by a stable
+hash of the client name (one client's order is kept) and write each ack back
+as the shard's WAL writer reports durability. At most
+``max_inflight_per_connection`` bundles are unacknowledged per connection: a
+full window stops reading, which is the producer's backpressure.
+
+A protocol error gets an ERROR frame with a stable code and the connection is
+closed; the daemon and other connections carry on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import CapacityLimiter, SocketStream
+from anyio.streams.memory import MemoryObjectSendStream
+
+from quiverd import protocol
+from quiverd.bundle import Bundle
+from quiverd.config import IngestConfig
+from quiverd.crc import crc32c
+from quiverd.errors import ProtocolError
+from quiverd.messages import AckReply, AppendRequest, ErrorReply, Reply
+from quiverd.protocol_frames import ErrorCode
+
+RECV_BYTES = 4 * 1024 * 1024
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def shard_of(client: str, shards: int) -> int:
+    """Stable across restarts and Python versions (unlike hash())."""
+    return crc32c(client.encode()) % shards
+
+
+@dataclass
+class IngestStats:
+    connections: int = 0
+    connections_total: int = 0
+    bundles: int = 0
+    errors: int = 0
+    unauthorized: int = 0
+
+
+class IngestServer:
+    """Owns the shards' inbox send ends; closes them when the last connection ends."""
+
+    def __init__(self, cfg: IngestConfig, socket_path: Path,
+                 inboxes: list[MemoryObjectSendStream[AppendRequest]], *,
+                 limiter: CapacityLimiter, log: Any) -> None:
+        self.cfg, self.path, self.inboxes = cfg, socket_path, inboxes
+        self.limiter, self.log = limiter, log
+        self.stats = IngestStats()
+        self.max_frame = protocol.max_frame_bytes(cfg.max_bundle_bytes)
+        self.accepting = anyio.CancelScope()  # cancelled to stop accepting and reading
+        self.own_uid, self.own_gid = os.getuid(), os.getgid()
+        self.conn_slots = anyio.Semaphore(cfg.max_connections)
+        self.read_scopes: set[anyio.CancelScope] = set()
+        self.stopping = False
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Accept until ``stop()``; then drain connections and close the inboxes."""
+        if self.path.exists() or self.path.is_symlink():
+            self.path.unlink()
+        listener = await anyio.create_unix_listener(self.path)
+        os.chmod(self.path, self.cfg.socket_mode)
+        try:
+            async with anyio.create_task_group() as conns:
+                with self.accepting:
+                    task_status.started()
+                    async with listener:
+                        while True:
+                            await self.conn_slots.acquire()
+                            stream = await listener.accept()
+                            conns.start_soon(self._connection, stream)
+        finally:
+            with anyio.CancelScope(shield=True):
+                for inbox in self.inboxes:
+                    await inbox.aclose()
+            self.path.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """Stop accepting and reading; connections still deliver their pending acks."""
+        self.stopping = True
+        self.accepting.cancel()
+        for scope in self.read_scopes:
+            scope.cancel()
+
+    async def _connection(self, stream: SocketStream) -> None:
+        self.stats.connections += 1
+        self.stats.connections_total += 1
+        try:
+            async with stream:
+                await _Connection(self, stream).run()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+            pass  # peer went away; its acked data is durable, the rest was never acked
+        except Exception:
+            # A bug in one connection's handling must not take the daemon down;
+            # nothing unacked was promised, so closing this connection is safe.
+            self.stats.errors += 1
+            self.log.exception("ingest_connection_failed")
+        finally:
+            self.stats.connections -= 1
+            self.conn_slots.release()
+
+    def authorized(self, sock: socket.socket) -> tuple[bool, str]:
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      _UCRED.size))
+        uids = set(self.cfg.allowed_uids) or ({self.own_uid} if not self.cfg.allowed_gids else set())
+        ok = uid == 0 or uid in uids or gid in set(self.cfg.allowed_gids)
+        return ok, f"pid {pid} uid {uid} gid {gid}"
+
+
+class _Connection:
+    def __init__(self, server: IngestServer, stream: SocketStream) -> None:
+        self.server, self.stream = server, stream
+        self.decoder = protocol.FrameDecoder(server.max_frame)
+        window = server.cfg.max_inflight_per_connection
+        self.window = anyio.Semaphore(window)
+        self.replies, self.reply_rx = anyio.create_memory_object_stream[Reply](window)
+
+    async def run(self) -> None:
+        sock: socket.socket = self.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        ok, who = self.server.authorized(sock)
+        if not ok:
+            self.server.stats.unauthorized += 1
+            self.server.log.warning("ingest_unauthorized", peer=who)
+            await self._fatal(ProtocolError(ErrorCode.UNAUTHORIZED,
+                                            f"{who} is not in ingest.allowed_uids/allowed_gids"))
+            return
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_replies)
+            async with self.replies:
+                try:
+                    with anyio.CancelScope() as scope:
+                        self.server.read_scopes.add(scope)
+                        if self.server.stopping:
+                            scope.cancel()
+                        try:
+                            await self._read_loop()
+                        finally:
+                            self.server.read_scopes.discard(scope)
+                except ProtocolError as exc:
+                    self.server.stats.errors += 1
+                    self.server.log.info("ingest_protocol_error", code=int(exc.code), error=str(exc))
+                    await self._send_error(0, exc)
+                    tg.cancel_scope.cancel()
+                    return
+                # Wait for every in-flight bundle's ack before closing our end.
+                for _ in range(self.server.cfg.max_inflight_per_connection):
+                    await self.window.acquire()
+                if self.server.stopping:
+                    await self._send_error(0, ProtocolError(
+                        ErrorCode.SHUTTING_DOWN, "quiverd is shutting down; every bundle acked "
+                        "on this connection is durable, resend the rest after restart"))
+
+    async def _read_loop(self) -> None:
+        hello_done = False
+        while True:
+            try:
+                data = await self.stream.receive(RECV_BYTES)
+            except anyio.EndOfStream:
+                if self.decoder.buffered:
+                    raise ProtocolError(ErrorCode.MALFORMED,
+                                        "connection ended inside a frame") from None
+                return
+            frames = self.decoder.feed(data)
+            if not frames:
+                continue
+            if not hello_done:
+                hello_done = await self._handshake(frames.pop(0))
+            bundles = [f for f in frames if isinstance(f, protocol.BundleFrame)]
+            if len(bundles) != len(frames):
+                raise ProtocolError(ErrorCode.MALFORMED, "only BUNDLE frames may follow HELLO on "
+                                    "a producer connection")
+            if bundles:
+                await self._submit(bundles)
+
+    async def _handshake(self, frame: Any) -> bool:
+        if not isinstance(frame, protocol.Hello):
+            raise ProtocolError(ErrorCode.MALFORMED, "the first frame must be HELLO")
+        version = protocol.negotiate(frame)  # raises UNSUPPORTED_VERSION
+        await self.stream.send(protocol.encode_hello_ok(
+            version=version, max_bundle_bytes=self.server.cfg.max_bundle_bytes,
+            max_inflight=self.server.cfg.max_inflight_per_connection))
+        return True
+
+    async def _submit(self, frames: list[protocol.BundleFrame]) -> None:
+        validated = await anyio.to_thread.run_sync(_validate_all, frames,
+                                                   limiter=self.server.limiter)
+        shards = len(self.server.inboxes)
+        for frame, slots in validated:
+            await self.window.acquire()
+            if isinstance(slots, ProtocolError):
+                self.window.release()
+                raise slots
+            bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
+            req = AppendRequest(request_id=frame.request_id, bundle=bundle, reply=self.replies)
+            self.server.stats.bundles += 1
+            await self.server.inboxes[shard_of(frame.client, shards)].send(req)
+
+    async def _write_replies(self) -> None:
+        async with self.reply_rx:
+            async for reply in self.reply_rx:
+                if isinstance(reply, AckReply):
+                    frame: Any = protocol.encode_ack(reply.request_id, reply.shard, reply.sequence)
+                else:
+                    frame = protocol.encode_error(reply.request_id, reply.code, reply.message)
+                self.window.release()
+                await self.stream.send(frame)
+
+    async def _send_error(self, request_id: int, exc: ProtocolError) -> None:
+        with anyio.move_on_after(1, shield=True):
+            await self.stream.send(protocol.encode_error(request_id, int(exc.code), str(exc)))
+
+    async def _fatal(self, exc: ProtocolError) -> None:
+        await self._send_error(0, exc)
+
+
+def _validate_all(frames: list[protocol.BundleFrame]) -> list[tuple[Any, Any]]:
+    out: list[tuple[Any, Any]] = []
+    for frame in frames:
+        try:
+            out.append((frame, protocol.validate_bundle(frame)))
+        except ProtocolError as exc:
+            out.append((frame, exc))
+            break
+    return out
+
+
+__all__ = ["IngestServer", "shard_of", "ErrorReply"]

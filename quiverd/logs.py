@@ -1,0 +1,36 @@
+"""structlog, configured once: JSON lines under systemd, console on a TTY."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO,
+           "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def configure(fmt: str = "auto", level: str = "info") -> None:
+    """Set up structlog for the process; ``fmt`` is auto | json | console."""
+    use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer: Any = (structlog.dev.ConsoleRenderer(colors=False) if use_console
+                     else structlog.processors.JSONRenderer())
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get(name: str, **bound: Any) -> Any:
+    """A logger bound to a component name (and e.g. ``shard=0``)."""
+    return structlog.get_logger(name).bind(component=name, **bound)

@@ -1,0 +1,69 @@
+"""Messages that travel between actors: frozen, keyword-only msgspec Structs.
+
+Replies to producers travel on a per-connection memory stream whose buffer is
+the connection's in-flight bound, so an actor's ``send_nowait`` never blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from quiverd.bundle import Bundle
+
+
+class AckReply(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: int
+    shard: int
+    sequence: int
+
+
+class ErrorReply(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: int
+    code: int
+    message: str
+
+
+Reply = AckReply | ErrorReply
+
+
+class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated bundle on its way into a shard's WAL."""
+
+    request_id: int
+    bundle: Bundle
+    reply: Any  # MemoryObjectSendStream[Reply] of the producer's connection
+
+
+class DurableBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """Bundles whose covering fdatasync returned, in sequence order."""
+
+    bundles: tuple[Bundle, ...]
+
+
+class WalReleased(msgspec.Struct, frozen=True, kw_only=True):
+    """Every WAL entry with sequence <= ``upto_sequence`` is in a durable segment."""
+
+    upto_sequence: int
+
+
+class SealedSegment(msgspec.Struct, frozen=True, kw_only=True):
+    """An open segment handed from the builder to the finalizer (ownership moves)."""
+
+    segment_seq: int
+    segment: Any  # segment.OpenSegment
+    reason: str  # size | age | streams | shutdown | pressure
+
+
+class FinalizedSegment(msgspec.Struct, frozen=True, kw_only=True):
+    """A durable, read-only segment file."""
+
+    segment_seq: int
+    path: str
+    bundle_count: int
+    size_bytes: int
+    first_sequence: int
+    last_sequence: int
+    min_ts_ns: int
+    max_ts_ns: int

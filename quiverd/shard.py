@@ -1,0 +1,285 @@
+"""One shard: its directory, its recovery, and the pipeline of its actors.
+
+    shard-<n>/wal/          WAL files + truncate sidecar (quiverd.wal)
+    shard-<n>/segments/     <seq:016>.qseg, read-only; FLOOR (highest numbers ever used)
+    shard-<n>/quarantine/   bytes cut out during recovery, never silently dropped
+
+Recovery (blocking, in a worker thread): verify every segment (a bad one moves
+to quarantine/), replay the WAL, and keep as the open segment exactly the WAL
+entries no durable segment holds, so nothing is lost or duplicated across a
+crash at any finalize step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from actors import finalizer, segment_builder, wal_writer
+from quiverd import logs, walformat
+from quiverd.bundle import Bundle, split_meta
+from quiverd.config import Config
+from quiverd.durable import atomic_write, fsync_dir
+from quiverd.errors import CorruptRecord
+from quiverd.messages import (
+    AppendRequest,
+    DurableBatch,
+    FinalizedSegment,
+    SealedSegment,
+    WalReleased,
+)
+from quiverd.segment_reader import SegmentReader
+from quiverd.wal import WalFiles
+from quiverd.walreplay import replay_wal
+
+FLOOR = "FLOOR"
+
+
+class Floor(msgspec.Struct, frozen=True, kw_only=True):
+    """Highest segment seq and WAL sequence ever covered by a (maybe deleted) segment."""
+
+    segment_seq: int = 0
+    wal_sequence: int = 0
+
+
+@dataclass
+class SegmentInfo:
+    segment_seq: int
+    path: Path
+    size_bytes: int
+    bundle_count: int
+    first_sequence: int
+    last_sequence: int
+    min_ts_ns: int
+    max_ts_ns: int
+
+
+@dataclass
+class Recovered:
+    wal: WalFiles
+    next_sequence: int
+    next_segment_seq: int
+    open_bundles: list[Bundle]
+    segments: list[SegmentInfo]
+    quarantined_segments: list[str] = field(default_factory=list)
+    lost_sequences: list[tuple[int, int]] = field(default_factory=list)
+    replay: dict[str, int] = field(default_factory=dict)
+
+
+class Shard:
+    def __init__(self, index: int, cfg: Config, *, fault_hooks: dict[str, Any]) -> None:
+        self.index, self.cfg, self.fault_hooks = index, cfg, fault_hooks
+        self.dir = Path(cfg.data_dir) / f"shard-{index}"
+        self.log = logs.get("shard", shard=index)
+        self.wal_stats = wal_writer.WalStats()
+        self.builder_stats = segment_builder.BuilderStats()
+        self.finalizer_stats = finalizer.FinalizerStats()
+        self.inbox, self._inbox_rx = anyio.create_memory_object_stream[AppendRequest](64)
+        self.recovered: Recovered | None = None
+        self.segments: dict[int, SegmentInfo] = {}
+        self.unfinished = True
+
+    @property
+    def wal_dir(self) -> Path:
+        return self.dir / "wal"
+
+    @property
+    def segments_dir(self) -> Path:
+        return self.dir / "segments"
+
+    @property
+    def quarantine_dir(self) -> Path:
+        return self.dir / "quarantine"
+
+    async def recover(self) -> None:
+        self.recovered = await anyio.to_thread.run_sync(self._recover_blocking)
+        self.segments = {s.segment_seq: s for s in self.recovered.segments}
+
+    def _recover_blocking(self) -> Recovered:
+        for d in (self.wal_dir, self.segments_dir, self.quarantine_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        segments, quarantined = scan_segments(self.segments_dir, self.quarantine_dir, self.log)
+        floor = read_floor(self.segments_dir)
+        state = replay_wal(self.wal_dir, self.quarantine_dir, cfg_hash=walformat.DEFAULT_CFG_HASH,
+                           max_entry_bytes=self.cfg.wal.max_entry_bytes, log=self.log)
+        covered = _Coverage(segments, floor.wal_sequence)
+        open_bundles = [_bundle_of(e) for e in state.entries if not covered.holds(e.sequence)]
+        high = max([floor.wal_sequence, *(s.last_sequence for s in segments)])
+        lost = covered.missing({e.sequence for e in state.entries})
+        for lo, hi in lost:
+            self.log.error("bundles_lost", shard=self.index, first_sequence=lo, last_sequence=hi,
+                           hint="their segment was quarantined and the WAL no longer holds them")
+        wal = WalFiles.open(self.wal_dir, state, cfg_hash=walformat.DEFAULT_CFG_HASH,
+                            max_size_bytes=self.cfg.wal.max_size_bytes,
+                            max_chunks=self.cfg.wal.max_chunks, log=self.log)
+        wal.fault_hook = self.fault_hooks.get("wal")
+        next_segment_seq = max([floor.segment_seq, *(s.segment_seq for s in segments),
+                                *quarantined]) + 1
+        self.log.info("shard_recovered", segments=len(segments), open_bundles=len(open_bundles),
+                      wal_entries=len(state.entries), corrupt_entries=state.corrupt_entries,
+                      torn_tail_bytes=state.torn_tail_bytes)
+        return Recovered(
+            wal=wal, next_sequence=max(state.next_sequence, high + 1),
+            next_segment_seq=next_segment_seq, open_bundles=open_bundles, segments=segments,
+            quarantined_segments=[str(q) for q in quarantined], lost_sequences=lost,
+            replay={"entries": len(state.entries), "corrupt_entries": state.corrupt_entries,
+                    "torn_tail_bytes": state.torn_tail_bytes})
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Start the shard's actors in dependency order; return when all have drained."""
+        rec = self.recovered
+        assert rec is not None, "recover() first"
+        durable_tx, durable_rx = anyio.create_memory_object_stream[DurableBatch](4)
+        sealed_tx, sealed_rx = anyio.create_memory_object_stream[SealedSegment](1)
+        final_tx, final_rx = anyio.create_memory_object_stream[FinalizedSegment](16)
+        release_tx, release_rx = anyio.create_memory_object_stream[WalReleased](16)
+        io = anyio.CapacityLimiter(2)  # one write + one fdatasync may overlap
+        fin = anyio.CapacityLimiter(1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._track_segments, final_rx)
+            await tg.start(lambda task_status: finalizer.run(
+                sealed_rx, final_tx, release_tx, segments_dir=self.segments_dir,
+                max_dictionary_cardinality=self.cfg.segment.max_dictionary_cardinality,
+                limiter=fin, stats=self.finalizer_stats, log=self.log,
+                hook=self.fault_hooks.get("finalize"), task_status=task_status))
+            await tg.start(lambda task_status: segment_builder.run(
+                durable_rx, sealed_tx, cfg=self.cfg.segment,
+                first_segment_seq=rec.next_segment_seq, recovered=rec.open_bundles,
+                limiter=io, stats=self.builder_stats, log=self.log, task_status=task_status))
+            rec.open_bundles = []  # now owned by the builder
+            await tg.start(lambda task_status: wal_writer.run(
+                self._inbox_rx, durable_tx, release_rx, shard=self.index, wal=rec.wal,
+                cfg=self.cfg.wal, next_sequence=rec.next_sequence, limiter=io,
+                stats=self.wal_stats, log=self.log, task_status=task_status))
+            task_status.started()
+        self.unfinished = False
+
+    async def _track_segments(self, finalized: Any) -> None:
+        async with finalized:
+            async for seg in finalized:
+                self.segments[seg.segment_seq] = SegmentInfo(
+                    segment_seq=seg.segment_seq, path=Path(seg.path), size_bytes=seg.size_bytes,
+                    bundle_count=seg.bundle_count, first_sequence=seg.first_sequence,
+                    last_sequence=seg.last_sequence, min_ts_ns=seg.min_ts_ns,
+                    max_ts_ns=seg.max_ts_ns)
+
+    def status(self) -> dict[str, Any]:
+        rec = self.recovered
+        wal = rec.wal.stats() if rec else {}
+        return {
+            "shard": self.index,
+            **wal,
+            "last_sequence": self.wal_stats.last_sequence,
+            "appends": self.wal_stats.appends,
+            "fsyncs": self.wal_stats.fsyncs,
+            "acks": self.wal_stats.acks,
+            "in_flight": self.wal_stats.inflight,
+            "capacity_waits": self.wal_stats.capacity_waits,
+            "rejected_at_capacity": self.wal_stats.rejected,
+            "open_bundles": self.builder_stats.open_bundles,
+            "open_bytes": self.builder_stats.open_bytes,
+            "open_streams": self.builder_stats.open_streams,
+            "segments": len(self.segments),
+            "segment_bytes": sum(s.size_bytes for s in self.segments.values()),
+            "segments_finalized": self.finalizer_stats.segments,
+            "replay": rec.replay if rec else {},
+            "quarantined_segments": rec.quarantined_segments if rec else [],
+            "lost_sequences": rec.lost_sequences if rec else [],
+        }
+
+
+class _Coverage:
+    """Which WAL sequences durable segments (or the floor) already hold."""
+
+    def __init__(self, segments: list[SegmentInfo], floor_sequence: int) -> None:
+        self.ranges = sorted((s.first_sequence, s.last_sequence) for s in segments)
+        self.floor = floor_sequence
+
+    def holds(self, sequence: int) -> bool:
+        if sequence <= self.floor:
+            return True
+        return any(lo <= sequence <= hi for lo, hi in self.ranges)
+
+    def missing(self, in_wal: set[int]) -> list[tuple[int, int]]:
+        """Sequence gaps between durable segments that the WAL cannot fill either."""
+        lost: list[tuple[int, int]] = []
+        prev = self.floor
+        for lo, hi in self.ranges:
+            if lo > prev + 1:
+                gap = [s for s in range(prev + 1, lo) if s not in in_wal]
+                if gap:
+                    lost.append((gap[0], gap[-1]))
+            prev = max(prev, hi)
+        return lost
+
+
+def _bundle_of(entry: Any) -> Bundle:
+    client, txn, slots = split_meta(entry.slots)
+    return Bundle(client=client, slots=slots, txn=txn, ingestion_ts_ns=entry.ts_ns,
+                  sequence=entry.sequence)
+
+
+def scan_segments(segments_dir: Path, quarantine_dir: Path, log: Any
+                  ) -> tuple[list[SegmentInfo], list[int]]:
+    """Verify every segment; quarantine bad ones and leftover temp files."""
+    good: list[SegmentInfo] = []
+    quarantined: list[int] = []
+    for path in sorted(segments_dir.iterdir()):
+        if path.name == FLOOR or path.name == FLOOR + ".tmp":
+            continue
+        if path.suffix != ".qseg":
+            # A *.qseg.tmp is a finalize cut short: its bundles are still in the WAL.
+            _quarantine(path, quarantine_dir, log, reason="incomplete temp file")
+            continue
+        try:
+            with SegmentReader.open(path) as reader:
+                good.append(_info(path, reader))
+        except CorruptRecord as exc:
+            log.error("segment_quarantined", path=str(path), error=str(exc))
+            _quarantine(path, quarantine_dir, log, reason=str(exc))
+            if path.stem.isdigit():
+                quarantined.append(int(path.stem))
+    return good, quarantined
+
+
+def _info(path: Path, reader: SegmentReader) -> SegmentInfo:
+    manifest = reader.manifest
+    seqs = manifest.column("sequence").to_pylist()
+    ts = manifest.column("ingestion_ts").to_pylist()
+    return SegmentInfo(segment_seq=int(path.stem), path=path, size_bytes=path.stat().st_size,
+                       bundle_count=len(seqs), first_sequence=min(seqs), last_sequence=max(seqs),
+                       min_ts_ns=min(ts), max_ts_ns=max(ts))
+
+
+def _quarantine(path: Path, quarantine_dir: Path, log: Any, *, reason: str) -> None:
+    target = quarantine_dir / path.name
+    n = 1
+    while target.exists():
+        target = quarantine_dir / f"{path.name}.{n}"
+        n += 1
+    os.chmod(path, 0o640)
+    shutil.move(path, target)
+    fsync_dir(quarantine_dir)
+    fsync_dir(path.parent)
+    log.warning("file_quarantined", path=str(path), moved_to=str(target), reason=reason)
+
+
+def read_floor(segments_dir: Path) -> Floor:
+    path = segments_dir / FLOOR
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Floor)
+    except FileNotFoundError:
+        return Floor()
+    except (msgspec.DecodeError, OSError) as exc:
+        raise CorruptRecord(str(path), 0, f"segment floor unreadable: {exc}") from exc
+
+
+def write_floor(segments_dir: Path, floor: Floor) -> None:
+    atomic_write(segments_dir / FLOOR, msgspec.json.encode(floor))
