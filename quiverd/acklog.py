@@ -202,10 +202,14 @@ class AckLogFile:
     def compact(self, state: AckState) -> int:
         """Rewrite the file as one checkpoint and reopen it; returns the new size."""
         os.close(self._fd)
-        self._fd = -1
-        size = compact(self.path, state)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        self._size = self._base_size = size
+        try:
+            size = compact(self.path, state)
+        finally:
+            # The rename swapped inodes, or (on failure) the old file is intact:
+            # either way appends must go to whatever ack.log now is.
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._size = os.fstat(self._fd).st_size
+        self._base_size = self._size
         return size
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "iter_file_batches", "send_files",
 ]
 
+_END = object()  # end of the items iterator
 RECV_BYTES = 64 * 1024  # server frames to producers are small acks and errors
 
 
@@ -232,21 +233,23 @@ class Client:
         more = True
         try:
             while True:
+                # A failure already seen stops sending; it is raised when its turn comes.
                 while more and len(order) < self.server.max_inflight:
                     if self._requests.failed_since(order):
+                        break
+                    item = next(source, _END)
+                    if item is _END:
                         more = False
                         break
-                    item = next(source, None)
-                    if item is None:
-                        more = False
-                        break
-                    order.append(self._submit(item, client))
+                    order.append(self._submit(cast(SendItem, item), client))
                 while order and self._requests.is_done(order[0]):
                     yield self._requests.take(order.popleft())
-                if not order and not more:
-                    return
                 if order:
                     self._receive()
+                elif not more:
+                    return
+                else:
+                    self._requests.check_usable()  # nothing in flight: raise a broken link
         finally:
             self._drain(order)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from quiverd import logs
+from quiverd import faults, logs
 from quiverd.admin import AdminServer
 from quiverd.config import Config
 from quiverd.errors import AlreadyRunning, DurabilityLost, QuiverError
@@ -150,6 +150,12 @@ def serve(cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> int:
     """Run the daemon until shut down; return the process exit code."""
     logs.configure(cfg.log.format, cfg.log.level)
     log = logs.get("daemon")
+    if fault_hooks is None:
+        fault_hooks = faults.from_env()
+    if fault_hooks:
+        log.warning("quiverd_fault_injection_active", rules=faults.describe(fault_hooks))
+    if cfg.wal.flush_policy == "never":
+        log.warning("wal_flush_policy_never", hint="acks do not mean durable: tests only")
     daemon = Daemon(cfg, fault_hooks=fault_hooks)
     try:
         anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})

@@ -75,29 +75,42 @@ def unify_column(
     """Rebuild one dictionary column's chunks over a single vocabulary."""
     dtype = field.type
     first = chunks[0].dictionary
-    same = all(c.dictionary.equals(first) for c in chunks[1:])
-    # Fast path: every chunk already shares one dictionary (fixed-vocabulary
-    # producers); the chunks are written untouched.
-    vocabulary = first if same else pc.unique(pa.chunked_array([c.dictionary for c in chunks]))
-    if len(vocabulary) > max_cardinality:
-        plain = [c.dictionary_decode() for c in chunks]
-        return UnifiedColumn(field.with_type(dtype.value_type), plain, [None] * len(chunks))
-    if same:
+    if all(c.dictionary.equals(first) for c in chunks[1:]):
+        # Fast path: every chunk already shares one dictionary (fixed-vocabulary
+        # producers); the chunks are written untouched.
+        if len(first) > max_cardinality:
+            return _plain(field, chunks)
         return UnifiedColumn(field, list(chunks), [None] * len(chunks))
+    # One hash pass over all chunk dictionaries yields both the vocabulary
+    # (first-seen order) and every chunk's map, back to back.
+    encoded = pc.dictionary_encode(
+        pa.concat_arrays([c.dictionary for c in chunks]), null_encoding="encode"
+    )
+    vocabulary = encoded.dictionary
+    if len(vocabulary) > max_cardinality:
+        return _plain(field, chunks)
     index_type = widen_index_type(dtype.index_type, len(vocabulary))
     stored: list[pa.Array] = []
     maps: list[pa.Array | None] = []
+    start = 0
     for chunk in chunks:
-        if chunk.dictionary.equals(vocabulary):
-            mapping = None
+        mapping = encoded.indices.slice(start, len(chunk.dictionary))
+        start += len(chunk.dictionary)
+        if len(mapping) == len(vocabulary) and chunk.dictionary.equals(vocabulary):
+            maps.append(None)
             indices = chunk.indices.cast(index_type)
         else:
-            mapping = pc.index_in(chunk.dictionary, value_set=vocabulary, skip_nulls=False)
+            maps.append(mapping)
             indices = pc.take(mapping, chunk.indices).cast(index_type)
-        maps.append(mapping)
         stored.append(pa.DictionaryArray.from_arrays(indices, vocabulary, ordered=dtype.ordered))
     stored_type = pa.dictionary(index_type, dtype.value_type, dtype.ordered)
     return UnifiedColumn(field.with_type(stored_type), stored, maps)
+
+
+def _plain(field: pa.Field, chunks: Sequence[pa.DictionaryArray]) -> UnifiedColumn:
+    """Cardinality fallback: the column is stored as its value type."""
+    plain = [c.dictionary_decode() for c in chunks]
+    return UnifiedColumn(field.with_type(field.type.value_type), plain, [None] * len(chunks))
 
 
 def unify_batches(

@@ -110,6 +110,8 @@ class _Stream:
         key = schema.serialize().to_pybytes()
         found = self.schema_index.get(key)
         if found is None:
+            if self.schemas and not self.schemas[0].equals(schema):
+                raise ValueError(f"slot {self.slot}: fingerprint does not match the schema")
             found = self.schema_index[key] = len(self.schemas)
             self.schemas.append(schema)
         return found
@@ -117,7 +119,8 @@ class _Stream:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
-    """One manifest slot_ref before stream ids are final: (slot, stream, chunk)."""
+    """One manifest slot_ref: chunk ``chunk`` of stream ``stream`` holds (part of)
+    slot ``slot``; ``variant`` indexes the stream's original schemas."""
 
     slot: int
     stream: int
@@ -168,15 +171,12 @@ class OpenSegment:
     def add(self, bundle: Bundle) -> None:
         """Append one bundle (ingestion_ts_ns and sequence set, user slots only)."""
         ts, seq = bundle.ingestion_ts_ns, bundle.sequence
+        # Decode every slot before touching any stream, so a payload Arrow
+        # rejects (ArrowInvalid) leaves this segment exactly as it was.
+        decoded = [(slot, *_decode(slot.ipc)) for slot in bundle.slots]
         refs: list[ChunkRef] = []
-        for slot in bundle.slots:
+        for slot, schema, batches in decoded:
             assert slot.slot < META_SLOT, "metadata slot must be split off before a segment"
-            with pa.ipc.open_stream(pa.py_buffer(slot.ipc)) as reader:
-                schema = reader.schema
-                batches = list(reader)
-            if not batches:
-                # Keep the slot present: an empty chunk restores as a 0-row table.
-                batches = [pa.RecordBatch.from_pylist([], schema=schema)]
             refs.extend(self._append(slot.slot, slot.fingerprint, schema, batches, ts))
         self.entries.append(BundleEntry(
             client=bundle.client, ingestion_ts_ns=ts, sequence=seq, txn=bundle.txn,
@@ -208,6 +208,15 @@ class OpenSegment:
     def _new_stream(self, slot: int, fp: bytes) -> int:
         self._streams.append(_Stream(slot, fp))
         return len(self._streams) - 1
+
+
+def _decode(payload: durable.Buffer) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """Zero-copy decode of one slot's IPC stream; an empty stream becomes one
+    0-row chunk so the slot stays present (it reads back as a 0-row table)."""
+    with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
+        schema = reader.schema
+        batches = list(reader)
+    return schema, batches or [pa.RecordBatch.from_pylist([], schema=schema)]
 
 
 def _needs_solo_stream(schema: pa.Schema) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import stat
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -60,7 +61,7 @@ def assert_round_trip(path: Path, bundles: list[Bundle]) -> None:
             assert got.slots[s.slot].equals(original, check_metadata=True), (i, s.slot)
 
 
-def dict_col(values: list[str | None], index_type: pa.DataType = pa.int32()) -> pa.Array:
+def dict_col(values: Sequence[str | None], index_type: pa.DataType = pa.int32()) -> pa.Array:
     encoded = pa.array(values, pa.utf8()).dictionary_encode()
     return pa.DictionaryArray.from_arrays(encoded.indices.cast(index_type), encoded.dictionary)
 
@@ -348,3 +349,19 @@ def test_segment_dictionary_round_trip_property(
             assert got.slots[3].column("k").to_pylist() == original.column("k").to_pylist()
             if max_card == 1000:
                 assert got.slots[3].equals(original, check_metadata=True)
+
+
+def test_segment_empty_open_segment_writes_valid_file(tmp_path: Path) -> None:
+    path = write(tmp_path / "e.qseg", [])
+    verify_segment(path)
+    with SegmentReader.open(path) as reader:
+        assert list(reader.bundles()) == [] and reader.stats()["row_count"] == 0
+
+
+def test_segment_add_rejects_bad_payload_without_partial_state() -> None:
+    segment = OpenSegment()
+    good = bundle_of(0, {0: pa.table({"a": [1]})})
+    bad = Slot(slot=1, fingerprint=b"\0" * 32, row_count=1, ipc=b"not arrow")
+    with pytest.raises(pa.ArrowInvalid):
+        segment.add(Bundle(client="x", slots=(good.slots[0], bad), ingestion_ts_ns=1, sequence=1))
+    assert (segment.bundle_count, segment.stream_count, segment.bytes) == (0, 0, 0)

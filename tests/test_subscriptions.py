@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ class Harness:
 
 
 @pytest.fixture
-def h(tmp_path: Path) -> Harness:
+def h(tmp_path: Path) -> Iterator[Harness]:
     harness = Harness(tmp_path)
     yield harness
     harness.file.close()
@@ -263,7 +264,8 @@ def run_op(h: Harness, o: tuple, finals: dict[str, set[tuple[int, int]]]) -> Non
         h.file.compact(s)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(op, max_size=60))
 def test_property_marks_match_brute_force_and_replay(tmp_path_factory: pytest.TempPathFactory,
                                                      ops: list[tuple]) -> None:

@@ -1,0 +1,159 @@
+"""Shared fixtures: a real quiverd daemon as a subprocess, on real files and sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quiverd.admin import request
+
+START_TIMEOUT_S = 20.0
+
+
+class DaemonProcess:
+    """One `quiverd serve` subprocess with its config, sockets and log."""
+
+    def __init__(self, root: Path, settings: dict[str, Any], env: dict[str, str]) -> None:
+        self.root = root
+        self.data_dir = root / "data"
+        self.config_path = root / "config.toml"
+        self.log_path = root / "daemon.log"
+        self.settings = settings
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._write_config()
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "in.sock"
+
+    @property
+    def admin_socket(self) -> Path:
+        return self.root / "adm.sock"
+
+    def _write_config(self) -> None:
+        lines = [f'data_dir = "{self.data_dir}"']
+        sections: dict[str, dict[str, Any]] = {}
+        for key, value in self.settings.items():
+            if "." in key:
+                section, name = key.split(".", 1)
+                sections.setdefault(section, {})[name] = value
+            else:
+                lines.append(f"{key} = {_toml(value)}")
+        sections.setdefault("ingest", {}).setdefault("socket_path", str(self.socket))
+        sections.setdefault("admin", {}).setdefault("socket_path", str(self.admin_socket))
+        sections.setdefault("log", {}).setdefault("format", "json")
+        for section, values in sections.items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{k} = {_toml(v)}" for k, v in values.items())
+        self.config_path.write_text("\n".join(lines) + "\n")
+
+    def start(self, *, faults: str = "", wait: bool = True) -> DaemonProcess:
+        env = {**os.environ, **self.env}
+        if faults:
+            env["QUIVERD_FAULTS"] = faults
+        else:
+            env.pop("QUIVERD_FAULTS", None)
+        self.socket.unlink(missing_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "quiverd", "serve", "--config", str(self.config_path)],
+            stdout=log, stderr=log, env=env)
+        log.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if self.socket.exists() and self.admin_socket.exists():
+                try:
+                    self.status()
+                    return
+                except Exception:
+                    pass
+            time.sleep(0.02)
+        raise AssertionError(f"daemon not ready:\n{self.log()[-3000:]}")
+
+    def status(self) -> dict[str, Any]:
+        return request(self.admin_socket, "status")  # type: ignore[no-any-return]
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def wait(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log().splitlines():
+            if line.startswith("{") and f'"{name}"' in line:
+                event = json.loads(line)
+                if event.get("event") == name:
+                    out.append(event)
+        return out
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return str(value)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A short path: Unix socket paths are limited to 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="q", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory(short_dir: Path) -> Iterator[Any]:
+    made: list[DaemonProcess] = []
+
+    def make(settings: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
+             name: str = "d") -> DaemonProcess:
+        root = short_dir / name
+        root.mkdir(exist_ok=True)
+        d = DaemonProcess(root, {"shards": 2, **(settings or {})}, env or {})
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(10)
