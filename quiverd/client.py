@@ -78,6 +78,9 @@ class AsyncClient:
                 messages = decoder.feed(await stream.receive(RECV_BYTES))
                 if messages:
                     return cls(stream, handshake_result(messages), decoder)
+        except anyio.EndOfStream:
+            await anyio.aclose_forcefully(stream)
+            raise ConnectionError("quiverd closed the connection during the handshake") from None
         except BaseException:
             await anyio.aclose_forcefully(stream)
             raise
@@ -119,6 +122,8 @@ class AsyncClient:
         return [await self._outcome(request_id) for request_id in sent]
 
     async def _submit(self, data: SendData, client: str, txn: TxnTag | None) -> int:
+        if self._tg is None:
+            raise RuntimeError("use `async with await AsyncClient.connect(path) as c:`")
         # Encoding is CPU work at memcpy speed, done before waiting for a window slot.
         self._requests.check_usable()
         request_id = self._requests.next_id()

@@ -138,6 +138,10 @@ class _Connection:
         if not ok:
             self.server.stats.unauthorized += 1
             self.server.log.warning("ingest_unauthorized", peer=who)
+            # Read the client's HELLO first so it is waiting for our answer and sees
+            # the error, rather than a reset while it is still writing.
+            with anyio.move_on_after(1):
+                await self.stream.receive(protocol.SMALL_FRAME_MAX)
             await self._fatal(ProtocolError(ErrorCode.UNAUTHORIZED,
                                             f"{who} is not in ingest.allowed_uids/allowed_gids"))
             return

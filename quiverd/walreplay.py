@@ -267,7 +267,7 @@ class _Scan:
         blocks of released entries) mid-entry; the intact entries after it must
         survive. Skipped non-zero bytes are quarantined.
         """
-        resync = self._scan_for_entry(data, pos + 1)
+        resync = find_sound_entry(data, pos + 1, self.max_entry_bytes)
         if resync is None:
             return None
         skipped = memoryview(data)[pos:resync]
@@ -277,36 +277,6 @@ class _Scan:
         self.log.warning("wal_damage_skipped", path=str(path), offset=start + pos,
                          bytes=resync - pos, resumed_at=start + resync)
         return resync
-
-    def _scan_for_entry(self, data: bytes, cand: int) -> int | None:
-        """First sound RecordBundle entry at or after ``cand``, searched byte by byte.
-
-        The search gives up after ``max_entry_bytes`` offsets past the last zero
-        run: an intact entry must start within one entry length of the damage.
-        Zero runs are jumped over whole (a hole may be far longer than an entry),
-        and cheap checks (type byte, length bounds) reject most offsets before a CRC.
-        """
-        size = len(data)
-        budget_end = cand + self.max_entry_bytes
-        while cand + wf.ENTRY_OVERHEAD_LEN <= size and cand <= budget_end:
-            if data[cand : cand + wf.LEN_PREFIX_LEN] == _ZERO_LEN:
-                match = _NONZERO.search(data, cand)
-                if match is None:
-                    return None
-                # A non-zero length prefix starts at most 3 bytes before its first non-zero byte.
-                cand = max(cand + 1, match.start() - (wf.LEN_PREFIX_LEN - 1))
-                budget_end = cand + self.max_entry_bytes
-                continue
-            if data[cand + wf.LEN_PREFIX_LEN] == wf.ENTRY_RECORD_BUNDLE:
-                (entry_len,) = _U32.unpack_from(data, cand)
-                if (
-                    wf.ENTRY_FIXED_LEN <= entry_len <= self.max_entry_bytes
-                    and cand + entry_len + wf.LEN_PREFIX_LEN + wf.CRC_LEN <= size
-                    and wf.decode_entry(data, cand, max_entry_bytes=self.max_entry_bytes).sound
-                ):
-                    return cand
-            cand += 1
-        return None
 
     def _quarantine_corrupt(
         self, path: Path, gen: int, offset: int, data: bytes, entry: wf.DecodedEntry
@@ -351,6 +321,37 @@ class _Scan:
         return target
 
 
+def find_sound_entry(data: bytes, cand: int, max_entry_bytes: int) -> int | None:
+    """First sound RecordBundle entry at or after ``cand``, searched byte by byte.
+
+    The search gives up after ``max_entry_bytes`` offsets past the last zero
+    run: an intact entry must start within one entry length of the damage.
+    Zero runs are jumped over whole (a hole may be far longer than an entry),
+    and cheap checks (type byte, length bounds) reject most offsets before a CRC.
+    """
+    size = len(data)
+    budget_end = cand + max_entry_bytes
+    while cand + wf.ENTRY_OVERHEAD_LEN <= size and cand <= budget_end:
+        if data[cand : cand + wf.LEN_PREFIX_LEN] == _ZERO_LEN:
+            match = _NONZERO.search(data, cand)
+            if match is None:
+                return None
+            # A non-zero length prefix starts at most 3 bytes before its first non-zero byte.
+            cand = max(cand + 1, match.start() - (wf.LEN_PREFIX_LEN - 1))
+            budget_end = cand + max_entry_bytes
+            continue
+        if data[cand + wf.LEN_PREFIX_LEN] == wf.ENTRY_RECORD_BUNDLE:
+            (entry_len,) = _U32.unpack_from(data, cand)
+            if (
+                wf.ENTRY_FIXED_LEN <= entry_len <= max_entry_bytes
+                and cand + entry_len + wf.LEN_PREFIX_LEN + wf.CRC_LEN <= size
+                and wf.decode_entry(data, cand, max_entry_bytes=max_entry_bytes).sound
+            ):
+                return cand
+        cand += 1
+    return None
+
+
 def _runs_past_eof(data: bytes, pos: int) -> bool:
     """A classic torn write: a plausible length whose entry the file does not finish."""
     if len(data) - pos < wf.LEN_PREFIX_LEN:
@@ -364,7 +365,13 @@ def _why(entry: wf.DecodedEntry) -> str:
 
 
 def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
-    """Rows describing a WAL file for ``quiverd wal dump``; never modifies the file."""
+    """Rows describing a WAL file for ``quiverd wal dump``; never modifies the file.
+
+    Bytes a valid sidecar beside the file releases are one ``released`` row, not
+    entries: they may be a punched hole. Damage followed by a sound entry is a
+    ``hole`` row (all zeros) or a ``skipped`` row; only damage with no sound
+    entry after it is a ``torn_tail``, as in replay.
+    """
     raw = Path(path).read_bytes()
     try:
         header = wf.decode_header(raw, path=str(path), expected_cfg_hash=None)
@@ -376,24 +383,97 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
         "cfg_hash": header.cfg_hash.hex(),
         "cfg_hash_is_default": header.cfg_hash == wf.DEFAULT_CFG_HASH, "bytes": len(raw),
     }
-    pos = wf.HEADER_LEN
+    pos = live_start(Path(path), len(raw))
+    if pos > wf.HEADER_LEN:
+        whole = "whole file" if pos == len(raw) else "space reclaimed"
+        yield {"kind": "released", "offset": wf.HEADER_LEN, "bytes": pos - wf.HEADER_LEN,
+               "message": f"released to segments ({whole})"}
     while pos < len(raw):
         try:
             e = wf.decode_entry(raw, pos, max_entry_bytes=len(raw), path=str(path))
         except CorruptRecord as exc:
-            yield {
-                "kind": "torn_tail", "offset": pos, "bytes": len(raw) - pos,
-                "message": str(exc),
-            }
-            return
-        parsed = e.sound and e.entry_type in wf.KNOWN_ENTRY_TYPES
-        yield {
-            "kind": "entry", "offset": pos, "sequence": e.sequence, "ts_ns": e.ts_ns,
-            "entry_type": e.entry_type,
-            "slots": [n for n in range(MAX_SLOTS) if e.slot_bitmap >> n & 1],
-            "rows": sum(s.row_count for s in e.slots) if parsed else None,
-            "payload_bytes": sum(len(s.ipc) for s in e.slots) if parsed else None,
-            "bytes": e.total_len, "crc": "ok" if e.crc_ok else "bad",
-            "problem": e.problem,
-        }
+            resync = None if _runs_past_eof(raw, pos) else find_sound_entry(raw, pos + 1, len(raw))
+            if resync is None:
+                yield {"kind": "torn_tail", "offset": pos, "bytes": len(raw) - pos,
+                       "message": str(exc)}
+                return
+            yield _skipped_row(raw, pos, resync, str(exc))
+            pos = resync
+            continue
+        yield _entry_row(e)
         pos += e.total_len
+
+
+def _entry_row(e: wf.DecodedEntry) -> dict[str, Any]:
+    parsed = e.sound and e.entry_type in wf.KNOWN_ENTRY_TYPES
+    return {
+        "kind": "entry", "offset": e.offset, "sequence": e.sequence, "ts_ns": e.ts_ns,
+        "entry_type": e.entry_type,
+        "slots": [n for n in range(MAX_SLOTS) if e.slot_bitmap >> n & 1],
+        "rows": sum(s.row_count for s in e.slots) if parsed else None,
+        "payload_bytes": sum(len(s.ipc) for s in e.slots) if parsed else None,
+        "bytes": e.total_len, "crc": "ok" if e.crc_ok else "bad", "problem": e.problem,
+    }
+
+
+def _skipped_row(raw: bytes, pos: int, resync: int, reason: str) -> dict[str, Any]:
+    if _NONZERO.search(raw, pos, resync) is None:
+        return {"kind": "hole", "offset": pos, "bytes": resync - pos,
+                "message": f"zeroed bytes (a punched hole), sound entry at {resync}"}
+    return {"kind": "skipped", "offset": pos, "bytes": resync - pos,
+            "message": f"damaged bytes, sound entry at {resync}: {reason}"}
+
+
+class WalLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """The files of one WAL directory and the sidecar, as replay will see them."""
+
+    files: dict[int, Path]  # generation -> path; the active file only if it exists
+    active_generation: int
+    sidecar: wf.Sidecar | None  # None when missing, corrupt or pointing nowhere
+    sidecar_problem: str = ""  # why a present sidecar is unusable
+
+    def generation_of(self, path: Path) -> int | None:
+        if path.name == ACTIVE_NAME:
+            return self.active_generation
+        m = _ROTATED.fullmatch(path.name)
+        return int(m.group(1)) if m else None
+
+
+def wal_layout(wal_dir: Path) -> WalLayout:
+    """Read-only: generations and the usable sidecar (same rules as ``replay_wal``)."""
+    rotated = {
+        int(m.group(1)): p for p in wal_dir.iterdir() if (m := _ROTATED.fullmatch(p.name))
+    } if wal_dir.is_dir() else {}
+    sidecar: wf.Sidecar | None = None
+    problem = ""
+    sidecar_path = wal_dir / SIDECAR_NAME
+    if sidecar_path.exists():
+        try:
+            sidecar = wf.decode_sidecar(sidecar_path.read_bytes(), path=str(sidecar_path))
+        except CorruptRecord as exc:
+            problem = str(exc)
+    active_gen = max(max(rotated) + 1 if rotated else 0,
+                     sidecar.rotation_generation if sidecar else 0)
+    files = dict(sorted(rotated.items()))
+    if (wal_dir / ACTIVE_NAME).exists():
+        files[active_gen] = wal_dir / ACTIVE_NAME
+    if sidecar is not None:
+        target = files.get(sidecar.rotation_generation)
+        if target is None or not wf.HEADER_LEN <= sidecar.truncate_offset <= target.stat().st_size:
+            problem = (f"sidecar points at generation {sidecar.rotation_generation} offset "
+                       f"{sidecar.truncate_offset}, which no WAL file holds: replay ignores it")
+            sidecar = None
+    return WalLayout(files=files, active_generation=active_gen, sidecar=sidecar,
+                     sidecar_problem=problem)
+
+
+def live_start(path: Path, size: int) -> int:
+    """First byte of ``path`` a valid sidecar beside it still needs (``size``: none)."""
+    layout = wal_layout(path.parent)
+    gen = layout.generation_of(path)
+    sidecar = layout.sidecar
+    if sidecar is None or gen is None or gen > sidecar.rotation_generation:
+        return wf.HEADER_LEN
+    if gen < sidecar.rotation_generation:
+        return size
+    return min(sidecar.truncate_offset, size)

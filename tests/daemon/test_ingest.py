@@ -13,7 +13,6 @@ import pytest
 
 from quiverd import protocol
 from quiverd.client import Client
-from quiverd.errors import ProtocolError
 from quiverd.protocol_frames import ErrorCode
 from tests.daemon.helpers import stored_bundles, tagged_table
 
@@ -161,23 +160,31 @@ def test_unauthorized_uid_gets_error_and_is_closed(daemon_factory, short_dir):
     os.chmod(short_dir, 0o755)
     d = daemon_factory({"ingest.socket_mode": 0o666}).start()
     os.chmod(d.root, 0o755)
-    code = (
-        "import sys; from quiverd.client import Client; import pyarrow as pa\n"
-        "try:\n"
-        f"    Client.connect({str(d.socket)!r}).send(pa.table({{'a': [1]}}), client='x')\n"
-        "except Exception as e:\n"
-        "    print(type(e).__name__, e); sys.exit(3)\n"
-    )
-    env = {"PYTHONPATH": os.pathsep.join(sys.path), "HOME": "/tmp"}
-    proc = subprocess.run([sys.executable, "-c", code], user=65534, group=65534,
-                          extra_groups=[], capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 3, proc.stderr
-    assert "Unauthorized" in proc.stdout and "uid 65534" in proc.stdout
+    # Fork and drop to uid/gid 65534 in the child: a real peer with other credentials.
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os.close(rfd)
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            Client.connect(d.socket).send(pa.table({"a": [1]}), client="x")
+            result = "sent"
+        except Exception as exc:
+            result = f"{type(exc).__name__} {exc}"
+        os.write(wfd, result.encode())
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd) as r:
+        result = r.read()
+    os.waitpid(pid, 0)
+    assert result.startswith("Unauthorized"), result
+    assert "uid 65534" in result
     assert d.status()["ingest"]["unauthorized"] == 1
 
 
-def test_protocol_error_maps_to_exception(daemon_factory):
+def test_client_refuses_reserved_slot_before_sending(daemon_factory):
     d = daemon_factory().start()
-    with Client.connect(d.socket) as c, pytest.raises(ProtocolError) as info:
+    with Client.connect(d.socket) as c, pytest.raises(ValueError, match="slot 63"):
         c.send({63: tagged_table(0)}, client="x")
-    assert info.value.code == ErrorCode.MALFORMED

@@ -1,0 +1,188 @@
+"""What quiverd's benchmarks share: payloads, a daemon under test, CPU accounting, stats.
+
+Nothing here touches the daemon's internals: it runs ``python -m quiverd serve``
+as a subprocess on a fresh data directory, talks to it over its sockets and
+reads its CPU time from /proc.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from quiverd.bundle import encode_ipc_stream
+from quiverd.ingest import shard_of
+
+KiB = 1024
+MiB = 1024 * KiB
+REPO = Path(__file__).resolve().parent.parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+STARTUP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 60.0
+
+
+def make_table(target_bytes: int) -> tuple[pa.Table, bytes]:
+    """An int64 + utf8 table whose IPC stream is within 0.5 % of ``target_bytes``.
+
+    Rows are ~40 IPC bytes (8-byte id, 4-byte offset, ~28-byte string); the row
+    count is refined until the encoded stream hits the target.
+    """
+    rows = max(target_bytes // 40, 16)
+    for _ in range(8):
+        table = _table(rows)
+        ipc = encode_ipc_stream(table)
+        if abs(len(ipc) - target_bytes) <= target_bytes // 200:
+            break
+        rows = max(int(rows * target_bytes / len(ipc)), 16)
+    return table, ipc
+
+
+def _table(rows: int) -> pa.Table:
+    ids = pa.array(range(rows), pa.int64())
+    # Varied but deterministic strings: realistic offsets, nothing a codec could shrink.
+    text = pa.array([f"user-{(i * 2654435761) % 10**9:09d}/event-{i % 977:03d}" for i in range(rows)])
+    return pa.table({"id": ids, "event": text})
+
+
+def client_names(producers: int, shards: int, tag: str) -> list[str]:
+    """One client name per producer, producer i landing on shard ``i % shards``.
+
+    The daemon routes by a stable hash of the name (``quiverd.ingest.shard_of``),
+    so names are searched until each lands where wanted: load spreads evenly.
+    """
+    names = []
+    for i in range(producers):
+        want = i % shards
+        k = 0
+        while shard_of(f"bench-{tag}-p{i}-{k}", shards) != want:
+            k += 1
+        names.append(f"bench-{tag}-p{i}-{k}")
+    return names
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (q in 0..100)."""
+    if not sorted_values:
+        return math.nan
+    rank = max(math.ceil(q / 100 * len(sorted_values)), 1)
+    return sorted_values[rank - 1]
+
+
+def filesystem_of(path: Path) -> str:
+    """'<fstype> on <device>' of the mount holding ``path`` (a tmpfs would be a lie)."""
+    best, desc = "", "unknown"
+    real = str(path.resolve())
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            dev, mnt, fstype, *_ = line.split()
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, desc = mnt, f"{fstype} on {dev}"
+    return desc
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of ``pid``, by thread id."""
+    out: dict[int, float] = {}
+    task_dir = Path(f"/proc/{pid}/task")
+    for task in task_dir.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # thread ended between listing and reading
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return out
+
+
+@dataclass
+class CpuDelta:
+    """Daemon CPU between two snapshots: event-loop (main) thread vs every other thread."""
+
+    main_s: float
+    workers_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.main_s + self.workers_s
+
+
+def cpu_delta(pid: int, before: dict[int, float], after: dict[int, float]) -> CpuDelta:
+    main = after.get(pid, 0.0) - before.get(pid, 0.0)
+    workers = sum(t - before.get(tid, 0.0) for tid, t in after.items() if tid != pid)
+    return CpuDelta(main_s=main, workers_s=workers)
+
+
+class Daemon:
+    """``quiverd serve`` on a fresh data directory; ``stop()`` sends SIGTERM and waits."""
+
+    def __init__(self, root: Path, *, policy: str, shards: int) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="qd-", dir=root))
+        self.data_dir = self.dir / "data"
+        self.socket = self.data_dir / "ingest.sock"
+        self.admin_socket = self.data_dir / "admin.sock"
+        self.log_path = self.dir / "daemon.log"
+        config = self.dir / "quiverd.toml"
+        # segment.max_open_duration_ms and every other key keep their defaults.
+        config.write_text(
+            f'data_dir = "{self.data_dir}"\n'
+            f"shards = {shards}\n"
+            "[wal]\n"
+            f'flush_policy = "{policy}"\n'
+            "[log]\n"
+            'format = "json"\n'
+            'level = "warning"\n'
+        )
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "quiverd", "serve", "--config", str(config)],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        self.pid = self.proc.pid
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        # An external process has no event to wait on: poll its socket, bounded.
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (self.socket.exists() and self.admin_socket.exists()):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"quiverd exited with {self.proc.returncode} at startup:\n"
+                                   + self.log_tail())
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"quiverd not ready after {STARTUP_TIMEOUT_S} s:\n"
+                                   + self.log_tail())
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        """SIGTERM, wait for the graceful drain; return the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
