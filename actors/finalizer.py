@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from anyio.abc import CapacityLimiter
+from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from quiverd.messages import FinalizedSegment, SealedSegment, WalReleased
@@ -54,12 +54,8 @@ async def run(
         async for sealed in inbox:
             path = segment_path(segments_dir, sealed.segment_seq)
             segment = sealed.segment
-
-            def write() -> int:
-                pieces = encode_segment(segment, max_dictionary_cardinality=max_dictionary_cardinality)
-                return write_segment(path, pieces, hook=hook)
-
-            size = await anyio.to_thread.run_sync(write, limiter=limiter)
+            size = await anyio.to_thread.run_sync(
+                _write, path, segment, max_dictionary_cardinality, hook, limiter=limiter)
             stats.segments += 1
             stats.bytes += size
             stats.last_segment_seq = sealed.segment_seq
@@ -72,3 +68,9 @@ async def run(
                 size_bytes=size, first_sequence=segment.first_sequence,
                 last_sequence=segment.last_sequence, min_ts_ns=segment.min_ts or 0,
                 max_ts_ns=segment.max_ts or 0))
+
+
+def _write(path: Path, segment: Any, max_dictionary_cardinality: int, hook: Any) -> int:
+    """Encode and durably write one segment (worker thread)."""
+    pieces = encode_segment(segment, max_dictionary_cardinality=max_dictionary_cardinality)
+    return write_segment(path, pieces, hook=hook)

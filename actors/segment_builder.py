@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from anyio.abc import CapacityLimiter
+from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from quiverd.bundle import Bundle

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.abc import CapacityLimiter
+from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from quiverd import walformat
@@ -90,7 +90,8 @@ async def run(
     await anyio.to_thread.run_sync(wal.close, limiter=limiter)
 
 
-def _drain(first: AppendRequest, inbox: MemoryObjectReceiveStream[AppendRequest]) -> list[AppendRequest]:
+def _drain(first: AppendRequest,
+           inbox: MemoryObjectReceiveStream[AppendRequest]) -> list[AppendRequest]:
     """Take what is already queued, bounded in count and bytes: one hop per batch."""
     batch, nbytes = [first], first.bundle.payload_bytes
     while len(batch) < MAX_BATCH_ENTRIES and nbytes < MAX_BATCH_BYTES:

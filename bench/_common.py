@@ -50,7 +50,8 @@ def make_table(target_bytes: int) -> tuple[pa.Table, bytes]:
 def _table(rows: int) -> pa.Table:
     ids = pa.array(range(rows), pa.int64())
     # Varied but deterministic strings: realistic offsets, nothing a codec could shrink.
-    text = pa.array([f"user-{(i * 2654435761) % 10**9:09d}/event-{i % 977:03d}" for i in range(rows)])
+    text = pa.array([f"user-{(i * 2654435761) % 10**9:09d}/event-{i % 977:03d}"
+                     for i in range(rows)])
     return pa.table({"id": ids, "event": text})
 
 
@@ -180,7 +181,8 @@ class Daemon:
             self.proc.wait()
 
     def log_tail(self, lines: int = 20) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 

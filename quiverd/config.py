@@ -28,11 +28,7 @@ SUBSCRIBER_NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
 MAX_SOCKET_PATH = 107
 
 
-class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    pass
-
-
-class IngestConfig(_Section):
+class IngestConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     socket_path: str = ""  # "" → <data_dir>/ingest.sock
     socket_mode: int = 0o660
     allowed_uids: list[int] = msgspec.field(default_factory=list)  # [] and [] → own uid only
@@ -42,11 +38,11 @@ class IngestConfig(_Section):
     max_connections: int = 256
 
 
-class AdminConfig(_Section):
+class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     socket_path: str = ""  # "" → <data_dir>/admin.sock (always mode 0600)
 
 
-class WalConfig(_Section):
+class WalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     flush_policy: Literal["interval", "always", "never"] = "interval"
     flush_interval_ms: int = 25
     flush_bytes: int = 8 * MiB
@@ -56,30 +52,30 @@ class WalConfig(_Section):
     at_capacity: Literal["wait", "reject"] = "wait"
 
 
-class SegmentConfig(_Section):
+class SegmentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     target_size_bytes: int = 32 * MiB
     max_open_duration_ms: int = 1000
     max_streams: int = 256
     max_dictionary_cardinality: int = 1 << 20
 
 
-class RetentionConfig(_Section):
+class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     size_cap_bytes: int = 0  # 0 = no cap
     size_cap_policy: Literal["backpressure", "drop_oldest"] = "backpressure"
     max_age_s: int = 0  # 0 = keep until acked
 
 
-class SubscriberEntry(_Section):
+class SubscriberEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     name: str
     start: Literal["earliest", "latest"] = "earliest"
 
 
-class LogConfig(_Section):
+class LogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     format: Literal["auto", "json", "console"] = "auto"
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
-class Config(_Section):
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     data_dir: str = "/var/lib/quiverd"
     shards: int = 0  # 0 → number of cores
     shutdown_timeout_ms: int = 10_000
@@ -181,7 +177,8 @@ def validate(cfg: Config) -> None:
     seen: set[str] = set()
     for i, sub in enumerate(cfg.subscribers):
         if not SUBSCRIBER_NAME.match(sub.name):
-            raise ConfigError(f"subscribers[{i}].name", f"{sub.name!r} must match [a-z0-9_-]{{1,64}}")
+            raise ConfigError(f"subscribers[{i}].name",
+                              f"{sub.name!r} must match [a-z0-9_-]{{1,64}}")
         if sub.name in seen:
             raise ConfigError(f"subscribers[{i}].name", f"{sub.name!r} is listed twice")
         seen.add(sub.name)

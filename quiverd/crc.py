@@ -18,5 +18,5 @@ def crc32c(data: Buffer, crc: int = 0) -> int:
     """CRC-32C of ``data``, continuing from ``crc`` (0 starts a new checksum)."""
     # google_crc32c refuses memoryview; a pyarrow buffer wraps it without a copy.
     if isinstance(data, memoryview):
-        data = pa.py_buffer(data)  # type: ignore[assignment]
-    return google_crc32c.extend(crc, data)  # type: ignore[no-any-return]
+        data = pa.py_buffer(data)
+    return int(google_crc32c.extend(crc, data))

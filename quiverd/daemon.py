@@ -172,7 +172,6 @@ def _timed_out(daemon: Daemon) -> bool:
     return any(s.unfinished for s in daemon.shards)
 
 
-
 def _report_fatal(group: BaseExceptionGroup[BaseException], log: Any) -> int:
     """Log the first fatal error with its hint; re-raise anything that is a bug."""
     durability, rest = group.split(DurabilityLost)
@@ -184,10 +183,11 @@ def _report_fatal(group: BaseExceptionGroup[BaseException], log: Any) -> int:
     if known is None:
         raise group
     exc = _first(known)
-    log.error("quiverd_failed", error=str(exc), hint=getattr(exc, "hint", ""))
+    hint = getattr(exc, "hint", "")
+    log.error("quiverd_failed", error=str(exc), hint=hint)
     print(f"quiverd: {exc}", file=sys.stderr)
-    if getattr(exc, "hint", ""):
-        print(f"hint: {getattr(exc, 'hint')}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
     return 2 if isinstance(exc, AlreadyRunning) else EXIT_FATAL
 
 

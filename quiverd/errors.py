@@ -32,7 +32,8 @@ class ConfigError(QuiverError):
 class CorruptRecord(QuiverError):
     """Bytes on disk failed validation at ``path`` + ``offset``."""
 
-    hint = "run `quiverd fsck DATA_DIR` to see every damaged file; bytes cut are kept in quarantine/"
+    hint = ("run `quiverd fsck DATA_DIR` to see every damaged file; "
+            "bytes cut are kept in quarantine/")
 
     def __init__(self, path: str, offset: int, message: str, *, hint: str | None = None) -> None:
         self.path = path

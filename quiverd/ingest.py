@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from anyio.abc import CapacityLimiter, SocketStream
+from anyio import CapacityLimiter
+from anyio.abc import SocketStream
 from anyio.streams.memory import MemoryObjectSendStream
 
 from quiverd import protocol
@@ -117,7 +118,9 @@ class IngestServer:
     def authorized(self, sock: socket.socket) -> tuple[bool, str]:
         pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                       _UCRED.size))
-        uids = set(self.cfg.allowed_uids) or ({self.own_uid} if not self.cfg.allowed_gids else set())
+        uids = set(self.cfg.allowed_uids)
+        if not uids and not self.cfg.allowed_gids:
+            uids = {self.own_uid}  # nothing configured: only our own user may produce
         ok = uid == 0 or uid in uids or gid in set(self.cfg.allowed_gids)
         return ok, f"pid {pid} uid {uid} gid {gid}"
 
@@ -159,7 +162,8 @@ class _Connection:
                             self.server.read_scopes.discard(scope)
                 except ProtocolError as exc:
                     self.server.stats.errors += 1
-                    self.server.log.info("ingest_protocol_error", code=int(exc.code), error=str(exc))
+                    self.server.log.info("ingest_protocol_error", code=int(exc.code),
+                                         error=str(exc))
                     await self._send_error(0, exc)
                     tg.cancel_scope.cancel()
                     return
@@ -204,6 +208,7 @@ class _Connection:
 
     async def _submit(self, frames: list[protocol.BundleFrame]) -> None:
         validated = await anyio.to_thread.run_sync(_validate_all, frames,
+                                                   self.server.cfg.max_bundle_bytes,
                                                    limiter=self.server.limiter)
         shards = len(self.server.inboxes)
         for frame, slots in validated:
@@ -234,11 +239,12 @@ class _Connection:
         await self._send_error(0, exc)
 
 
-def _validate_all(frames: list[protocol.BundleFrame]) -> list[tuple[Any, Any]]:
+def _validate_all(frames: list[protocol.BundleFrame], max_bundle_bytes: int
+                  ) -> list[tuple[Any, Any]]:
     out: list[tuple[Any, Any]] = []
     for frame in frames:
         try:
-            out.append((frame, protocol.validate_bundle(frame)))
+            out.append((frame, protocol.validate_bundle(frame, max_bundle_bytes=max_bundle_bytes)))
         except ProtocolError as exc:
             out.append((frame, exc))
             break

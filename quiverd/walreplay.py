@@ -100,24 +100,28 @@ def replay_wal(
     the floor from elsewhere.
     """
     wal_dir.mkdir(parents=True, exist_ok=True)
-    rotated = sorted(
-        (int(m.group(1)), p) for p in wal_dir.iterdir() if (m := _ROTATED.fullmatch(p.name))
-    )
-    sidecar = _read_sidecar(wal_dir / SIDECAR_NAME, log)
-    active_gen = max(
-        rotated[-1][0] + 1 if rotated else 0, sidecar.rotation_generation if sidecar else 0
-    )
     active = wal_dir / ACTIVE_NAME
-    brand_new = not rotated and (not active.exists() or active.stat().st_size == 0)
-    if not active.exists() or active.stat().st_size == 0:
+    created = not active.exists() or active.stat().st_size == 0
+    if created:
         # An empty file has no header to protect: only then may we write one.
         create_wal_file(active, cfg_hash)
+    layout = wal_layout(wal_dir)
+    active_gen, sidecar = layout.active_generation, layout.sidecar
+    brand_new = created and len(layout.files) == 1
+    if created:
         log.info("wal_created", path=str(active), generation=active_gen)
-    chain = [*rotated, (active_gen, active)]
+    if layout.sidecar_state != "ok":
+        level = log.info if layout.sidecar_state == "missing" else log.warning
+        level(f"wal_sidecar_{layout.sidecar_state}", path=str(wal_dir / SIDECAR_NAME),
+              error=layout.sidecar_problem)
+    chain = list(layout.files.items())
     for _, path in chain:
         with open(path, "rb") as f:
             wf.decode_header(f.read(wf.HEADER_LEN), path=str(path), expected_cfg_hash=cfg_hash)
-    start_gen, start_off = _start_position(chain, sidecar, log)
+    start_gen, start_off = (
+        (sidecar.rotation_generation, sidecar.truncate_offset) if sidecar
+        else (chain[0][0], wf.HEADER_LEN)
+    )
     scan = _Scan(quarantine_dir, max_entry_bytes, log)
     sizes: dict[int, int] = {}
     for gen, path in chain:
@@ -130,9 +134,10 @@ def replay_wal(
     state = WalState(
         entries=scan.entries,
         next_sequence=1 if last is None else last + 1,
-        sequence_known=last is not None or brand_new or sidecar is None,
+        sequence_known=(last is not None or brand_new
+                        or layout.sidecar_state in ("missing", "corrupt")),
         active_generation=active_gen, active_path=active, active_end_offset=sizes[active_gen],
-        rotated=[WalFile(generation=g, path=p, size=sizes[g]) for g, p in rotated],
+        rotated=[WalFile(generation=g, path=p, size=sizes[g]) for g, p in chain[:-1]],
         start_generation=start_gen, start_offset=start_off,
         corrupt_entries=scan.corrupt, torn_tail_bytes=scan.torn_bytes,
         sequence_gaps=scan.gaps, resynced_bytes=scan.resynced_bytes, quarantined=scan.quarantined,
@@ -143,36 +148,6 @@ def replay_wal(
         torn_tail_bytes=scan.torn_bytes,
     )
     return state
-
-
-def _read_sidecar(path: Path, log: Logger) -> wf.Sidecar | None:
-    if not path.exists():
-        log.info("wal_sidecar_missing", path=str(path))
-        return None
-    try:
-        return wf.decode_sidecar(path.read_bytes(), path=str(path))
-    except CorruptRecord as exc:
-        log.warning("wal_sidecar_corrupt", path=str(path), error=str(exc))
-        return None
-
-
-def _start_position(
-    chain: list[tuple[int, Path]], sidecar: wf.Sidecar | None, log: Logger
-) -> tuple[int, int]:
-    """Where replay begins: the sidecar's position if it is a real place, else the oldest file."""
-    fallback = (chain[0][0], wf.HEADER_LEN)
-    if sidecar is None:
-        return fallback
-    files = dict(chain)
-    path = files.get(sidecar.rotation_generation)
-    if path is None or not wf.HEADER_LEN <= sidecar.truncate_offset <= path.stat().st_size:
-        # A sidecar pointing nowhere is as untrustworthy as a corrupt one.
-        log.warning(
-            "wal_sidecar_out_of_range", generation=sidecar.rotation_generation,
-            offset=sidecar.truncate_offset, fallback_generation=fallback[0],
-        )
-        return fallback
-    return sidecar.rotation_generation, sidecar.truncate_offset
 
 
 class _Scan:
@@ -430,6 +405,7 @@ class WalLayout(msgspec.Struct, frozen=True, kw_only=True):
     files: dict[int, Path]  # generation -> path; the active file only if it exists
     active_generation: int
     sidecar: wf.Sidecar | None  # None when missing, corrupt or pointing nowhere
+    sidecar_state: str  # ok | missing | corrupt | out_of_range
     sidecar_problem: str = ""  # why a present sidecar is unusable
 
     def generation_of(self, path: Path) -> int | None:
@@ -445,13 +421,14 @@ def wal_layout(wal_dir: Path) -> WalLayout:
         int(m.group(1)): p for p in wal_dir.iterdir() if (m := _ROTATED.fullmatch(p.name))
     } if wal_dir.is_dir() else {}
     sidecar: wf.Sidecar | None = None
-    problem = ""
+    state, problem = "missing", ""
     sidecar_path = wal_dir / SIDECAR_NAME
     if sidecar_path.exists():
         try:
             sidecar = wf.decode_sidecar(sidecar_path.read_bytes(), path=str(sidecar_path))
+            state = "ok"
         except CorruptRecord as exc:
-            problem = str(exc)
+            state, problem = "corrupt", str(exc)
     active_gen = max(max(rotated) + 1 if rotated else 0,
                      sidecar.rotation_generation if sidecar else 0)
     files = dict(sorted(rotated.items()))
@@ -462,9 +439,9 @@ def wal_layout(wal_dir: Path) -> WalLayout:
         if target is None or not wf.HEADER_LEN <= sidecar.truncate_offset <= target.stat().st_size:
             problem = (f"sidecar points at generation {sidecar.rotation_generation} offset "
                        f"{sidecar.truncate_offset}, which no WAL file holds: replay ignores it")
-            sidecar = None
+            state, sidecar = "out_of_range", None
     return WalLayout(files=files, active_generation=active_gen, sidecar=sidecar,
-                     sidecar_problem=problem)
+                     sidecar_state=state, sidecar_problem=problem)
 
 
 def live_start(path: Path, size: int) -> int:

@@ -1,0 +1,426 @@
+"""Ingest throughput and ack latency of ``quiverd serve`` against a raw-WAL baseline.
+
+    python bench/ingest.py [--quick] [--json out.json] [--profile DIR]
+
+Per scenario (producers x bundle size x flush policy) two measurements, back to back:
+
+    daemon     N producer processes, each its own ``Client`` and client name (so they
+               spread over the 2 shards), pipelining bundles (up to max_inflight) to a
+               fresh ``quiverd serve``; throughput = acked payload bytes / wall time,
+               latency = per-bundle submit -> ack receipt.
+    baseline   N threads in this process appending the *same* WAL frames
+               (``walformat.encode_entry``, precomputed) to one fresh file per shard
+               used, with the daemon's fsync cadence: ``interval`` = fdatasync once
+               8 MiB are unsynced or 25 ms passed, ``always`` = fdatasync per frame.
+
+Both skip a warm-up (1/16 of the volume) before the clock starts. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    Daemon,
+    KiB,
+    MiB,
+    client_names,
+    cpu_delta,
+    filesystem_of,
+    make_table,
+    percentile,
+    thread_cpu_s,
+)
+
+from quiverd import walformat  # noqa: E402
+from quiverd.admin import request as admin_request  # noqa: E402
+from quiverd.bundle import MetaCodec, make_slot  # noqa: E402
+from quiverd.client import Client  # noqa: E402
+
+SHARDS = 2
+FLUSH_INTERVAL_S = 0.025  # the daemon's default wal.flush_interval_ms
+FLUSH_BYTES = 8 * MiB  # the daemon's default wal.flush_bytes
+# Payload bytes sent per run (split evenly over producers); --quick divides by 8.
+VOLUME = {64 * KiB: 128 * MiB, 1 * MiB: 512 * MiB}
+WARMUP_FRACTION = 16  # warm-up = volume / 16, not timed
+RUN_TIMEOUT_S = 300.0
+TARGET_RATIO = 0.8
+
+
+@dataclass
+class Scenario:
+    producers: int
+    bundle_bytes: int
+    policy: str
+    bundles_per_producer: int
+    warmup_per_producer: int
+
+    @property
+    def name(self) -> str:
+        size = f"{self.bundle_bytes // MiB}MiB" if self.bundle_bytes >= MiB else \
+            f"{self.bundle_bytes // KiB}KiB"
+        return f"p{self.producers}-{size}-{self.policy}"
+
+
+@dataclass
+class Measured:
+    """One side of a scenario, timed phase only."""
+
+    seconds: float
+    bundles: int
+    payload_bytes: int
+    lat_p50_ms: float
+    lat_p99_ms: float
+    lat_max_ms: float
+
+    @property
+    def mb_s(self) -> float:
+        return self.payload_bytes / self.seconds / 1e6
+
+    @property
+    def bundles_s(self) -> float:
+        return self.bundles / self.seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    root = Path(args.dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    divisor = 8 if args.quick else 1
+    scenarios = [
+        _scenario(p, size, policy, divisor)
+        for size in (1 * MiB, 64 * KiB) for policy in ("interval", "always")
+        for p in args.producers
+    ]
+    if args.only:
+        scenarios = [s for s in scenarios if s.name in args.only]
+    payloads = {size: make_table(size) for size in {s.bundle_bytes for s in scenarios}}
+    print(f"# quiverd ingest bench: {len(scenarios)} runs, {os.cpu_count()} cores, "
+          f"data under {root} ({filesystem_of(root)}), pyarrow {pa.__version__}", flush=True)
+    for size, (table, ipc) in sorted(payloads.items()):
+        print(f"#   {size // KiB} KiB bundle: {table.num_rows} rows (int64 + utf8), "
+              f"{len(ipc)} IPC bytes", flush=True)
+    results: list[dict[str, Any]] = []
+    for scn in scenarios:
+        table, ipc = payloads[scn.bundle_bytes]
+        base = run_baseline(scn, table, root)
+        daemon, extra = run_daemon(scn, ipc, root, args.profile)
+        row = _row(scn, len(ipc), daemon, base, extra)
+        results.append(row)
+        print(_line(row), flush=True)
+    print()
+    print(markdown(results))
+    verdict = [r for r in results if r["bundle"] == "1MiB" and r["policy"] == "interval"]
+    for r in verdict:
+        ok = "meets" if r["ratio"] >= TARGET_RATIO else "BELOW"
+        print(f"target: {r['producers']} producer(s), 1 MiB, interval: {r['ratio']:.2f}x "
+              f"baseline ({ok} the {TARGET_RATIO}x target)")
+    if args.json:
+        meta = {"cores": os.cpu_count(), "python": platform.python_version(),
+                "pyarrow": pa.__version__, "filesystem": filesystem_of(root),
+                "commit": _git_head(), "quick": args.quick, "shards": SHARDS}
+        Path(args.json).write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1/8 of the volume per run")
+    p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    p.add_argument("--producers", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 4], help="comma-separated producer counts (default 1,4)")
+    p.add_argument("--only", type=lambda s: s.split(","), metavar="RUN,...",
+                   help="run only these scenarios, by name (e.g. p1-1MiB-interval)")
+    p.add_argument("--dir", default=tempfile.gettempdir(),
+                   help="where fresh data dirs are made (must be the real disk, not tmpfs)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="attach `py-spy record` to the daemon during each timed phase "
+                        "(collapsed stacks in DIR/<run>.txt)")
+    return p
+
+
+def _scenario(producers: int, size: int, policy: str, divisor: int) -> Scenario:
+    total = VOLUME[size] // divisor // size
+    per = max(total // producers, 1)
+    return Scenario(producers=producers, bundle_bytes=size, policy=policy,
+                    bundles_per_producer=per,
+                    warmup_per_producer=max(total // WARMUP_FRACTION // producers, 2))
+
+
+# ---- daemon side ---------------------------------------------------------------------
+def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None
+               ) -> tuple[Measured, dict[str, Any]]:
+    """Start quiverd, drive it from ``scn.producers`` processes, stop it with SIGTERM."""
+    daemon = Daemon(root, policy=scn.policy, shards=SHARDS)
+    ctx = mp.get_context("spawn")  # no fork after pyarrow's threads exist
+    barrier = ctx.Barrier(scn.producers + 1)
+    results: Any = ctx.Queue()
+    names = client_names(scn.producers, SHARDS, scn.name)
+    procs = [ctx.Process(target=_producer, args=(str(daemon.socket), name, ipc, scn, barrier,
+                                                 results)) for name in names]
+    spy: subprocess.Popen[bytes] | None = None
+    try:
+        for proc in procs:
+            proc.start()
+        barrier.wait(RUN_TIMEOUT_S)  # every producer connected and warmed up
+        cpu_before = thread_cpu_s(daemon.pid)
+        status_before = admin_request(daemon.admin_socket, "status")
+        if profile_dir:
+            spy = _start_py_spy(daemon.pid, Path(profile_dir) / f"{scn.name}.txt")
+        outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
+        cpu = cpu_delta(daemon.pid, cpu_before, thread_cpu_s(daemon.pid))
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+        status_after = admin_request(daemon.admin_socket, "status")
+        for proc in procs:
+            proc.join(RUN_TIMEOUT_S)
+        failed = [o["error"] for o in outs if "error" in o]
+        if failed:
+            raise RuntimeError(f"{scn.name}: producer failed: {failed[0]}\n{daemon.log_tail()}")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        exit_code = daemon.stop()
+        log = daemon.log_tail(5)
+        daemon.remove()
+    if exit_code != 0:
+        raise RuntimeError(f"{scn.name}: quiverd exited with {exit_code}:\n{log}")
+    start, end = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
+    lats = sorted(itertools.chain.from_iterable(o["lat"] for o in outs))
+    bundles = sum(o["bundles"] for o in outs)
+    measured = Measured(seconds=end - start, bundles=bundles, payload_bytes=bundles * len(ipc),
+                        lat_p50_ms=percentile(lats, 50) * 1e3,
+                        lat_p99_ms=percentile(lats, 99) * 1e3, lat_max_ms=lats[-1] * 1e3)
+    fsyncs = _delta(status_before, status_after, "fsyncs")
+    appends = _delta(status_before, status_after, "appends")
+    extra = {
+        "daemon_cpu_cores": cpu.total_s / measured.seconds,
+        "daemon_loop_cpu_cores": cpu.main_s / measured.seconds,
+        "daemon_worker_cpu_cores": cpu.workers_s / measured.seconds,
+        "producer_cpu_cores": sum(o["cpu_s"] for o in outs) / measured.seconds,
+        "daemon_fsyncs": fsyncs,
+        "entries_per_fsync": appends / fsyncs if fsyncs else float("nan"),
+    }
+    return measured, extra
+
+
+def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
+    return sum(a[key] - b[key] for a, b in zip(after["shards"], before["shards"], strict=True))
+
+
+def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # PY_SPY_FLAGS adds options, e.g. "--idle" to see where threads wait, "--native".
+    extra = os.environ.get("PY_SPY_FLAGS", "").split()
+    return subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--threads",
+         "--format", "raw", "--output", str(out), *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+class _TimedClient(Client):
+    """``Client`` that stamps each bundle: submit start -> the recv that brought its ack."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.started: dict[int, float] = {}  # bounded by max_inflight
+        self.latencies: list[float] = []
+
+    def _submit(self, item: Any, client: str) -> int:
+        t0 = time.perf_counter()
+        request_id = super()._submit(item, client)
+        self.started[request_id] = t0
+        return request_id
+
+    def _receive(self) -> None:
+        super()._receive()
+        now = time.perf_counter()
+        for request_id in [r for r in self.started if self._requests.is_done(r)]:
+            self.latencies.append(now - self.started.pop(request_id))
+
+
+def _producer(socket_path: str, name: str, ipc: bytes, scn: Scenario, barrier: Any,
+              results: Any) -> None:
+    """One producer process: warm up, wait for the others, send the timed volume."""
+    try:
+        table = pa.ipc.open_stream(ipc).read_all()
+        with _TimedClient.connect(socket_path) as client:
+            for _ in client.iter_send(itertools.repeat(table, scn.warmup_per_producer),
+                                      client=name):
+                pass
+            client.latencies.clear()
+            barrier.wait(RUN_TIMEOUT_S)
+            cpu0, t0 = _own_cpu_s(), time.perf_counter()
+            bundles = sum(1 for _ in client.iter_send(
+                itertools.repeat(table, scn.bundles_per_producer), client=name))
+            t1 = time.perf_counter()
+            results.put({"t0": t0, "t1": t1, "bundles": bundles, "lat": client.latencies,
+                         "cpu_s": _own_cpu_s() - cpu0})
+    except BaseException as exc:  # reported to the parent, which fails the run
+        barrier.abort()
+        results.put({"error": repr(exc), "t0": 0.0, "t1": 0.0, "bundles": 0, "lat": [],
+                     "cpu_s": 0.0})
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+# ---- baseline side -------------------------------------------------------------------
+class _WalFile:
+    """One baseline WAL file: appends under a lock, fdatasync outside it."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+        os.write(self.fd, walformat.encode_header(walformat.DEFAULT_CFG_HASH))
+        os.fdatasync(self.fd)
+        self.lock = threading.Lock()
+        self.unsynced = 0
+        self.last_sync = time.perf_counter()
+        self.pending: list[float] = []  # write-start times not yet covered by a sync
+
+    def append(self, pieces: list[Any], size: int, policy: str, lat: list[float]) -> None:
+        t0 = time.perf_counter()
+        with self.lock:
+            done = os.writev(self.fd, pieces)
+            assert done == size, f"short write {done} < {size}"  # regular file, no signals
+            self.pending.append(t0)
+            self.unsynced += size
+            now = time.perf_counter()
+            covered: list[float] | None = None
+            if policy == "always" or self.unsynced >= FLUSH_BYTES or \
+                    now - self.last_sync >= FLUSH_INTERVAL_S:
+                covered, self.pending, self.unsynced, self.last_sync = self.pending, [], 0, now
+        if covered:
+            self.sync(covered, lat)
+
+    def sync(self, covered: list[float], lat: list[float]) -> None:
+        os.fdatasync(self.fd)
+        now = time.perf_counter()
+        lat.extend(now - t for t in covered)
+
+    def finish(self, lat: list[float]) -> None:
+        with self.lock:
+            covered, self.pending = self.pending, []
+        self.sync(covered, lat)
+        os.close(self.fd)
+
+
+def run_baseline(scn: Scenario, table: pa.Table, root: Path) -> Measured:
+    """The same frames, the same cadence, no daemon: a raw Python append loop."""
+    slot = make_slot(0, table)
+    names = client_names(scn.producers, SHARDS, scn.name)
+    meta = MetaCodec()
+    workdir = Path(tempfile.mkdtemp(prefix="qb-", dir=root))
+    files = [_WalFile(workdir / f"shard-{i}.wal") for i in range(min(scn.producers, SHARDS))]
+    per = scn.warmup_per_producer + scn.bundles_per_producer
+    frames: list[list[tuple[list[Any], int]]] = []
+    for i, name in enumerate(names):
+        slots = (slot, meta.encode(name, None))
+        size = walformat.entry_size(slots)
+        frames.append([(walformat.encode_entry(ts_ns=time.time_ns(), sequence=i * per + k + 1,
+                                               slots=slots), size) for k in range(per)])
+    barrier = threading.Barrier(scn.producers + 1)
+    lats: list[list[float]] = [[] for _ in names]
+
+    def writer(i: int) -> None:
+        wal = files[i % len(files)]
+        warm = scn.warmup_per_producer
+        for pieces, size in frames[i][:warm]:
+            wal.append(pieces, size, scn.policy, [])
+        barrier.wait()
+        for pieces, size in frames[i][warm:]:
+            wal.append(pieces, size, scn.policy, lats[i])
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(scn.producers)]
+    try:
+        for t in threads:
+            t.start()
+        barrier.wait(RUN_TIMEOUT_S)
+        start = time.perf_counter()
+        for t in threads:
+            t.join()
+        tail: list[float] = []
+        for wal in files:
+            wal.finish(tail)
+        end = time.perf_counter()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    all_lats = sorted(itertools.chain(tail, *lats))
+    bundles = scn.producers * scn.bundles_per_producer
+    return Measured(seconds=end - start, bundles=bundles,
+                    payload_bytes=bundles * len(slot.ipc),
+                    lat_p50_ms=percentile(all_lats, 50) * 1e3,
+                    lat_p99_ms=percentile(all_lats, 99) * 1e3, lat_max_ms=all_lats[-1] * 1e3)
+
+
+# ---- report --------------------------------------------------------------------------
+def _row(scn: Scenario, ipc_len: int, d: Measured, b: Measured, extra: dict[str, Any]
+         ) -> dict[str, Any]:
+    return {
+        "run": scn.name, "producers": scn.producers, "bundle": scn.name.split("-")[1],
+        "policy": scn.policy, "ipc_bytes": ipc_len,
+        "daemon": {**asdict(d), "mb_s": d.mb_s, "bundles_s": d.bundles_s},
+        "baseline": {**asdict(b), "mb_s": b.mb_s, "bundles_s": b.bundles_s},
+        "ratio": d.mb_s / b.mb_s, **extra,
+    }
+
+
+def _line(r: dict[str, Any]) -> str:
+    d, b = r["daemon"], r["baseline"]
+    return (f"{r['run']:>20}: daemon {d['mb_s']:7.1f} MB/s {d['bundles_s']:7.0f} b/s "
+            f"ack p50 {d['lat_p50_ms']:6.2f} p99 {d['lat_p99_ms']:6.2f} ms | baseline "
+            f"{b['mb_s']:7.1f} MB/s p50 {b['lat_p50_ms']:6.2f} p99 {b['lat_p99_ms']:6.2f} ms | "
+            f"ratio {r['ratio']:.2f} | daemon cpu {r['daemon_cpu_cores']:.2f} "
+            f"(loop {r['daemon_loop_cpu_cores']:.2f}) producers {r['producer_cpu_cores']:.2f} "
+            f"| {r['entries_per_fsync']:.1f} entries/fsync")
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| producers | bundle | policy | MB/s | bundles/s | ack p50 ms | ack p99 ms "
+            "| baseline MB/s | baseline p50 / p99 ms | daemon / baseline | daemon CPU (loop) "
+            "| entries / fsync |")
+    lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for r in rows:
+        d, b = r["daemon"], r["baseline"]
+        lines.append(
+            f"| {r['producers']} | {r['bundle']} | {r['policy']} | {d['mb_s']:.0f} "
+            f"| {d['bundles_s']:.0f} | {d['lat_p50_ms']:.1f} | {d['lat_p99_ms']:.1f} "
+            f"| {b['mb_s']:.0f} | {b['lat_p50_ms']:.1f} / {b['lat_p99_ms']:.1f} "
+            f"| {r['ratio']:.2f}x | {r['daemon_cpu_cores']:.2f} ({r['daemon_loop_cpu_cores']:.2f}) "
+            f"| {r['entries_per_fsync']:.1f} |")
+    return "\n".join(lines)
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent, check=False
+                              ).stdout.strip()
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
