@@ -144,8 +144,11 @@ class Daemon:
             'level = "warning"\n'
         )
         self._log = open(self.log_path, "wb")
+        # QUIVERD_BENCH_SERVE replaces `python -m quiverd` (e.g. a profiling wrapper).
+        prefix = os.environ.get("QUIVERD_BENCH_SERVE", "").split() or \
+            [sys.executable, "-m", "quiverd"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "quiverd", "serve", "--config", str(config)],
+            [*prefix, "serve", "--config", str(config)],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
         )
         self.pid = self.proc.pid

@@ -180,7 +180,12 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None
     try:
         for proc in procs:
             proc.start()
-        barrier.wait(RUN_TIMEOUT_S)  # every producer connected and warmed up
+        try:
+            barrier.wait(RUN_TIMEOUT_S)  # every producer connected and warmed up
+        except threading.BrokenBarrierError:
+            first = results.get(timeout=10)
+            raise RuntimeError(f"{scn.name}: a producer failed before the timed phase: "
+                               f"{first.get('error')}\n{daemon.log_tail()}") from None
         cpu_before = thread_cpu_s(daemon.pid)
         status_before = admin_request(daemon.admin_socket, "status")
         if profile_dir:
@@ -214,6 +219,7 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None
     fsyncs = _delta(status_before, status_after, "fsyncs")
     appends = _delta(status_before, status_after, "appends")
     extra = {
+        "timed_window": [start, end],  # perf_counter (CLOCK_MONOTONIC) stamps
         "daemon_cpu_cores": cpu.total_s / measured.seconds,
         "daemon_loop_cpu_cores": cpu.main_s / measured.seconds,
         "daemon_worker_cpu_cores": cpu.workers_s / measured.seconds,

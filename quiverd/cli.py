@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return 1
+    except ConnectionError as exc:
+        print(f"quiverd: connection to the daemon lost: {exc}", file=sys.stderr)
+        print("hint: check the daemon's log; acknowledged bundles are durable", file=sys.stderr)
+        return 1
+    except FileNotFoundError as exc:
+        print(f"quiverd: {exc.strerror}: {exc.filename or ''}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
@@ -58,7 +65,6 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("send", help="send Arrow IPC or Parquet files, one bundle per batch")
     s.add_argument("--socket", required=True)
     s.add_argument("--client", required=True)
-    s.add_argument("--slot", type=int, default=0)
     s.add_argument("--json", action="store_true", help="print each ack as a JSON line")
     s.add_argument("files", nargs="+")
     s.set_defaults(func=_send)
@@ -118,9 +124,9 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _send(args: argparse.Namespace) -> int:
-    from quiverd.sendcmd import send_files
+    from quiverd.sendcmd import send_files_cli
 
-    return send_files(args)
+    return send_files_cli(args)
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -372,7 +372,7 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
                 yield {"kind": "torn_tail", "offset": pos, "bytes": len(raw) - pos,
                        "message": str(exc)}
                 return
-            yield _skipped_row(raw, pos, resync, str(exc))
+            yield from _skipped_rows(raw, pos, resync, str(exc))
             pos = resync
             continue
         yield _entry_row(e)
@@ -391,12 +391,17 @@ def _entry_row(e: wf.DecodedEntry) -> dict[str, Any]:
     }
 
 
-def _skipped_row(raw: bytes, pos: int, resync: int, reason: str) -> dict[str, Any]:
-    if _NONZERO.search(raw, pos, resync) is None:
-        return {"kind": "hole", "offset": pos, "bytes": resync - pos,
-                "message": f"zeroed bytes (a punched hole), sound entry at {resync}"}
-    return {"kind": "skipped", "offset": pos, "bytes": resync - pos,
-            "message": f"damaged bytes, sound entry at {resync}: {reason}"}
+def _skipped_rows(raw: bytes, pos: int, resync: int, reason: str) -> Iterator[dict[str, Any]]:
+    """A leading zero run is a punched hole; what follows it up to ``resync`` is damage
+    (or, right after a hole, the tail of an entry the hole's edge cut)."""
+    match = _NONZERO.search(raw, pos, resync)
+    data_at = resync if match is None else match.start()
+    if data_at > pos:
+        yield {"kind": "hole", "offset": pos, "bytes": data_at - pos,
+               "message": f"zeroed bytes (a punched hole), sound entry at {resync}"}
+    if data_at < resync:
+        yield {"kind": "skipped", "offset": data_at, "bytes": resync - data_at,
+               "message": f"damaged bytes, sound entry at {resync}: {reason}"}
 
 
 class WalLayout(msgspec.Struct, frozen=True, kw_only=True):

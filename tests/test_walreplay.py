@@ -360,3 +360,99 @@ def test_replay_resyncs_after_block_aligned_hole_when_sidecar_lost(tmp_path: Pat
     resumed = offsets[after[0] - 1]
     assert skipped.read_bytes() == bytes(raw[offsets[len(before)] : resumed])
     assert state.resynced_bytes == resumed - offsets[len(before)]
+
+
+def _punchable(directory: Path) -> bool:
+    from quiverd.wal import probe_punch_hole
+
+    return probe_punch_hole(directory)
+
+
+def test_dump_wal_punched_prefix_with_sidecar_lists_only_live_entries(tmp_path: Path) -> None:
+    import os
+
+    from quiverd.wal import BLOCK, punch_hole
+
+    if not _punchable(tmp_path):
+        pytest.skip("filesystem cannot punch holes")
+    wal = tmp_path / "quiver.wal"
+    offsets = write_wal(wal, [small_entry(s) for s in range(1, 201)])
+    keep = offsets[150]  # sequence 151 is the first entry no segment holds
+    wr.write_sidecar(tmp_path, keep, 0)
+    fd = os.open(wal, os.O_RDWR)
+    try:
+        begin, end = BLOCK, keep // BLOCK * BLOCK
+        punch_hole(fd, begin, end - begin)
+    finally:
+        os.close(fd)
+    raw = wal.read_bytes()
+    assert end - begin >= BLOCK and raw[begin:end] == bytes(end - begin)
+    rows = list(wr.dump_wal(wal))
+    assert rows[1] == {"kind": "released", "offset": wf.HEADER_LEN, "bytes": keep - wf.HEADER_LEN,
+                       "message": "released to segments (space reclaimed)"}
+    entries = rows[2:]
+    assert [r["sequence"] for r in entries] == list(range(151, 201))
+    assert all(r["kind"] == "entry" and r["crc"] == "ok" for r in entries)
+    assert entries[0]["offset"] == keep
+    assert wal.read_bytes() == raw
+
+
+def test_dump_wal_rotated_file_below_sidecar_generation_is_one_released_row(
+    tmp_path: Path,
+) -> None:
+    write_wal(tmp_path / "quiver.wal.0", [small_entry(s) for s in (1, 2)])
+    offsets = write_wal(tmp_path / "quiver.wal.1", [small_entry(s) for s in (3, 4)])
+    write_wal(tmp_path / "quiver.wal", [small_entry(5)])
+    wr.write_sidecar(tmp_path, offsets[1], 1)
+    old = list(wr.dump_wal(tmp_path / "quiver.wal.0"))
+    size = (tmp_path / "quiver.wal.0").stat().st_size
+    assert [r["kind"] for r in old] == ["header", "released"]
+    assert old[1]["bytes"] == size - wf.HEADER_LEN
+    current = list(wr.dump_wal(tmp_path / "quiver.wal.1"))
+    assert [r.get("sequence") for r in current if r["kind"] == "entry"] == [4]
+    active = list(wr.dump_wal(tmp_path / "quiver.wal"))  # generation 2: after the sidecar's
+    assert [r["kind"] for r in active] == ["header", "entry"]
+
+
+def test_dump_wal_hole_without_sidecar_is_not_torn_tail(tmp_path: Path) -> None:
+    wal = tmp_path / "quiver.wal"
+    offsets = write_wal(wal, [small_entry(s) for s in range(1, 121)])
+    raw = bytearray(wal.read_bytes())
+    raw[4096:8192] = bytes(4096)
+    wal.write_bytes(raw)
+    rows = list(wr.dump_wal(wal))
+    kinds = [r["kind"] for r in rows]
+    assert "torn_tail" not in kinds and "released" not in kinds
+    holes = [r for r in rows if r["kind"] == "hole"]
+    assert len(holes) == 1 and holes[0]["offset"] < 4096
+    resumed = holes[0]["offset"] + holes[0]["bytes"]
+    assert resumed in offsets and resumed >= 8192
+    entries = [r for r in rows if r["kind"] == "entry"]
+    assert entries[-1]["sequence"] == 120
+    # The entry cut by the hole's start reads as damaged; every later one is sound.
+    assert all(r["crc"] == "ok" for r in entries if r["offset"] >= resumed)
+
+
+def test_dump_wal_garbage_before_sound_entry_is_skipped_row(tmp_path: Path) -> None:
+    wal = tmp_path / "quiver.wal"
+    offsets = write_wal(wal, [small_entry(s) for s in range(1, 4)])
+    raw = bytearray(wal.read_bytes())
+    raw[offsets[1] : offsets[1] + 4] = b"\xff\xff\xff\x7f"  # a length far past EOF
+    raw[offsets[1] + 4 : offsets[1] + 8] = b"\x00\x00\x00\x00"
+    wal.write_bytes(raw)
+    rows = list(wr.dump_wal(wal))
+    assert [r["kind"] for r in rows] == ["header", "entry", "torn_tail"]
+    raw = bytearray(wal.read_bytes())
+    raw[offsets[1] : offsets[1] + 4] = struct.pack("<I", 2)  # below the fixed header
+    wal.write_bytes(raw)
+    rows = list(wr.dump_wal(wal))
+    assert [r["kind"] for r in rows] == ["header", "entry", "skipped", "entry"]
+    assert rows[2]["offset"] == offsets[1] and rows[2]["bytes"] == offsets[2] - offsets[1]
+
+
+def test_dump_wal_ignores_sidecar_pointing_past_the_file(tmp_path: Path) -> None:
+    wal = tmp_path / "quiver.wal"
+    write_wal(wal, [small_entry(s) for s in (1, 2)])
+    wr.write_sidecar(tmp_path, 1 << 30, 0)
+    rows = list(wr.dump_wal(wal))
+    assert [r["kind"] for r in rows] == ["header", "entry", "entry"]

@@ -1,0 +1,457 @@
+"""``quiverd fsck DATA_DIR [--repair] [--json]``: verify a stopped daemon's data directory.
+
+Checked per ``shard-<n>/`` (SPEC §2)::
+
+    wal/truncate.offset      decodes and points into a WAL file (missing is fine)
+    wal/quiver.wal[.<gen>]   header (magic, version, cfg hash), then every entry's CRC
+                             from the sidecar's position on: bytes before it are
+                             released (maybe punched holes), never read as entries
+    segments/*.qseg          verify_segment: trailer, footer bounds, CRC, every chunk
+    segments/*.qseg.tmp      a finalize cut short (any other non-segment is stray too)
+    segments/FLOOR           decodes
+    ack.log                  replayed on a copy: header, record CRCs, torn tail
+
+Checking never writes (LOCK is created if absent, to flock it). ``--repair`` does
+what daemon startup would do, then checks again: bad segments and temp files move
+to ``quarantine/``, WAL replay copies damage there and cuts torn tails, ack.log
+replay does the same (plus a compaction that drops records it copied). Nothing is
+deleted. Damage replay already copied to quarantine but still skips is a note,
+not a finding: it no longer needs a repair.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+import pyarrow as pa
+
+from quiverd import acklog, walreplay
+from quiverd import walformat as wf
+from quiverd.durable import fsync_dir
+from quiverd.errors import AlreadyRunning, CorruptRecord, FormatMismatch, QuiverError
+from quiverd.segment_reader import verify_segment
+from quiverd.shard import FLOOR, _quarantine, read_floor
+
+# Findings beyond this are counted, not listed: a shredded disk must not make fsck
+# hold one object per damaged byte range.
+MAX_LISTED = 1000
+# fsck has no config: accept any length a u32 allows, so a repair never cuts an
+# entry a daemon with a large ``wal.max_entry_bytes`` would keep.
+MAX_ENTRY_BYTES = wf.MAX_ENTRY_LEN
+SHARD_DIR = re.compile(r"shard-(\d+)")
+_WAL_QUARANTINED = re.compile(r"quiver\.wal\.(\d+)\.(\d+)\.(corrupt|skipped)")
+_MOVED_KINDS = frozenset({"segment_corrupt", "segment_temp", "segment_stray", "wal_sidecar"})
+_WAL_REPLAY_KINDS = frozenset({"wal_torn_tail", "wal_corrupt_entry", "wal_damage"})
+_ACK_REPLAY_KINDS = frozenset({"ack_torn_tail", "ack_corrupt_record"})
+
+
+class Finding(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    offset: int | None
+    kind: str
+    message: str
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[Finding] = field(default_factory=list)
+    checked: Counter[str] = field(default_factory=Counter)
+    unlisted: int = 0
+
+    @property
+    def healthy(self) -> bool:
+        return not self.findings and not self.unlisted
+
+    def add(self, path: Path, offset: int | None, kind: str, message: str, *,
+            note: bool = False) -> None:
+        listed = self.notes if note else self.findings
+        if len(listed) < MAX_LISTED:
+            listed.append(Finding(path=str(path), offset=offset, kind=kind, message=message))
+        elif not note:
+            self.unlisted += 1
+
+
+def run_fsck(data_dir: Path, *, repair: bool, as_json: bool) -> int:
+    """Check ``data_dir`` (and repair it); exit code 0 when healthy, 1 with findings."""
+    lock_fd = _lock(data_dir)
+    try:
+        shards = shard_dirs(data_dir)
+        report = check_data_dir(shards, _Progress.for_stderr())
+        repairs: list[dict[str, Any]] = []
+        if repair and not report.healthy:
+            repairs = repair_findings(report.findings)
+            report = check_data_dir(shards, _Progress.for_stderr())
+        if as_json:
+            out: dict[str, Any] = {
+                "healthy": report.healthy,
+                "findings": msgspec.to_builtins(report.findings),
+                "notes": msgspec.to_builtins(report.notes),
+                "unlisted_findings": report.unlisted, "checked": dict(report.checked),
+            }
+            if repair:
+                out["repairs"] = repairs
+            print(json.dumps(out, default=str))
+        else:
+            _print_summary(data_dir, report, repairs, repair=repair)
+        return 0 if report.healthy else 1
+    finally:
+        os.close(lock_fd)
+
+
+def shard_dirs(data_dir: Path) -> list[Path]:
+    found = [p for p in data_dir.iterdir() if p.is_dir() and SHARD_DIR.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+@dataclass
+class _ShardFiles:
+    shard: Path
+    layout: walreplay.WalLayout
+    segments: list[Path]
+    ack_log: Path | None
+
+    @classmethod
+    def of(cls, shard: Path) -> _ShardFiles:
+        seg_dir = shard / "segments"
+        segments = sorted(p for p in seg_dir.iterdir() if p.name != FLOOR + ".tmp") \
+            if seg_dir.is_dir() else []
+        ack = shard / "ack.log"
+        return cls(shard, walreplay.wal_layout(shard / "wal"), segments,
+                   ack if ack.exists() else None)
+
+    def paths(self) -> list[Path]:
+        sidecar = self.shard / "wal" / walreplay.SIDECAR_NAME
+        listed = [*self.layout.files.values(), *self.segments]
+        return [*listed, *([sidecar] if sidecar.exists() else []),
+                *([self.ack_log] if self.ack_log else [])]
+
+
+def check_data_dir(shards: list[Path], progress: _Progress) -> Report:
+    """Read-only check of every shard; findings say what replay or startup would hit."""
+    report = Report()
+    files = [_ShardFiles.of(shard) for shard in shards]
+    paths = [p for f in files for p in f.paths()]
+    progress.start(len(paths), sum(_size(p) for p in paths))
+    for f in files:
+        report.checked["shards"] += 1
+        _check_wal(f, report, progress)
+        _check_segments(f, report, progress)
+        if f.ack_log is not None:
+            _check_ack_log(f.ack_log, report)
+            progress.advance(_size(f.ack_log))
+    progress.finish()
+    return report
+
+
+def _check_wal(files: _ShardFiles, report: Report, progress: _Progress) -> None:
+    layout = files.layout
+    sidecar = files.shard / "wal" / walreplay.SIDECAR_NAME
+    if layout.sidecar_state != "missing":
+        report.checked["sidecars"] += 1
+        progress.advance(_size(sidecar))
+    if layout.sidecar_state in ("corrupt", "out_of_range"):
+        report.add(sidecar, 0, "wal_sidecar",
+                   f"{layout.sidecar_problem}; replay starts at the oldest WAL file instead")
+    handled = _wal_quarantined(files.shard / "quarantine")
+    rows = _WalRows(report, handled)
+    for gen, path in layout.files.items():
+        size = _size(path)
+        report.checked["wal_files"] += 1
+        report.checked["wal_bytes"] += size
+        # Replay writes the header of an empty active file: a crash right after creating it.
+        if size > 0 or gen != layout.active_generation:
+            for row in walreplay.dump_wal(path):
+                rows.check(path, gen, row)
+        progress.advance(size)
+
+
+class _WalRows:
+    """Turns ``dump_wal`` rows into findings; sequence checks span a shard's files."""
+
+    def __init__(self, report: Report, handled: dict[int, list[tuple[int, int]]]) -> None:
+        self.report = report
+        self.handled = handled
+        self.last_seq: int | None = None
+        self.skipped = 0  # damaged entries since the last sound one: each used a sequence
+
+    def check(self, path: Path, gen: int, row: dict[str, Any]) -> None:
+        kind, offset, report = row["kind"], row.get("offset"), self.report
+        if kind == "error":
+            report.add(path, offset, "wal_header", f"{row['message']}; replay refuses this shard")
+        elif kind == "header" and not row["cfg_hash_is_default"]:
+            report.add(path, 14, "wal_header", f"segment cfg hash {row['cfg_hash']} is not "
+                       "this build's; replay refuses this shard")
+        elif kind == "released":
+            report.checked["wal_released_bytes"] += row["bytes"]
+        elif kind == "hole":
+            # Released entries punched out while the sidecar was lost: sequences jump here.
+            report.checked["wal_hole_bytes"] += row["bytes"]
+            self.last_seq = None
+        elif kind == "skipped":
+            self._damage(path, gen, row["offset"], row["bytes"], "wal_damage", row["message"])
+            self.last_seq = None
+        elif kind == "torn_tail":
+            report.add(path, offset, "wal_torn_tail", f"last {row['bytes']} bytes are no "
+                       f"complete entry ({row['message']}); replay cuts them")
+        elif kind == "entry":
+            self._entry(path, gen, row)
+
+    def _entry(self, path: Path, gen: int, row: dict[str, Any]) -> None:
+        self.report.checked["wal_entries"] += 1
+        if row["crc"] != "ok" or row["problem"]:
+            why = row["problem"] or "crc mismatch"
+            self._damage(path, gen, row["offset"], row["bytes"], "wal_corrupt_entry",
+                         f"entry of {row['bytes']} bytes: {why}")
+            self.skipped += 1
+            return
+        if row["entry_type"] not in wf.KNOWN_ENTRY_TYPES:
+            return
+        seq = row["sequence"]
+        if self.last_seq is not None and seq != self.last_seq + 1 + self.skipped:
+            expected = self.last_seq + 1 + self.skipped
+            self.report.add(path, row["offset"], "wal_sequence_gap",
+                            f"sequence {seq} where {expected} was expected: entries are missing")
+        self.last_seq, self.skipped = seq, 0
+
+    def _damage(self, path: Path, gen: int, offset: int, nbytes: int, kind: str,
+                message: str) -> None:
+        copied = any(lo <= offset and offset + nbytes <= hi for lo, hi in self.handled.get(gen, []))
+        if copied:
+            message += "; already copied to quarantine/, replay skips it (counted as lost)"
+        self.report.add(path, offset, kind, message, note=copied)
+
+
+def _wal_quarantined(quarantine_dir: Path) -> dict[int, list[tuple[int, int]]]:
+    """Byte ranges, per generation, that WAL replay copied to quarantine and skips."""
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    if quarantine_dir.is_dir():
+        for p in quarantine_dir.iterdir():
+            if m := _WAL_QUARANTINED.fullmatch(p.name):
+                start = int(m.group(2))
+                ranges.setdefault(int(m.group(1)), []).append((start, start + _size(p)))
+    return ranges
+
+
+def _check_segments(files: _ShardFiles, report: Report, progress: _Progress) -> None:
+    for path in files.segments:
+        size = _size(path)
+        if path.name == FLOOR:
+            try:
+                read_floor(path.parent)
+            except CorruptRecord as exc:
+                report.add(path, 0, "segment_floor", f"{_reason(exc)}; the shard will not start")
+        elif path.name.endswith(".qseg.tmp"):
+            report.add(path, None, "segment_temp",
+                       "temp file of a finalize cut short; its bundles are still in the WAL")
+        elif path.suffix != ".qseg" or not path.is_file():
+            report.add(path, None, "segment_stray", "not a segment; startup would quarantine it")
+        else:
+            report.checked["segments"] += 1
+            report.checked["segment_bytes"] += size
+            _verify(path, report)
+        progress.advance(size)
+
+
+def _verify(path: Path, report: Report) -> None:
+    try:
+        verify_segment(path)
+    except FormatMismatch as exc:
+        report.add(path, exc.offset, "segment_format",
+                   f"{_reason(exc)}; not moved: read it with the build that wrote it")
+    except CorruptRecord as exc:
+        report.add(path, exc.offset, "segment_corrupt", _reason(exc))
+    except (pa.ArrowException, ValueError, IndexError, KeyError, OSError) as exc:
+        # The checksum held, so these are the bytes a writer meant: a bug, not damage.
+        # Moving the file would turn a reader bug into lost bundles, so repair leaves it.
+        report.add(path, None, "segment_unreadable",
+                   f"checksum ok but reading failed: {exc!r}; not moved by --repair")
+
+
+def _check_ack_log(path: Path, report: Report) -> None:
+    """Replay a copy: acklog's replay cuts torn tails, and checking must not write."""
+    report.checked["ack_logs"] += 1
+    report.checked["ack_log_bytes"] += _size(path)
+    events = _Events()
+    with tempfile.TemporaryDirectory(prefix="quiverd-fsck-") as tmp:
+        copy = Path(tmp) / path.name
+        shutil.copyfile(path, copy)
+        try:
+            acklog.scan_ack_log(copy, Path(tmp) / "quarantine", log=events)
+        except CorruptRecord as exc:
+            report.add(path, exc.offset, "ack_log", f"{_reason(exc)}; the shard will not start")
+            return
+    for e in events.named("ack_log_quarantined"):
+        torn = e["kind"] == "torn_tail"
+        report.add(path, e["offset"], "ack_torn_tail" if torn else "ack_corrupt_record",
+                   f"{e['bytes']} bytes: " + ("no complete record; replay cuts them" if torn
+                                              else "crc mismatch; replay skips the record"))
+
+
+def repair_findings(findings: list[Finding]) -> list[dict[str, Any]]:
+    """Do what daemon startup does about ``findings``; returns the events of each step."""
+    events = _Events()
+    wal_shards: set[Path] = set()
+    ack_logs: set[Path] = set()
+    for f in findings:
+        path = Path(f.path)
+        if f.kind in _MOVED_KINDS:
+            # A sidecar replay ignores anyway: moving it changes nothing but the report.
+            _move_to_quarantine(path, path.parent.parent / "quarantine", events, f.message)
+        elif f.kind in _WAL_REPLAY_KINDS:
+            wal_shards.add(path.parent.parent)
+        elif f.kind in _ACK_REPLAY_KINDS:
+            ack_logs.add(path)
+    for shard in sorted(wal_shards):
+        try:
+            walreplay.replay_wal(shard / "wal", shard / "quarantine", cfg_hash=wf.DEFAULT_CFG_HASH,
+                                 max_entry_bytes=MAX_ENTRY_BYTES, log=events)
+        except QuiverError as exc:
+            events.error("wal_repair_refused", shard=str(shard), error=str(exc))
+    for path in sorted(ack_logs):
+        scan = acklog.scan_ack_log(path, path.parent / "quarantine", log=events)
+        if scan.corrupt_records:
+            # The skipped records are in quarantine/; compaction stops replay re-reading them.
+            acklog.compact(path, scan.state)
+            events.warning("ack_log_compacted", path=str(path))
+    return events.records
+
+
+def _move_to_quarantine(path: Path, quarantine_dir: Path, events: _Events, reason: str) -> None:
+    if not quarantine_dir.is_dir():
+        quarantine_dir.mkdir()
+        fsync_dir(quarantine_dir.parent)
+    _quarantine(path, quarantine_dir, events, reason=reason)
+
+
+def _lock(data_dir: Path) -> int:
+    """flock LOCK like the daemon does: fsck on a live directory would race its writers."""
+    if not data_dir.is_dir():
+        raise QuiverError(f"{data_dir} is not a directory",
+                          hint="pass the daemon's data_dir (the data_dir key of its config)")
+    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise AlreadyRunning(
+            f"{data_dir} is in use by a running quiverd (pid {holder}); fsck needs it stopped",
+            hint="stop the daemon (systemctl stop quiverd), then rerun fsck; "
+                 "`quiverd status` shows a live daemon's state",
+        ) from None
+    return fd
+
+
+class _Events:
+    """Logger for replay and quarantine calls: keeps warnings and errors as repair records."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        pass
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._keep("warning", event, kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._keep("error", event, kw)
+
+    def _keep(self, level: str, event: str, kw: dict[str, Any]) -> None:
+        if len(self.records) < MAX_LISTED:
+            self.records.append({"event": event, "level": level, **kw})
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["event"] == event]
+
+
+class _Progress:
+    """``files done/total, bytes`` on one ``\\r`` line; silent unless stderr is a TTY."""
+
+    def __init__(self, stream: TextIO | None, interval_s: float = 0.1) -> None:
+        self.stream = stream
+        self.interval_s = interval_s
+        self.files = self.total_files = self.bytes = self.total_bytes = 0
+        self._drawn_at = 0.0
+
+    @classmethod
+    def for_stderr(cls) -> _Progress:
+        return cls(sys.stderr if sys.stderr.isatty() else None)
+
+    def start(self, total_files: int, total_bytes: int) -> None:
+        self.total_files, self.total_bytes = total_files, total_bytes
+        self._draw(force=True)
+
+    def advance(self, nbytes: int) -> None:
+        self.files += 1
+        self.bytes += nbytes
+        self._draw(force=self.files >= self.total_files)
+
+    def finish(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def _draw(self, *, force: bool) -> None:
+        now = time.monotonic()
+        if self.stream is None or (not force and now - self._drawn_at < self.interval_s):
+            return
+        self._drawn_at = now
+        self.stream.write(f"\rfsck: {self.files}/{self.total_files} files, "
+                          f"{_human(self.bytes)}/{_human(self.total_bytes)}\033[K")
+        self.stream.flush()
+
+
+def _print_summary(data_dir: Path, report: Report, repairs: list[dict[str, Any]], *,
+                   repair: bool) -> None:
+    c = report.checked
+    print(f"quiverd fsck {data_dir}: {c['shards']} shards, {c['wal_files']} WAL files "
+          f"({_human(c['wal_bytes'])}, {c['wal_entries']} live entries), {c['segments']} "
+          f"segments ({_human(c['segment_bytes'])}), {c['ack_logs']} ack logs")
+    for r in repairs:
+        detail = "  ".join(f"{k}={v}" for k, v in r.items() if k not in ("event", "level"))
+        print(f"repair  {r['event']}  {detail}")
+    for label, items in (("FINDING", report.findings), ("note", report.notes)):
+        for f in items:
+            where = "" if f.offset is None else f" @ {f.offset}"
+            print(f"{label}  {f.kind}  {f.path}{where}: {f.message}")
+    if report.unlisted:
+        print(f"... and {report.unlisted} more findings not listed")
+    total = len(report.findings) + report.unlisted
+    after = " after repair" if repair and repairs else ""
+    print(f"healthy{after}" if report.healthy else
+          f"{total} findings{after}" + ("" if repair else "; `quiverd fsck --repair` fixes "
+                                        "what daemon startup would"))
+
+
+def _reason(exc: CorruptRecord) -> str:
+    return str(exc).removeprefix(f"{exc.path} at offset {exc.offset}: ")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"

@@ -1,0 +1,102 @@
+"""The CLI against a real daemon: send, status, wal dump, segments list, check-config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.daemon.helpers import stored_bundles, tagged_table
+
+
+def quiverd(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "quiverd", *args], capture_output=True,
+                          text=True, timeout=60)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_send_ipc_and_parquet_files_one_bundle_per_batch(daemon_factory, tmp_path):
+    d = daemon_factory({"segment.max_open_duration_ms": 100}).start()
+    table = pa.concat_tables([tagged_table(i) for i in range(5)])
+    ipc = tmp_path / "t.arrow"
+    with pa.ipc.new_file(ipc, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=100):
+            w.write_batch(batch)
+    parquet = tmp_path / "t.parquet"
+    pq.write_table(table, parquet, row_group_size=250)
+    out = quiverd("send", "--socket", str(d.socket), "--client", "cli", "--json",
+                  str(ipc), str(parquet))
+    acks = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len([a for a in acks if a["file"] == str(ipc)]) == 5  # one bundle per batch
+    assert sum(a["rows"] for a in acks if a["file"] == str(parquet)) == table.num_rows
+    status = json.loads(quiverd("status", "--socket", str(d.admin_socket), "--json").stdout)
+    assert sum(s["acks"] for s in status["shards"]) == len(acks)
+    plain = quiverd("status", "--socket", str(d.admin_socket)).stdout
+    assert "last_sequence" in plain and "fsyncs" in plain
+    assert d.stop() == 0
+    rows = sum(b.slots[0].num_rows for b in stored_bundles(d.data_dir).values())
+    assert rows == 2 * table.num_rows
+
+
+def test_send_to_a_missing_socket_fails_clearly(tmp_path):
+    f = tmp_path / "t.arrow"
+    with pa.ipc.new_file(f, tagged_table(0).schema) as w:
+        w.write_table(tagged_table(0))
+    proc = quiverd("send", "--socket", str(tmp_path / "nope.sock"), "--client", "x", str(f),
+                   check=False)
+    assert proc.returncode == 1
+    assert "No such file or directory" in proc.stderr
+
+
+def test_kill_9_then_wal_dump_shows_every_acknowledged_bundle(daemon_factory):
+    # Segments stay open (long duration, large size): the bundles live only in the WAL.
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 600_000}).start()
+    from quiverd.client import Client
+
+    with Client.connect(d.socket) as c:
+        acks = c.send_many([tagged_table(i) for i in range(25)], client="w")
+    d.kill()
+    d.start()
+    assert d.status()["shards"][0]["open_bundles"] == 25
+    d.kill()
+    dump = quiverd("wal", "dump", str(d.data_dir / "shard-0/wal/quiver.wal"), "--json")
+    rows = [json.loads(line) for line in dump.stdout.splitlines()]
+    entries = [r for r in rows if r["kind"] == "entry"]
+    assert {r["sequence"] for r in entries} == {a.sequence for a in acks}
+    assert all(r["crc"] == "ok" for r in entries)
+    assert rows[0]["kind"] == "header"
+
+
+def test_segments_list_and_segment_dump(daemon_factory):
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}).start()
+    from quiverd.client import Client
+
+    with Client.connect(d.socket) as c:
+        c.send_many([tagged_table(i) for i in range(3)], client="s")
+    import time
+
+    time.sleep(0.5)
+    rows = json.loads(quiverd("segments", "list", "--socket", str(d.admin_socket),
+                              "--json").stdout)
+    assert rows and sum(r["bundles"] for r in rows) == 3
+    info = json.loads(quiverd("segment", "dump", rows[0]["path"], "--json").stdout)
+    assert info
+    assert "segment_seq" in quiverd("segments", "list", "--socket", str(d.admin_socket)).stdout
+
+
+def test_check_config_names_the_bad_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('data_dir = "/tmp/x"\n[wal]\nflush_polcy = "always"\n')
+    proc = quiverd("check-config", str(bad), check=False)
+    assert proc.returncode == 1
+    assert "wal.flush_polcy" in proc.stderr and "unknown key" in proc.stderr
+    bad.write_text('data_dir = "/tmp/x"\n[wal]\nflush_policy = "sometimes"\n')
+    proc = quiverd("check-config", str(bad), check=False)
+    assert "wal.flush_policy" in proc.stderr
+    good = quiverd("check-config", "config.toml")
+    assert "ok" in good.stdout
