@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from quiverd.messages import FinalizedSegment, SealedSegment, WalReleased
 from quiverd.segment import encode_segment, write_segment
+from quiverd.shard_files import FLOOR, Floor, write_marker
 
 
 @dataclass
@@ -71,6 +72,10 @@ async def run(
 
 
 def _write(path: Path, segment: Any, max_dictionary_cardinality: int, hook: Any) -> int:
-    """Encode and durably write one segment (worker thread)."""
+    """Encode and durably write one segment, then raise the floor (worker thread)."""
     pieces = encode_segment(segment, max_dictionary_cardinality=max_dictionary_cardinality)
-    return write_segment(path, pieces, hook=hook)
+    size = write_segment(path, pieces, hook=hook)
+    write_marker(path.parent / FLOOR, Floor(segment_seq=int(path.stem)))
+    if hook is not None:
+        hook("floor_written")
+    return size

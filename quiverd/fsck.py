@@ -8,7 +8,7 @@ Checked per ``shard-<n>/`` (SPEC §2)::
                              released (maybe punched holes), never read as entries
     segments/*.qseg          verify_segment: trailer, footer bounds, CRC, every chunk
     segments/*.qseg.tmp      a finalize cut short (any other non-segment is stray too)
-    segments/FLOOR           decodes
+    segments/FLOOR, DELETED  markers decode
     ack.log                  replayed on a copy: header, record CRCs, torn tail
 
 Checking never writes (LOCK is created if absent, to flock it). ``--repair`` does
@@ -28,9 +28,8 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -42,7 +41,7 @@ from quiverd import walformat as wf
 from quiverd.durable import fsync_dir
 from quiverd.errors import AlreadyRunning, CorruptRecord, FormatMismatch, QuiverError
 from quiverd.segment_reader import verify_segment
-from quiverd.shard import FLOOR, _quarantine, read_floor
+from quiverd.shard_files import DELETED, FLOOR, Deleted, Floor, read_marker
 
 # Findings beyond this are counted, not listed: a shredded disk must not make fsck
 # hold one object per damaged byte range.
@@ -51,6 +50,7 @@ MAX_LISTED = 1000
 # entry a daemon with a large ``wal.max_entry_bytes`` would keep.
 MAX_ENTRY_BYTES = wf.MAX_ENTRY_LEN
 SHARD_DIR = re.compile(r"shard-(\d+)")
+_MARKERS: dict[str, type[Floor] | type[Deleted]] = {FLOOR: Floor, DELETED: Deleted}
 _WAL_QUARANTINED = re.compile(r"quiver\.wal\.(\d+)\.(\d+)\.(corrupt|skipped)")
 _MOVED_KINDS = frozenset({"segment_corrupt", "segment_temp", "segment_stray", "wal_sidecar"})
 _WAL_REPLAY_KINDS = frozenset({"wal_torn_tail", "wal_corrupt_entry", "wal_damage"})
@@ -64,16 +64,15 @@ class Finding(msgspec.Struct, frozen=True, kw_only=True):
     message: str
 
 
-@dataclass
-class Report:
-    findings: list[Finding] = field(default_factory=list)
-    notes: list[Finding] = field(default_factory=list)
-    checked: Counter[str] = field(default_factory=Counter)
-    unlisted: int = 0
+class Report(msgspec.Struct, kw_only=True):
+    findings: list[Finding] = msgspec.field(default_factory=list)
+    notes: list[Finding] = msgspec.field(default_factory=list)  # damage already handled
+    unlisted_findings: int = 0
+    checked: dict[str, int] = msgspec.field(default_factory=Counter)
 
     @property
     def healthy(self) -> bool:
-        return not self.findings and not self.unlisted
+        return not self.findings and not self.unlisted_findings
 
     def add(self, path: Path, offset: int | None, kind: str, message: str, *,
             note: bool = False) -> None:
@@ -81,7 +80,7 @@ class Report:
         if len(listed) < MAX_LISTED:
             listed.append(Finding(path=str(path), offset=offset, kind=kind, message=message))
         elif not note:
-            self.unlisted += 1
+            self.unlisted_findings += 1
 
 
 def run_fsck(data_dir: Path, *, repair: bool, as_json: bool) -> int:
@@ -89,20 +88,15 @@ def run_fsck(data_dir: Path, *, repair: bool, as_json: bool) -> int:
     lock_fd = _lock(data_dir)
     try:
         shards = shard_dirs(data_dir)
-        report = check_data_dir(shards, _Progress.for_stderr())
+        progress = _Progress(sys.stderr if sys.stderr.isatty() else None)
+        report = check_data_dir(shards, progress)
         repairs: list[dict[str, Any]] = []
         if repair and not report.healthy:
             repairs = repair_findings(report.findings)
-            report = check_data_dir(shards, _Progress.for_stderr())
+            report = check_data_dir(shards, progress)
         if as_json:
-            out: dict[str, Any] = {
-                "healthy": report.healthy,
-                "findings": msgspec.to_builtins(report.findings),
-                "notes": msgspec.to_builtins(report.notes),
-                "unlisted_findings": report.unlisted, "checked": dict(report.checked),
-            }
-            if repair:
-                out["repairs"] = repairs
+            out = {"healthy": report.healthy, **msgspec.to_builtins(report),
+                   **({"repairs": repairs} if repair else {})}
             print(json.dumps(out, default=str))
         else:
             _print_summary(data_dir, report, repairs, repair=repair)
@@ -113,7 +107,7 @@ def run_fsck(data_dir: Path, *, repair: bool, as_json: bool) -> int:
 
 def shard_dirs(data_dir: Path) -> list[Path]:
     found = [p for p in data_dir.iterdir() if p.is_dir() and SHARD_DIR.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    return sorted(found, key=lambda p: int(p.name[len("shard-"):]))
 
 
 @dataclass
@@ -126,7 +120,9 @@ class _ShardFiles:
     @classmethod
     def of(cls, shard: Path) -> _ShardFiles:
         seg_dir = shard / "segments"
-        segments = sorted(p for p in seg_dir.iterdir() if p.name != FLOOR + ".tmp") \
+        # A marker's .tmp is an atomic write cut short: the marker itself is intact.
+        leftovers = {name + ".tmp" for name in _MARKERS}
+        segments = sorted(p for p in seg_dir.iterdir() if p.name not in leftovers) \
             if seg_dir.is_dir() else []
         ack = shard / "ack.log"
         return cls(shard, walreplay.wal_layout(shard / "wal"), segments,
@@ -134,9 +130,8 @@ class _ShardFiles:
 
     def paths(self) -> list[Path]:
         sidecar = self.shard / "wal" / walreplay.SIDECAR_NAME
-        listed = [*self.layout.files.values(), *self.segments]
-        return [*listed, *([sidecar] if sidecar.exists() else []),
-                *([self.ack_log] if self.ack_log else [])]
+        extra = [sidecar] if self.layout.sidecar_state != "missing" else []
+        return [*self.layout.files.values(), *self.segments, *extra, *filter(None, [self.ack_log])]
 
 
 def check_data_dir(shards: list[Path], progress: _Progress) -> Report:
@@ -164,7 +159,8 @@ def _check_wal(files: _ShardFiles, report: Report, progress: _Progress) -> None:
         progress.advance(_size(sidecar))
     if layout.sidecar_state in ("corrupt", "out_of_range"):
         report.add(sidecar, 0, "wal_sidecar",
-                   f"{layout.sidecar_problem}; replay starts at the oldest WAL file instead")
+                   f"{_strip(layout.sidecar_problem, sidecar)}; replay starts at the oldest "
+                   "WAL file instead")
     handled = _wal_quarantined(files.shard / "quarantine")
     rows = _WalRows(report, handled)
     for gen, path in layout.files.items():
@@ -186,11 +182,14 @@ class _WalRows:
         self.handled = handled
         self.last_seq: int | None = None
         self.skipped = 0  # damaged entries since the last sound one: each used a sequence
+        self.previous = ""  # kind of the row before
 
     def check(self, path: Path, gen: int, row: dict[str, Any]) -> None:
         kind, offset, report = row["kind"], row.get("offset"), self.report
+        previous, self.previous = self.previous, kind
         if kind == "error":
-            report.add(path, offset, "wal_header", f"{row['message']}; replay refuses this shard")
+            report.add(path, offset, "wal_header",
+                       f"{_strip(row['message'], path)}; replay refuses this shard")
         elif kind == "header" and not row["cfg_hash_is_default"]:
             report.add(path, 14, "wal_header", f"segment cfg hash {row['cfg_hash']} is not "
                        "this build's; replay refuses this shard")
@@ -200,12 +199,16 @@ class _WalRows:
             # Released entries punched out while the sidecar was lost: sequences jump here.
             report.checked["wal_hole_bytes"] += row["bytes"]
             self.last_seq = None
+        elif kind == "skipped" and previous == "hole":
+            report.add(path, row["offset"], "wal_hole_edge", "tail of a released entry the "
+                       "punched hole cut; replay skips it", note=True)
         elif kind == "skipped":
-            self._damage(path, gen, row["offset"], row["bytes"], "wal_damage", row["message"])
+            self._damage(path, gen, row["offset"], row["bytes"], "wal_damage",
+                         _strip(row["message"], path))
             self.last_seq = None
         elif kind == "torn_tail":
             report.add(path, offset, "wal_torn_tail", f"last {row['bytes']} bytes are no "
-                       f"complete entry ({row['message']}); replay cuts them")
+                       f"complete entry ({_strip(row['message'], path)}); replay cuts them")
         elif kind == "entry":
             self._entry(path, gen, row)
 
@@ -248,16 +251,16 @@ def _wal_quarantined(quarantine_dir: Path) -> dict[int, list[tuple[int, int]]]:
 def _check_segments(files: _ShardFiles, report: Report, progress: _Progress) -> None:
     for path in files.segments:
         size = _size(path)
-        if path.name == FLOOR:
+        if path.name in _MARKERS:
             try:
-                read_floor(path.parent)
+                read_marker(path, _MARKERS[path.name])
             except CorruptRecord as exc:
-                report.add(path, 0, "segment_floor", f"{_reason(exc)}; the shard will not start")
-        elif path.name.endswith(".qseg.tmp"):
-            report.add(path, None, "segment_temp",
-                       "temp file of a finalize cut short; its bundles are still in the WAL")
+                report.add(path, 0, "segment_marker", f"{_reason(exc)}; the shard will not start")
         elif path.suffix != ".qseg" or not path.is_file():
-            report.add(path, None, "segment_stray", "not a segment; startup would quarantine it")
+            temp = path.name.endswith(".qseg.tmp")
+            report.add(path, None, "segment_temp" if temp else "segment_stray",
+                       "temp file of a finalize cut short; its bundles are still in the WAL"
+                       if temp else "not a segment; startup would quarantine it")
         else:
             report.checked["segments"] += 1
             report.checked["segment_bytes"] += size
@@ -293,7 +296,7 @@ def _check_ack_log(path: Path, report: Report) -> None:
         except CorruptRecord as exc:
             report.add(path, exc.offset, "ack_log", f"{_reason(exc)}; the shard will not start")
             return
-    for e in events.named("ack_log_quarantined"):
+    for e in (r for r in events.records if r["event"] == "ack_log_quarantined"):
         torn = e["kind"] == "torn_tail"
         report.add(path, e["offset"], "ack_torn_tail" if torn else "ack_corrupt_record",
                    f"{e['bytes']} bytes: " + ("no complete record; replay cuts them" if torn
@@ -330,10 +333,17 @@ def repair_findings(findings: list[Finding]) -> list[dict[str, Any]]:
 
 
 def _move_to_quarantine(path: Path, quarantine_dir: Path, events: _Events, reason: str) -> None:
+    """Startup's recipe: never overwrite an earlier copy; fsync both directories."""
     if not quarantine_dir.is_dir():
         quarantine_dir.mkdir()
         fsync_dir(quarantine_dir.parent)
-    _quarantine(path, quarantine_dir, events, reason=reason)
+    target, n = quarantine_dir / path.name, 1
+    while target.exists():
+        target, n = quarantine_dir / f"{path.name}.{n}", n + 1
+    os.rename(path, target)  # same shard directory, so same filesystem
+    fsync_dir(quarantine_dir)
+    fsync_dir(path.parent)
+    events.warning("file_quarantined", path=str(path), moved_to=str(target), reason=reason)
 
 
 def _lock(data_dir: Path) -> int:
@@ -374,42 +384,31 @@ class _Events:
         if len(self.records) < MAX_LISTED:
             self.records.append({"event": event, "level": level, **kw})
 
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [r for r in self.records if r["event"] == event]
-
 
 class _Progress:
     """``files done/total, bytes`` on one ``\\r`` line; silent unless stderr is a TTY."""
 
-    def __init__(self, stream: TextIO | None, interval_s: float = 0.1) -> None:
+    def __init__(self, stream: TextIO | None) -> None:
         self.stream = stream
-        self.interval_s = interval_s
         self.files = self.total_files = self.bytes = self.total_bytes = 0
-        self._drawn_at = 0.0
-
-    @classmethod
-    def for_stderr(cls) -> _Progress:
-        return cls(sys.stderr if sys.stderr.isatty() else None)
 
     def start(self, total_files: int, total_bytes: int) -> None:
-        self.total_files, self.total_bytes = total_files, total_bytes
-        self._draw(force=True)
+        self.files, self.total_files, self.bytes, self.total_bytes = 0, total_files, 0, total_bytes
+        self._draw()
 
     def advance(self, nbytes: int) -> None:
         self.files += 1
         self.bytes += nbytes
-        self._draw(force=self.files >= self.total_files)
+        self._draw()
 
     def finish(self) -> None:
         if self.stream is not None:
             self.stream.write("\r\033[K")
             self.stream.flush()
 
-    def _draw(self, *, force: bool) -> None:
-        now = time.monotonic()
-        if self.stream is None or (not force and now - self._drawn_at < self.interval_s):
+    def _draw(self) -> None:
+        if self.stream is None:
             return
-        self._drawn_at = now
         self.stream.write(f"\rfsck: {self.files}/{self.total_files} files, "
                           f"{_human(self.bytes)}/{_human(self.total_bytes)}\033[K")
         self.stream.flush()
@@ -428,9 +427,9 @@ def _print_summary(data_dir: Path, report: Report, repairs: list[dict[str, Any]]
         for f in items:
             where = "" if f.offset is None else f" @ {f.offset}"
             print(f"{label}  {f.kind}  {f.path}{where}: {f.message}")
-    if report.unlisted:
-        print(f"... and {report.unlisted} more findings not listed")
-    total = len(report.findings) + report.unlisted
+    if report.unlisted_findings:
+        print(f"... and {report.unlisted_findings} more findings not listed")
+    total = len(report.findings) + report.unlisted_findings
     after = " after repair" if repair and repairs else ""
     print(f"healthy{after}" if report.healthy else
           f"{total} findings{after}" + ("" if repair else "; `quiverd fsck --repair` fixes "
@@ -441,6 +440,11 @@ def _reason(exc: CorruptRecord) -> str:
     return str(exc).removeprefix(f"{exc.path} at offset {exc.offset}: ")
 
 
+def _strip(message: str, path: Path) -> str:
+    """Drop the ``<path> at offset <n>: `` a CorruptRecord puts first: findings name both."""
+    return re.sub(rf"{re.escape(str(path))} at offset \d+: ", "", message)
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -449,9 +453,7 @@ def _size(path: Path) -> int:
 
 
 def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
+    if n < 1024:
+        return f"{n} B"
+    exp = min(3, (n.bit_length() - 1) // 10)
+    return f"{n / 1024 ** exp:.1f} {('KiB', 'MiB', 'GiB')[exp - 1]}"

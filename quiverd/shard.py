@@ -1,7 +1,9 @@
 """One shard: its directory, its recovery, and the pipeline of its actors.
 
     shard-<n>/wal/          WAL files + truncate sidecar (quiverd.wal)
-    shard-<n>/segments/     <seq:016>.qseg, read-only; FLOOR (highest numbers ever used)
+    shard-<n>/segments/     <seq:016>.qseg, read-only
+                            FLOOR    highest segment seq ever finalized (finalizer)
+                            DELETED  highest WAL sequence of a deleted segment (gc)
     shard-<n>/quarantine/   bytes cut out during recovery, never silently dropped
 
 Recovery (blocking, in a worker thread): verify every segment (a bad one moves
@@ -19,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 
 from actors import finalizer, segment_builder, wal_writer
 from quiverd import logs, walformat
 from quiverd.bundle import Bundle, split_meta
 from quiverd.config import Config
-from quiverd.durable import atomic_write, fsync_dir
+from quiverd.durable import fsync_dir
 from quiverd.errors import CorruptRecord
 from quiverd.messages import (
     AppendRequest,
@@ -35,17 +36,9 @@ from quiverd.messages import (
     WalReleased,
 )
 from quiverd.segment_reader import SegmentReader
+from quiverd.shard_files import DELETED, FLOOR, Deleted, Floor, read_marker
 from quiverd.wal import WalFiles
 from quiverd.walreplay import replay_wal
-
-FLOOR = "FLOOR"
-
-
-class Floor(msgspec.Struct, frozen=True, kw_only=True):
-    """Highest segment seq and WAL sequence ever covered by a (maybe deleted) segment."""
-
-    segment_seq: int = 0
-    wal_sequence: int = 0
 
 
 @dataclass
@@ -105,12 +98,13 @@ class Shard:
         for d in (self.wal_dir, self.segments_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
         segments, quarantined = scan_segments(self.segments_dir, self.quarantine_dir, self.log)
-        floor = read_floor(self.segments_dir)
+        floor = read_marker(self.segments_dir / FLOOR, Floor)
+        deleted = read_marker(self.segments_dir / DELETED, Deleted)
         state = replay_wal(self.wal_dir, self.quarantine_dir, cfg_hash=walformat.DEFAULT_CFG_HASH,
                            max_entry_bytes=self.cfg.wal.max_entry_bytes, log=self.log)
-        covered = _Coverage(segments, floor.wal_sequence)
+        covered = _Coverage(segments, deleted.wal_sequence)
         open_bundles = [_bundle_of(e) for e in state.entries if not covered.holds(e.sequence)]
-        high = max([floor.wal_sequence, *(s.last_sequence for s in segments)])
+        high = max([deleted.wal_sequence, *(s.last_sequence for s in segments)])
         lost = covered.missing({e.sequence for e in state.entries})
         for lo, hi in lost:
             self.log.error("bundles_lost", shard=self.index, first_sequence=lo, last_sequence=hi,
@@ -232,7 +226,7 @@ def scan_segments(segments_dir: Path, quarantine_dir: Path, log: Any
     good: list[SegmentInfo] = []
     quarantined: list[int] = []
     for path in sorted(segments_dir.iterdir()):
-        if path.name == FLOOR or path.name == FLOOR + ".tmp":
+        if path.name in (FLOOR, DELETED, FLOOR + ".tmp", DELETED + ".tmp"):
             continue
         if path.suffix != ".qseg":
             # A *.qseg.tmp is a finalize cut short: its bundles are still in the WAL.
@@ -269,17 +263,3 @@ def _quarantine(path: Path, quarantine_dir: Path, log: Any, *, reason: str) -> N
     fsync_dir(quarantine_dir)
     fsync_dir(path.parent)
     log.warning("file_quarantined", path=str(path), moved_to=str(target), reason=reason)
-
-
-def read_floor(segments_dir: Path) -> Floor:
-    path = segments_dir / FLOOR
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=Floor)
-    except FileNotFoundError:
-        return Floor()
-    except (msgspec.DecodeError, OSError) as exc:
-        raise CorruptRecord(str(path), 0, f"segment floor unreadable: {exc}") from exc
-
-
-def write_floor(segments_dir: Path, floor: Floor) -> None:
-    atomic_write(segments_dir / FLOOR, msgspec.json.encode(floor))

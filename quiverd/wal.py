@@ -190,6 +190,7 @@ class WalFiles:
         else:
             gen, offset = self.generation, self.end_offset
         atomic_write(self.wal_dir / SIDECAR, walformat.encode_sidecar(offset, gen))
+        self._fault("sidecar_written")
         freed = False
         for r in [r for r in self._rotated if r.generation < gen]:
             os.unlink(self.wal_dir / f"{ACTIVE}.{r.generation}")

@@ -423,14 +423,18 @@ def test_dump_wal_hole_without_sidecar_is_not_torn_tail(tmp_path: Path) -> None:
     rows = list(wr.dump_wal(wal))
     kinds = [r["kind"] for r in rows]
     assert "torn_tail" not in kinds and "released" not in kinds
-    holes = [r for r in rows if r["kind"] == "hole"]
-    assert len(holes) == 1 and holes[0]["offset"] < 4096
-    resumed = holes[0]["offset"] + holes[0]["bytes"]
-    assert resumed in offsets and resumed >= 8192
-    entries = [r for r in rows if r["kind"] == "entry"]
-    assert entries[-1]["sequence"] == 120
-    # The entry cut by the hole's start reads as damaged; every later one is sound.
-    assert all(r["crc"] == "ok" for r in entries if r["offset"] >= resumed)
+    i = kinds.index("hole")
+    hole, edge = rows[i], rows[i + 1]
+    # The entry the hole's start cut reads as damaged; the hole starts at the next boundary,
+    # and the tail of the entry its end cut is skipped up to the next sound entry.
+    assert rows[i - 1]["crc"] == "bad" and 4096 - 92 < rows[i - 1]["offset"] < 4096
+    assert hole["offset"] in offsets and 8192 <= hole["offset"] + hole["bytes"] < 8192 + 92
+    assert edge["kind"] == "skipped" and edge["offset"] == hole["offset"] + hole["bytes"]
+    resumed = edge["offset"] + edge["bytes"]
+    assert resumed in offsets and resumed >= 8192 and kinds.count("hole") == 1
+    entries = [r for r in rows[i + 2 :] if r["kind"] == "entry"]
+    assert len(entries) == len(rows) - i - 2 and entries[0]["offset"] == resumed
+    assert all(r["crc"] == "ok" for r in entries) and entries[-1]["sequence"] == 120
 
 
 def test_dump_wal_garbage_before_sound_entry_is_skipped_row(tmp_path: Path) -> None:

@@ -1,0 +1,259 @@
+"""quiverd fsck against real data directories: healthy, damaged, repaired, locked."""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from quiverd import ackformat as af
+from quiverd import cli, fsck
+from quiverd import walformat as wf
+from quiverd import walreplay as wr
+from quiverd.acklog import AckLogFile
+from quiverd.bundle import Bundle, MetaCodec, make_slot
+from quiverd.errors import AlreadyRunning
+from quiverd.segment import OpenSegment, encode_segment, write_segment
+from quiverd.wal import BLOCK, probe_punch_hole, punch_hole
+
+SEGMENT_NAME = f"{1:016d}.qseg"
+
+
+def table(seq: int) -> pa.Table:
+    return pa.table({"x": list(range(seq, seq + 3)), "s": [f"v{seq}"] * 3})
+
+
+def append_entries(wal: Path, seqs: range) -> list[int]:
+    """Append real WAL entries (a data slot plus the metadata slot); returns their offsets."""
+    codec = MetaCodec()
+    offsets = []
+    with open(wal, "ab") as f:
+        for seq in seqs:
+            offsets.append(f.tell())
+            slots = [make_slot(0, table(seq)), codec.encode("app", None)]
+            f.write(b"".join(wf.encode_entry(ts_ns=1_000 + seq, sequence=seq, slots=slots)))
+    return offsets
+
+
+def build_data_dir(root: Path, *, wal_entries: int = 5, segment_bundles: int = 3) -> Path:
+    """shard-0: a segment holding sequences 1..3, a WAL with 1..5 and a sidecar at 4."""
+    shard = root / "shard-0"
+    wal_dir, seg_dir = shard / "wal", shard / "segments"
+    wal_dir.mkdir(parents=True)
+    seg_dir.mkdir()
+    wr.create_wal_file(wal_dir / "quiver.wal", wf.DEFAULT_CFG_HASH)
+    offsets = append_entries(wal_dir / "quiver.wal", range(1, wal_entries + 1))
+    wr.write_sidecar(wal_dir, offsets[segment_bundles], 0)
+    segment = OpenSegment()
+    for seq in range(1, segment_bundles + 1):
+        segment.add(Bundle(client="app", slots=(make_slot(0, table(seq)),),
+                           ingestion_ts_ns=1_000 + seq, sequence=seq))
+    write_segment(seg_dir / SEGMENT_NAME, encode_segment(segment, max_dictionary_cardinality=1024))
+    with AckLogFile.open(shard / "ack.log") as ack:
+        ack.append([af.encode(af.SegmentFinalized(segment_seq=1, bundle_count=segment_bundles))])
+        ack.sync()
+    return root
+
+
+def fsck_json(capsys: pytest.CaptureFixture[str], root: Path, *,
+              repair: bool = False) -> tuple[int, dict[str, Any]]:
+    rc = fsck.run_fsck(root, repair=repair, as_json=True)
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def kinds(out: dict[str, Any], key: str = "findings") -> list[str]:
+    return [f["kind"] for f in out[key]]
+
+
+def flip(path: Path, offset: int) -> None:
+    os.chmod(path, 0o640)
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x40
+    path.write_bytes(raw)
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "LOCK"}
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    yield build_data_dir(tmp_path / "data")
+
+
+def test_fsck_healthy_dir_exit_0_via_cli_json(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = cli.main(["fsck", str(data_dir), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["healthy"] is True and out["findings"] == []
+    checked = out["checked"]
+    assert (checked["shards"], checked["wal_files"], checked["segments"]) == (1, 1, 1)
+    assert checked["wal_entries"] == 2 and checked["wal_released_bytes"] > 0
+    assert (checked["sidecars"], checked["ack_logs"]) == (1, 1)
+
+
+def test_fsck_human_summary_names_findings(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["fsck", str(data_dir)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("healthy")
+    flip(data_dir / "shard-0" / "segments" / SEGMENT_NAME, 100)
+    assert cli.main(["fsck", str(data_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"FINDING  segment_corrupt  {data_dir / 'shard-0' / 'segments' / SEGMENT_NAME}" in out
+    assert "1 findings; `quiverd fsck --repair`" in out
+
+
+def test_fsck_flipped_segment_byte_exit_1_naming_file(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    segment = data_dir / "shard-0" / "segments" / SEGMENT_NAME
+    flip(segment, 100)
+    before = snapshot(data_dir)
+    rc, out = fsck_json(capsys, data_dir)
+    assert rc == 1 and out["healthy"] is False
+    assert out["findings"] == [{"path": str(segment), "offset": segment.stat().st_size - 4,
+                                "kind": "segment_corrupt", "message": out["findings"][0]["message"]}]
+    assert "crc mismatch" in out["findings"][0]["message"]
+    assert snapshot(data_dir) == before  # checking never writes
+
+
+def test_fsck_torn_wal_tail_is_finding(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wal = data_dir / "shard-0" / "wal" / "quiver.wal"
+    good_end = wal.stat().st_size
+    append_entries(wal, range(6, 7))
+    os.truncate(wal, wal.stat().st_size - 7)
+    rc, out = fsck_json(capsys, data_dir)
+    assert rc == 1 and kinds(out) == ["wal_torn_tail"]
+    assert (out["findings"][0]["path"], out["findings"][0]["offset"]) == (str(wal), good_end)
+
+
+def test_fsck_repair_quarantines_segment_and_cuts_torn_tail(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shard = data_dir / "shard-0"
+    segment, wal = shard / "segments" / SEGMENT_NAME, shard / "wal" / "quiver.wal"
+    flip(segment, 100)
+    damaged = segment.read_bytes()
+    (shard / "segments" / f"{2:016d}.qseg.tmp").write_bytes(b"half a segment")
+    good_end = wal.stat().st_size
+    append_entries(wal, range(6, 7))
+    torn = wal.read_bytes()[good_end:-7]
+    os.truncate(wal, wal.stat().st_size - 7)
+    rc, out = fsck_json(capsys, data_dir)
+    assert rc == 1 and sorted(kinds(out)) == ["segment_corrupt", "segment_temp", "wal_torn_tail"]
+
+    rc, out = fsck_json(capsys, data_dir, repair=True)
+    assert rc == 0 and out["healthy"] is True and out["findings"] == []
+    events = [r["event"] for r in out["repairs"]]
+    assert events.count("file_quarantined") == 2 and "wal_torn_tail" in events
+    quarantine = shard / "quarantine"
+    assert (quarantine / SEGMENT_NAME).read_bytes() == damaged
+    assert (quarantine / f"{2:016d}.qseg.tmp").read_bytes() == b"half a segment"
+    assert (quarantine / f"quiver.wal.0.{good_end}.torn").read_bytes() == torn
+    assert list((shard / "segments").iterdir()) == [] and wal.stat().st_size == good_end
+
+    rc, out = fsck_json(capsys, data_dir)
+    assert rc == 0 and out["healthy"] is True
+
+
+def test_fsck_corrupt_wal_entry_repair_leaves_note(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wal = data_dir / "shard-0" / "wal" / "quiver.wal"
+    sidecar = wf.decode_sidecar((wal.parent / "truncate.offset").read_bytes(), path="")
+    raw = bytearray(wal.read_bytes())
+    raw[sidecar.truncate_offset + 40] ^= 1  # sequence 4; sequence 5 still follows
+    wal.write_bytes(raw)
+    rc, out = fsck_json(capsys, data_dir)
+    assert rc == 1 and kinds(out) == ["wal_corrupt_entry"]
+    assert out["findings"][0]["offset"] == sidecar.truncate_offset
+    rc, out = fsck_json(capsys, data_dir, repair=True)
+    assert rc == 0 and kinds(out, "notes") == ["wal_corrupt_entry"]
+    assert "already copied to quarantine" in out["notes"][0]["message"]
+    assert wal.read_bytes() == raw  # replay skips the entry; it deletes nothing
+
+
+def test_fsck_corrupt_sidecar_is_finding_and_repair_moves_it(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sidecar = data_dir / "shard-0" / "wal" / "truncate.offset"
+    flip(sidecar, 15)
+    damaged = sidecar.read_bytes()
+    rc, out = fsck_json(capsys, data_dir)
+    assert rc == 1 and kinds(out) == ["wal_sidecar"]
+    assert out["checked"]["wal_entries"] == 5  # no usable sidecar: the whole file is live
+    rc, out = fsck_json(capsys, data_dir, repair=True)
+    assert rc == 0 and not sidecar.exists()
+    assert (data_dir / "shard-0" / "quarantine" / "truncate.offset").read_bytes() == damaged
+
+
+def test_fsck_punched_wal_with_sidecar_is_healthy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not probe_punch_hole(tmp_path):
+        pytest.skip("filesystem cannot punch holes")
+    root = build_data_dir(tmp_path / "data", wal_entries=80, segment_bundles=60)
+    wal = root / "shard-0" / "wal" / "quiver.wal"
+    keep = wf.decode_sidecar((wal.parent / "truncate.offset").read_bytes(), path="").truncate_offset
+    fd = os.open(wal, os.O_RDWR)
+    try:
+        punch_hole(fd, BLOCK, keep // BLOCK * BLOCK - BLOCK)  # what WalFiles.release does
+    finally:
+        os.close(fd)
+    assert keep // BLOCK > 1
+    rc, out = fsck_json(capsys, root)
+    assert rc == 0 and out["findings"] == [] and out["checked"]["wal_entries"] == 20
+
+
+def test_fsck_ack_log_torn_tail_found_then_repaired(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ack = data_dir / "shard-0" / "ack.log"
+    intact = ack.read_bytes()
+    ack.write_bytes(intact + af.encode(af.SegmentDeleted(segment_seq=1))[:5])
+    rc, out = fsck_json(capsys, data_dir)
+    assert rc == 1 and kinds(out) == ["ack_torn_tail"]
+    assert out["findings"][0]["offset"] == len(intact)
+    assert len(ack.read_bytes()) == len(intact) + 5  # the check replayed a copy
+    rc, out = fsck_json(capsys, data_dir, repair=True)
+    assert rc == 0 and ack.read_bytes() == intact
+
+
+def test_fsck_refuses_held_lock(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"4242\n")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(AlreadyRunning, match="pid 4242"):
+            fsck.run_fsck(data_dir, repair=True, as_json=True)
+        assert cli.main(["fsck", str(data_dir)]) == 1
+        err = capsys.readouterr().err
+        assert "in use by a running quiverd" in err and "hint: stop the daemon" in err
+    finally:
+        os.close(fd)
+    assert fsck.run_fsck(data_dir, repair=False, as_json=True) == 0
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_fsck_progress_on_tty_stderr_only(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tty = _Tty()
+    monkeypatch.setattr("sys.stderr", tty)
+    rc, out = fsck_json(capsys, data_dir)
+    assert rc == 0 and out["healthy"]
+    assert "\rfsck: 4/4 files, " in tty.getvalue()  # WAL, segment, sidecar, ack.log
