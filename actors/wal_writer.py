@@ -71,10 +71,18 @@ async def run(
     limiter: CapacityLimiter,
     stats: WalStats,
     log: Any,
+    gate: Any = None,
+    pressure: Any = None,
+    drop_oldest: bool = False,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Append, sync and acknowledge until ``inbox`` ends; then release until ``releases`` ends."""
+    """Append, sync and acknowledge until ``inbox`` ends; then release until ``releases`` ends.
+
+    ``gate`` (the shard's RetentionGate) holds producers back while the shard is
+    over its size cap; under ``drop_oldest`` it only wakes the gc (``pressure``).
+    """
     writer = _Writer(shard, wal, cfg, next_sequence, limiter, stats, log, outbox)
+    writer.gate, writer.pressure, writer.drop_oldest = gate, pressure, drop_oldest
     async with releases, anyio.create_task_group() as tg:
         # Releases outlive the inbox: the finalizer still writes the last segment
         # after producers are gone, and ends `releases` when it is done.
@@ -115,6 +123,9 @@ class _Writer:
         self.kick = anyio.Event()  # set when flush_bytes are unsynced: sync early
         self.capacity = anyio.Event()  # set when a release freed WAL space
         self.sync_lock = anyio.Lock()  # keeps acks and DurableBatches in sequence order
+        self.gate: Any = None
+        self.pressure: Any = None
+        self.drop_oldest = False
 
     async def append(self, batch: list[AppendRequest]) -> None:
         entries: list[tuple[int, list[Any], int]] = []
@@ -134,7 +145,9 @@ class _Writer:
 
     async def _wait_for_room(self, req: AppendRequest, entries: list[Any],
                              placed: list[Any], size: int) -> bool:
-        """Block (``wait``) or refuse (``reject``) while the WAL is at capacity."""
+        """Block (``wait``) or refuse (``reject``) while the WAL or the shard is full."""
+        if not await self._wait_for_retention(req):
+            return False
         while not self.wal.fits(size + sum(e[2] for e in entries)):
             if self.cfg.at_capacity == "reject":
                 self.stats.rejected += 1
@@ -154,6 +167,32 @@ class _Writer:
             self.kick.set()
             self.capacity = anyio.Event()
             await self.capacity.wait()
+        return True
+
+    async def _wait_for_retention(self, req: AppendRequest) -> bool:
+        """The shard's size cap: wait or refuse under backpressure; nudge gc otherwise."""
+        gate = self.gate
+        if gate is None or not gate.over():
+            return True
+        if self.drop_oldest:
+            self.pressure.notify()  # the gc drops the oldest segments; ingest goes on
+            return True
+        gate.closed = True
+        gate.throttled += 1
+        self.pressure.notify()
+        if self.cfg.at_capacity == "reject":
+            self.stats.rejected += 1
+            _reply(req, ErrorReply(request_id=req.request_id, code=AT_CAPACITY,
+                                   message=f"shard {self.shard} is at its retention size cap "
+                                   f"({gate.usage()} of {gate.cap_bytes} bytes) and "
+                                   "subscribers have not acked; retry later"))
+            return False
+        self.log.warning("ingest_throttled", shard=self.shard, usage_bytes=gate.usage(),
+                         cap_bytes=gate.cap_bytes)
+        self.kick.set()  # sync what is written so it can be finalized and delivered
+        while gate.over():
+            with anyio.move_on_after(1.0):
+                await gate.opened.wait()
         return True
 
     async def _write(self, entries: list[tuple[int, list[Any], int]],

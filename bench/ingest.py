@@ -1,8 +1,9 @@
 """Ingest throughput and ack latency of ``quiverd serve`` against a raw-WAL baseline.
 
-    python bench/ingest.py [--quick] [--json out.json] [--profile DIR]
+    python bench/ingest.py [--quick] [--json out.json] [--repeat N] [--profile DIR]
 
-Per scenario (producers x bundle size x flush policy) two measurements, back to back:
+Per scenario (producers x bundle size x flush policy), ``--repeat`` pairs of runs,
+back to back, alternating which goes first:
 
     daemon     N producer processes, each its own ``Client`` and client name (so they
                spread over the 2 shards), pipelining bundles (up to max_inflight) to a
@@ -13,7 +14,9 @@ Per scenario (producers x bundle size x flush policy) two measurements, back to 
                used, with the daemon's fsync cadence: ``interval`` = fdatasync once
                8 MiB are unsynced or 25 ms passed, ``always`` = fdatasync per frame.
 
-Both skip a warm-up (1/16 of the volume) before the clock starts. See bench/README.md.
+Both skip a warm-up (1/16 of the volume) before the clock starts. Throughputs are
+medians over the repeats, the ratio the median of per-pair ratios, latency
+percentiles pooled over every bundle of every repeat. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -21,17 +24,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    BaselineWal,
     Daemon,
     KiB,
     MiB,
@@ -74,69 +80,76 @@ class Scenario:
     warmup_per_producer: int
 
     @property
+    def size_name(self) -> str:
+        if self.bundle_bytes >= MiB:
+            return f"{self.bundle_bytes // MiB}MiB"
+        return f"{self.bundle_bytes // KiB}KiB"
+
+    @property
     def name(self) -> str:
-        size = f"{self.bundle_bytes // MiB}MiB" if self.bundle_bytes >= MiB else \
-            f"{self.bundle_bytes // KiB}KiB"
-        return f"p{self.producers}-{size}-{self.policy}"
+        return f"p{self.producers}-{self.size_name}-{self.policy}"
 
 
 @dataclass
-class Measured:
-    """One side of a scenario, timed phase only."""
+class Timed:
+    """One side of one repeat, timed phase only."""
 
     seconds: float
     bundles: int
     payload_bytes: int
-    lat_p50_ms: float
-    lat_p99_ms: float
-    lat_max_ms: float
+    latencies_s: list[float]  # per bundle: daemon submit -> ack, baseline write -> fdatasync
 
     @property
     def mb_s(self) -> float:
         return self.payload_bytes / self.seconds / 1e6
-
-    @property
-    def bundles_s(self) -> float:
-        return self.bundles / self.seconds
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     root = Path(args.dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    divisor = 8 if args.quick else 1
     scenarios = [
-        _scenario(p, size, policy, divisor)
+        _scenario(p, size, policy, 8 if args.quick else 1)
         for size in (1 * MiB, 64 * KiB) for policy in ("interval", "always")
         for p in args.producers
     ]
     if args.only:
         scenarios = [s for s in scenarios if s.name in args.only]
     payloads = {size: make_table(size) for size in {s.bundle_bytes for s in scenarios}}
-    print(f"# quiverd ingest bench: {len(scenarios)} runs, {os.cpu_count()} cores, "
-          f"data under {root} ({filesystem_of(root)}), pyarrow {pa.__version__}", flush=True)
+    print(f"# quiverd ingest bench: {len(scenarios)} scenarios x {args.repeat} pairs, "
+          f"{os.cpu_count()} cores, data under {root} ({filesystem_of(root)}), "
+          f"pyarrow {pa.__version__}", flush=True)
     for size, (table, ipc) in sorted(payloads.items()):
         print(f"#   {size // KiB} KiB bundle: {table.num_rows} rows (int64 + utf8), "
               f"{len(ipc)} IPC bytes", flush=True)
     results: list[dict[str, Any]] = []
     for scn in scenarios:
         table, ipc = payloads[scn.bundle_bytes]
-        base = run_baseline(scn, table, root)
-        daemon, extra = run_daemon(scn, ipc, root, args.profile)
-        row = _row(scn, len(ipc), daemon, base, extra)
+        pairs: list[tuple[Timed, dict[str, Any], Timed]] = []
+        for rep in range(args.repeat):
+            # Alternate which side goes first: page-cache state drifts between runs.
+            if rep % 2 == 0:
+                base = run_baseline(scn, table, root)
+                daemon, extra = run_daemon(scn, ipc, root, args.profile, rep)
+            else:
+                daemon, extra = run_daemon(scn, ipc, root, args.profile, rep)
+                base = run_baseline(scn, table, root)
+            pairs.append((daemon, extra, base))
+        row = summarize(scn, len(ipc), pairs)
         results.append(row)
         print(_line(row), flush=True)
     print()
     print(markdown(results))
-    verdict = [r for r in results if r["bundle"] == "1MiB" and r["policy"] == "interval"]
-    for r in verdict:
-        ok = "meets" if r["ratio"] >= TARGET_RATIO else "BELOW"
-        print(f"target: {r['producers']} producer(s), 1 MiB, interval: {r['ratio']:.2f}x "
-              f"baseline ({ok} the {TARGET_RATIO}x target)")
+    for r in results:
+        if r["bundle"] == "1MiB" and r["policy"] == "interval":
+            verdict = "meets" if r["ratio"] >= TARGET_RATIO else "BELOW"
+            print(f"target: {r['producers']} producer(s), 1 MiB, interval: {r['ratio']:.2f}x "
+                  f"baseline ({verdict} the {TARGET_RATIO}x target)")
     if args.json:
         meta = {"cores": os.cpu_count(), "python": platform.python_version(),
                 "pyarrow": pa.__version__, "filesystem": filesystem_of(root),
-                "commit": _git_head(), "quick": args.quick, "shards": SHARDS}
+                "commit": _git_head(), "quick": args.quick, "repeat": args.repeat,
+                "shards": SHARDS}
         Path(args.json).write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
     return 0
 
@@ -145,6 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1/8 of the volume per run")
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="daemon/baseline pairs per scenario (default 3)")
     p.add_argument("--producers", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 4], help="comma-separated producer counts (default 1,4)")
     p.add_argument("--only", type=lambda s: s.split(","), metavar="RUN,...",
@@ -153,29 +168,28 @@ def _parser() -> argparse.ArgumentParser:
                    help="where fresh data dirs are made (must be the real disk, not tmpfs)")
     p.add_argument("--profile", metavar="DIR",
                    help="attach `py-spy record` to the daemon during each timed phase "
-                        "(collapsed stacks in DIR/<run>.txt)")
+                        "(collapsed stacks in DIR/<run>-<repeat>.txt)")
     return p
 
 
 def _scenario(producers: int, size: int, policy: str, divisor: int) -> Scenario:
     total = VOLUME[size] // divisor // size
-    per = max(total // producers, 1)
     return Scenario(producers=producers, bundle_bytes=size, policy=policy,
-                    bundles_per_producer=per,
+                    bundles_per_producer=max(total // producers, 1),
                     warmup_per_producer=max(total // WARMUP_FRACTION // producers, 2))
 
 
 # ---- daemon side ---------------------------------------------------------------------
-def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None
-               ) -> tuple[Measured, dict[str, Any]]:
+def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None, rep: int
+               ) -> tuple[Timed, dict[str, Any]]:
     """Start quiverd, drive it from ``scn.producers`` processes, stop it with SIGTERM."""
     daemon = Daemon(root, policy=scn.policy, shards=SHARDS)
     ctx = mp.get_context("spawn")  # no fork after pyarrow's threads exist
     barrier = ctx.Barrier(scn.producers + 1)
     results: Any = ctx.Queue()
-    names = client_names(scn.producers, SHARDS, scn.name)
     procs = [ctx.Process(target=_producer, args=(str(daemon.socket), name, ipc, scn, barrier,
-                                                 results)) for name in names]
+                                                 results))
+             for name in client_names(scn.producers, SHARDS, scn.name)]
     spy: subprocess.Popen[bytes] | None = None
     try:
         for proc in procs:
@@ -189,7 +203,7 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None
         cpu_before = thread_cpu_s(daemon.pid)
         status_before = admin_request(daemon.admin_socket, "status")
         if profile_dir:
-            spy = _start_py_spy(daemon.pid, Path(profile_dir) / f"{scn.name}.txt")
+            spy = _start_py_spy(daemon.pid, Path(profile_dir) / f"{scn.name}-{rep}.txt")
         outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
         cpu = cpu_delta(daemon.pid, cpu_before, thread_cpu_s(daemon.pid))
         if spy is not None:
@@ -211,23 +225,22 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None
     if exit_code != 0:
         raise RuntimeError(f"{scn.name}: quiverd exited with {exit_code}:\n{log}")
     start, end = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
-    lats = sorted(itertools.chain.from_iterable(o["lat"] for o in outs))
     bundles = sum(o["bundles"] for o in outs)
-    measured = Measured(seconds=end - start, bundles=bundles, payload_bytes=bundles * len(ipc),
-                        lat_p50_ms=percentile(lats, 50) * 1e3,
-                        lat_p99_ms=percentile(lats, 99) * 1e3, lat_max_ms=lats[-1] * 1e3)
+    timed = Timed(seconds=end - start, bundles=bundles, payload_bytes=bundles * len(ipc),
+                  latencies_s=list(itertools.chain.from_iterable(o["lat"] for o in outs)))
     fsyncs = _delta(status_before, status_after, "fsyncs")
     appends = _delta(status_before, status_after, "appends")
     extra = {
         "timed_window": [start, end],  # perf_counter (CLOCK_MONOTONIC) stamps
-        "daemon_cpu_cores": cpu.total_s / measured.seconds,
-        "daemon_loop_cpu_cores": cpu.main_s / measured.seconds,
-        "daemon_worker_cpu_cores": cpu.workers_s / measured.seconds,
-        "producer_cpu_cores": sum(o["cpu_s"] for o in outs) / measured.seconds,
+        "daemon_cpu_cores": cpu.total_s / timed.seconds,
+        "daemon_loop_cpu_cores": cpu.main_s / timed.seconds,
+        "daemon_worker_cpu_cores": cpu.workers_s / timed.seconds,
+        "daemon_sys_cpu_cores": cpu.sys_s / timed.seconds,
+        "producer_cpu_cores": sum(o["cpu_s"] for o in outs) / timed.seconds,
         "daemon_fsyncs": fsyncs,
-        "entries_per_fsync": appends / fsyncs if fsyncs else float("nan"),
+        "entries_per_fsync": appends / fsyncs if fsyncs else math.nan,
     }
-    return measured, extra
+    return timed, extra
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
@@ -236,7 +249,7 @@ def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
 
 def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
     out.parent.mkdir(parents=True, exist_ok=True)
-    # PY_SPY_FLAGS adds options, e.g. "--idle" to see where threads wait, "--native".
+    # PY_SPY_FLAGS adds options: "--idle" shows where threads wait, "--gil" who holds it.
     extra = os.environ.get("PY_SPY_FLAGS", "").split()
     return subprocess.Popen(
         ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--threads",
@@ -245,7 +258,12 @@ def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
 
 
 class _TimedClient(Client):
-    """``Client`` that stamps each bundle: submit start -> the recv that brought its ack."""
+    """``Client`` that stamps each bundle: submit start -> the recv that brought its ack.
+
+    Overrides two private hooks of ``Client``; a bench may lean on internals that a
+    public API should not expose (iter_send yields acks only after refilling the
+    window, which would add the next sends to every latency).
+    """
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -294,56 +312,23 @@ def _own_cpu_s() -> float:
 
 
 # ---- baseline side -------------------------------------------------------------------
-class _WalFile:
-    """One baseline WAL file: appends under a lock, fdatasync outside it."""
+def run_baseline(scn: Scenario, table: pa.Table, root: Path) -> Timed:
+    """The same frames, the same cadence, no daemon: a raw Python append loop.
 
-    def __init__(self, path: Path) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-        os.write(self.fd, walformat.encode_header(walformat.DEFAULT_CFG_HASH))
-        os.fdatasync(self.fd)
-        self.lock = threading.Lock()
-        self.unsynced = 0
-        self.last_sync = time.perf_counter()
-        self.pending: list[float] = []  # write-start times not yet covered by a sync
-
-    def append(self, pieces: list[Any], size: int, policy: str, lat: list[float]) -> None:
-        t0 = time.perf_counter()
-        with self.lock:
-            done = os.writev(self.fd, pieces)
-            assert done == size, f"short write {done} < {size}"  # regular file, no signals
-            self.pending.append(t0)
-            self.unsynced += size
-            now = time.perf_counter()
-            covered: list[float] | None = None
-            if policy == "always" or self.unsynced >= FLUSH_BYTES or \
-                    now - self.last_sync >= FLUSH_INTERVAL_S:
-                covered, self.pending, self.unsynced, self.last_sync = self.pending, [], 0, now
-        if covered:
-            self.sync(covered, lat)
-
-    def sync(self, covered: list[float], lat: list[float]) -> None:
-        os.fdatasync(self.fd)
-        now = time.perf_counter()
-        lat.extend(now - t for t in covered)
-
-    def finish(self, lat: list[float]) -> None:
-        with self.lock:
-            covered, self.pending = self.pending, []
-        self.sync(covered, lat)
-        os.close(self.fd)
-
-
-def run_baseline(scn: Scenario, table: pa.Table, root: Path) -> Measured:
-    """The same frames, the same cadence, no daemon: a raw Python append loop."""
+    Thread i plays producer i and appends to the file of producer i's shard, so the
+    baseline has as many files (and fdatasync streams) as the daemon has busy shards.
+    """
     slot = make_slot(0, table)
     names = client_names(scn.producers, SHARDS, scn.name)
     meta = MetaCodec()
     workdir = Path(tempfile.mkdtemp(prefix="qb-", dir=root))
-    files = [_WalFile(workdir / f"shard-{i}.wal") for i in range(min(scn.producers, SHARDS))]
+    files = [BaselineWal(workdir / f"shard-{i}.wal", policy=scn.policy,
+                         flush_interval_s=FLUSH_INTERVAL_S, flush_bytes=FLUSH_BYTES)
+             for i in range(min(scn.producers, SHARDS))]
     per = scn.warmup_per_producer + scn.bundles_per_producer
     frames: list[list[tuple[list[Any], int]]] = []
     for i, name in enumerate(names):
-        slots = (slot, meta.encode(name, None))
+        slots = (slot, meta.encode(name, None))  # the daemon adds the same metadata slot
         size = walformat.entry_size(slots)
         frames.append([(walformat.encode_entry(ts_ns=time.time_ns(), sequence=i * per + k + 1,
                                                slots=slots), size) for k in range(per)])
@@ -351,15 +336,15 @@ def run_baseline(scn: Scenario, table: pa.Table, root: Path) -> Measured:
     lats: list[list[float]] = [[] for _ in names]
 
     def writer(i: int) -> None:
-        wal = files[i % len(files)]
-        warm = scn.warmup_per_producer
+        wal, warm = files[i % len(files)], scn.warmup_per_producer
         for pieces, size in frames[i][:warm]:
-            wal.append(pieces, size, scn.policy, [])
+            wal.append(pieces, size, [])
         barrier.wait()
         for pieces, size in frames[i][warm:]:
-            wal.append(pieces, size, scn.policy, lats[i])
+            wal.append(pieces, size, lats[i])
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(scn.producers)]
+    tail: list[float] = []
     try:
         for t in threads:
             t.start()
@@ -367,40 +352,57 @@ def run_baseline(scn: Scenario, table: pa.Table, root: Path) -> Measured:
         start = time.perf_counter()
         for t in threads:
             t.join()
-        tail: list[float] = []
         for wal in files:
-            wal.finish(tail)
+            wal.close(tail)
         end = time.perf_counter()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    all_lats = sorted(itertools.chain(tail, *lats))
     bundles = scn.producers * scn.bundles_per_producer
-    return Measured(seconds=end - start, bundles=bundles,
-                    payload_bytes=bundles * len(slot.ipc),
-                    lat_p50_ms=percentile(all_lats, 50) * 1e3,
-                    lat_p99_ms=percentile(all_lats, 99) * 1e3, lat_max_ms=all_lats[-1] * 1e3)
+    return Timed(seconds=end - start, bundles=bundles, payload_bytes=bundles * len(slot.ipc),
+                 latencies_s=list(itertools.chain(tail, *lats)))
 
 
 # ---- report --------------------------------------------------------------------------
-def _row(scn: Scenario, ipc_len: int, d: Measured, b: Measured, extra: dict[str, Any]
-         ) -> dict[str, Any]:
+def summarize(scn: Scenario, ipc_len: int, pairs: list[tuple[Timed, dict[str, Any], Timed]]
+              ) -> dict[str, Any]:
+    """Medians over repeats; latency percentiles over every bundle of every repeat."""
+    daemons, extras, bases = zip(*pairs, strict=True)
+    row: dict[str, Any] = {
+        "run": scn.name, "producers": scn.producers, "bundle": scn.size_name,
+        "policy": scn.policy, "ipc_bytes": ipc_len, "repeats": len(pairs),
+        "daemon": _side(daemons), "baseline": _side(bases),
+        # Each pair ran back to back, under the same page-cache conditions.
+        "ratio": statistics.median(d.mb_s / b.mb_s for d, _, b in pairs),
+    }
+    for key in extras[0]:
+        values = [e[key] for e in extras]
+        row[key] = values if key == "timed_window" else statistics.median(values)
+    return row
+
+
+def _side(runs: tuple[Timed, ...]) -> dict[str, Any]:
+    lats = sorted(itertools.chain.from_iterable(r.latencies_s for r in runs))
     return {
-        "run": scn.name, "producers": scn.producers, "bundle": scn.name.split("-")[1],
-        "policy": scn.policy, "ipc_bytes": ipc_len,
-        "daemon": {**asdict(d), "mb_s": d.mb_s, "bundles_s": d.bundles_s},
-        "baseline": {**asdict(b), "mb_s": b.mb_s, "bundles_s": b.bundles_s},
-        "ratio": d.mb_s / b.mb_s, **extra,
+        "mb_s": statistics.median(r.mb_s for r in runs),
+        "mb_s_each": [round(r.mb_s, 1) for r in runs],
+        "bundles_s": statistics.median(r.bundles / r.seconds for r in runs),
+        "bundles": runs[0].bundles,
+        "lat_p50_ms": percentile(lats, 50) * 1e3,
+        "lat_p99_ms": percentile(lats, 99) * 1e3,
+        "lat_max_ms": lats[-1] * 1e3,
     }
 
 
 def _line(r: dict[str, Any]) -> str:
     d, b = r["daemon"], r["baseline"]
-    return (f"{r['run']:>20}: daemon {d['mb_s']:7.1f} MB/s {d['bundles_s']:7.0f} b/s "
-            f"ack p50 {d['lat_p50_ms']:6.2f} p99 {d['lat_p99_ms']:6.2f} ms | baseline "
-            f"{b['mb_s']:7.1f} MB/s p50 {b['lat_p50_ms']:6.2f} p99 {b['lat_p99_ms']:6.2f} ms | "
-            f"ratio {r['ratio']:.2f} | daemon cpu {r['daemon_cpu_cores']:.2f} "
-            f"(loop {r['daemon_loop_cpu_cores']:.2f}) producers {r['producer_cpu_cores']:.2f} "
-            f"| {r['entries_per_fsync']:.1f} entries/fsync")
+    each = "/".join(f"{x:.0f}" for x in d["mb_s_each"])
+    base_each = "/".join(f"{x:.0f}" for x in b["mb_s_each"])
+    return (f"{r['run']:>18}: daemon {d['mb_s']:6.0f} MB/s ({each}) {d['bundles_s']:5.0f} b/s "
+            f"ack p50 {d['lat_p50_ms']:6.1f} p99 {d['lat_p99_ms']:6.1f} ms | baseline "
+            f"{b['mb_s']:6.0f} MB/s ({base_each}) | ratio {r['ratio']:.2f} | cpu daemon "
+            f"{r['daemon_cpu_cores']:.2f} (loop {r['daemon_loop_cpu_cores']:.2f}, sys "
+            f"{r['daemon_sys_cpu_cores']:.2f}) producers {r['producer_cpu_cores']:.2f} | "
+            f"{r['entries_per_fsync']:.1f} entries/fsync")
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

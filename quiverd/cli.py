@@ -160,7 +160,7 @@ def _wal_dump(args: argparse.Namespace) -> int:
 
     bad = 0
     for row in dump_wal(Path(args.path)):
-        bad += row.get("crc_ok") is False or row.get("kind") in ("torn_tail", "error")
+        bad += row.get("crc") == "bad" or row.get("kind") in ("torn_tail", "error", "skipped")
         if args.json:
             print(json.dumps(row, default=str))
         else:

@@ -27,8 +27,10 @@ import anyio
 from quiverd import faults, logs
 from quiverd.admin import AdminServer
 from quiverd.config import Config
-from quiverd.errors import AlreadyRunning, DurabilityLost, QuiverError
+from quiverd.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
 from quiverd.ingest import IngestServer
+from quiverd.messages import SubscriberRequest
+from quiverd.registry import validate_name
 from quiverd.sdnotify import Notifier
 from quiverd.shard import Shard
 
@@ -85,6 +87,8 @@ class Daemon:
                                            limiter=anyio.CapacityLimiter(2),
                                            log=logs.get("ingest"))
                 admin = AdminServer(cfg.admin_socket, self, log=logs.get("admin"))
+                self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards]
+                self.ingest.hub.states = [s.acks for s in self.shards]
                 await pipelines.start(self.ingest.serve)
                 await root.start(admin.serve)
                 self.log.info("quiverd_ready", shards=cfg.shard_count, data_dir=cfg.data_dir,
@@ -131,6 +135,78 @@ class Daemon:
             "connections": ingest.connections if ingest else 0,
             "ingest": vars(ingest) if ingest else {},
             "shards": [s.status() for s in self.shards],
+            "metrics": self.metrics(),
+        }
+
+    def admin_handlers(self) -> dict[str, Any]:
+        return {
+            "subscribers.add": lambda a: self.subscriber_op("add", a["name"],
+                                                            a.get("start", "earliest")),
+            "subscribers.remove": lambda a: self.subscriber_op("remove", a["name"]),
+            "subscribers.list": lambda a: self.subscribers(),
+        }
+
+    async def subscriber_op(self, op: str, name: str, start: str = "earliest") -> dict[str, Any]:
+        """Add or remove a subscriber on every shard (each shard's ack.log records it)."""
+        validate_name(name)
+        if start not in ("earliest", "latest"):
+            raise ConfigError("start", f"must be 'earliest' or 'latest', not {start!r}")
+        results: list[Any] = [None] * len(self.shards)
+        done = [anyio.Event() for _ in self.shards]
+        for i, shard in enumerate(self.shards):
+            def on_done(result: Any, i: int = i) -> None:
+                results[i] = result
+                done[i].set()
+            await shard.ack_tx.send(SubscriberRequest(op=op, name=name, start=start,
+                                                      on_done=on_done))
+        for event in done:
+            await event.wait()
+        errors = [r for r in results if isinstance(r, Exception)]
+        if len(errors) == len(results):
+            raise errors[0]
+        self.log.info("subscriber_" + ("added" if op == "add" else "removed"), subscriber=name,
+                      start=start)
+        return {"name": name, "op": op, "shards": len(self.shards) - len(errors)}
+
+    def subscribers(self) -> list[dict[str, Any]]:
+        names = sorted({sub.name for s in self.shards for sub in s.acks.registry})
+        return [{"name": n, **self._lag(n)} for n in names]
+
+    def _lag(self, name: str) -> dict[str, Any]:
+        segments = bundles = nbytes = 0
+        dropped = 0
+        for shard in self.shards:
+            if name not in shard.acks.registry:
+                continue
+            lag = shard.acks.lag(name)
+            segments += lag.segments_behind
+            bundles += lag.bundles_pending
+            mark = shard.acks.covered_below(name)
+            nbytes += sum(s.size_bytes for q, s in shard.segments.items() if q >= mark)
+            dropped += shard.gc_stats.dropped_bundles.get(name, 0)
+        return {"lag_segments": segments, "lag_bundles": bundles, "lag_bytes": nbytes,
+                "dropped_bundles": dropped}
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters named after the design document (Prometheus export comes later)."""
+        evictions: dict[str, int] = {}
+        dropped: dict[str, int] = {}
+        for s in self.shards:
+            for reason, n in s.gc_stats.evictions.items():
+                evictions[reason] = evictions.get(reason, 0) + n
+            for sub_name, n in s.gc_stats.dropped_bundles.items():
+                dropped[sub_name] = dropped.get(sub_name, 0) + n
+        return {
+            "quiver_gc_evictions_total": evictions,
+            "quiver_ingest_throttle_total": sum(s.gate.throttled for s in self.shards),
+            "quiver_subscriber_dropped_bundles_total": dropped,
+            "quiver_segment_dropped_total": sum(s.gc_stats.segments_dropped
+                                                for s in self.shards),
+            "quiver_wal_corrupt_entries_total": sum(
+                (s.recovered.replay.get("corrupt_entries", 0) if s.recovered else 0)
+                for s in self.shards),
+            "quiver_subscriber_lag": {sub["name"]: {k: v for k, v in sub.items() if k != "name"}
+                                      for sub in self.subscribers()},
         }
 
     def segments(self) -> list[dict[str, Any]]:

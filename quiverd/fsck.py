@@ -29,7 +29,8 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -110,68 +111,46 @@ def shard_dirs(data_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len("shard-"):]))
 
 
-@dataclass
-class _ShardFiles:
-    shard: Path
-    layout: walreplay.WalLayout
-    segments: list[Path]
-    ack_log: Path | None
-
-    @classmethod
-    def of(cls, shard: Path) -> _ShardFiles:
-        seg_dir = shard / "segments"
-        # A marker's .tmp is an atomic write cut short: the marker itself is intact.
-        leftovers = {name + ".tmp" for name in _MARKERS}
-        segments = sorted(p for p in seg_dir.iterdir() if p.name not in leftovers) \
-            if seg_dir.is_dir() else []
-        ack = shard / "ack.log"
-        return cls(shard, walreplay.wal_layout(shard / "wal"), segments,
-                   ack if ack.exists() else None)
-
-    def paths(self) -> list[Path]:
-        sidecar = self.shard / "wal" / walreplay.SIDECAR_NAME
-        extra = [sidecar] if self.layout.sidecar_state != "missing" else []
-        return [*self.layout.files.values(), *self.segments, *extra, *filter(None, [self.ack_log])]
-
-
 def check_data_dir(shards: list[Path], progress: _Progress) -> Report:
     """Read-only check of every shard; findings say what replay or startup would hit."""
     report = Report()
-    files = [_ShardFiles.of(shard) for shard in shards]
-    paths = [p for f in files for p in f.paths()]
-    progress.start(len(paths), sum(_size(p) for p in paths))
-    for f in files:
-        report.checked["shards"] += 1
-        _check_wal(f, report, progress)
-        _check_segments(f, report, progress)
-        if f.ack_log is not None:
-            _check_ack_log(f.ack_log, report)
-            progress.advance(_size(f.ack_log))
+    work = [item for shard in shards for item in _plan(shard, report)]
+    sizes = [_size(path) for path, _ in work]
+    progress.start(len(work), sum(sizes))
+    for (_, check), size in zip(work, sizes, strict=True):
+        check()
+        progress.advance(size)
     progress.finish()
+    report.checked["shards"] = len(shards)
     return report
 
 
-def _check_wal(files: _ShardFiles, report: Report, progress: _Progress) -> None:
-    layout = files.layout
-    sidecar = files.shard / "wal" / walreplay.SIDECAR_NAME
+def _plan(shard: Path, report: Report) -> list[tuple[Path, Callable[[], None]]]:
+    """One check per file, in replay order: WAL files share sequence state."""
+    layout = walreplay.wal_layout(shard / "wal")
+    sidecar = shard / "wal" / walreplay.SIDECAR_NAME
+    work: list[tuple[Path, Callable[[], None]]] = []
     if layout.sidecar_state != "missing":
-        report.checked["sidecars"] += 1
-        progress.advance(_size(sidecar))
-    if layout.sidecar_state in ("corrupt", "out_of_range"):
-        report.add(sidecar, 0, "wal_sidecar",
-                   f"{_strip(layout.sidecar_problem, sidecar)}; replay starts at the oldest "
-                   "WAL file instead")
-    handled = _wal_quarantined(files.shard / "quarantine")
-    rows = _WalRows(report, handled)
-    for gen, path in layout.files.items():
-        size = _size(path)
-        report.checked["wal_files"] += 1
-        report.checked["wal_bytes"] += size
-        # Replay writes the header of an empty active file: a crash right after creating it.
-        if size > 0 or gen != layout.active_generation:
-            for row in walreplay.dump_wal(path):
-                rows.check(path, gen, row)
-        progress.advance(size)
+        work.append((sidecar, partial(_check_sidecar, sidecar, layout, report)))
+    rows = _WalRows(report, _wal_quarantined(shard / "quarantine"))
+    work += [(path, partial(rows.check_file, path, gen, layout.active_generation))
+             for gen, path in layout.files.items()]
+    seg_dir = shard / "segments"
+    if seg_dir.is_dir():
+        # A marker's .tmp is an atomic write cut short: the marker itself is intact.
+        leftovers = {name + ".tmp" for name in _MARKERS}
+        work += [(path, partial(_check_segment_dir, path, report))
+                 for path in sorted(seg_dir.iterdir()) if path.name not in leftovers]
+    if (shard / "ack.log").exists():
+        work.append((shard / "ack.log", partial(_check_ack_log, shard / "ack.log", report)))
+    return work
+
+
+def _check_sidecar(sidecar: Path, layout: walreplay.WalLayout, report: Report) -> None:
+    report.checked["sidecars"] += 1
+    if layout.sidecar_state != "ok":
+        report.add(sidecar, 0, "wal_sidecar", f"{_strip(layout.sidecar_problem, sidecar)}; "
+                   "replay starts at the oldest WAL file instead")
 
 
 class _WalRows:
@@ -183,6 +162,15 @@ class _WalRows:
         self.last_seq: int | None = None
         self.skipped = 0  # damaged entries since the last sound one: each used a sequence
         self.previous = ""  # kind of the row before
+
+    def check_file(self, path: Path, gen: int, active_generation: int) -> None:
+        size = _size(path)
+        self.report.checked["wal_files"] += 1
+        self.report.checked["wal_bytes"] += size
+        # Replay writes the header of an empty active file: a crash right after creating it.
+        if size > 0 or gen != active_generation:
+            for row in walreplay.dump_wal(path):
+                self.check(path, gen, row)
 
     def check(self, path: Path, gen: int, row: dict[str, Any]) -> None:
         kind, offset, report = row["kind"], row.get("offset"), self.report
@@ -233,7 +221,7 @@ class _WalRows:
                 message: str) -> None:
         copied = any(lo <= offset and offset + nbytes <= hi for lo, hi in self.handled.get(gen, []))
         if copied:
-            message += "; already copied to quarantine/, replay skips it (counted as lost)"
+            message += "; already copied to quarantine/, replay skips it"
         self.report.add(path, offset, kind, message, note=copied)
 
 
@@ -248,34 +236,28 @@ def _wal_quarantined(quarantine_dir: Path) -> dict[int, list[tuple[int, int]]]:
     return ranges
 
 
-def _check_segments(files: _ShardFiles, report: Report, progress: _Progress) -> None:
-    for path in files.segments:
-        size = _size(path)
-        if path.name in _MARKERS:
-            try:
-                read_marker(path, _MARKERS[path.name])
-            except CorruptRecord as exc:
-                report.add(path, 0, "segment_marker", f"{_reason(exc)}; the shard will not start")
-        elif path.suffix != ".qseg" or not path.is_file():
-            temp = path.name.endswith(".qseg.tmp")
-            report.add(path, None, "segment_temp" if temp else "segment_stray",
-                       "temp file of a finalize cut short; its bundles are still in the WAL"
-                       if temp else "not a segment; startup would quarantine it")
-        else:
-            report.checked["segments"] += 1
-            report.checked["segment_bytes"] += size
-            _verify(path, report)
-        progress.advance(size)
-
-
-def _verify(path: Path, report: Report) -> None:
+def _check_segment_dir(path: Path, report: Report) -> None:
+    if path.name in _MARKERS:
+        try:
+            read_marker(path, _MARKERS[path.name])
+        except CorruptRecord as exc:
+            report.add(path, 0, "segment_marker", f"{_why(exc)}; the shard will not start")
+        return
+    if path.suffix != ".qseg" or not path.is_file():
+        temp = path.name.endswith(".qseg.tmp")
+        report.add(path, None, "segment_temp" if temp else "segment_stray",
+                   "temp file of a finalize cut short; its bundles are still in the WAL"
+                   if temp else "not a segment; startup would quarantine it")
+        return
+    report.checked["segments"] += 1
+    report.checked["segment_bytes"] += _size(path)
     try:
         verify_segment(path)
     except FormatMismatch as exc:
         report.add(path, exc.offset, "segment_format",
-                   f"{_reason(exc)}; not moved: read it with the build that wrote it")
+                   f"{_why(exc)}; not moved: read it with the build that wrote it")
     except CorruptRecord as exc:
-        report.add(path, exc.offset, "segment_corrupt", _reason(exc))
+        report.add(path, exc.offset, "segment_corrupt", _why(exc))
     except (pa.ArrowException, ValueError, IndexError, KeyError, OSError) as exc:
         # The checksum held, so these are the bytes a writer meant: a bug, not damage.
         # Moving the file would turn a reader bug into lost bundles, so repair leaves it.
@@ -294,7 +276,7 @@ def _check_ack_log(path: Path, report: Report) -> None:
         try:
             acklog.scan_ack_log(copy, Path(tmp) / "quarantine", log=events)
         except CorruptRecord as exc:
-            report.add(path, exc.offset, "ack_log", f"{_reason(exc)}; the shard will not start")
+            report.add(path, exc.offset, "ack_log", f"{_why(exc)}; the shard will not start")
             return
     for e in (r for r in events.records if r["event"] == "ack_log_quarantined"):
         torn = e["kind"] == "torn_tail"
@@ -432,15 +414,15 @@ def _print_summary(data_dir: Path, report: Report, repairs: list[dict[str, Any]]
     total = len(report.findings) + report.unlisted_findings
     after = " after repair" if repair and repairs else ""
     print(f"healthy{after}" if report.healthy else
-          f"{total} findings{after}" + ("" if repair else "; `quiverd fsck --repair` fixes "
-                                        "what daemon startup would"))
+          f"{total} finding{'s' * (total != 1)}{after}"
+          + ("" if repair else "; `quiverd fsck --repair` fixes what daemon startup would"))
 
 
-def _reason(exc: CorruptRecord) -> str:
-    return str(exc).removeprefix(f"{exc.path} at offset {exc.offset}: ")
+def _why(exc: CorruptRecord) -> str:
+    return _strip(str(exc), exc.path)
 
 
-def _strip(message: str, path: Path) -> str:
+def _strip(message: str, path: Path | str) -> str:
     """Drop the ``<path> at offset <n>: `` a CorruptRecord puts first: findings name both."""
     return re.sub(rf"{re.escape(str(path))} at offset \d+: ", "", message)
 

@@ -33,6 +33,7 @@ from quiverd.crc import crc32c
 from quiverd.errors import ProtocolError
 from quiverd.messages import AckReply, AppendRequest, ErrorReply, Reply
 from quiverd.protocol_frames import ErrorCode
+from quiverd.subscribe_conn import SubscriberHub, serve_subscriber
 
 RECV_BYTES = 4 * 1024 * 1024
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
@@ -67,6 +68,7 @@ class IngestServer:
         self.own_uid, self.own_gid = os.getuid(), os.getgid()
         self.conn_slots = anyio.Semaphore(cfg.max_connections)
         self.read_scopes: set[anyio.CancelScope] = set()
+        self.hub = SubscriberHub()
         self.stopping = False
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -190,6 +192,10 @@ class _Connection:
                 continue
             if not hello_done:
                 hello_done = await self._handshake(frames.pop(0))
+                if self.decoder.role == protocol.Role.SUBSCRIBER:
+                    await serve_subscriber(self.server.hub, self.stream, self.decoder, frames,
+                                           self.server.log)
+                    return
             bundles = [f for f in frames if isinstance(f, protocol.BundleFrame)]
             if len(bundles) != len(frames):
                 raise ProtocolError(ErrorCode.MALFORMED, "only BUNDLE frames may follow HELLO on "

@@ -67,3 +67,37 @@ class FinalizedSegment(msgspec.Struct, frozen=True, kw_only=True):
     last_sequence: int
     min_ts_ns: int
     max_ts_ns: int
+
+
+class OutcomeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A consumer's ack/nack (or nothing else) for the ack_logger to make durable."""
+
+    subscriber: str
+    segment_seq: int
+    bundle_index: int
+    outcome: int  # ackformat.ACK | NACK
+    on_done: Any = None  # callable(result | exception), called on the event loop
+
+
+class SubscriberRequest(msgspec.Struct, frozen=True, kw_only=True):
+    op: str  # "add" | "remove"
+    name: str
+    start: str = "earliest"
+    on_done: Any = None
+
+
+class DropRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Retention: record `dropped` for every subscriber lacking the segment's bundles."""
+
+    segment_seq: int
+    on_done: Any = None  # called with {subscriber: count}
+
+
+class SegmentGone(msgspec.Struct, frozen=True, kw_only=True):
+    """The gc unlinked a segment file (durably); record SEGMENT_DELETED."""
+
+    segment_seq: int
+    reason: str
+
+
+AckLogMessage = FinalizedSegment | OutcomeRequest | SubscriberRequest | DropRequest | SegmentGone

@@ -22,13 +22,17 @@ from typing import Any
 
 import anyio
 
-from actors import finalizer, segment_builder, wal_writer
+from actors import ack_logger, finalizer, gc_sweeper, segment_builder, wal_writer
+from actors.dispatcher import Dispatcher
 from quiverd import logs, walformat
+from quiverd.acklog import AckLogFile
 from quiverd.bundle import Bundle, split_meta
+from quiverd.changes import Changes
 from quiverd.config import Config
 from quiverd.durable import fsync_dir
 from quiverd.errors import CorruptRecord
 from quiverd.messages import (
+    AckLogMessage,
     AppendRequest,
     DurableBatch,
     FinalizedSegment,
@@ -36,7 +40,9 @@ from quiverd.messages import (
     WalReleased,
 )
 from quiverd.segment_reader import SegmentReader
+from quiverd.shard_acks import recover_acks
 from quiverd.shard_files import DELETED, FLOOR, Deleted, Floor, read_marker
+from quiverd.subscriptions import AckState
 from quiverd.wal import WalFiles
 from quiverd.walreplay import replay_wal
 
@@ -63,6 +69,8 @@ class Recovered:
     quarantined_segments: list[str] = field(default_factory=list)
     lost_sequences: list[tuple[int, int]] = field(default_factory=list)
     replay: dict[str, int] = field(default_factory=dict)
+    acks: AckState | None = None
+    ack_file: AckLogFile | None = None
 
 
 class Shard:
@@ -77,6 +85,14 @@ class Shard:
         self.recovered: Recovered | None = None
         self.segments: dict[int, SegmentInfo] = {}
         self.unfinished = True
+        self.changes = Changes()  # ack state changed: dispatcher and gc re-evaluate
+        self.pressure = Changes()  # ingest hit the size cap: gc sweeps now
+        self.ack_stats = ack_logger.AckLogStats()
+        self.gc_stats = gc_sweeper.GcStats()
+        per_shard_cap = cfg.retention.size_cap_bytes // cfg.shard_count
+        self.gate = gc_sweeper.RetentionGate(cap_bytes=per_shard_cap, usage=self.usage_bytes)
+        self.ack_tx, self._ack_rx = anyio.create_memory_object_stream[AckLogMessage](256)
+        self.dispatcher: Dispatcher | None = None
 
     @property
     def wal_dir(self) -> Path:
@@ -115,6 +131,10 @@ class Shard:
         wal.fault_hook = self.fault_hooks.get("wal")
         next_segment_seq = max([floor.segment_seq, *(s.segment_seq for s in segments),
                                 *quarantined]) + 1
+        by_seq = {s.segment_seq: s for s in segments}
+        acks, ack_file, ack_counters = recover_acks(self.dir, self.quarantine_dir, by_seq,
+                                                    self.cfg.subscribers, self.log)
+        segments = sorted(by_seq.values(), key=lambda s: s.segment_seq)
         self.log.info("shard_recovered", segments=len(segments), open_bundles=len(open_bundles),
                       wal_entries=len(state.entries), corrupt_entries=state.corrupt_entries,
                       torn_tail_bytes=state.torn_tail_bytes)
@@ -123,23 +143,54 @@ class Shard:
             next_segment_seq=next_segment_seq, open_bundles=open_bundles, segments=segments,
             quarantined_segments=[str(q) for q in quarantined], lost_sequences=lost,
             replay={"entries": len(state.entries), "corrupt_entries": state.corrupt_entries,
-                    "torn_tail_bytes": state.torn_tail_bytes})
+                    "torn_tail_bytes": state.torn_tail_bytes,
+                    **{f"ack_log_{k}": v for k, v in ack_counters.items()}},
+            acks=acks, ack_file=ack_file)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
-        """Start the shard's actors in dependency order; return when all have drained."""
+        """Start the shard's actors in dependency order; return when all have drained.
+
+        The ingest chain (wal_writer → builder → finalizer) ends by end-of-stream
+        when producers are gone; then dispatcher and gc stop, and the ack_logger
+        drains last.
+        """
         rec = self.recovered
-        assert rec is not None, "recover() first"
+        assert rec is not None and rec.acks is not None and rec.ack_file is not None
+        acks, ack_file = rec.acks, rec.ack_file
         durable_tx, durable_rx = anyio.create_memory_object_stream[DurableBatch](4)
         sealed_tx, sealed_rx = anyio.create_memory_object_stream[SealedSegment](1)
-        final_tx, final_rx = anyio.create_memory_object_stream[FinalizedSegment](16)
         release_tx, release_rx = anyio.create_memory_object_stream[WalReleased](16)
         io = anyio.CapacityLimiter(2)  # one write + one fdatasync may overlap
         fin = anyio.CapacityLimiter(1)
+        reads = anyio.CapacityLimiter(1)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._track_segments, final_rx)
+            await tg.start(lambda task_status: ack_logger.run(
+                self._ack_rx, state=acks, file=ack_file, segments=self.segments,
+                on_segment=self._segment_added, changes=self.changes, limiter=fin,
+                stats=self.ack_stats, log=self.log, task_status=task_status))
+            async with anyio.create_task_group() as services:
+                self.dispatcher = Dispatcher(self.index, acks, self.segments, self.ack_tx.clone(),
+                                             self.changes, reads, self.log)
+                await services.start(self.dispatcher.run)
+                await services.start(lambda task_status: gc_sweeper.run(
+                    self.ack_tx.clone(), state=acks, segments=self.segments,
+                    segments_dir=self.segments_dir, cfg=self.cfg.retention, gate=self.gate,
+                    pressure=self.pressure, changes=self.changes, limiter=fin,
+                    stats=self.gc_stats, log=self.log, task_status=task_status))
+                await self._run_ingest_chain(rec, durable_tx, durable_rx, sealed_tx, sealed_rx,
+                                             release_tx, release_rx, io, fin, task_status)
+                services.cancel_scope.cancel()
+            await self.ack_tx.aclose()
+        self.unfinished = False
+
+    async def _run_ingest_chain(self, rec: Recovered, durable_tx: Any, durable_rx: Any,
+                                sealed_tx: Any, sealed_rx: Any, release_tx: Any, release_rx: Any,
+                                io: anyio.CapacityLimiter, fin: anyio.CapacityLimiter,
+                                task_status: anyio.abc.TaskStatus[None]) -> None:
+        async with anyio.create_task_group() as tg:
             await tg.start(lambda task_status: finalizer.run(
-                sealed_rx, final_tx, release_tx, segments_dir=self.segments_dir,
+                sealed_rx, self.ack_tx.clone(), release_tx, segments_dir=self.segments_dir,
                 max_dictionary_cardinality=self.cfg.segment.max_dictionary_cardinality,
                 limiter=fin, stats=self.finalizer_stats, log=self.log,
                 hook=self.fault_hooks.get("finalize"), task_status=task_status))
@@ -151,18 +202,27 @@ class Shard:
             await tg.start(lambda task_status: wal_writer.run(
                 self._inbox_rx, durable_tx, release_rx, shard=self.index, wal=rec.wal,
                 cfg=self.cfg.wal, next_sequence=rec.next_sequence, limiter=io,
-                stats=self.wal_stats, log=self.log, task_status=task_status))
+                stats=self.wal_stats, log=self.log, gate=self.gate, pressure=self.pressure,
+                drop_oldest=self.cfg.retention.size_cap_policy == "drop_oldest",
+                task_status=task_status))
             task_status.started()
-        self.unfinished = False
 
-    async def _track_segments(self, finalized: Any) -> None:
-        async with finalized:
-            async for seg in finalized:
-                self.segments[seg.segment_seq] = SegmentInfo(
-                    segment_seq=seg.segment_seq, path=Path(seg.path), size_bytes=seg.size_bytes,
-                    bundle_count=seg.bundle_count, first_sequence=seg.first_sequence,
-                    last_sequence=seg.last_sequence, min_ts_ns=seg.min_ts_ns,
-                    max_ts_ns=seg.max_ts_ns)
+    def _segment_added(self, seg: FinalizedSegment) -> None:
+        self.segments[seg.segment_seq] = SegmentInfo(
+            segment_seq=seg.segment_seq, path=Path(seg.path), size_bytes=seg.size_bytes,
+            bundle_count=seg.bundle_count, first_sequence=seg.first_sequence,
+            last_sequence=seg.last_sequence, min_ts_ns=seg.min_ts_ns, max_ts_ns=seg.max_ts_ns)
+
+    @property
+    def acks(self) -> AckState:
+        assert self.recovered is not None and self.recovered.acks is not None
+        return self.recovered.acks
+
+    def usage_bytes(self) -> int:
+        """What this shard holds on disk: WAL + segments + ack.log (the size cap's measure)."""
+        rec = self.recovered
+        wal = rec.wal.live_bytes if rec else 0
+        return wal + sum(s.size_bytes for s in self.segments.values()) + self.ack_stats.log_bytes
 
     def status(self) -> dict[str, Any]:
         rec = self.recovered

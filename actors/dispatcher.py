@@ -1,0 +1,246 @@
+"""Dispatcher: one per shard. Delivers finalized bundles to attached subscribers.
+
+    ack_logger ──(Changes)──▶ dispatcher ──Delivery──▶ subscriber sessions (sockets)
+                                   │  ◀── ack / nack from the sessions
+                                   └──OutcomeRequest──▶ ack_logger
+
+For every attached session it walks ``AckState.pending_for(name)`` oldest
+first and sends what is neither in flight nor waiting out a nack backoff, up
+to the session's window. Bundles are read from the segment files in one worker
+hop per batch. A nack is redelivered after ``base * 2**n`` (capped) with
+jitter; a session that goes away gives its in-flight bundles back, so they are
+delivered again on reconnect: delivery is at least once, and ids
+``(shard, segment_seq, bundle_index)`` let consumers deduplicate.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio import CapacityLimiter
+from anyio.streams.memory import MemoryObjectSendStream
+
+from quiverd import ackformat as fmt
+from quiverd.bundle import encode_ipc_stream, make_slot
+from quiverd.changes import Changes
+from quiverd.errors import CorruptRecord
+from quiverd.messages import AckLogMessage, OutcomeRequest
+from quiverd.segment_reader import SegmentReader
+from quiverd.subscriptions import AckState
+
+BACKOFF_BASE_S = 0.1
+BACKOFF_MAX_S = 30.0
+MAX_OPEN_READERS = 8
+READ_BATCH = 64
+
+
+@dataclass(eq=False)
+class Session:
+    """One consumer connection attached as subscriber ``name`` (shared by all shards)."""
+
+    name: str
+    window: int
+    deliveries: MemoryObjectSendStream[Any]  # buffer == window: send_nowait never blocks
+    unacked: int = 0
+    closed: bool = False
+
+    @property
+    def room(self) -> int:
+        return 0 if self.closed else self.window - self.unacked
+
+
+@dataclass
+class DispatchStats:
+    delivered: int = 0
+    redelivered: int = 0
+    acks: int = 0
+    nacks: int = 0
+    sessions: int = 0
+
+
+@dataclass
+class Dispatcher:
+    shard: int
+    state: AckState
+    segments: dict[int, Any]  # segment_seq -> SegmentInfo (path, ...)
+    ack_log: MemoryObjectSendStream[AckLogMessage]
+    changes: Changes
+    limiter: CapacityLimiter
+    log: Any
+    stats: DispatchStats = field(default_factory=DispatchStats)
+    sessions: list[Session] = field(default_factory=list)
+    # (subscriber, segment_seq, bundle_index) -> session holding it
+    inflight: dict[tuple[str, int, int], Session] = field(default_factory=dict)
+    backoff: dict[tuple[str, int, int], float] = field(default_factory=dict)  # -> not before
+    delivered_once: set[tuple[str, int, int]] = field(default_factory=set)
+    readers: OrderedDict[int, SegmentReader] = field(default_factory=OrderedDict)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Deliver whenever state, sessions or backoff timers change; runs until cancelled."""
+        task_status.started()
+        try:
+            async with self.ack_log:
+                await self._loop()
+        finally:
+            for session in list(self.sessions):
+                self.detach(session)
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                version = self.changes.version
+                await self._fill()
+                with anyio.move_on_after(self._next_backoff_s()):
+                    await self.changes.wait_beyond(version)
+        finally:
+            for reader in self.readers.values():
+                reader.close()
+            self.readers.clear()
+
+    # ---- sessions (called by the connection's task) -------------------------------
+    def attach(self, session: Session) -> None:
+        self.sessions.append(session)
+        self.stats.sessions = len(self.sessions)
+        self.changes.notify()
+
+    def detach(self, session: Session) -> None:
+        session.closed = True
+        if session in self.sessions:
+            self.sessions.remove(session)
+        for key in [k for k, s in self.inflight.items() if s is session]:
+            del self.inflight[key]  # pending again: redelivered to the next session
+        self.stats.sessions = len(self.sessions)
+        self.changes.notify()
+
+    async def feedback(self, session: Session, segment_seq: int, bundle_index: int,
+                       outcome: int) -> None:
+        """A consumer acked or nacked; make it durable through the ack_logger."""
+        key = (session.name, segment_seq, bundle_index)
+        if self.inflight.get(key) is session:
+            session.unacked -= 1
+        if outcome == fmt.ACK:
+            self.stats.acks += 1
+        else:
+            self.stats.nacks += 1
+
+        def done(result: Any) -> None:
+            if self.inflight.get(key) is session:
+                del self.inflight[key]
+            if outcome == fmt.NACK:
+                n = self.state.nack_count(session.name, segment_seq, bundle_index) \
+                    if session.name in self.state.registry else 1
+                delay = min(BACKOFF_BASE_S * 2 ** max(n - 1, 0), BACKOFF_MAX_S)
+                self.backoff[key] = anyio.current_time() + delay * random.uniform(0.5, 1.0)
+            else:
+                self.backoff.pop(key, None)
+            if isinstance(result, Exception):
+                self.log.info("subscriber_feedback_ignored", subscriber=session.name,
+                              segment_seq=segment_seq, bundle_index=bundle_index,
+                              error=str(result))
+            self.changes.notify()
+
+        await self.ack_log.send(OutcomeRequest(
+            subscriber=session.name, segment_seq=segment_seq, bundle_index=bundle_index,
+            outcome=outcome, on_done=done))
+
+    # ---- delivery ---------------------------------------------------------------
+    def _next_backoff_s(self) -> float:
+        if not self.backoff:
+            return float("inf")
+        return max(0.0, min(self.backoff.values()) - anyio.current_time()) + 0.001
+
+    async def _fill(self) -> None:
+        for session in list(self.sessions):
+            if session.room <= 0 or session.name not in self.state.registry:
+                continue
+            picks = self._pick(session)
+            if picks:
+                await self._deliver(session, picks)
+
+    def _pick(self, session: Session) -> list[tuple[int, int]]:
+        now = anyio.current_time()
+        picks: list[tuple[int, int]] = []
+        for seg, idx in self.state.pending_for(session.name):
+            if len(picks) >= min(session.room, READ_BATCH):
+                break
+            key = (session.name, seg, idx)
+            if key in self.inflight or self.backoff.get(key, 0.0) > now:
+                continue
+            if seg not in self.segments:
+                continue  # being deleted or quarantined
+            picks.append((seg, idx))
+        return picks
+
+    async def _deliver(self, session: Session, picks: list[tuple[int, int]]) -> None:
+        paths = {seg: self.segments[seg].path for seg, _ in picks}
+        live = set(self.segments)
+        frames = await anyio.to_thread.run_sync(self._read, picks, paths, live,
+                                                limiter=self.limiter)
+        for (seg, idx), frame in zip(picks, frames, strict=True):
+            key = (session.name, seg, idx)
+            if session.closed:
+                return
+            if frame is None:
+                continue  # deleted while we read it (retention): nothing to deliver
+            try:
+                session.deliveries.send_nowait(frame)
+            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return
+            self.inflight[key] = session
+            session.unacked += 1
+            self.backoff.pop(key, None)
+            self.stats.delivered += 1
+            if key in self.delivered_once:
+                self.stats.redelivered += 1
+            else:
+                self.delivered_once.add(key)
+                if len(self.delivered_once) > 1_000_000:
+                    self.delivered_once.clear()  # only feeds the redelivery counter
+
+    def _read(self, picks: list[tuple[int, int]], paths: dict[int, Path],
+              live: set[int]) -> list[Any]:
+        """Read and encode the picked bundles (worker thread; owns the reader cache)."""
+        for seg in [s for s in self.readers if s not in live]:
+            self.readers.pop(seg).close()  # deleted by the gc: release the mapping
+        out: list[Delivery | None] = []
+        for seg, idx in picks:
+            try:
+                b = self._reader(seg, paths[seg]).bundle(idx)
+            except (OSError, CorruptRecord):
+                out.append(None)
+                continue
+            slots = [make_slot(slot, table) for slot, table in sorted(b.slots.items())]
+            out.append(Delivery(shard=self.shard, segment_seq=seg, bundle_index=idx,
+                                client=b.client, txn=b.txn, ingestion_ts_ns=b.ingestion_ts_ns,
+                                slots=slots))
+        return out
+
+    def _reader(self, seg: int, path: Path) -> SegmentReader:
+        reader = self.readers.get(seg)
+        if reader is None:
+            reader = SegmentReader.open(path)
+            self.readers[seg] = reader
+            while len(self.readers) > MAX_OPEN_READERS:
+                self.readers.popitem(last=False)[1].close()
+        self.readers.move_to_end(seg)
+        return reader
+
+
+@dataclass(frozen=True)
+class Delivery:
+    shard: int
+    segment_seq: int
+    bundle_index: int
+    client: str
+    txn: Any
+    ingestion_ts_ns: int
+    slots: list[Any]
+
+
+__all__ = ["Dispatcher", "Session", "Delivery", "encode_ipc_stream"]
