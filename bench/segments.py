@@ -73,6 +73,7 @@ SEGMENTS_ON: dict[str, Any] = {}  # every [segment] key at its default
 SEGMENTS_OFF = {"target_size_bytes": 1 << 50, "max_open_duration_ms": 1 << 40}
 RUN_TIMEOUT_S = 300.0
 PARTS = ("finalize", "read", "ingest")
+BUSY_WARNING = 0.1  # CPU fraction used by others before the start that earns a warning
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     reps = 5 if args.quick else 15
     print(f"# quiverd segments bench: {os.cpu_count()} cores, data under {root} "
           f"({filesystem_of(root)}), pyarrow {pa.__version__}", flush=True)
+    others = other_load()
+    if others > BUSY_WARNING:
+        print(f"# WARNING: {others:.0%} of the CPU was busy before starting: other work "
+              "on this machine makes every figure below slower and noisier", flush=True)
     try:
         fin_rows: list[dict[str, Any]] = []
         read_rows: list[dict[str, Any]] = []
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"cores": os.cpu_count(), "python": platform.python_version(),
                 "pyarrow": pa.__version__, "filesystem": filesystem_of(root),
-                "commit": _git_head(), "quick": args.quick, "repetitions": reps}
+                "commit": _git_head(), "quick": args.quick, "repetitions": reps,
+                "busy_before_start": others}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "finalize": fin_rows, "read": read_rows, "ingest": e2e_rows},
             indent=2))
@@ -132,6 +138,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="cProfile each finalize (DIR/finalize-<case>.pstats) and attach "
                         "`py-spy record` to each e2e daemon (DIR/ingest-<run>.txt)")
     return p
+
+
+def other_load(seconds: float = 1.0) -> float:
+    """Fraction of all cores busy over ``seconds`` while this process sleeps (/proc/stat)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(total1 - total0, 1)
 
 
 def _verdict(ratio: float) -> str:

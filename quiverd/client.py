@@ -39,10 +39,11 @@ from quiverd.client_core import (
 )
 from quiverd.errors import ProtocolError
 from quiverd.protocol import SMALL_FRAME_MAX, Ack, FrameDecoder, HelloOk, Role, encode_hello
+from quiverd.subscriber import ReceivedBundle, subscribe
 
 __all__ = [
-    "Ack", "AsyncClient", "Client", "FileProgress", "SendData", "SendItem",
-    "iter_file_batches", "send_files",
+    "Ack", "AsyncClient", "Client", "FileProgress", "ReceivedBundle", "SendData", "SendItem",
+    "iter_file_batches", "send_files", "subscribe",
 ]
 
 _END = object()  # end of the items iterator
