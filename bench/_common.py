@@ -7,6 +7,7 @@ reads its CPU time from /proc.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -130,26 +131,42 @@ def cpu_delta(pid: int, before: dict[int, tuple[float, float]],
     return CpuDelta(main_s=main, workers_s=workers, sys_s=sum(s for _, s in used.values()))
 
 
+def _toml(tables: dict[str, dict[str, Any]]) -> str:
+    """Flat TOML: the root table first, then one ``[name]`` per section."""
+    def value(v: Any) -> str:
+        return json.dumps(v) if isinstance(v, str) else str(v).lower() \
+            if isinstance(v, bool) else str(v)
+
+    out: list[str] = []
+    for table in sorted(tables, key=lambda t: t != ""):
+        if table:
+            out.append(f"[{table}]")
+        out.extend(f"{k} = {value(v)}" for k, v in tables[table].items())
+    return "\n".join(out) + "\n"
+
+
 class Daemon:
     """``quiverd serve`` on a fresh data directory; ``stop()`` sends SIGTERM and waits."""
 
-    def __init__(self, root: Path, *, policy: str, shards: int) -> None:
+    def __init__(self, root: Path, *, policy: str, shards: int,
+                 settings: dict[str, Any] | None = None) -> None:
+        """``settings``: extra config keys by dotted name (``{"wal.flush_bytes": 1}``)."""
         self.dir = Path(tempfile.mkdtemp(prefix="qd-", dir=root))
         self.data_dir = self.dir / "data"
         self.socket = self.data_dir / "ingest.sock"
         self.admin_socket = self.data_dir / "admin.sock"
         self.log_path = self.dir / "daemon.log"
         config = self.dir / "quiverd.toml"
-        # segment.max_open_duration_ms and every other key keep their defaults.
-        config.write_text(
-            f'data_dir = "{self.data_dir}"\n'
-            f"shards = {shards}\n"
-            "[wal]\n"
-            f'flush_policy = "{policy}"\n'
-            "[log]\n"
-            'format = "json"\n'
-            'level = "warning"\n'
-        )
+        # segment.max_open_duration_ms and every key not set here keep their defaults.
+        tables: dict[str, dict[str, Any]] = {
+            "": {"data_dir": str(self.data_dir), "shards": shards},
+            "wal": {"flush_policy": policy},
+            "log": {"format": "json", "level": "warning"},
+        }
+        for key, value in (settings or {}).items():
+            table, _, name = key.rpartition(".")
+            tables.setdefault(table, {})[name] = value
+        config.write_text(_toml(tables))
         self._log = open(self.log_path, "wb")
         # QUIVERD_BENCH_SERVE replaces `python -m quiverd` (e.g. a profiling wrapper).
         prefix = os.environ.get("QUIVERD_BENCH_SERVE", "").split() or \

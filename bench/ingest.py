@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             # Alternate which side goes first: page-cache state drifts between runs.
             if rep % 2 == 0:
                 base = run_baseline(scn, table, root)
-                daemon, extra = run_daemon(scn, ipc, root, args.profile, rep)
+                daemon, extra = run_daemon(scn, ipc, root, args, rep)
             else:
-                daemon, extra = run_daemon(scn, ipc, root, args.profile, rep)
+                daemon, extra = run_daemon(scn, ipc, root, args, rep)
                 base = run_baseline(scn, table, root)
             pairs.append((daemon, extra, base))
         row = summarize(scn, len(ipc), pairs)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"cores": os.cpu_count(), "python": platform.python_version(),
                 "pyarrow": pa.__version__, "filesystem": filesystem_of(root),
                 "commit": _git_head(), "quick": args.quick, "repeat": args.repeat,
-                "shards": SHARDS}
+                "shards": SHARDS, "settings": _settings(args.set)}
         Path(args.json).write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
     return 0
 
@@ -164,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
                    default=[1, 4], help="comma-separated producer counts (default 1,4)")
     p.add_argument("--only", type=lambda s: s.split(","), metavar="RUN,...",
                    help="run only these scenarios, by name (e.g. p1-1MiB-interval)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra daemon config key (e.g. wal.flush_bytes=1); repeatable. "
+                        "The baseline keeps the default cadence")
     p.add_argument("--dir", default=tempfile.gettempdir(),
                    help="where fresh data dirs are made (must be the real disk, not tmpfs)")
     p.add_argument("--profile", metavar="DIR",
@@ -180,10 +183,10 @@ def _scenario(producers: int, size: int, policy: str, divisor: int) -> Scenario:
 
 
 # ---- daemon side ---------------------------------------------------------------------
-def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None, rep: int
+def run_daemon(scn: Scenario, ipc: bytes, root: Path, args: argparse.Namespace, rep: int
                ) -> tuple[Timed, dict[str, Any]]:
     """Start quiverd, drive it from ``scn.producers`` processes, stop it with SIGTERM."""
-    daemon = Daemon(root, policy=scn.policy, shards=SHARDS)
+    daemon = Daemon(root, policy=scn.policy, shards=SHARDS, settings=_settings(args.set))
     ctx = mp.get_context("spawn")  # no fork after pyarrow's threads exist
     barrier = ctx.Barrier(scn.producers + 1)
     results: Any = ctx.Queue()
@@ -202,8 +205,8 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None, r
                                f"{first.get('error')}\n{daemon.log_tail()}") from None
         cpu_before = thread_cpu_s(daemon.pid)
         status_before = admin_request(daemon.admin_socket, "status")
-        if profile_dir:
-            spy = _start_py_spy(daemon.pid, Path(profile_dir) / f"{scn.name}-{rep}.txt")
+        if args.profile:
+            spy = _start_py_spy(daemon.pid, Path(args.profile) / f"{scn.name}-{rep}.txt")
         outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
         cpu = cpu_delta(daemon.pid, cpu_before, thread_cpu_s(daemon.pid))
         if spy is not None:
@@ -241,6 +244,18 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, profile_dir: str | None, r
         "entries_per_fsync": appends / fsyncs if fsyncs else math.nan,
     }
     return timed, extra
+
+
+def _settings(pairs: list[str]) -> dict[str, Any]:
+    """``["wal.flush_bytes=1", 'log.level="info"']`` -> typed values (TOML/JSON literals)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw  # a bare word is a string
+    return out
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:

@@ -425,11 +425,12 @@ def run_e2e(root: Path, ipcs: list[bytes], mode: str, volume: int, spy_out: Path
         daemon.remove()
     if code != 0:
         raise RuntimeError(f"quiverd exited with {code}:\n{tail}")
-    seconds = max(o["t1"] for o in outs) - min(o["t0"] for o in outs)
+    start, end = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
+    seconds = end - start
     payload = sum(o["bundles"] for o in outs) * len(ipcs[0])
     finalized = sum(a["segments_finalized"] - b["segments_finalized"]
                     for a, b in zip(st1["shards"], st0["shards"], strict=True))
-    return {"mode": mode, "seconds": seconds, "payload_bytes": payload,
+    return {"mode": mode, "timed_window": [start, end], "seconds": seconds, "payload_bytes": payload,
             "mb_s": payload / seconds / 1e6, "segments_finalized": finalized,
             "daemon_cpu_cores": cpu.total_s / seconds,
             "daemon_loop_cpu_cores": cpu.main_s / seconds}

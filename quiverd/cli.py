@@ -7,6 +7,10 @@
     quiverd wal dump PATH [--json]         every WAL entry, with CRC ok/bad
     quiverd segments list [--json]         finalized segments (admin socket)
     quiverd segment dump FILE [--json]     one segment's directory, manifest, schemas
+    quiverd subscribers add NAME [--from earliest|latest]   register a subscriber
+    quiverd subscribers remove NAME        unregister (releases its hold on segments)
+    quiverd subscribers list [--json]      subscribers and their lag (admin socket)
+    quiverd subscribe NAME (--out DIR | --count N)   console consumer (ingest socket)
     quiverd fsck DATA_DIR [--repair]       verify WAL, sidecars, segments
 
 Errors print the message and a ``hint:`` line; the exit code is non-zero.
@@ -91,6 +95,41 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_segment_dump)
 
+    subs = sub.add_parser("subscribers", help="register, remove and list subscribers"
+                          ).add_subparsers(metavar="CMD")
+    s = subs.add_parser("add", help="register a subscriber on every shard")
+    s.add_argument("name", help="[a-z0-9_-]{1,64}")
+    s.add_argument("--from", dest="start", choices=("earliest", "latest"), default="earliest",
+                   help="earliest: everything retained; latest: only segments finalized later")
+    _admin_args(s)
+    s.set_defaults(func=_subscribers_add)
+    s = subs.add_parser("remove", help="unregister a subscriber; its segments may be deleted")
+    s.add_argument("name")
+    _admin_args(s)
+    s.set_defaults(func=_subscribers_remove)
+    s = subs.add_parser("list", help="registered subscribers and how far behind they are")
+    _admin_args(s)
+    s.set_defaults(func=_subscribers_list)
+
+    s = sub.add_parser("subscribe", help="consume as a subscriber: write files or print bundles")
+    s.add_argument("name")
+    mode = s.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--out", metavar="DIR",
+                      help="write <shard>-<segment_seq>-<bundle_index>.slot<k>.arrow files, "
+                      "ack each bundle once its files are durable")
+    mode.add_argument("--count", metavar="N", type=_positive_int,
+                      help="ack and print N bundles, then stop")
+    s.add_argument("--json", action="store_true", help="one JSON line per bundle")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("--socket", default=None, help="ingest socket path")
+    where.add_argument("--config", default=None, help="config whose ingest socket to use")
+    s.add_argument("--window", type=_positive_int, default=64,
+                   help="bundles delivered but not yet acked (default 64, at most 4096)")
+    s.add_argument("--timeout", metavar="SECONDS", type=_positive_float, default=None,
+                   help="stop after this long without a delivery "
+                   "(default: never with --out, 10 with --count)")
+    s.set_defaults(func=_subscribe)
+
     s = sub.add_parser("fsck", help="verify WAL, sidecars and every segment")
     s.add_argument("data_dir")
     s.add_argument("--repair", action="store_true", help="move damaged files to quarantine/")
@@ -109,6 +148,20 @@ def _admin_socket(args: argparse.Namespace) -> Path:
     if args.socket:
         return Path(args.socket)
     return config_mod.load(args.config or DEFAULT_CONFIG).admin_socket
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    return value
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -153,6 +206,48 @@ def _segments_list(args: argparse.Namespace) -> int:
         return 0
     _table(["shard", "segment_seq", "bundles", "bytes", "min_ts_ns", "max_ts_ns"], rows)
     return 0
+
+
+def _subscribers_add(args: argparse.Namespace) -> int:
+    from quiverd.admin import request
+
+    result = request(_admin_socket(args), "subscribers.add",
+                     {"name": args.name, "start": args.start})
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"subscriber {args.name!r} added from {args.start} on {result['shards']} shards")
+    return 0
+
+
+def _subscribers_remove(args: argparse.Namespace) -> int:
+    from quiverd.admin import request
+
+    result = request(_admin_socket(args), "subscribers.remove", {"name": args.name})
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"subscriber {args.name!r} removed on {result['shards']} shards")
+    return 0
+
+
+def _subscribers_list(args: argparse.Namespace) -> int:
+    from quiverd.admin import request
+
+    rows = request(_admin_socket(args), "subscribers.list")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    _table(["name", "lag_segments", "lag_bundles", "lag_bytes", "dropped_bundles"], rows)
+    if not rows:
+        print("(no subscribers; add one with `quiverd subscribers add NAME`)")
+    return 0
+
+
+def _subscribe(args: argparse.Namespace) -> int:
+    from quiverd.subscribecmd import subscribe_cli
+
+    return subscribe_cli(args, DEFAULT_CONFIG)
 
 
 def _wal_dump(args: argparse.Namespace) -> int:

@@ -1,0 +1,235 @@
+"""Subscribers end to end: delivery, acks, deletion, out-of-order marks, crash, retention."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from quiverd.admin import request
+from quiverd.client import Client, subscribe
+from tests.daemon.helpers import tagged_table
+
+FAST = {"shards": 1, "segment.max_open_duration_ms": 50}
+
+
+def add(d: Any, name: str, start: str = "earliest") -> None:
+    request(d.admin_socket, "subscribers.add", {"name": name, "start": start})
+
+
+def produce(d: Any, tags: list[int], client: str = "p") -> list[Any]:
+    with Client.connect(d.socket) as c:
+        return c.send_many([tagged_table(t) for t in tags], client=client)
+
+
+def segment_files(d: Any) -> list[int]:
+    return sorted(int(p.stem) for p in (d.data_dir / "shard-0/segments").glob("*.qseg"))
+
+
+def announced(d: Any) -> int:
+    """Segments the daemon has finalized *and* recorded in ack.log."""
+    return sum(s["segments"] for s in d.status()["shards"])
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def consume(d: Any, name: str, *, want: int, ack: Any = lambda b: True,
+            idle_s: float = 2.0) -> list[Any]:
+    """Receive until ``want`` bundles arrived (or idle); ack those ``ack`` accepts."""
+    got: list[Any] = []
+
+    async def run() -> None:
+        async with subscribe(d.socket, name, window=256) as deliveries:
+            while len(got) < want:
+                with anyio.move_on_after(idle_s) as scope:
+                    b = await anext(deliveries)
+                if scope.cancelled_caught:
+                    return
+                got.append(b)
+                if ack(b):
+                    await b.ack()
+            await anyio.sleep(0.2)  # let the last acks reach the daemon
+
+    anyio.run(run)
+    return got
+
+
+def test_segment_is_deleted_only_when_every_subscriber_acked_it(daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "a")
+    add(d, "b")
+    for batch in range(3):  # three segments (age trigger between batches)
+        produce(d, [batch * 10 + i for i in range(4)])
+        wait_for(lambda n=batch: announced(d) == n + 1)
+    segs = segment_files(d)
+    consume(d, "a", want=12)
+    time.sleep(0.3)
+    assert segment_files(d) == segs  # b acked nothing: nothing deleted
+    oldest = segs[0]
+    got = consume(d, "b", want=12, ack=lambda b: b.id[1] == oldest)
+    assert len(got) == 12
+    wait_for(lambda: segment_files(d) == segs[1:])  # exactly the oldest went
+    metrics = d.status()["metrics"]
+    assert metrics["quiver_gc_evictions_total"] == {"acked": 1}
+    assert metrics["quiver_subscriber_lag"]["b"]["lag_segments"] == 2
+    assert d.stop() == 0
+
+
+def test_out_of_order_acks_hold_the_mark_until_the_gap_closes_and_survive_restart(
+        daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "s")
+    for batch in range(3):
+        produce(d, [batch])
+        wait_for(lambda n=batch: announced(d) == n + 1)
+    s1, s2, s3 = segment_files(d)
+    consume(d, "s", want=3, ack=lambda b: b.id[1] != s1)  # ack 2 and 3, not 1
+    time.sleep(0.3)
+    assert segment_files(d) == [s1, s2, s3]  # the mark cannot pass the gap at s1
+    lag = d.status()["metrics"]["quiver_subscriber_lag"]["s"]
+    assert lag["lag_segments"] == 3
+    assert d.stop() == 0
+    d.start()  # gap set rebuilt from ack.log
+    got = consume(d, "s", want=3)
+    assert [b.id[1] for b in got] == [s1]  # only the gap is redelivered
+    wait_for(lambda: segment_files(d) == [])  # mark converged past all three
+    assert d.stop() == 0
+
+
+def test_from_latest_sees_only_new_data_from_earliest_sees_everything(daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "keeper")  # holds old segments so they stay retained
+    produce(d, [1, 2])
+    wait_for(lambda: announced(d) == 1)
+    add(d, "late", "latest")
+    add(d, "early", "earliest")
+    produce(d, [3])
+    wait_for(lambda: announced(d) == 2)
+    late = consume(d, "late", want=3, idle_s=1.0)
+    early = consume(d, "early", want=3, idle_s=1.0)
+    assert [b.tables[0]["tag"][0].as_py() for b in late] == [3]
+    assert sorted(b.tables[0]["tag"][0].as_py() for b in early) == [1, 2, 3]
+    assert d.stop() == 0
+
+
+def test_nack_is_redelivered_with_backoff(daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "n")
+    produce(d, [7])
+    seen: list[float] = []
+
+    async def run() -> None:
+        async with subscribe(d.socket, "n") as deliveries:
+            async for b in deliveries:
+                seen.append(time.monotonic())
+                if len(seen) < 3:
+                    await b.nack()
+                else:
+                    await b.ack()
+                    return
+
+    anyio.run(run)
+    assert len(seen) == 3
+    assert seen[1] - seen[0] >= 0.04 and seen[2] - seen[1] >= 0.09  # 0.1 s·2^n, jitter ≥ 0.5
+    wait_for(lambda: segment_files(d) == [])
+    assert d.stop() == 0
+
+
+def test_remove_releases_the_subscribers_hold(daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "stuck")
+    produce(d, [1])
+    wait_for(lambda: announced(d) == 1)
+    add(d, "other", "latest")
+    request(d.admin_socket, "subscribers.remove", {"name": "stuck"})
+    produce(d, [2])
+    consume(d, "other", want=1)
+    wait_for(lambda: segment_files(d) == [])
+    assert d.stop() == 0
+
+
+class Consumer(threading.Thread):
+    """Acks everything it receives; records which ids it acked (the ack may be lost)."""
+
+    def __init__(self, d: Any, name: str) -> None:
+        super().__init__(daemon=True)
+        self.d, self.name = d, name
+        self.received: list[tuple[int, int, int]] = []
+        self.tags: dict[tuple[int, int, int], int] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        async def main() -> None:
+            async with subscribe(self.d.socket, self.name) as deliveries:
+                async for b in deliveries:
+                    self.received.append(b.id)
+                    self.tags[b.id] = b.tables[0]["tag"][0].as_py()
+                    await b.ack()
+                    if self.stop.is_set():
+                        return
+        try:
+            anyio.run(main)
+        except Exception:
+            pass  # killed under us
+
+
+@pytest.mark.slow
+def test_kill_9_during_ingest_delivery_and_acks_keeps_at_least_once(daemon_factory):
+    rng = random.Random(int(os.environ.get("QUIVERD_CRASH_SEED", "99")))
+    iterations = int(os.environ.get("QUIVERD_CRASH_ITERATIONS", "20"))
+    d = daemon_factory({"shards": 2, "segment.max_open_duration_ms": 30})
+    d.start()
+    add(d, "x")
+    add(d, "y")
+    acked_tags: set[int] = set()
+    seen: dict[str, set[int]] = {"x": set(), "y": set()}
+    tag = 0
+    for _ in range(iterations):
+        d.start() if d.proc.poll() is not None else None
+        consumers = [Consumer(d, "x"), Consumer(d, "y")]
+        for c in consumers:
+            c.start()
+        stop_at = time.monotonic() + rng.uniform(0.1, 0.5)
+        try:
+            with Client.connect(d.socket) as c:
+                while time.monotonic() < stop_at:
+                    tags = list(range(tag, tag + 4))
+                    tag += 4
+                    c.send_many([tagged_table(t) for t in tags], client=f"c{tag % 3}")
+                    acked_tags.update(tags)
+        except Exception:
+            pass
+        d.kill()
+        for c in consumers:
+            c.join(10)
+            seen[c.name].update(c.tags.values())
+    d.start()
+    for name in ("x", "y"):  # drain: everything acked to a producer reaches every subscriber
+        got = consume(d, name, want=len(acked_tags) + 1000, idle_s=2.0)
+        seen[name].update(b.tables[0]["tag"][0].as_py() for b in got)
+        missing = acked_tags - seen[name]
+        assert not missing, f"{name} never received {sorted(missing)[:10]}"
+    assert d.stop() == 0
+
+
+def test_durable_ack_is_not_delivered_again_after_restart(daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "z")
+    produce(d, list(range(10)))
+    first = consume(d, "z", want=10)
+    assert len(first) == 10
+    d.kill()  # acks were made durable before the daemon applied them (group commit)
+    d.start()
+    again = consume(d, "z", want=10, idle_s=1.0)
+    assert again == []
+    assert d.stop() == 0
