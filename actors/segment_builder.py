@@ -43,7 +43,7 @@ async def run(
     recovered: list[Bundle],
     limiter: CapacityLimiter,
     stats: BuilderStats,
-    pressure: anyio.Event | None = None,
+    pressure: Any = None,  # callable() -> bool: WAL or disk near its bound
     log: Any,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -65,7 +65,7 @@ async def run(
                 await builder.seal("age")
                 continue
             await builder.add(list(batch.bundles))
-            if pressure is not None and pressure.is_set():
+            if pressure is not None and pressure():
                 await builder.seal("pressure")
             await builder.seal_if_full()
         await builder.seal("shutdown")

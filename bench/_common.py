@@ -1,8 +1,9 @@
-"""What quiverd's benchmarks share: payloads, a daemon under test, CPU accounting, stats.
+"""What quiverd's benchmarks share: payloads, a daemon under test, CPU accounting,
+the raw-WAL baseline writer, stats.
 
 Nothing here touches the daemon's internals: it runs ``python -m quiverd serve``
-as a subprocess on a fresh data directory, talks to it over its sockets and
-reads its CPU time from /proc.
+(or ``$QUIVERD_BENCH_SERVE``, e.g. a profiling wrapper) as a subprocess on a fresh
+data directory, talks to it over its sockets and reads CPU times from /proc.
 """
 
 from __future__ import annotations
@@ -109,6 +110,37 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[float, float]]:
     return out
 
 
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent neither idle nor in iowait since boot (/proc/stat)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(x) for x in stat.readline().split()[1:]]
+    idle, iowait = ticks[3], ticks[4]
+    return (sum(ticks[:8]) - idle - iowait) / CLOCK_TICKS
+
+
+def foreign_cpu_s(own_pid: int) -> dict[int, float]:
+    """CPU seconds so far of each user-space process that is not ``own_pid`` or its
+    child, by pid: another benchmark or test run on the same machine shows up here."""
+    out: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == own_pid:
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) in (0, 2, own_pid):  # kernel threads, init, our own children
+            continue
+        out[int(entry.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return out
+
+
+def foreign_delta_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU used between snapshots (processes that exited in between are not counted)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
+
+
 @dataclass
 class CpuDelta:
     """Daemon CPU between two snapshots: event-loop (main) thread vs every other thread."""
@@ -132,16 +164,16 @@ def cpu_delta(pid: int, before: dict[int, tuple[float, float]],
 
 
 def _toml(tables: dict[str, dict[str, Any]]) -> str:
-    """Flat TOML: the root table first, then one ``[name]`` per section."""
-    def value(v: Any) -> str:
-        return json.dumps(v) if isinstance(v, str) else str(v).lower() \
-            if isinstance(v, bool) else str(v)
+    """Flat TOML: the root table first, then one ``[name]`` per section.
 
+    Values are str, int, float, bool or lists of those; JSON spells all of them
+    the way TOML does.
+    """
     out: list[str] = []
     for table in sorted(tables, key=lambda t: t != ""):
         if table:
             out.append(f"[{table}]")
-        out.extend(f"{k} = {value(v)}" for k, v in tables[table].items())
+        out.extend(f"{k} = {json.dumps(v)}" for k, v in tables[table].items())
     return "\n".join(out) + "\n"
 
 
@@ -176,7 +208,13 @@ class Daemon:
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
         )
         self.pid = self.proc.pid
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.kill()
+            self._log.close()
+            self.remove()  # the error carries the log's tail
+            raise
 
     def _wait_ready(self) -> None:
         # An external process has no event to wait on: poll its socket, bounded.

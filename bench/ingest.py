@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 
@@ -51,6 +51,9 @@ from _common import (  # noqa: E402
     client_names,
     cpu_delta,
     filesystem_of,
+    foreign_cpu_s,
+    foreign_delta_s,
+    machine_busy_s,
     make_table,
     percentile,
     thread_cpu_s,
@@ -203,12 +206,15 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, args: argparse.Namespace, 
             first = results.get(timeout=10)
             raise RuntimeError(f"{scn.name}: a producer failed before the timed phase: "
                                f"{first.get('error')}\n{daemon.log_tail()}") from None
-        cpu_before = thread_cpu_s(daemon.pid)
+        cpu_before, busy_before = thread_cpu_s(daemon.pid), machine_busy_s()
+        foreign_before = foreign_cpu_s(os.getpid())
         status_before = admin_request(daemon.admin_socket, "status")
         if args.profile:
             spy = _start_py_spy(daemon.pid, Path(args.profile) / f"{scn.name}-{rep}.txt")
         outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
         cpu = cpu_delta(daemon.pid, cpu_before, thread_cpu_s(daemon.pid))
+        machine_busy = machine_busy_s() - busy_before
+        foreign = foreign_delta_s(foreign_before, foreign_cpu_s(os.getpid()))
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(60)
@@ -240,6 +246,10 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, args: argparse.Namespace, 
         "daemon_worker_cpu_cores": cpu.workers_s / timed.seconds,
         "daemon_sys_cpu_cores": cpu.sys_s / timed.seconds,
         "producer_cpu_cores": sum(o["cpu_s"] for o in outs) / timed.seconds,
+        # Everything, kernel writeback threads included; 2.0 = both cores saturated.
+        "machine_cpu_cores": machine_busy / timed.seconds,
+        # Other user-space processes (not this bench's): non-zero = a noisy neighbour.
+        "foreign_cpu_cores": foreign / timed.seconds,
         "daemon_fsyncs": fsyncs,
         "entries_per_fsync": appends / fsyncs if fsyncs else math.nan,
     }
@@ -303,7 +313,8 @@ def _producer(socket_path: str, name: str, ipc: bytes, scn: Scenario, barrier: A
     """One producer process: warm up, wait for the others, send the timed volume."""
     try:
         table = pa.ipc.open_stream(ipc).read_all()
-        with _TimedClient.connect(socket_path) as client:
+        # Client.connect is typed as returning Client; it builds ``cls`` all the same.
+        with cast(_TimedClient, _TimedClient.connect(socket_path)) as client:
             for _ in client.iter_send(itertools.repeat(table, scn.warmup_per_producer),
                                       client=name):
                 pass
@@ -416,7 +427,8 @@ def _line(r: dict[str, Any]) -> str:
             f"ack p50 {d['lat_p50_ms']:6.1f} p99 {d['lat_p99_ms']:6.1f} ms | baseline "
             f"{b['mb_s']:6.0f} MB/s ({base_each}) | ratio {r['ratio']:.2f} | cpu daemon "
             f"{r['daemon_cpu_cores']:.2f} (loop {r['daemon_loop_cpu_cores']:.2f}, sys "
-            f"{r['daemon_sys_cpu_cores']:.2f}) producers {r['producer_cpu_cores']:.2f} | "
+            f"{r['daemon_sys_cpu_cores']:.2f}) producers {r['producer_cpu_cores']:.2f} machine "
+            f"{r['machine_cpu_cores']:.2f} foreign {r['foreign_cpu_cores']:.2f} | "
             f"{r['entries_per_fsync']:.1f} entries/fsync")
 
 

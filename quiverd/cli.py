@@ -98,13 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     subs = sub.add_parser("subscribers", help="register, remove and list subscribers"
                           ).add_subparsers(metavar="CMD")
     s = subs.add_parser("add", help="register a subscriber on every shard")
-    s.add_argument("name", help="[a-z0-9_-]{1,64}")
+    s.add_argument("name", metavar="NAME", help="[a-z0-9_-]{1,64}")
     s.add_argument("--from", dest="start", choices=("earliest", "latest"), default="earliest",
                    help="earliest: everything retained; latest: only segments finalized later")
     _admin_args(s)
     s.set_defaults(func=_subscribers_add)
     s = subs.add_parser("remove", help="unregister a subscriber; its segments may be deleted")
-    s.add_argument("name")
+    s.add_argument("name", metavar="NAME")
     _admin_args(s)
     s.set_defaults(func=_subscribers_remove)
     s = subs.add_parser("list", help="registered subscribers and how far behind they are")
@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_subscribers_list)
 
     s = sub.add_parser("subscribe", help="consume as a subscriber: write files or print bundles")
-    s.add_argument("name")
+    s.add_argument("name", metavar="NAME", help="a registered subscriber")
     mode = s.add_mutually_exclusive_group(required=True)
     mode.add_argument("--out", metavar="DIR",
                       help="write <shard>-<segment_seq>-<bundle_index>.slot<k>.arrow files, "
@@ -216,7 +216,7 @@ def _subscribers_add(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"subscriber {args.name!r} added from {args.start} on {result['shards']} shards")
+        print(f"subscriber {args.name!r} added from {args.start} on {_shards(result)}")
     return 0
 
 
@@ -227,8 +227,13 @@ def _subscribers_remove(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"subscriber {args.name!r} removed on {result['shards']} shards")
+        print(f"subscriber {args.name!r} removed on {_shards(result)}")
     return 0
+
+
+def _shards(result: dict[str, Any]) -> str:
+    n = int(result["shards"])
+    return f"{n} shard" if n == 1 else f"{n} shards"
 
 
 def _subscribers_list(args: argparse.Namespace) -> int:

@@ -197,7 +197,8 @@ class Shard:
             await tg.start(lambda task_status: segment_builder.run(
                 durable_rx, sealed_tx, cfg=self.cfg.segment,
                 first_segment_seq=rec.next_segment_seq, recovered=rec.open_bundles,
-                limiter=io, stats=self.builder_stats, log=self.log, task_status=task_status))
+                limiter=io, stats=self.builder_stats, log=self.log,
+                pressure=self._under_pressure, task_status=task_status))
             rec.open_bundles = []  # now owned by the builder
             await tg.start(lambda task_status: wal_writer.run(
                 self._inbox_rx, durable_tx, release_rx, shard=self.index, wal=rec.wal,
@@ -212,6 +213,12 @@ class Shard:
             segment_seq=seg.segment_seq, path=Path(seg.path), size_bytes=seg.size_bytes,
             bundle_count=seg.bundle_count, first_sequence=seg.first_sequence,
             last_sequence=seg.last_sequence, min_ts_ns=seg.min_ts_ns, max_ts_ns=seg.max_ts_ns)
+
+    def _under_pressure(self) -> bool:
+        """Finalize early: the WAL is past half its bound or the shard is at its cap."""
+        rec = self.recovered
+        wal_full = rec is not None and rec.wal.live_bytes > self.cfg.wal.max_size_bytes // 2
+        return wal_full or self.gate.over()
 
     @property
     def acks(self) -> AckState:

@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from quiverd import config as config_mod
 from quiverd.durable import atomic_write
-from quiverd.errors import ProtocolError, QuiverError
+from quiverd.errors import ProtocolError, QuiverError, ShuttingDown
 from quiverd.protocol_frames import ErrorCode
 from quiverd.subscriber import ReceivedBundle, subscribe
 
@@ -99,7 +99,7 @@ async def _consume(args: argparse.Namespace, socket_path: Path, out_dir: Path | 
 @asynccontextmanager
 async def _attached(socket_path: Path, name: str, window: int
                     ) -> AsyncIterator[AsyncIterator[ReceivedBundle]]:
-    """``subscribe()``, turning a missing daemon or an unknown name into printable errors."""
+    """``subscribe()``, with the errors a console user sees worded for a subscriber."""
     attached = False
     try:
         async with subscribe(socket_path, name, window=window) as deliveries:
@@ -116,6 +116,11 @@ async def _attached(socket_path: Path, name: str, window: int
             raise
         raise QuiverError(str(exc), hint="see the registered names with "
                           "`quiverd subscribers list`") from exc
+    except ShuttingDown as exc:
+        # The daemon's message is worded for producers; say what it means for us.
+        raise ShuttingDown("quiverd is shutting down; the subscription ended",
+                           hint="bundles not acked are delivered again when you subscribe "
+                           "to the restarted daemon") from exc
 
 
 async def _handle(bundle: ReceivedBundle, args: argparse.Namespace, out_dir: Path | None,

@@ -188,3 +188,41 @@ def test_client_refuses_reserved_slot_before_sending(daemon_factory):
     d = daemon_factory().start()
     with Client.connect(d.socket) as c, pytest.raises(ValueError, match="slot 63"):
         c.send({63: tagged_table(0)}, client="x")
+
+
+def test_fuzzed_frames_never_hurt_the_daemon_or_other_connections(daemon_factory):
+    """Property: any byte string after a valid HELLO gets an ERROR frame or a close."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    d = daemon_factory({"ingest.max_bundle_bytes": 1 << 20,
+                        "wal.max_entry_bytes": 2 << 20}).start()
+    good = Client.connect(d.socket)
+    valid = b"".join(bytes(p) for p in protocol.encode_bundle(
+        1, "fuzz", {0: _ipc(tagged_table(1))}, {0: 100}))
+
+    @settings(max_examples=60, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.one_of(
+        st.binary(min_size=1, max_size=300),
+        st.tuples(st.integers(0, len(valid) - 1), st.integers(0, 255)).map(
+            lambda m: valid[:m[0]] + bytes([m[1] ^ valid[m[0]] or 1]) + valid[m[0] + 1:]),
+        st.integers(1, len(valid) - 1).map(lambda n: valid[:n]),
+    ))
+    def fuzz(payload: bytes) -> None:
+        s = _raw_connect(d.socket)
+        try:
+            _hello(s)
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(10)
+            while s.recv(65536):  # the daemon answers (ACK, HELLO_OK or ERROR) and closes
+                pass
+        finally:
+            s.close()
+        good.send(tagged_table(2), client="good")  # others carry on
+
+    fuzz()
+    good.close()
+    assert d.status()["ingest"]["errors"] >= 1
+    assert d.stop() == 0
