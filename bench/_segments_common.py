@@ -115,7 +115,12 @@ class ConfiguredDaemon(Daemon):
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
         )
         self.pid = self.proc.pid
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except RuntimeError:
+            self._log.close()
+            self.remove()  # the error already carries the log's tail
+            raise
 
 
 def _toml(keys: dict[str, Any]) -> str:
