@@ -128,7 +128,7 @@ class _Writer:
         self.drop_oldest = False
 
     async def append(self, batch: list[AppendRequest]) -> None:
-        entries: list[tuple[int, list[Any], int]] = []
+        entries: list[tuple[int, Any, int]] = []
         placed: list[tuple[AppendRequest, Bundle]] = []
         for req in batch:
             slots = (*req.bundle.slots, self.meta.encode(req.bundle.client, req.bundle.txn))
@@ -137,8 +137,8 @@ class _Writer:
                 continue
             seq, ts = self.next_sequence, time.time_ns()
             self.next_sequence += 1
-            pieces = walformat.encode_entry(ts_ns=ts, sequence=seq, slots=slots)
-            entries.append((seq, pieces, size))
+            # Encoded (CRC over the payloads) in the write's worker thread, not here.
+            entries.append((seq, (ts, slots), size))
             placed.append((req, _stamp(req.bundle, seq, ts)))
         if entries:
             await self._write(entries, placed)
@@ -195,7 +195,7 @@ class _Writer:
                 await gate.opened.wait()
         return True
 
-    async def _write(self, entries: list[tuple[int, list[Any], int]],
+    async def _write(self, entries: list[tuple[int, Any, int]],
                      placed: list[tuple[AppendRequest, Bundle]]) -> None:
         sync_now = self.cfg.flush_policy == "always"
         await anyio.to_thread.run_sync(lambda: self.wal.append(entries, sync=sync_now),

@@ -45,7 +45,7 @@ class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
 class WalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     flush_policy: Literal["interval", "always", "never"] = "interval"
     flush_interval_ms: int = 25
-    flush_bytes: int = 8 * MiB
+    flush_bytes: int = 1 * MiB
     max_size_bytes: int = 1 * GiB
     max_chunks: int = 10
     max_entry_bytes: int = 72 * MiB

@@ -23,7 +23,6 @@ from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
-from anyio.abc import SocketStream
 from anyio.streams.memory import MemoryObjectSendStream
 
 from quiverd import protocol
@@ -33,6 +32,7 @@ from quiverd.crc import crc32c
 from quiverd.errors import ProtocolError
 from quiverd.messages import AckReply, AppendRequest, ErrorReply, Reply
 from quiverd.protocol_frames import ErrorCode
+from quiverd.rawsock import RawListener, RawStream
 from quiverd.subscribe_conn import SubscriberHub, serve_subscriber
 
 RECV_BYTES = 4 * 1024 * 1024
@@ -74,19 +74,18 @@ class IngestServer:
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                     ) -> None:
         """Accept until ``stop()``; then drain connections and close the inboxes."""
-        if self.path.exists() or self.path.is_symlink():
-            self.path.unlink()
-        listener = await anyio.create_unix_listener(self.path)
-        os.chmod(self.path, self.cfg.socket_mode)
+        listener = RawListener(self.path, self.cfg.socket_mode)
         try:
             async with anyio.create_task_group() as conns:
                 with self.accepting:
                     task_status.started()
-                    async with listener:
+                    try:
                         while True:
                             await self.conn_slots.acquire()
                             stream = await listener.accept()
                             conns.start_soon(self._connection, stream)
+                    finally:
+                        listener.close()
         finally:
             with anyio.CancelScope(shield=True):
                 for inbox in self.inboxes:
@@ -100,7 +99,7 @@ class IngestServer:
         for scope in self.read_scopes:
             scope.cancel()
 
-    async def _connection(self, stream: SocketStream) -> None:
+    async def _connection(self, stream: RawStream) -> None:
         self.stats.connections += 1
         self.stats.connections_total += 1
         try:
@@ -128,7 +127,7 @@ class IngestServer:
 
 
 class _Connection:
-    def __init__(self, server: IngestServer, stream: SocketStream) -> None:
+    def __init__(self, server: IngestServer, stream: RawStream) -> None:
         self.server, self.stream = server, stream
         self.decoder = protocol.FrameDecoder(server.max_frame)
         window = server.cfg.max_inflight_per_connection
@@ -136,7 +135,7 @@ class _Connection:
         self.replies, self.reply_rx = anyio.create_memory_object_stream[Reply](window)
 
     async def run(self) -> None:
-        sock: socket.socket = self.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        sock = self.stream.sock
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
         ok, who = self.server.authorized(sock)
@@ -177,17 +176,22 @@ class _Connection:
                         ErrorCode.SHUTTING_DOWN, "quiverd is shutting down; every bundle acked "
                         "on this connection is durable, resend the rest after restart"))
 
+    async def _receive_frames(self) -> list[Any] | None:
+        """recv_into the decoder's own buffer: large payloads land in their frame
+        buffer directly, with no intermediate copy. None at end of stream."""
+        n = await self.stream.receive_into(self.decoder.get_buffer())
+        if n == 0:
+            if self.decoder.buffered:
+                raise ProtocolError(ErrorCode.MALFORMED, "connection ended inside a frame")
+            return None
+        return self.decoder.buffer_updated(n)
+
     async def _read_loop(self) -> None:
         hello_done = False
         while True:
-            try:
-                data = await self.stream.receive(RECV_BYTES)
-            except anyio.EndOfStream:
-                if self.decoder.buffered:
-                    raise ProtocolError(ErrorCode.MALFORMED,
-                                        "connection ended inside a frame") from None
+            frames = await self._receive_frames()
+            if frames is None:
                 return
-            frames = self.decoder.feed(data)
             if not frames:
                 continue
             if not hello_done:
@@ -228,14 +232,19 @@ class _Connection:
             await self.server.inboxes[shard_of(frame.client, shards)].send(req)
 
     async def _write_replies(self) -> None:
+        """One socket write per group of replies (a group commit acks many at once)."""
         async with self.reply_rx:
             async for reply in self.reply_rx:
-                if isinstance(reply, AckReply):
-                    frame: Any = protocol.encode_ack(reply.request_id, reply.shard, reply.sequence)
-                else:
-                    frame = protocol.encode_error(reply.request_id, reply.code, reply.message)
-                self.window.release()
-                await self.stream.send(frame)
+                replies = [reply]
+                while True:
+                    try:
+                        replies.append(self.reply_rx.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                frames = b"".join(_encode_reply(r) for r in replies)
+                for _ in replies:
+                    self.window.release()
+                await self.stream.send(frames)
 
     async def _send_error(self, request_id: int, exc: ProtocolError) -> None:
         with anyio.move_on_after(1, shield=True):
@@ -243,6 +252,12 @@ class _Connection:
 
     async def _fatal(self, exc: ProtocolError) -> None:
         await self._send_error(0, exc)
+
+
+def _encode_reply(reply: Reply) -> bytes:
+    if isinstance(reply, AckReply):
+        return protocol.encode_ack(reply.request_id, reply.shard, reply.sequence)
+    return protocol.encode_error(reply.request_id, reply.code, reply.message)
 
 
 def _validate_all(frames: list[protocol.BundleFrame], max_bundle_bytes: int

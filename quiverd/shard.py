@@ -158,7 +158,9 @@ class Shard:
         rec = self.recovered
         assert rec is not None and rec.acks is not None and rec.ack_file is not None
         acks, ack_file = rec.acks, rec.ack_file
-        durable_tx, durable_rx = anyio.create_memory_object_stream[DurableBatch](4)
+        # Deep enough that a finalize in progress does not hold up the next group
+        # commit; still bounded (and its bundles are all inside the bounded WAL).
+        durable_tx, durable_rx = anyio.create_memory_object_stream[DurableBatch](64)
         sealed_tx, sealed_rx = anyio.create_memory_object_stream[SealedSegment](1)
         release_tx, release_rx = anyio.create_memory_object_stream[WalReleased](16)
         io = anyio.CapacityLimiter(2)  # one write + one fdatasync may overlap

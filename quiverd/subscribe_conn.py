@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
-from anyio.abc import SocketStream
 
 from quiverd import ackformat as fmt
 from quiverd import protocol
 from quiverd.errors import ProtocolError
 from quiverd.protocol_frames import ErrorCode
+from quiverd.rawsock import RawStream
 
 MAX_WINDOW = 4096
 RECV_BYTES = 256 * 1024
@@ -34,7 +34,7 @@ class SubscriberHub:
         return bool(self.states) and all(name in s.registry for s in self.states)
 
 
-async def serve_subscriber(hub: SubscriberHub, stream: SocketStream,
+async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
                            decoder: protocol.FrameDecoder, pending: list[Any], log: Any) -> None:
     """Handle one subscriber connection until it closes; raises ProtocolError on misuse."""
     frames = list(pending)
@@ -68,7 +68,7 @@ async def serve_subscriber(hub: SubscriberHub, stream: SocketStream,
         log.info("subscriber_detached", subscriber=first.name)
 
 
-async def _read_feedback(hub: SubscriberHub, stream: SocketStream,
+async def _read_feedback(hub: SubscriberHub, stream: RawStream,
                          decoder: protocol.FrameDecoder, session: Any, frames: list[Any]) -> None:
     while True:
         for frame in frames:
@@ -88,7 +88,7 @@ async def _read_feedback(hub: SubscriberHub, stream: SocketStream,
         frames = decoder.feed(data)
 
 
-async def _write_deliveries(stream: SocketStream, deliveries: Any) -> None:
+async def _write_deliveries(stream: RawStream, deliveries: Any) -> None:
     async with deliveries:
         async for d in deliveries:
             parts = protocol.encode_delivery(

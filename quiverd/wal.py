@@ -16,7 +16,10 @@ hit the caller waits or refuses (``at_capacity``): nothing is ever dropped.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import functools
 import os
 import threading
 from collections import deque
@@ -118,13 +121,15 @@ class WalFiles:
         return active_has_data and self.end_offset + nbytes > self.chunk_bytes
 
     # ---- append and sync -------------------------------------------------------------
-    def append(self, entries: list[tuple[int, list[Buffer], int]], *, sync: bool) -> None:
-        """Write ``(sequence, pieces, size)`` entries in order; fdatasync if ``sync``.
+    def append(self, entries: list[tuple[int, tuple[int, Any], int]], *, sync: bool) -> None:
+        """Encode and write ``(sequence, (ts_ns, slots), size)`` entries in order.
 
-        The caller checked ``fits`` for each entry. One call is one thread hop.
+        fdatasync too if ``sync``. The caller checked ``fits`` for each entry. One
+        call is one thread hop; the CRC over the payloads is computed here.
         """
         pieces: list[Buffer] = []
-        for sequence, entry_pieces, size in entries:
+        for sequence, (ts_ns, slots), size in entries:
+            entry_pieces = walformat.encode_entry(ts_ns=ts_ns, sequence=sequence, slots=slots)
             if self._needs_rotation(size):
                 self._write(pieces)
                 pieces = []
@@ -277,15 +282,19 @@ def create_active(wal_dir: Path, cfg_hash: bytes) -> int:
     return fd
 
 
+@functools.cache
+def _fallocate() -> Any:
+    """libc's fallocate, looked up once (find_library forks ldconfig)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = libc.fallocate
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return fn
+
+
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """fallocate(PUNCH_HOLE | KEEP_SIZE) via libc; raises OSError."""
-    import ctypes
-    import ctypes.util
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-    if libc.fallocate(fd, mode, offset, length) != 0:
+    if _fallocate()(fd, mode, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
