@@ -8,9 +8,11 @@ Each append batch is encoded and written in one worker-thread hop. Acks leave
 only after the fdatasync that covers the entry returned:
 
 - ``always``:   write + fdatasync in the same hop, then ack the batch.
-- ``interval``: a timer fires every ``flush_interval_ms`` (or early, once
-  ``flush_bytes`` are unsynced); one fdatasync covers every append written
-  before it started, and exactly those entries are acked after it returns.
+- ``interval``: group commit. One fdatasync covers every append written before
+  it started, and exactly those entries are acked after it returns. It starts
+  when the timer fires (``flush_interval_ms`` after the last sync), when the
+  inbox runs empty (no more appends are queued, so waiting adds only latency),
+  or, in the same worker hop as the write, once ``flush_bytes`` are unsynced.
 - ``never``:    ack after the write (tests and benchmarks only).
 
 A failed fdatasync raises DurabilityLost: nothing it covered is acked, the
@@ -83,6 +85,7 @@ async def run(
     """
     writer = _Writer(shard, wal, cfg, next_sequence, limiter, stats, log, outbox)
     writer.gate, writer.pressure, writer.drop_oldest = gate, pressure, drop_oldest
+    writer.idle = lambda: inbox.statistics().current_buffer_used == 0
     async with releases, anyio.create_task_group() as tg:
         # Releases outlive the inbox: the finalizer still writes the last segment
         # after producers are gone, and ends `releases` when it is done.
@@ -120,12 +123,13 @@ class _Writer:
         self.next_sequence, self.stats, self.log, self.outbox = next_sequence, stats, log, outbox
         self.meta = MetaCodec()
         self.pending = _Pending()
-        self.kick = anyio.Event()  # set when flush_bytes are unsynced: sync early
+        self.kick = anyio.Event()  # set to sync now (at capacity, throttled) rather than at the tick
         self.capacity = anyio.Event()  # set when a release freed WAL space
         self.sync_lock = anyio.Lock()  # keeps acks and DurableBatches in sequence order
         self.gate: Any = None
         self.pressure: Any = None
         self.drop_oldest = False
+        self.idle: Any = lambda: False  # is the inbox empty right now?
 
     async def append(self, batch: list[AppendRequest]) -> None:
         entries: list[tuple[int, Any, int]] = []
@@ -197,23 +201,39 @@ class _Writer:
 
     async def _write(self, entries: list[tuple[int, Any, int]],
                      placed: list[tuple[AppendRequest, Bundle]]) -> None:
-        sync_now = self.cfg.flush_policy == "always"
-        await anyio.to_thread.run_sync(lambda: self.wal.append(entries, sync=sync_now),
-                                       limiter=self.limiter)
         nbytes = sum(e[2] for e in entries)
-        self.stats.appends += len(entries)
-        self.stats.bytes_written += nbytes
-        self.stats.last_sequence = entries[-1][0]
-        if sync_now:
-            self.stats.fsyncs += 1
-        if self.cfg.flush_policy == "interval":
+        policy = self.cfg.flush_policy
+        early = (policy == "interval" and self.cfg.flush_bytes > 0
+                 and self.pending.nbytes + nbytes >= self.cfg.flush_bytes)
+        if early:
+            # flush_bytes reached: write and fdatasync in the same worker hop; the
+            # fdatasync also covers every earlier unsynced append (group commit).
+            async with self.sync_lock:
+                covered, self.pending = self.pending.items + placed, _Pending()
+                await self._append(entries, nbytes, sync=True)
+                await self._acknowledge(covered)
+            return
+        await self._append(entries, nbytes, sync=policy == "always")
+        if policy == "interval":
             self.pending.items.extend(placed)
             self.pending.nbytes += nbytes
             self.stats.inflight = len(self.pending.items)
-            if self.cfg.flush_bytes and self.pending.nbytes >= self.cfg.flush_bytes:
+            if self.idle():
+                # Nothing more is queued: waiting for the tick would only add latency,
+                # the group is as large as it will get.
                 self.kick.set()
         else:
             await self._acknowledge(placed)
+
+    async def _append(self, entries: list[tuple[int, Any, int]], nbytes: int, *,
+                      sync: bool) -> None:
+        await anyio.to_thread.run_sync(lambda: self.wal.append(entries, sync=sync),
+                                       limiter=self.limiter)
+        self.stats.appends += len(entries)
+        self.stats.bytes_written += nbytes
+        self.stats.last_sequence = entries[-1][0]
+        if sync:
+            self.stats.fsyncs += 1
 
     async def sync_on_timer(self) -> None:
         """Group commit: one fdatasync per tick covers everything written before it."""

@@ -66,7 +66,12 @@ from quiverd.client import Client  # noqa: E402
 
 SHARDS = 2
 FLUSH_INTERVAL_S = 0.025  # the daemon's default wal.flush_interval_ms
-FLUSH_BYTES = 8 * MiB  # the daemon's default wal.flush_bytes
+FLUSH_BYTES = 1 * MiB  # the daemon's default wal.flush_bytes
+# The ingest core alone (issue 2): segments are not finalized during the run, so the
+# daemon writes each byte once, like the baseline. bench/segments.py measures the
+# same ingest with segments on against this figure.
+SEGMENTS_OFF = {"segment.target_size_bytes": 1 << 40, "segment.max_open_duration_ms": 3_600_000,
+                "wal.max_size_bytes": 64 << 30, "wal.max_chunks": 64}
 # Payload bytes sent per run (split evenly over producers); --quick divides by 8.
 VOLUME = {64 * KiB: 128 * MiB, 1 * MiB: 512 * MiB}
 WARMUP_FRACTION = 16  # warm-up = volume / 16, not timed
@@ -189,7 +194,8 @@ def _scenario(producers: int, size: int, policy: str, divisor: int) -> Scenario:
 def run_daemon(scn: Scenario, ipc: bytes, root: Path, args: argparse.Namespace, rep: int
                ) -> tuple[Timed, dict[str, Any]]:
     """Start quiverd, drive it from ``scn.producers`` processes, stop it with SIGTERM."""
-    daemon = Daemon(root, policy=scn.policy, shards=SHARDS, settings=_settings(args.set))
+    daemon = Daemon(root, policy=scn.policy, shards=SHARDS,
+                    settings={**SEGMENTS_OFF, **_settings(args.set)})
     ctx = mp.get_context("spawn")  # no fork after pyarrow's threads exist
     barrier = ctx.Barrier(scn.producers + 1)
     results: Any = ctx.Queue()

@@ -133,7 +133,7 @@ class FrameDecoder:
         self._head = bytearray(FRAME_HEADER.size)
         self._head_filled = 0
         self._frame_type = FrameType.HELLO
-        self._body: bytearray | None = None
+        self._body: memoryview | None = None
         self._body_filled = 0
         self._scratch: bytearray | None = None
         self._direct = False
@@ -223,7 +223,7 @@ class FrameDecoder:
                 f"{frame_type.name} frame of {frame_len} bytes is longer than any valid one",
             )
         self._frame_type = frame_type
-        self._body = bytearray(frame_len - 1)
+        self._body = _frame_buffer(frame_len - 1)
         self._body_filled = 0
         self._head_filled = 0
 
@@ -259,6 +259,16 @@ class FrameDecoder:
         if isinstance(msg, Hello) and self._from_client:
             self.role = msg.role
         return msg
+
+
+def _frame_buffer(nbytes: int) -> memoryview:
+    """A writable, uninitialized frame buffer from Arrow's memory pool.
+
+    Frames end up as zero-copy Arrow buffers held by the open segment; the pool
+    (jemalloc/mimalloc) hands back recently freed, already-faulted memory, where a
+    zero-filled bytearray would touch fresh pages (slow on these machines, NOTES.md).
+    """
+    return memoryview(pa.allocate_buffer(nbytes)).cast("B")
 
 
 def validate_bundle(

@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 
 BACKLOG = 128
 
@@ -27,10 +28,10 @@ class RawStream:
     async def receive(self, max_bytes: int) -> bytes:
         """Up to ``max_bytes``; raises anyio.EndOfStream at EOF."""
         while True:
-            await anyio.wait_readable(self.sock)
             try:
                 data = self.sock.recv(max_bytes)
             except BlockingIOError:
+                await anyio.wait_readable(self.sock)
                 continue
             except ConnectionError as exc:
                 raise anyio.BrokenResourceError(str(exc)) from exc
@@ -39,13 +40,17 @@ class RawStream:
             return data
 
     async def receive_into(self, buffer: memoryview) -> int:
-        """recv_into ``buffer``; 0 at EOF."""
+        """recv_into ``buffer``; 0 at EOF.
+
+        Reads first and waits only when nothing is there: under load the data is
+        usually already queued, and a readiness wait costs a loop round trip.
+        """
+        await anyio.lowlevel.checkpoint()  # stay cancellable and fair when data never runs out
         while True:
-            await anyio.wait_readable(self.sock)
             try:
                 return self.sock.recv_into(buffer)
             except BlockingIOError:
-                continue
+                await anyio.wait_readable(self.sock)
             except ConnectionError as exc:
                 raise anyio.BrokenResourceError(str(exc)) from exc
 
@@ -60,6 +65,7 @@ class RawStream:
             except (ConnectionError, OSError) as exc:
                 raise anyio.BrokenResourceError(str(exc)) from exc
             view = view[n:]
+        await anyio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
         self.sock.close()
