@@ -51,8 +51,8 @@ class RetentionGate:
         return self.cap_bytes > 0 and self.usage() >= self.cap_bytes
 
     def refresh(self) -> None:
-        was, self.closed = self.closed, self.over()
-        if was and not self.closed:
+        self.closed = self.over()
+        if not self.closed:
             self.opened.set()
             self.opened = anyio.Event()
 
@@ -116,8 +116,7 @@ class _Sweeper:
         if self.cfg.size_cap_policy == "drop_oldest":
             while self.gate.over() and self._oldest() is not None:
                 await self._drop_and_delete(self._oldest(), "size_cap")  # type: ignore[arg-type]
-        else:
-            self.gate.refresh()
+        self.gate.refresh()
 
     def _oldest(self) -> int | None:
         return min(self.segments) if self.segments else None

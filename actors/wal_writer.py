@@ -39,6 +39,7 @@ from quiverd.wal import WalFiles
 MAX_BATCH_ENTRIES = 256
 MAX_BATCH_BYTES = 16 * 1024 * 1024
 AT_CAPACITY = 5  # protocol ErrorCode.AT_CAPACITY
+SHUTTING_DOWN = 6  # protocol ErrorCode.SHUTTING_DOWN
 
 
 @dataclass
@@ -76,6 +77,7 @@ async def run(
     gate: Any = None,
     pressure: Any = None,
     drop_oldest: bool = False,
+    stopping: anyio.Event | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Append, sync and acknowledge until ``inbox`` ends; then release until ``releases`` ends.
@@ -86,6 +88,8 @@ async def run(
     writer = _Writer(shard, wal, cfg, next_sequence, limiter, stats, log, outbox)
     writer.gate, writer.pressure, writer.drop_oldest = gate, pressure, drop_oldest
     writer.idle = lambda: inbox.statistics().current_buffer_used == 0
+    if stopping is not None:
+        writer.stopping = stopping
     async with releases, anyio.create_task_group() as tg:
         # Releases outlive the inbox: the finalizer still writes the last segment
         # after producers are gone, and ends `releases` when it is done.
@@ -130,6 +134,7 @@ class _Writer:
         self.pressure: Any = None
         self.drop_oldest = False
         self.idle: Any = lambda: False  # is the inbox empty right now?
+        self.stopping = anyio.Event()  # set by the shard when the daemon stops
 
     async def append(self, batch: list[AppendRequest]) -> None:
         entries: list[tuple[int, Any, int]] = []
@@ -169,8 +174,11 @@ class _Writer:
             self.log.warning("wal_at_capacity", shard=self.shard, bytes=self.wal.live_bytes,
                              files=self.wal.file_count)
             self.kick.set()
+            if self.stopping.is_set():
+                return self._refuse_stopping(req)
             self.capacity = anyio.Event()
-            await self.capacity.wait()
+            with anyio.move_on_after(1.0):
+                await self.capacity.wait()
         return True
 
     async def _wait_for_retention(self, req: AppendRequest) -> bool:
@@ -179,7 +187,12 @@ class _Writer:
         if gate is None or not gate.over():
             return True
         if self.drop_oldest:
-            self.pressure.notify()  # the gc drops the oldest segments; ingest goes on
+            # The gc drops the oldest segments; wait (briefly) for it so the cap holds.
+            # If only the open segment holds data, the builder seals it under pressure.
+            self.pressure.notify()
+            with anyio.move_on_after(1.0):
+                while gate.over():
+                    await gate.opened.wait()
             return True
         gate.closed = True
         gate.throttled += 1
@@ -195,9 +208,18 @@ class _Writer:
                          cap_bytes=gate.cap_bytes)
         self.kick.set()  # sync what is written so it can be finalized and delivered
         while gate.over():
+            if self.stopping.is_set():
+                return self._refuse_stopping(req)
             with anyio.move_on_after(1.0):
                 await gate.opened.wait()
         return True
+
+    def _refuse_stopping(self, req: AppendRequest) -> bool:
+        """Shutting down while the bundle waits for room: refuse it (never acked)."""
+        _reply(req, ErrorReply(request_id=req.request_id, code=SHUTTING_DOWN,
+                               message="quiverd is shutting down; this bundle was not stored, "
+                               "resend it after the restart"))
+        return False
 
     async def _write(self, entries: list[tuple[int, Any, int]],
                      placed: list[tuple[AppendRequest, Bundle]]) -> None:

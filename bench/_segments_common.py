@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from _common import REPO, Daemon  # bench/ is on sys.path (segments.py puts it there)
+from _common import CLOCK_TICKS, REPO, Daemon  # bench/ is on sys.path (segments.py puts it there)
 
 from quiverd.bundle import encode_ipc_stream
 from quiverd.client import Client
@@ -139,11 +139,50 @@ def producer(socket_path: str, name: str, payloads: list[bytes], warmup: int, bu
                                       client=name):
                 pass
             barrier.wait(300)
-            t0 = time.perf_counter()
+            cpu0, t0 = _own_cpu_s(), time.perf_counter()
             sent = sum(1 for _ in client.iter_send(
                 itertools.islice(itertools.cycle(tables), bundles), client=name))
             t1 = time.perf_counter()
-        results.put({"t0": t0, "t1": t1, "bundles": sent})
+        results.put({"t0": t0, "t1": t1, "bundles": sent, "cpu_s": _own_cpu_s() - cpu0})
     except BaseException as exc:  # reported to the parent, which fails the run
         barrier.abort()
-        results.put({"error": repr(exc), "t0": 0.0, "t1": 0.0, "bundles": 0})
+        results.put({"error": repr(exc), "t0": 0.0, "t1": 0.0, "bundles": 0, "cpu_s": 0.0})
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def process_cpu_s() -> dict[int, tuple[int, float]]:
+    """(parent pid, CPU seconds) of every user-space process (kernel threads, such as
+    the writeback workers our own I/O wakes, have no cmdline and are left out)."""
+    out: dict[int, tuple[int, float]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                if not f.read(1):
+                    continue
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the process ended while we looked
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(entry.name)] = (int(fields[1]),
+                                (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    return out
+
+
+def others_cpu_s(before: dict[int, tuple[int, float]],
+                 after: dict[int, tuple[int, float]]) -> float:
+    """CPU seconds used between two snapshots by processes outside this one's tree."""
+    ours = {os.getpid()}
+    grew = True
+    while grew:  # descendants: the daemon, producers, py-spy, their helpers
+        new = {pid for pid, (ppid, _) in after.items() if ppid in ours} - ours
+        ours |= new
+        grew = bool(new)
+    return sum(cpu - before.get(pid, (0, 0.0))[1]
+               for pid, (_, cpu) in after.items() if pid not in ours)

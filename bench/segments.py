@@ -1,6 +1,6 @@
 """Segment finalize, segment read, and end-to-end ingest with segments on vs off.
 
-    python bench/segments.py [--quick] [--json out.json] [--profile DIR]
+    python bench/segments.py [--quick] [--json out.json] [--only PART,...] [--profile DIR]
 
 1. finalize  128 logs-like bundles of ~256 KiB (32 MiB of IPC) in one ``OpenSegment``;
              timed: ``encode_segment`` + ``write_segment`` (tmp, fsync, rename, fsync dir).
@@ -15,8 +15,11 @@
              the run (off: huge target size and open duration). Both runs use the same
              WAL config, big enough to hold the whole run.
 
-1 and 2 run an untimed warm-up first and report the median of the repetitions; 3
-alternates on/off runs and reports medians. See bench/README.md.
+1 and 2 run an untimed warm-up first and report the median of 15 repetitions; 3
+alternates 5 on and 5 off runs per payload (each after a warm-up of 1/16 of its
+volume) and reports medians; a run during which other processes used more than
+0.15 cores is flagged as disturbed and left out of the medians when at least two
+undisturbed runs remain. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -52,7 +55,13 @@ from _common import (  # noqa: E402
     make_table,
     thread_cpu_s,
 )
-from _segments_common import ConfiguredDaemon, logs_batches, producer  # noqa: E402
+from _segments_common import (  # noqa: E402
+    ConfiguredDaemon,
+    logs_batches,
+    others_cpu_s,
+    process_cpu_s,
+    producer,
+)
 
 from quiverd.admin import request as admin_request  # noqa: E402
 from quiverd.bundle import Bundle, encode_ipc_stream, make_slot  # noqa: E402
@@ -68,11 +77,13 @@ SHARDS = 2
 PRODUCERS = 4
 E2E_BUNDLE = 1 * MiB
 E2E_VOLUME = 512 * MiB  # payload bytes per e2e run (the ingest bench's 1 MiB volume)
+E2E_RUNS = 5  # per payload and mode, alternating on/off
 E2E_WAL = {"flush_policy": "interval", "max_size_bytes": 4096 * MiB}
 SEGMENTS_ON: dict[str, Any] = {}  # every [segment] key at its default
 SEGMENTS_OFF = {"target_size_bytes": 1 << 50, "max_open_duration_ms": 1 << 40}
 RUN_TIMEOUT_S = 300.0
 PARTS = ("finalize", "read", "ingest")
+DISTURBED_CORES = 0.15  # CPU used by other processes during an e2e run that flags it
 BUSY_WARNING = 0.1  # CPU fraction used by others before the start that earns a warning
 
 
@@ -314,8 +325,22 @@ def read_baseline_loop(path: Path) -> int:
         return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
 
 
+def check_roundtrip(case: Case) -> None:
+    """Untimed: every bundle reads back exactly as it was added (else the figures lie)."""
+    assert case.seg_path is not None and case.base_path is not None
+    with SegmentReader.open(case.seg_path) as reader:
+        for sent, got in zip(case.bundles, reader.bundles(), strict=True):
+            expected = pa.ipc.open_stream(sent.slots[0].ipc).read_all()
+            if not got.slots[0].equals(expected) or got.sequence != sent.sequence:
+                raise AssertionError(f"{case.name}: bundle {got.index} read back differently")
+    with pa.memory_map(str(case.base_path)) as source:
+        if pa.ipc.open_file(source).read_all().num_rows != sum(b.num_rows for b in case.batches):
+            raise AssertionError(f"{case.name}: baseline file lost rows")
+
+
 def bench_read(case: Case, reps: int, profile_dir: str | None) -> dict[str, Any]:
     assert case.seg_path is not None and case.base_path is not None
+    check_roundtrip(case)
     sides: dict[str, Callable[[], int]] = {
         "quiverd": lambda: read_segment(case.seg_path),  # type: ignore[arg-type]
         "baseline_read_all": lambda: read_baseline_all(case.base_path),  # type: ignore[arg-type]
@@ -359,7 +384,7 @@ def bench_e2e(root: Path, *, quick: bool, profile_dir: str | None) -> list[dict[
         "logs, changing dicts": [encode_ipc_stream(b) for b in
                                  logs_batches(16, E2E_BUNDLE, changing=True, seed=11)],
     }
-    runs = 1 if quick else 3
+    runs = 1 if quick else E2E_RUNS
     volume = E2E_VOLUME // (8 if quick else 1)
     rows = []
     for name, ipcs in payloads.items():
@@ -373,12 +398,23 @@ def bench_e2e(root: Path, *, quick: bool, profile_dir: str | None) -> list[dict[
                 print(f"ingest {name:>26} segments {mode:>3} run {i}: {r['mb_s']:6.0f} MB/s, "
                       f"{r['segments_finalized']} segments finalized in the timed window, "
                       f"daemon cpu {r['daemon_cpu_cores']:.2f} cores "
-                      f"(loop {r['daemon_loop_cpu_cores']:.2f})", flush=True)
-        on = statistics.median(r["mb_s"] for r in got["on"])
-        off = statistics.median(r["mb_s"] for r in got["off"])
+                      f"(loop {r['daemon_loop_cpu_cores']:.2f}), producers "
+                      f"{r['producer_cpu_cores']:.2f}"
+                      + (f", DISTURBED: others used {r['other_cpu_cores']:.2f} cores"
+                         if r["other_cpu_cores"] > DISTURBED_CORES else ""), flush=True)
+        counted = {mode: _counted(runs_) for mode, runs_ in got.items()}
+        on = statistics.median(r["mb_s"] for r in counted["on"])
+        off = statistics.median(r["mb_s"] for r in counted["off"])
         rows.append({"payload": name, "bundle_ipc_bytes": len(ipcs[0]), "on_mb_s": on,
-                     "off_mb_s": off, "ratio": on / off, "runs": got})
+                     "off_mb_s": off, "ratio": on / off, "runs": got,
+                     "counted": {mode: len(c) for mode, c in counted.items()}})
     return rows
+
+
+def _counted(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs a median is taken over: the undisturbed ones if there are two or more."""
+    calm = [r for r in runs if r["other_cpu_cores"] <= DISTURBED_CORES]
+    return calm if len(calm) >= 2 else runs
 
 
 def run_e2e(root: Path, ipcs: list[bytes], mode: str, volume: int, spy_out: Path | None
@@ -403,10 +439,12 @@ def run_e2e(root: Path, ipcs: list[bytes], mode: str, volume: int, spy_out: Path
             raise RuntimeError(f"producer failed: {results.get(timeout=10).get('error')}\n"
                                + daemon.log_tail()) from None
         cpu0, st0 = thread_cpu_s(daemon.pid), admin_request(daemon.admin_socket, "status")
+        procs0, wall0 = process_cpu_s(), time.perf_counter()
         if spy_out is not None:
             spy = _start_py_spy(daemon.pid, spy_out)
         outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
         cpu = cpu_delta(daemon.pid, cpu0, thread_cpu_s(daemon.pid))
+        others = others_cpu_s(procs0, process_cpu_s()) / (time.perf_counter() - wall0)
         st1 = admin_request(daemon.admin_socket, "status")
         if spy is not None:
             spy.send_signal(signal.SIGINT)
@@ -430,7 +468,9 @@ def run_e2e(root: Path, ipcs: list[bytes], mode: str, volume: int, spy_out: Path
     payload = sum(o["bundles"] for o in outs) * len(ipcs[0])
     finalized = sum(a["segments_finalized"] - b["segments_finalized"]
                     for a, b in zip(st1["shards"], st0["shards"], strict=True))
-    return {"mode": mode, "timed_window": [start, end], "seconds": seconds, "payload_bytes": payload,
+    return {"mode": mode, "timed_window": [start, end], "seconds": seconds,
+            "other_cpu_cores": others,
+            "producer_cpu_cores": sum(o["cpu_s"] for o in outs) / seconds, "payload_bytes": payload,
             "mb_s": payload / seconds / 1e6, "segments_finalized": finalized,
             "daemon_cpu_cores": cpu.total_s / seconds,
             "daemon_loop_cpu_cores": cpu.main_s / seconds}
@@ -461,9 +501,10 @@ def markdown(fin: list[dict[str, Any]], read: list[dict[str, Any]],
                 "| vs get_batch loop |", "|---|" + "---:|" * 6, *map(_read_md, read), ""]
     if e2e:
         out += ["| ingest, 2 shards, 4 producers, 1 MiB, interval | segments on MB/s "
-                "| segments off MB/s | on / off (target ≥ 0.8×) | segments finalized "
-                "while timed | daemon CPU cores on / off |",
-                "|---|" + "---:|" * 5, *map(_e2e_md, e2e)]
+                "(min–max) | segments off MB/s (min–max) | on / off (target ≥ 0.8×) "
+                "| segments finalized while timed | daemon CPU cores on / off "
+                "| runs counted (on + off; undisturbed) |",
+                "|---|" + "---:|" * 6, *map(_e2e_md, e2e)]
     return "\n".join(out).strip()
 
 
@@ -482,12 +523,18 @@ def _read_md(r: dict[str, Any]) -> str:
 
 
 def _e2e_md(r: dict[str, Any]) -> str:
-    on, off = r["runs"]["on"], r["runs"]["off"]
+    on, off = _counted(r["runs"]["on"]), _counted(r["runs"]["off"])
     cpu_on = statistics.median(x["daemon_cpu_cores"] for x in on)
     cpu_off = statistics.median(x["daemon_cpu_cores"] for x in off)
     segs = statistics.median(x["segments_finalized"] for x in on)
-    return (f"| {r['payload']} | {r['on_mb_s']:.0f} | {r['off_mb_s']:.0f} "
-            f"| {r['ratio']:.2f}× | {segs:.0f} | {cpu_on:.2f} / {cpu_off:.2f} |")
+    every = r["runs"]["on"] + r["runs"]["off"]
+    return (f"| {r['payload']} | {r['on_mb_s']:.0f} ({_spread(on)}) "
+            f"| {r['off_mb_s']:.0f} ({_spread(off)}) | {r['ratio']:.2f}× | {segs:.0f} "
+            f"| {cpu_on:.2f} / {cpu_off:.2f} | {len(on)} + {len(off)} of {len(every)} |")
+
+
+def _spread(runs: list[dict[str, Any]]) -> str:
+    return f"{min(x['mb_s'] for x in runs):.0f}–{max(x['mb_s'] for x in runs):.0f}"
 
 
 def _git_head() -> str:

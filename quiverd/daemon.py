@@ -107,6 +107,8 @@ class Daemon:
         self.stopping = True
         self.notifier.stopping()
         self.log.info("quiverd_stopping")
+        for shard in self.shards:
+            shard.stopping.set()
         if self.ingest is not None:
             self.ingest.stop()
 

@@ -93,6 +93,7 @@ class Shard:
         self.gate = gc_sweeper.RetentionGate(cap_bytes=per_shard_cap, usage=self.usage_bytes)
         self.ack_tx, self._ack_rx = anyio.create_memory_object_stream[AckLogMessage](256)
         self.dispatcher: Dispatcher | None = None
+        self.stopping = anyio.Event()  # producers waiting for room are refused, not held
 
     @property
     def wal_dir(self) -> Path:
@@ -207,6 +208,7 @@ class Shard:
                 cfg=self.cfg.wal, next_sequence=rec.next_sequence, limiter=io,
                 stats=self.wal_stats, log=self.log, gate=self.gate, pressure=self.pressure,
                 drop_oldest=self.cfg.retention.size_cap_policy == "drop_oldest",
+                stopping=self.stopping,
                 task_status=task_status))
             task_status.started()
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from quiverd.client import Client
-from quiverd.errors import AtCapacity
+from quiverd.errors import AtCapacity, ShuttingDown
 from tests.daemon.helpers import tagged_table
 from tests.daemon.test_subscribers import add, announced, consume, produce, wait_for
 
@@ -87,10 +87,10 @@ def test_backpressure_stalls_producers_within_the_cap_and_resumes_after_acks(dae
     consume(d, "stalled", want=blocked_at, idle_s=1.0)  # the subscriber catches up
     wait_for(lambda: producer.acks > blocked_at + 3, timeout=20)  # ingest resumed by itself
     producer.stop.set()
-    producer.join(20)
     sampler.stop.set()
-    assert producer.error is None
-    assert d.stop() == 0
+    assert d.stop() == 0  # a producer still waiting for room is refused, not held
+    producer.join(20)
+    assert producer.error is None or isinstance(producer.error, ShuttingDown | ConnectionError)
 
 
 def test_backpressure_reject_answers_at_capacity(daemon_factory):
@@ -142,8 +142,8 @@ def test_max_age_deletes_expired_segments_and_counts_them(daemon_factory):
     produce(d, [1, 2, 3])
     wait_for(lambda: announced(d) >= 1)
     wait_for(lambda: announced(d) == 0, timeout=10)
+    wait_for(lambda: d.status()["metrics"]["quiver_gc_evictions_total"].get("max_age", 0) >= 1)
     metrics = d.status()["metrics"]
-    assert metrics["quiver_gc_evictions_total"]["max_age"] >= 1
     assert metrics["quiver_subscriber_dropped_bundles_total"]["slow"] == 3
     assert d.stop() == 0
 
