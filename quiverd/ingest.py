@@ -172,9 +172,12 @@ class _Connection:
                 for _ in range(self.server.cfg.max_inflight_per_connection):
                     await self.window.acquire()
                 if self.server.stopping:
-                    await self._send_error(0, ProtocolError(
-                        ErrorCode.SHUTTING_DOWN, "quiverd is shutting down; every bundle acked "
-                        "on this connection is durable, resend the rest after restart"))
+                    text = ("quiverd is shutting down; unacknowledged deliveries are "
+                            "delivered again after the restart"
+                            if self.decoder.role == protocol.Role.SUBSCRIBER else
+                            "quiverd is shutting down; every bundle acked on this connection "
+                            "is durable, resend the rest after restart")
+                    await self._send_error(0, ProtocolError(ErrorCode.SHUTTING_DOWN, text))
 
     async def _receive_frames(self) -> list[Any] | None:
         """recv_into the decoder's own buffer: large payloads land in their frame
