@@ -41,7 +41,8 @@ class InvalidSubscriberName(QuiverError, ValueError):
 class UnknownSubscriber(QuiverError, LookupError):
     """No subscriber of that name is registered."""
 
-    hint = "list subscribers with `quiverd subscribers list`; add one with `quiverd subscribers add NAME`"
+    hint = ("list subscribers with `quiverd subscribers list`; "
+            "add one with `quiverd subscribers add NAME`")
 
 
 class SubscriberExists(QuiverError, ValueError):
