@@ -127,7 +127,7 @@ class _Writer:
         self.next_sequence, self.stats, self.log, self.outbox = next_sequence, stats, log, outbox
         self.meta = MetaCodec()
         self.pending = _Pending()
-        self.kick = anyio.Event()  # set to sync now (at capacity, throttled) rather than at the tick
+        self.kick = anyio.Event()  # set to sync now rather than at the next tick
         self.capacity = anyio.Event()  # set when a release freed WAL space
         self.sync_lock = anyio.Lock()  # keeps acks and DurableBatches in sequence order
         self.gate: Any = None
