@@ -159,12 +159,9 @@ class _Writer:
             return False
         while not self.wal.fits(size + sum(e[2] for e in entries)):
             if self.cfg.at_capacity == "reject":
-                self.stats.rejected += 1
-                _reply(req, ErrorReply(request_id=req.request_id, code=AT_CAPACITY,
-                                       message=f"shard {self.shard} WAL is at capacity "
-                                       f"({self.wal.live_bytes} bytes in {self.wal.file_count} "
-                                       "files); retry later"))
-                return False
+                return self._reject(req, f"shard {self.shard} WAL is at capacity "
+                                    f"({self.wal.live_bytes} bytes in {self.wal.file_count} "
+                                    "files); retry later")
             if entries:  # write what we have first so it can be synced and released
                 await self._write(list(entries), list(placed))
                 entries.clear()
@@ -198,12 +195,9 @@ class _Writer:
         gate.throttled += 1
         self.pressure.notify()
         if self.cfg.at_capacity == "reject":
-            self.stats.rejected += 1
-            _reply(req, ErrorReply(request_id=req.request_id, code=AT_CAPACITY,
-                                   message=f"shard {self.shard} is at its retention size cap "
-                                   f"({gate.usage()} of {gate.cap_bytes} bytes) and "
-                                   "subscribers have not acked; retry later"))
-            return False
+            return self._reject(req, f"shard {self.shard} is at its retention size cap "
+                                f"({gate.usage()} of {gate.cap_bytes} bytes) and subscribers "
+                                "have not acked; retry later")
         self.log.warning("ingest_throttled", shard=self.shard, usage_bytes=gate.usage(),
                          cap_bytes=gate.cap_bytes)
         self.kick.set()  # sync what is written so it can be finalized and delivered
@@ -213,6 +207,12 @@ class _Writer:
             with anyio.move_on_after(1.0):
                 await gate.opened.wait()
         return True
+
+    def _reject(self, req: AppendRequest, message: str) -> bool:
+        """``at_capacity = "reject"``: answer AT_CAPACITY now (never acked, retryable)."""
+        self.stats.rejected += 1
+        _reply(req, ErrorReply(request_id=req.request_id, code=AT_CAPACITY, message=message))
+        return False
 
     def _refuse_stopping(self, req: AppendRequest) -> bool:
         """Shutting down while the bundle waits for room: refuse it (never acked)."""

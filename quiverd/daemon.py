@@ -15,7 +15,6 @@ exits at once.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import sys
@@ -29,27 +28,13 @@ from quiverd.admin import AdminServer
 from quiverd.config import Config
 from quiverd.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
 from quiverd.ingest import IngestServer
+from quiverd.lockfile import lock_data_dir
 from quiverd.messages import SubscriberRequest
 from quiverd.registry import validate_name
 from quiverd.sdnotify import Notifier
 from quiverd.shard import Shard
 
 EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
-
-
-def lock_data_dir(data_dir: Path) -> int:
-    """flock ``data_dir/LOCK``; a second instance gets AlreadyRunning naming the holder."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise AlreadyRunning(f"{data_dir} is in use by another quiverd (pid {holder})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 class Daemon:
@@ -63,12 +48,10 @@ class Daemon:
         self.stopping = False
 
     async def run(self) -> None:
-        data_dir = Path(self.cfg.data_dir)
-        lock_fd = lock_data_dir(data_dir)
+        """Run until shut down; the caller holds the data directory's LOCK."""
         try:
             await self._run()
         finally:
-            os.close(lock_fd)
             self.notifier.close()
 
     async def _run(self) -> None:
@@ -235,12 +218,19 @@ def serve(cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> int:
     if cfg.wal.flush_policy == "never":
         log.warning("wal_flush_policy_never", hint="acks do not mean durable: tests only")
     daemon = Daemon(cfg, fault_hooks=fault_hooks)
+    lock_fd = -1
     try:
+        data_dir = Path(cfg.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock_fd = lock_data_dir(data_dir)  # before the loop: a second instance stops here
         anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
     except BaseExceptionGroup as group:
         return _report_fatal(group, log)
     except QuiverError as exc:
         return _report_fatal(BaseExceptionGroup("quiverd", [exc]), log)
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
     if daemon.stopping and _timed_out(daemon):
         return EXIT_FATAL
     return 0

@@ -21,7 +21,6 @@ not a finding: it no longer needs a repair.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -40,7 +39,8 @@ import pyarrow as pa
 from quiverd import acklog, walreplay
 from quiverd import walformat as wf
 from quiverd.durable import fsync_dir
-from quiverd.errors import AlreadyRunning, CorruptRecord, FormatMismatch, QuiverError
+from quiverd.errors import CorruptRecord, FormatMismatch, QuiverError
+from quiverd.lockfile import lock_data_dir
 from quiverd.segment_reader import verify_segment
 from quiverd.shard_files import DELETED, FLOOR, Deleted, Floor, read_marker
 
@@ -333,18 +333,9 @@ def _lock(data_dir: Path) -> int:
     if not data_dir.is_dir():
         raise QuiverError(f"{data_dir} is not a directory",
                           hint="pass the daemon's data_dir (the data_dir key of its config)")
-    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise AlreadyRunning(
-            f"{data_dir} is in use by a running quiverd (pid {holder}); fsck needs it stopped",
-            hint="stop the daemon (systemctl stop quiverd), then rerun fsck; "
-                 "`quiverd status` shows a live daemon's state",
-        ) from None
-    return fd
+    return lock_data_dir(data_dir, purpose="fsck needs it stopped", record_pid=False,
+                         hint="stop the daemon (systemctl stop quiverd), then rerun fsck; "
+                              "`quiverd status` shows a live daemon's state")
 
 
 class _Events:

@@ -239,7 +239,7 @@ def test_fsck_refuses_held_lock(data_dir: Path, capsys: pytest.CaptureFixture[st
             fsck.run_fsck(data_dir, repair=True, as_json=True)
         assert cli.main(["fsck", str(data_dir)]) == 1
         err = capsys.readouterr().err
-        assert "in use by a running quiverd" in err and "hint: stop the daemon" in err
+        assert "in use by another quiverd" in err and "hint: stop the daemon" in err
     finally:
         os.close(fd)
     assert fsck.run_fsck(data_dir, repair=False, as_json=True) == 0

@@ -1,0 +1,538 @@
+"""End to end: producers -> ``quiverd serve`` -> one subscriber acking everything,
+against reading the same segment files directly with pyarrow.
+
+    python bench/e2e.py [--quick] [--json out.json] [--repeat N] [--window N] [--profile DIR]
+
+Per scenario (``segment.max_open_duration_ms`` 100 / 1000 x bundle 64 KiB / 1 MiB),
+``--repeat`` pairs of runs, back to back, alternating which goes first:
+
+    delivered  a fresh daemon (2 shards, every other key at its default) with subscriber
+               ``bench-e2e`` registered before anything is produced; one subscriber
+               process (``quiverd.subscriber.subscribe``) decodes and acks every
+               delivery while 2 producer processes (one per shard) pipeline bundles.
+               Throughput = payload bytes acked by the subscriber / (first timed send ->
+               the subscriber's last ack); latency = the subscriber's ``time.time_ns()``
+               on receipt - the bundle's ``ingestion_ts_ns`` (stamped by the WAL writer).
+    stored     the same volume into a fresh daemon whose subscriber is registered but
+               never attaches (so nothing is deleted); the daemon is stopped (SIGTERM
+               seals and finalizes the open segment) and its segment files are read:
+               pyarrow over every stream slice (``pa.memory_map`` + ``pa.ipc.open_file``,
+               every batch: the baseline), ``SegmentReader`` (CRC over each file, every
+               bundle rebuilt), and one plain IPC file holding the same batches.
+
+Both skip a warm-up (1/16 of the volume) before the clock starts; the delivered run's
+timed phase starts only once the subscriber has received the whole warm-up. See
+bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    Daemon,
+    KiB,
+    MiB,
+    client_names,
+    cpu_delta,
+    filesystem_of,
+    foreign_cpu_s,
+    foreign_delta_s,
+    make_table,
+    percentile,
+    thread_cpu_s,
+)
+
+from quiverd.admin import request as admin_request  # noqa: E402
+from quiverd.client import Client  # noqa: E402
+from quiverd.segment_reader import SegmentReader  # noqa: E402
+from quiverd.subscriber import subscribe  # noqa: E402
+
+SHARDS = 2
+PRODUCERS = 2  # one per shard: both dispatchers deliver
+SUBSCRIBER = "bench-e2e"
+OPEN_DURATIONS_MS = (100, 1000)
+BUNDLES = (64 * KiB, 1 * MiB)
+VOLUME = {1 * MiB: 256 * MiB, 64 * KiB: 64 * MiB}  # timed payload bytes per run
+WARMUP_FRACTION = 16
+READ_REPS = 5  # baseline reads: median of 5 after one untimed pass
+RUN_TIMEOUT_S = 300.0
+DRAIN_TIMEOUT_S = 30.0  # after the last ack, until ack.log holds every ack
+
+
+@dataclass
+class Scenario:
+    open_ms: int
+    bundle_bytes: int
+    per_producer: int
+    warmup_per_producer: int
+
+    @property
+    def size_name(self) -> str:
+        return f"{self.bundle_bytes // MiB}MiB" if self.bundle_bytes >= MiB else \
+            f"{self.bundle_bytes // KiB}KiB"
+
+    @property
+    def name(self) -> str:
+        return f"open{self.open_ms}ms-{self.size_name}"
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"segment.max_open_duration_ms": self.open_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    root = Path(args.dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    scale = args.scale / 8 if args.quick else args.scale
+    scenarios = [_scenario(ms, size, scale) for size in BUNDLES for ms in OPEN_DURATIONS_MS]
+    if args.only:
+        scenarios = [s for s in scenarios if s.name in args.only]
+    payloads = {size: make_table(size) for size in BUNDLES}
+    print(f"# quiverd e2e bench: {len(scenarios)} scenarios x {args.repeat} pairs, "
+          f"{os.cpu_count()} cores, data under {root} ({filesystem_of(root)}), "
+          f"pyarrow {pa.__version__}, subscriber window {args.window}", flush=True)
+    results = []
+    for scn in scenarios:
+        table, ipc = payloads[scn.bundle_bytes]
+        pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        for rep in range(args.repeat):
+            first_delivered = rep % 2 == 0  # page-cache state drifts between runs
+            stored = None if first_delivered else run_stored(scn, ipc, table, root)
+            spy = Path(args.profile) / f"{scn.name}-{rep}.txt" if args.profile else None
+            delivered = run_delivered(scn, ipc, root, args.window, spy)
+            if stored is None:
+                stored = run_stored(scn, ipc, table, root)
+            pairs.append((delivered, stored))
+            print(_line(scn, rep, delivered, stored), flush=True)
+        results.append(summarize(scn, len(ipc), pairs))
+    print()
+    print(markdown(results))
+    print()
+    for r in results:
+        print(f"{r['scenario']}: delivered / baseline = {r['ratio']:.4f} "
+              f"({r['delivered_mb_s']:.0f} / {r['baseline_mb_s']:.0f} MB/s), "
+              f"vs SegmentReader {r['ratio_segment_reader']:.3f}")
+    if args.json:
+        meta = {"cores": os.cpu_count(), "python": platform.python_version(),
+                "pyarrow": pa.__version__, "filesystem": filesystem_of(root),
+                "commit": _git_head(), "quick": args.quick, "repeat": args.repeat,
+                "shards": SHARDS, "producers": PRODUCERS, "window": args.window}
+        Path(args.json).write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1/8 of the volume per run")
+    p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
+    p.add_argument("--repeat", type=int, default=2,
+                   help="delivered/stored pairs per scenario (default 2)")
+    p.add_argument("--only", type=lambda s: s.split(","), metavar="RUN,...",
+                   help="run only these scenarios, by name (e.g. open100ms-1MiB)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply the volume per run (e.g. 4 for long runs to profile)")
+    p.add_argument("--window", type=int, default=64,
+                   help="subscriber window: deliveries unanswered at a time (default 64, "
+                        "the library's default)")
+    p.add_argument("--dir", default=tempfile.gettempdir(),
+                   help="where fresh data dirs are made (must be the real disk, not tmpfs)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="attach `py-spy record` to the daemon during each delivered run's "
+                        "timed phase (collapsed stacks in DIR/<scenario>-<repeat>.txt)")
+    return p
+
+
+def _scenario(open_ms: int, size: int, scale: float) -> Scenario:
+    total = int(VOLUME[size] * scale) // size
+    per = max(total // PRODUCERS, 1)
+    return Scenario(open_ms=open_ms, bundle_bytes=size, per_producer=per,
+                    warmup_per_producer=max(per // WARMUP_FRACTION, 2))
+
+
+# ---- delivered: producers -> daemon -> subscriber ---------------------------------------
+def run_delivered(scn: Scenario, ipc: bytes, root: Path, window: int,
+                  spy_out: Path | None) -> dict[str, Any]:
+    """One run with a subscriber attached from the start; it acks every delivery."""
+    daemon = Daemon(root, policy="interval", shards=SHARDS, settings=scn.settings)
+    ctx = mp.get_context("spawn")  # no fork after pyarrow's threads exist
+    barrier = ctx.Barrier(PRODUCERS + 2)  # producers, subscriber, this process
+    results: Any = ctx.Queue()
+    stop = ctx.Event()
+    warm, timed = PRODUCERS * scn.warmup_per_producer, PRODUCERS * scn.per_producer
+    rows = pa.ipc.open_stream(ipc).read_all().num_rows
+    procs = []
+    spy: subprocess.Popen[bytes] | None = None
+    try:
+        admin_request(daemon.admin_socket, "subscribers.add",
+                      {"name": SUBSCRIBER, "start": "earliest"})
+        procs.append(ctx.Process(target=_subscriber, args=(
+            str(daemon.socket), window, warm, timed, rows, barrier, results, stop)))
+        procs += [ctx.Process(target=_producer, args=(
+            str(daemon.socket), name, ipc, scn.warmup_per_producer, scn.per_producer,
+            barrier, results)) for name in client_names(PRODUCERS, SHARDS, scn.name)]
+        for proc in procs:
+            proc.start()
+        try:
+            barrier.wait(RUN_TIMEOUT_S)  # producers warmed up, subscriber got the warm-up
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"{scn.name}: failed before the timed phase: "
+                               f"{results.get(timeout=10).get('error')}\n"
+                               + daemon.log_tail()) from None
+        cpu0, foreign0 = thread_cpu_s(daemon.pid), foreign_cpu_s(os.getpid())
+        if spy_out is not None:
+            spy = _start_py_spy(daemon.pid, spy_out)
+        outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
+        cpu = cpu_delta(daemon.pid, cpu0, thread_cpu_s(daemon.pid))
+        foreign = foreign_delta_s(foreign0, foreign_cpu_s(os.getpid()))
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+        failed = [o["error"] for o in outs if "error" in o]
+        if failed:
+            raise RuntimeError(f"{scn.name}: {failed[0]}\n{daemon.log_tail()}")
+        drained_s, lag = _wait_acks_durable(daemon)
+        stop.set()
+        for proc in procs:
+            proc.join(RUN_TIMEOUT_S)
+        segments = sum(s["segments_finalized"]
+                       for s in admin_request(daemon.admin_socket, "status")["shards"])
+    finally:
+        stop.set()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        code = daemon.stop()
+        tail = daemon.log_tail(5)
+        daemon.remove()
+    if code != 0:
+        raise RuntimeError(f"{scn.name}: quiverd exited with {code}:\n{tail}")
+    sub = next(o for o in outs if o["role"] == "subscriber")
+    prods = [o for o in outs if o["role"] == "producer"]
+    start = min(o["t0"] for o in prods)
+    seconds = sub["t_last"] - start
+    ingest_s = max(o["t1"] for o in prods) - start
+    return {
+        "seconds": seconds, "bundles": sub["bundles"], "payload_bytes": sub["bundles"] * len(ipc),
+        "mb_s": sub["bundles"] * len(ipc) / seconds / 1e6, "bundles_s": sub["bundles"] / seconds,
+        "latencies_ms": sub["lat_ms"], "duplicates": sub["duplicates"],
+        "ingest_mb_s": timed * len(ipc) / ingest_s / 1e6,
+        "segments_finalized": segments, "acks_durable_after_s": drained_s, "lag_left": lag,
+        "daemon_cpu_cores": cpu.total_s / seconds, "daemon_loop_cpu_cores": cpu.main_s / seconds,
+        "subscriber_cpu_cores": sub["cpu_s"] / seconds,
+        "producer_cpu_cores": sum(o["cpu_s"] for o in prods) / seconds,
+        "foreign_cpu_cores": foreign / seconds,
+    }
+
+
+def _wait_acks_durable(daemon: Daemon) -> tuple[float | None, dict[str, Any]]:
+    """Seconds until ack.log holds every ack (None if not within the bound), and the lag.
+
+    An external process has no event to wait on: poll the admin socket, bounded.
+    """
+    t0 = time.perf_counter()
+    while True:
+        lag = next(s for s in admin_request(daemon.admin_socket, "subscribers.list")
+                   if s["name"] == SUBSCRIBER)
+        if lag["lag_bundles"] == 0:
+            return time.perf_counter() - t0, lag
+        if time.perf_counter() - t0 > DRAIN_TIMEOUT_S:
+            return None, lag
+        time.sleep(0.01)
+
+
+def _subscriber(socket_path: str, window: int, warm: int, timed: int, rows: int,
+                barrier: Any, results: Any, stop: Any) -> None:
+    """The subscriber process: decode and ack everything; after the warm-up, meet the
+    others at the barrier; report, then stay attached until ``stop`` (so the last acks
+    reach the daemon over a live connection)."""
+    try:
+        anyio.run(_consume, socket_path, window, warm, timed, rows, barrier, results, stop,
+                  backend="asyncio", backend_options={"use_uvloop": True})
+    except BaseException as exc:  # reported to the parent, which fails the run
+        barrier.abort()
+        results.put({"role": "subscriber", "error": repr(exc)})
+
+
+async def _consume(socket_path: str, window: int, warm: int, timed: int, rows: int,
+                   barrier: Any, results: Any, stop: Any) -> None:
+    seen: set[tuple[int, int, int]] = set()  # bounded by the run's volume
+    lat_ms: list[float] = []
+    duplicates = 0
+    async with subscribe(socket_path, SUBSCRIBER, window=window) as deliveries:
+        cpu0 = 0.0
+        async for d in deliveries:
+            now_ns = time.time_ns()
+            got = sum(t.num_rows for t in d.tables.values())  # decode, as a consumer would
+            await d.ack()
+            if got != rows:
+                raise AssertionError(f"bundle {d.id}: {got} rows, sent {rows}")
+            if d.id in seen:
+                duplicates += 1
+                continue
+            seen.add(d.id)
+            if len(seen) > warm:
+                lat_ms.append((now_ns - d.ingestion_ts_ns) / 1e6)
+            if len(seen) == warm:
+                await anyio.to_thread.run_sync(barrier.wait, RUN_TIMEOUT_S)
+                cpu0 = _own_cpu_s()
+            elif len(seen) == warm + timed:
+                break
+        t_last = time.perf_counter()
+        results.put({"role": "subscriber", "t_last": t_last, "bundles": timed,
+                     "lat_ms": lat_ms, "duplicates": duplicates, "cpu_s": _own_cpu_s() - cpu0})
+        await anyio.to_thread.run_sync(stop.wait, RUN_TIMEOUT_S)
+
+
+def _producer(socket_path: str, name: str, ipc: bytes, warmup: int, bundles: int,
+              barrier: Any, results: Any) -> None:
+    """One producer process: warm up, wait for the others, send the timed volume."""
+    try:
+        table = pa.ipc.open_stream(ipc).read_all()
+        with Client.connect(socket_path) as client:
+            for _ in client.iter_send(itertools.repeat(table, warmup), client=name):
+                pass
+            barrier.wait(RUN_TIMEOUT_S)
+            cpu0, t0 = _own_cpu_s(), time.perf_counter()
+            sent = sum(1 for _ in client.iter_send(itertools.repeat(table, bundles),
+                                                   client=name))
+            t1 = time.perf_counter()
+        results.put({"role": "producer", "t0": t0, "t1": t1, "bundles": sent,
+                     "cpu_s": _own_cpu_s() - cpu0})
+    except BaseException as exc:  # reported to the parent, which fails the run
+        barrier.abort()
+        results.put({"role": "producer", "error": repr(exc)})
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    extra = os.environ.get("PY_SPY_FLAGS", "").split()  # e.g. "--idle", "--gil"
+    return subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--threads",
+         "--format", "raw", "--output", str(out), *extra],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# ---- stored: the same data, segment files read directly ------------------------------
+def run_stored(scn: Scenario, ipc: bytes, table: pa.Table, root: Path) -> dict[str, Any]:
+    """Produce the same volume with a subscriber that never attaches, stop the daemon,
+    read its segment files three ways."""
+    daemon = Daemon(root, policy="interval", shards=SHARDS, settings=scn.settings)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(PRODUCERS + 1)
+    results: Any = ctx.Queue()
+    procs = []
+    try:
+        admin_request(daemon.admin_socket, "subscribers.add",
+                      {"name": SUBSCRIBER, "start": "earliest"})
+        procs = [ctx.Process(target=_producer, args=(
+            str(daemon.socket), name, ipc, scn.warmup_per_producer, scn.per_producer,
+            barrier, results)) for name in client_names(PRODUCERS, SHARDS, scn.name)]
+        for proc in procs:
+            proc.start()
+        try:
+            barrier.wait(RUN_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"{scn.name}: producer failed: "
+                               f"{results.get(timeout=10).get('error')}") from None
+        outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
+        failed = [o["error"] for o in outs if "error" in o]
+        if failed:
+            raise RuntimeError(f"{scn.name}: {failed[0]}\n{daemon.log_tail()}")
+        for proc in procs:
+            proc.join(RUN_TIMEOUT_S)
+        code = daemon.stop()  # seals and finalizes the open segment
+        if code != 0:
+            raise RuntimeError(f"{scn.name}: quiverd exited with {code}:\n{daemon.log_tail()}")
+        files = sorted(daemon.data_dir.glob("shard-*/segments/*.qseg"))
+        return _read_all_ways(scn, files, table, len(ipc), daemon.dir, outs)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        daemon.stop()
+        daemon.remove()
+
+
+def _read_all_ways(scn: Scenario, files: list[Path], table: pa.Table, ipc_len: int,
+                   scratch: Path, outs: list[dict[str, Any]]) -> dict[str, Any]:
+    expected = PRODUCERS * (scn.warmup_per_producer + scn.per_producer)
+    slices = _stream_slices(files)
+    bundles = read_segment_reader(files)
+    if bundles != expected:
+        raise AssertionError(f"{scn.name}: segments hold {bundles} bundles, sent {expected}")
+    rows = expected * table.num_rows
+    plain = scratch / "plain.arrow"
+    with pa.OSFile(str(plain), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for _ in range(expected):
+            writer.write_table(table)
+    sides: dict[str, Callable[[], int]] = {
+        "pyarrow_slices": lambda: read_slices(slices),
+        "segment_reader": lambda: read_segment_reader(files) * table.num_rows,
+        "plain_ipc": lambda: read_plain(plain),
+    }
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for rep in range(READ_REPS + 1):  # rep 0 is the untimed pass
+        for side, fn in sides.items():
+            t0 = time.perf_counter()
+            got = fn()
+            if rep:
+                times[side].append(time.perf_counter() - t0)
+            elif got != rows:
+                raise AssertionError(f"{scn.name}: {side} read {got} rows, expected {rows}")
+    payload = expected * ipc_len
+    start = min(o["t0"] for o in outs)
+    ingest_s = max(o["t1"] for o in outs) - start
+    return {
+        "segment_files": len(files), "file_bytes": sum(f.stat().st_size for f in files),
+        "bundles": expected, "payload_bytes": payload,
+        "ingest_mb_s": PRODUCERS * scn.per_producer * ipc_len / ingest_s / 1e6,
+        **{f"{side}_mb_s": payload / statistics.median(ts) / 1e6 for side, ts in times.items()},
+        "read_ms": {side: [t * 1e3 for t in ts] for side, ts in times.items()},
+    }
+
+
+def _stream_slices(files: list[Path]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(path, [(offset, length) of every stream]) per file, from the segment directory
+    (untimed: the baseline reads bytes, not quiverd's footer)."""
+    out = []
+    for path in files:
+        with SegmentReader.open(path) as reader:
+            d = reader.directory
+            out.append((str(path), list(zip(d.column("byte_offset").to_pylist(),
+                                            d.column("byte_length").to_pylist(), strict=True))))
+    return out
+
+
+def read_slices(slices: list[tuple[str, list[tuple[int, int]]]]) -> int:
+    """The baseline: map each file, open every stream slice as an IPC file, every batch."""
+    rows = 0
+    for path, streams in slices:
+        with pa.memory_map(path) as source:
+            data = source.read_buffer()
+            for offset, length in streams:
+                reader = pa.ipc.open_file(data.slice(offset, length))
+                rows += sum(reader.get_batch(i).num_rows
+                            for i in range(reader.num_record_batches))
+    return rows
+
+
+def read_segment_reader(files: list[Path]) -> int:
+    """Every bundle through quiverd's reader (CRC of each file, bundles rebuilt)."""
+    bundles = 0
+    for path in files:
+        with SegmentReader.open(path) as reader:
+            bundles += sum(1 for _ in reader.bundles())
+    return bundles
+
+
+def read_plain(path: Path) -> int:
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all().num_rows
+
+
+# ---- report ---------------------------------------------------------------------------
+def summarize(scn: Scenario, ipc_len: int, pairs: list[tuple[dict[str, Any], dict[str, Any]]]
+              ) -> dict[str, Any]:
+    """Medians over repeats; latency percentiles pooled over every bundle of every repeat."""
+    dl = [d for d, _ in pairs]
+    st = [s for _, s in pairs]
+    lat = sorted(itertools.chain.from_iterable(d["latencies_ms"] for d in dl))
+
+    def med(runs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    return {
+        "scenario": scn.name, "open_ms": scn.open_ms, "bundle": scn.size_name,
+        "bundle_ipc_bytes": ipc_len, "bundles_per_run": PRODUCERS * scn.per_producer,
+        "delivered_mb_s": med(dl, "mb_s"), "delivered_bundles_s": med(dl, "bundles_s"),
+        "lat_p50_ms": percentile(lat, 50), "lat_p99_ms": percentile(lat, 99),
+        "lat_max_ms": lat[-1] if lat else float("nan"),
+        "ingest_mb_s_with_delivery": med(dl, "ingest_mb_s"),
+        "ingest_mb_s_no_delivery": med(st, "ingest_mb_s"),
+        "baseline_mb_s": med(st, "pyarrow_slices_mb_s"),
+        "segment_reader_mb_s": med(st, "segment_reader_mb_s"),
+        "plain_ipc_mb_s": med(st, "plain_ipc_mb_s"),
+        "ratio": statistics.median(d["mb_s"] / s["pyarrow_slices_mb_s"] for d, s in pairs),
+        "ratio_segment_reader": statistics.median(d["mb_s"] / s["segment_reader_mb_s"]
+                                                  for d, s in pairs),
+        "segment_files": med(st, "segment_files"),
+        "daemon_cpu_cores": med(dl, "daemon_cpu_cores"),
+        "daemon_loop_cpu_cores": med(dl, "daemon_loop_cpu_cores"),
+        "subscriber_cpu_cores": med(dl, "subscriber_cpu_cores"),
+        "foreign_cpu_cores": max(d["foreign_cpu_cores"] for d in dl),
+        "delivered": [{k: v for k, v in d.items() if k != "latencies_ms"} for d in dl],
+        "stored": st,
+    }
+
+
+def _line(scn: Scenario, rep: int, d: dict[str, Any], s: dict[str, Any]) -> str:
+    lat = sorted(d["latencies_ms"])
+    drained = "never" if d["acks_durable_after_s"] is None else \
+        f"{d['acks_durable_after_s'] * 1e3:.0f} ms"
+    return (f"{scn.name:>16} #{rep}: delivered {d['mb_s']:6.0f} MB/s {d['bundles_s']:6.0f} b/s "
+            f"lat p50/p99 {percentile(lat, 50):6.0f}/{percentile(lat, 99):6.0f} ms "
+            f"(ingest {d['ingest_mb_s']:.0f} MB/s, {d['segments_finalized']} segments, "
+            f"acks durable +{drained}, dup {d['duplicates']}) | stored: ingest "
+            f"{s['ingest_mb_s']:.0f} MB/s, {s['segment_files']} files, slices "
+            f"{s['pyarrow_slices_mb_s']:.0f} MB/s, SegmentReader {s['segment_reader_mb_s']:.0f}, "
+            f"plain {s['plain_ipc_mb_s']:.0f} | cpu daemon {d['daemon_cpu_cores']:.2f} "
+            f"(loop {d['daemon_loop_cpu_cores']:.2f}) sub {d['subscriber_cpu_cores']:.2f} "
+            f"prod {d['producer_cpu_cores']:.2f} others {d['foreign_cpu_cores']:.2f}")
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| open ms | bundle | delivered MB/s | bundles/s | latency p50 ms | p99 ms "
+            "| ingest MB/s with / without subscriber | baseline MB/s (pyarrow slices) "
+            "| SegmentReader MB/s | plain IPC file MB/s | delivered / baseline "
+            "| daemon CPU (loop) | subscriber CPU |")
+    lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['open_ms']} | {r['bundle']} | {r['delivered_mb_s']:.0f} "
+            f"| {r['delivered_bundles_s']:.0f} | {r['lat_p50_ms']:.0f} | {r['lat_p99_ms']:.0f} "
+            f"| {r['ingest_mb_s_with_delivery']:.0f} / {r['ingest_mb_s_no_delivery']:.0f} "
+            f"| {r['baseline_mb_s']:.0f} | {r['segment_reader_mb_s']:.0f} "
+            f"| {r['plain_ipc_mb_s']:.0f} | {r['ratio']:.4f} "
+            f"| {r['daemon_cpu_cores']:.2f} ({r['daemon_loop_cpu_cores']:.2f}) "
+            f"| {r['subscriber_cpu_cores']:.2f} |")
+    return "\n".join(lines)
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent, check=False
+                              ).stdout.strip()
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
