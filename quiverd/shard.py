@@ -164,13 +164,17 @@ class Shard:
         durable_tx, durable_rx = anyio.create_memory_object_stream[DurableBatch](64)
         sealed_tx, sealed_rx = anyio.create_memory_object_stream[SealedSegment](1)
         release_tx, release_rx = anyio.create_memory_object_stream[WalReleased](16)
-        io = anyio.CapacityLimiter(2)  # one write + one fdatasync may overlap
-        fin = anyio.CapacityLimiter(1)
-        reads = anyio.CapacityLimiter(1)
+        # Named per-shard limiters: a 100 ms segment write must not hold up an
+        # ack.log commit or a WAL fdatasync.
+        io = anyio.CapacityLimiter(2)  # WAL: one write + one fdatasync may overlap
+        fin = anyio.CapacityLimiter(1)  # finalizer
+        acklog = anyio.CapacityLimiter(1)  # ack.log appends and compaction
+        gc = anyio.CapacityLimiter(1)  # segment deletion
+        reads = anyio.CapacityLimiter(1)  # dispatcher's segment reads
         async with anyio.create_task_group() as tg:
             await tg.start(lambda task_status: ack_logger.run(
                 self._ack_rx, state=acks, file=ack_file, segments=self.segments,
-                on_segment=self._segment_added, changes=self.changes, limiter=fin,
+                on_segment=self._segment_added, changes=self.changes, limiter=acklog,
                 stats=self.ack_stats, log=self.log, task_status=task_status))
             async with anyio.create_task_group() as services:
                 self.dispatcher = Dispatcher(self.index, acks, self.segments, self.ack_tx.clone(),
@@ -179,7 +183,7 @@ class Shard:
                 await services.start(lambda task_status: gc_sweeper.run(
                     self.ack_tx.clone(), state=acks, segments=self.segments,
                     segments_dir=self.segments_dir, cfg=self.cfg.retention, gate=self.gate,
-                    pressure=self.pressure, changes=self.changes, limiter=fin,
+                    pressure=self.pressure, changes=self.changes, limiter=gc,
                     stats=self.gc_stats, log=self.log, task_status=task_status))
                 await self._run_ingest_chain(rec, durable_tx, durable_rx, sealed_tx, sealed_rx,
                                              release_tx, release_rx, io, fin, task_status)
