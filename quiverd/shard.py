@@ -195,6 +195,7 @@ class Shard:
                                 sealed_tx: Any, sealed_rx: Any, release_tx: Any, release_rx: Any,
                                 io: anyio.CapacityLimiter, fin: anyio.CapacityLimiter,
                                 task_status: anyio.abc.TaskStatus[None]) -> None:
+        build = anyio.CapacityLimiter(1)  # builder's decode of durable bundles
         async with anyio.create_task_group() as tg:
             await tg.start(lambda task_status: finalizer.run(
                 sealed_rx, self.ack_tx.clone(), release_tx, segments_dir=self.segments_dir,
@@ -204,7 +205,7 @@ class Shard:
             await tg.start(lambda task_status: segment_builder.run(
                 durable_rx, sealed_tx, cfg=self.cfg.segment,
                 first_segment_seq=rec.next_segment_seq, recovered=rec.open_bundles,
-                limiter=io, stats=self.builder_stats, log=self.log,
+                limiter=build, stats=self.builder_stats, log=self.log,
                 pressure=self._under_pressure, task_status=task_status))
             rec.open_bundles = []  # now owned by the builder
             await tg.start(lambda task_status: wal_writer.run(

@@ -65,7 +65,10 @@ class WalFiles:
     # the WAL's own size bound, because released entries are popped.
     _index: deque[tuple[int, int, int]] = field(default_factory=deque)
     _released_offset: int = 0  # bytes of the active file already reclaimed
+    # _lock guards the fd swap (rotate, rewrite) against a concurrent fdatasync;
+    # _mutex serializes append and release, which both change the file layout.
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _mutex: threading.Lock = field(default_factory=threading.Lock)
 
     # ---- opening -----------------------------------------------------------------------
     @classmethod
@@ -127,6 +130,12 @@ class WalFiles:
         fdatasync too if ``sync``. The caller checked ``fits`` for each entry. One
         call is one thread hop; the CRC over the payloads is computed here.
         """
+        with self._mutex:
+            self._append(entries)
+        if sync:
+            self.sync()
+
+    def _append(self, entries: list[tuple[int, tuple[int, Any], int]]) -> None:
         pieces: list[Buffer] = []
         for sequence, (ts_ns, slots), size in entries:
             entry_pieces = walformat.encode_entry(ts_ns=ts_ns, sequence=sequence, slots=slots)
@@ -138,8 +147,6 @@ class WalFiles:
             self.end_offset += size
             pieces.extend(entry_pieces)
         self._write(pieces)
-        if sync:
-            self.sync()
 
     def _write(self, pieces: list[Buffer]) -> None:
         self._fault("write")
@@ -188,6 +195,10 @@ class WalFiles:
         only leaves bytes that replay skips by sequence. Returns True when
         space was freed.
         """
+        with self._mutex:
+            return self._release(upto_sequence)
+
+    def _release(self, upto_sequence: int) -> bool:
         while self._index and self._index[0][0] <= upto_sequence:
             self._index.popleft()
         if self._index:
