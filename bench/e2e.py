@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ from _common import (  # noqa: E402
     filesystem_of,
     foreign_cpu_s,
     foreign_delta_s,
+    machine_busy_s,
     make_table,
     percentile,
     thread_cpu_s,
@@ -73,19 +74,27 @@ PRODUCERS = 2  # one per shard: both dispatchers deliver
 SUBSCRIBER = "bench-e2e"
 OPEN_DURATIONS_MS = (100, 1000)
 BUNDLES = (64 * KiB, 1 * MiB)
-VOLUME = {1 * MiB: 256 * MiB, 64 * KiB: 64 * MiB}  # timed payload bytes per run
+VOLUME = {1 * MiB: 256 * MiB, 64 * KiB: 64 * MiB}  # full-speed payload bytes per run
 WARMUP_FRACTION = 16
+PHASES = ("full", "paced")
+# The paced phase: all producers together, well under what delivery sustains here, the
+# same load for both open durations, so latency is not queueing behind a backlog.
+PACE_MB_S = {1 * MiB: 64, 64 * KiB: 16}
+PACED_S = 4.0
 READ_REPS = 5  # baseline reads: median of 5 after one untimed pass
 RUN_TIMEOUT_S = 300.0
 DRAIN_TIMEOUT_S = 30.0  # after the last ack, until ack.log holds every ack
+BUSY_CORES = 0.15  # CPU used by other processes during a phase that earns a warning
 
 
 @dataclass
 class Scenario:
     open_ms: int
     bundle_bytes: int
+    ipc_bytes: int  # the payload's actual IPC stream length
     per_producer: int
     warmup_per_producer: int
+    paced_per_producer: int
 
     @property
     def size_name(self) -> str:
@@ -100,16 +109,29 @@ class Scenario:
     def settings(self) -> dict[str, Any]:
         return {"segment.max_open_duration_ms": self.open_ms}
 
+    @property
+    def pace_bundles_s(self) -> float:
+        """Paced phase, per producer."""
+        return PACE_MB_S[self.bundle_bytes] * 1e6 / self.ipc_bytes / PRODUCERS
+
+    def counts(self, producers: int) -> dict[str, tuple[int, float]]:
+        """Per phase, (bundles, bundles/s or 0 = unpaced) of ``producers`` producers."""
+        return {"warmup": (self.warmup_per_producer * producers, 0.0),
+                "full": (self.per_producer * producers, 0.0),
+                "paced": (self.paced_per_producer * producers, self.pace_bundles_s * producers)}
+
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     root = Path(args.dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     scale = args.scale / 8 if args.quick else args.scale
-    scenarios = [_scenario(ms, size, scale) for size in BUNDLES for ms in OPEN_DURATIONS_MS]
+    paced_s = PACED_S / 4 if args.quick else PACED_S * args.scale
+    payloads = {size: make_table(size) for size in BUNDLES}
+    scenarios = [_scenario(ms, size, len(payloads[size][1]), scale, paced_s)
+                 for size in BUNDLES for ms in OPEN_DURATIONS_MS]
     if args.only:
         scenarios = [s for s in scenarios if s.name in args.only]
-    payloads = {size: make_table(size) for size in BUNDLES}
     print(f"# quiverd e2e bench: {len(scenarios)} scenarios x {args.repeat} pairs, "
           f"{os.cpu_count()} cores, data under {root} ({filesystem_of(root)}), "
           f"pyarrow {pa.__version__}, subscriber window {args.window}", flush=True)
@@ -126,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 stored = run_stored(scn, ipc, table, root)
             pairs.append((delivered, stored))
             print(_line(scn, rep, delivered, stored), flush=True)
-        results.append(summarize(scn, len(ipc), pairs))
+        results.append(summarize(scn, pairs))
     print()
     print(markdown(results))
     print()
@@ -164,54 +186,44 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _scenario(open_ms: int, size: int, scale: float) -> Scenario:
+def _scenario(open_ms: int, size: int, ipc_bytes: int, scale: float, paced_s: float
+              ) -> Scenario:
     total = int(VOLUME[size] * scale) // size
     per = max(total // PRODUCERS, 1)
-    return Scenario(open_ms=open_ms, bundle_bytes=size, per_producer=per,
-                    warmup_per_producer=max(per // WARMUP_FRACTION, 2))
+    scn = Scenario(open_ms=open_ms, bundle_bytes=size, ipc_bytes=ipc_bytes, per_producer=per,
+                   warmup_per_producer=max(per // WARMUP_FRACTION, 2), paced_per_producer=0)
+    scn.paced_per_producer = max(round(scn.pace_bundles_s * paced_s), 2)
+    return scn
 
 
 # ---- delivered: producers -> daemon -> subscriber ---------------------------------------
 def run_delivered(scn: Scenario, ipc: bytes, root: Path, window: int,
                   spy_out: Path | None) -> dict[str, Any]:
-    """One run with a subscriber attached from the start; it acks every delivery."""
+    """Full speed, then paced, into one daemon whose subscriber acks every delivery.
+
+    Each phase starts only once the subscriber holds everything sent before it, so
+    neither inherits the other's backlog.
+    """
     daemon = Daemon(root, policy="interval", shards=SHARDS, settings=scn.settings)
     ctx = mp.get_context("spawn")  # no fork after pyarrow's threads exist
-    barrier = ctx.Barrier(PRODUCERS + 2)  # producers, subscriber, this process
+    starts = [ctx.Barrier(PRODUCERS + 2) for _ in PHASES]  # producers, subscriber, this process
     results: Any = ctx.Queue()
     stop = ctx.Event()
-    warm, timed = PRODUCERS * scn.warmup_per_producer, PRODUCERS * scn.per_producer
     rows = pa.ipc.open_stream(ipc).read_all().num_rows
-    procs = []
-    spy: subprocess.Popen[bytes] | None = None
+    procs = [ctx.Process(target=_subscriber, args=(
+        str(daemon.socket), window, scn.counts(PRODUCERS), rows, starts, results, stop))]
+    procs += [ctx.Process(target=_producer, args=(
+        str(daemon.socket), name, ipc, scn.counts(1), PHASES, starts, results))
+        for name in client_names(PRODUCERS, SHARDS, scn.name)]
+    phases: dict[str, dict[str, Any]] = {}
     try:
         admin_request(daemon.admin_socket, "subscribers.add",
                       {"name": SUBSCRIBER, "start": "earliest"})
-        procs.append(ctx.Process(target=_subscriber, args=(
-            str(daemon.socket), window, warm, timed, rows, barrier, results, stop)))
-        procs += [ctx.Process(target=_producer, args=(
-            str(daemon.socket), name, ipc, scn.warmup_per_producer, scn.per_producer,
-            barrier, results)) for name in client_names(PRODUCERS, SHARDS, scn.name)]
         for proc in procs:
             proc.start()
-        try:
-            barrier.wait(RUN_TIMEOUT_S)  # producers warmed up, subscriber got the warm-up
-        except threading.BrokenBarrierError:
-            raise RuntimeError(f"{scn.name}: failed before the timed phase: "
-                               f"{results.get(timeout=10).get('error')}\n"
-                               + daemon.log_tail()) from None
-        cpu0, foreign0 = thread_cpu_s(daemon.pid), foreign_cpu_s(os.getpid())
-        if spy_out is not None:
-            spy = _start_py_spy(daemon.pid, spy_out)
-        outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
-        cpu = cpu_delta(daemon.pid, cpu0, thread_cpu_s(daemon.pid))
-        foreign = foreign_delta_s(foreign0, foreign_cpu_s(os.getpid()))
-        if spy is not None:
-            spy.send_signal(signal.SIGINT)
-            spy.wait(60)
-        failed = [o["error"] for o in outs if "error" in o]
-        if failed:
-            raise RuntimeError(f"{scn.name}: {failed[0]}\n{daemon.log_tail()}")
+        for phase, barrier in zip(PHASES, starts, strict=True):
+            spy = spy_out if phase == "full" else None
+            phases[phase] = _timed_phase(scn, phase, daemon, barrier, results, len(procs), spy)
         drained_s, lag = _wait_acks_durable(daemon)
         stop.set()
         for proc in procs:
@@ -228,20 +240,48 @@ def run_delivered(scn: Scenario, ipc: bytes, root: Path, window: int,
         daemon.remove()
     if code != 0:
         raise RuntimeError(f"{scn.name}: quiverd exited with {code}:\n{tail}")
+    return {**phases["full"], "paced": phases["paced"], "segments_finalized": segments,
+            "acks_durable_after_s": drained_s, "lag_left": lag}
+
+
+def _timed_phase(scn: Scenario, phase: str, daemon: Daemon, barrier: Any, results: Any,
+                 nprocs: int, spy_out: Path | None) -> dict[str, Any]:
+    """Release one phase at its barrier, collect every process's report, sum up."""
+    try:
+        barrier.wait(RUN_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        raise RuntimeError(f"{scn.name}: failed before the {phase} phase: "
+                           f"{results.get(timeout=10).get('error')}\n"
+                           + daemon.log_tail()) from None
+    cpu0, foreign0, busy0 = thread_cpu_s(daemon.pid), foreign_cpu_s(os.getpid()), machine_busy_s()
+    spy = _start_py_spy(daemon.pid, spy_out) if spy_out is not None else None
+    outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in range(nprocs)]
+    cpu = cpu_delta(daemon.pid, cpu0, thread_cpu_s(daemon.pid))
+    busy = machine_busy_s() - busy0
+    foreign = foreign_delta_s(foreign0, foreign_cpu_s(os.getpid()))
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+    failed = [o["error"] for o in outs if "error" in o]
+    if failed:
+        raise RuntimeError(f"{scn.name}, {phase} phase: {failed[0]}\n{daemon.log_tail()}")
     sub = next(o for o in outs if o["role"] == "subscriber")
     prods = [o for o in outs if o["role"] == "producer"]
-    start = min(o["t0"] for o in prods)
+    start, ingest_end = min(o["t0"] for o in prods), max(o["t1"] for o in prods)
     seconds = sub["t_last"] - start
-    ingest_s = max(o["t1"] for o in prods) - start
+    payload = sub["bundles"] * scn.ipc_bytes
     return {
-        "seconds": seconds, "bundles": sub["bundles"], "payload_bytes": sub["bundles"] * len(ipc),
-        "mb_s": sub["bundles"] * len(ipc) / seconds / 1e6, "bundles_s": sub["bundles"] / seconds,
+        "seconds": seconds, "bundles": sub["bundles"], "payload_bytes": payload,
+        "mb_s": payload / seconds / 1e6, "bundles_s": sub["bundles"] / seconds,
+        "ingest_mb_s": payload / (ingest_end - start) / 1e6,
+        # Last delivery after the last producer ack: ~ open duration + finalize when
+        # delivery keeps up, growing with the run when it does not.
+        "tail_ms": (sub["t_last"] - ingest_end) * 1e3,
         "latencies_ms": sub["lat_ms"], "duplicates": sub["duplicates"],
-        "ingest_mb_s": timed * len(ipc) / ingest_s / 1e6,
-        "segments_finalized": segments, "acks_durable_after_s": drained_s, "lag_left": lag,
         "daemon_cpu_cores": cpu.total_s / seconds, "daemon_loop_cpu_cores": cpu.main_s / seconds,
         "subscriber_cpu_cores": sub["cpu_s"] / seconds,
         "producer_cpu_cores": sum(o["cpu_s"] for o in prods) / seconds,
+        "machine_cpu_cores": busy / seconds,  # 2.0 = both cores busy
         "foreign_cpu_cores": foreign / seconds,
     }
 
@@ -262,26 +302,29 @@ def _wait_acks_durable(daemon: Daemon) -> tuple[float | None, dict[str, Any]]:
         time.sleep(0.01)
 
 
-def _subscriber(socket_path: str, window: int, warm: int, timed: int, rows: int,
-                barrier: Any, results: Any, stop: Any) -> None:
-    """The subscriber process: decode and ack everything; after the warm-up, meet the
-    others at the barrier; report, then stay attached until ``stop`` (so the last acks
-    reach the daemon over a live connection)."""
+def _subscriber(socket_path: str, window: int, counts: dict[str, tuple[int, float]], rows: int,
+                starts: list[Any], results: Any, stop: Any) -> None:
+    """The subscriber process: decode and ack everything; report each phase, then stay
+    attached until ``stop`` (so the last acks reach the daemon over a live connection)."""
     try:
-        anyio.run(_consume, socket_path, window, warm, timed, rows, barrier, results, stop,
+        anyio.run(_consume, socket_path, window, counts, rows, starts, results, stop,
                   backend="asyncio", backend_options={"use_uvloop": True})
     except BaseException as exc:  # reported to the parent, which fails the run
-        barrier.abort()
+        for barrier in starts:
+            barrier.abort()
         results.put({"role": "subscriber", "error": repr(exc)})
 
 
-async def _consume(socket_path: str, window: int, warm: int, timed: int, rows: int,
-                   barrier: Any, results: Any, stop: Any) -> None:
+async def _consume(socket_path: str, window: int, counts: dict[str, tuple[int, float]],
+                   rows: int, starts: list[Any], results: Any, stop: Any) -> None:
+    # Phase boundaries by count: a phase's bundles are only sent once the subscriber
+    # met the others at its barrier, i.e. holds every bundle of the phase before.
+    ends = list(itertools.accumulate(counts[p][0] for p in ("warmup", *PHASES)))
+    phases = iter(zip(PHASES, starts, strict=True))
     seen: set[tuple[int, int, int]] = set()  # bounded by the run's volume
     lat_ms: list[float] = []
-    duplicates = 0
+    duplicates, cpu0, phase = 0, 0.0, ""
     async with subscribe(socket_path, SUBSCRIBER, window=window) as deliveries:
-        cpu0 = 0.0
         async for d in deliveries:
             now_ns = time.time_ns()
             got = sum(t.num_rows for t in d.tables.values())  # decode, as a consumer would
@@ -292,37 +335,56 @@ async def _consume(socket_path: str, window: int, warm: int, timed: int, rows: i
                 duplicates += 1
                 continue
             seen.add(d.id)
-            if len(seen) > warm:
+            if phase:
                 lat_ms.append((now_ns - d.ingestion_ts_ns) / 1e6)
-            if len(seen) == warm:
+            if len(seen) in ends:
+                if phase:
+                    results.put({"role": "subscriber", "phase": phase,
+                                 "t_last": time.perf_counter(), "bundles": len(lat_ms),
+                                 "lat_ms": lat_ms, "duplicates": duplicates,
+                                 "cpu_s": _own_cpu_s() - cpu0})
+                nxt = next(phases, None)
+                if nxt is None:
+                    break
+                phase, barrier = nxt
+                lat_ms, duplicates = [], 0
                 await anyio.to_thread.run_sync(barrier.wait, RUN_TIMEOUT_S)
                 cpu0 = _own_cpu_s()
-            elif len(seen) == warm + timed:
-                break
-        t_last = time.perf_counter()
-        results.put({"role": "subscriber", "t_last": t_last, "bundles": timed,
-                     "lat_ms": lat_ms, "duplicates": duplicates, "cpu_s": _own_cpu_s() - cpu0})
         await anyio.to_thread.run_sync(stop.wait, RUN_TIMEOUT_S)
 
 
-def _producer(socket_path: str, name: str, ipc: bytes, warmup: int, bundles: int,
-              barrier: Any, results: Any) -> None:
-    """One producer process: warm up, wait for the others, send the timed volume."""
+def _producer(socket_path: str, name: str, ipc: bytes, counts: dict[str, tuple[int, float]],
+              phases: tuple[str, ...], starts: list[Any], results: Any) -> None:
+    """One producer process: warm up, then per phase wait for the others and send."""
     try:
         table = pa.ipc.open_stream(ipc).read_all()
         with Client.connect(socket_path) as client:
-            for _ in client.iter_send(itertools.repeat(table, warmup), client=name):
+            for _ in client.iter_send(itertools.repeat(table, counts["warmup"][0]), client=name):
                 pass
-            barrier.wait(RUN_TIMEOUT_S)
-            cpu0, t0 = _own_cpu_s(), time.perf_counter()
-            sent = sum(1 for _ in client.iter_send(itertools.repeat(table, bundles),
-                                                   client=name))
-            t1 = time.perf_counter()
-        results.put({"role": "producer", "t0": t0, "t1": t1, "bundles": sent,
-                     "cpu_s": _own_cpu_s() - cpu0})
+            for phase, barrier in zip(phases, starts, strict=True):
+                bundles, rate = counts[phase]
+                barrier.wait(RUN_TIMEOUT_S)
+                cpu0, t0 = _own_cpu_s(), time.perf_counter()
+                sent = sum(1 for _ in client.iter_send(_paced(table, bundles, rate),
+                                                       client=name))
+                t1 = time.perf_counter()
+                results.put({"role": "producer", "phase": phase, "t0": t0, "t1": t1,
+                             "bundles": sent, "cpu_s": _own_cpu_s() - cpu0})
     except BaseException as exc:  # reported to the parent, which fails the run
-        barrier.abort()
+        for barrier in starts:
+            barrier.abort()
         results.put({"role": "producer", "error": repr(exc)})
+
+
+def _paced(table: pa.Table, count: int, bundles_s: float) -> Iterator[pa.Table]:
+    """``table`` ``count`` times, the k-th not before start + k / ``bundles_s``
+    (0 = as fast as the client's in-flight window allows)."""
+    t0 = time.perf_counter()
+    for k in range(count):
+        delay = t0 + k / bundles_s - time.perf_counter() if bundles_s else 0.0
+        if delay > 0:
+            time.sleep(delay)
+        yield table
 
 
 def _own_cpu_s() -> float:
@@ -341,8 +403,8 @@ def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
 
 # ---- stored: the same data, segment files read directly ------------------------------
 def run_stored(scn: Scenario, ipc: bytes, table: pa.Table, root: Path) -> dict[str, Any]:
-    """Produce the same volume with a subscriber that never attaches, stop the daemon,
-    read its segment files three ways."""
+    """Warm-up and full-speed phase again, with a subscriber that is registered but
+    never attaches (nothing is deleted); stop the daemon, read its segment files."""
     daemon = Daemon(root, policy="interval", shards=SHARDS, settings=scn.settings)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(PRODUCERS + 1)
@@ -352,8 +414,8 @@ def run_stored(scn: Scenario, ipc: bytes, table: pa.Table, root: Path) -> dict[s
         admin_request(daemon.admin_socket, "subscribers.add",
                       {"name": SUBSCRIBER, "start": "earliest"})
         procs = [ctx.Process(target=_producer, args=(
-            str(daemon.socket), name, ipc, scn.warmup_per_producer, scn.per_producer,
-            barrier, results)) for name in client_names(PRODUCERS, SHARDS, scn.name)]
+            str(daemon.socket), name, ipc, scn.counts(1), ("full",), [barrier], results))
+            for name in client_names(PRODUCERS, SHARDS, scn.name)]
         for proc in procs:
             proc.start()
         try:
@@ -458,22 +520,28 @@ def read_plain(path: Path) -> int:
 
 
 # ---- report ---------------------------------------------------------------------------
-def summarize(scn: Scenario, ipc_len: int, pairs: list[tuple[dict[str, Any], dict[str, Any]]]
+def summarize(scn: Scenario, pairs: list[tuple[dict[str, Any], dict[str, Any]]]
               ) -> dict[str, Any]:
     """Medians over repeats; latency percentiles pooled over every bundle of every repeat."""
     dl = [d for d, _ in pairs]
+    pc = [d["paced"] for d in dl]
     st = [s for _, s in pairs]
-    lat = sorted(itertools.chain.from_iterable(d["latencies_ms"] for d in dl))
 
     def med(runs: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
+    def lat(runs: list[dict[str, Any]]) -> dict[str, float]:
+        ms = sorted(itertools.chain.from_iterable(r["latencies_ms"] for r in runs))
+        return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "max": ms[-1]}
+
     return {
         "scenario": scn.name, "open_ms": scn.open_ms, "bundle": scn.size_name,
-        "bundle_ipc_bytes": ipc_len, "bundles_per_run": PRODUCERS * scn.per_producer,
+        "bundle_ipc_bytes": scn.ipc_bytes, "bundles_full": PRODUCERS * scn.per_producer,
+        "bundles_paced": PRODUCERS * scn.paced_per_producer,
         "delivered_mb_s": med(dl, "mb_s"), "delivered_bundles_s": med(dl, "bundles_s"),
-        "lat_p50_ms": percentile(lat, 50), "lat_p99_ms": percentile(lat, 99),
-        "lat_max_ms": lat[-1] if lat else float("nan"),
+        "tail_ms": med(dl, "tail_ms"), "lat_full_ms": lat(dl),
+        "paced_target_mb_s": PACE_MB_S[scn.bundle_bytes], "paced_mb_s": med(pc, "mb_s"),
+        "paced_tail_ms": med(pc, "tail_ms"), "lat_paced_ms": lat(pc),
         "ingest_mb_s_with_delivery": med(dl, "ingest_mb_s"),
         "ingest_mb_s_no_delivery": med(st, "ingest_mb_s"),
         "baseline_mb_s": med(st, "pyarrow_slices_mb_s"),
@@ -482,46 +550,67 @@ def summarize(scn: Scenario, ipc_len: int, pairs: list[tuple[dict[str, Any], dic
         "ratio": statistics.median(d["mb_s"] / s["pyarrow_slices_mb_s"] for d, s in pairs),
         "ratio_segment_reader": statistics.median(d["mb_s"] / s["segment_reader_mb_s"]
                                                   for d, s in pairs),
-        "segment_files": med(st, "segment_files"),
+        "segment_files_stored": med(st, "segment_files"),
         "daemon_cpu_cores": med(dl, "daemon_cpu_cores"),
         "daemon_loop_cpu_cores": med(dl, "daemon_loop_cpu_cores"),
         "subscriber_cpu_cores": med(dl, "subscriber_cpu_cores"),
-        "foreign_cpu_cores": max(d["foreign_cpu_cores"] for d in dl),
-        "delivered": [{k: v for k, v in d.items() if k != "latencies_ms"} for d in dl],
+        "machine_cpu_cores": med(dl, "machine_cpu_cores"),
+        "foreign_cpu_cores": max(max(d["foreign_cpu_cores"], d["paced"]["foreign_cpu_cores"])
+                                 for d in dl),
+        "delivered": [_strip(d) for d in dl],
         "stored": st,
     }
 
 
+def _strip(run: dict[str, Any]) -> dict[str, Any]:
+    """A run for the JSON: latency lists reduced to percentiles."""
+    out = {k: v for k, v in run.items() if k not in ("latencies_ms", "paced")}
+    ms = sorted(run["latencies_ms"])
+    out["lat_ms"] = {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "max": ms[-1]}
+    if "paced" in run:
+        out["paced"] = _strip(run["paced"])
+    return out
+
+
 def _line(scn: Scenario, rep: int, d: dict[str, Any], s: dict[str, Any]) -> str:
-    lat = sorted(d["latencies_ms"])
+    full, paced = sorted(d["latencies_ms"]), sorted(d["paced"]["latencies_ms"])
     drained = "never" if d["acks_durable_after_s"] is None else \
         f"{d['acks_durable_after_s'] * 1e3:.0f} ms"
-    return (f"{scn.name:>16} #{rep}: delivered {d['mb_s']:6.0f} MB/s {d['bundles_s']:6.0f} b/s "
-            f"lat p50/p99 {percentile(lat, 50):6.0f}/{percentile(lat, 99):6.0f} ms "
-            f"(ingest {d['ingest_mb_s']:.0f} MB/s, {d['segments_finalized']} segments, "
-            f"acks durable +{drained}, dup {d['duplicates']}) | stored: ingest "
-            f"{s['ingest_mb_s']:.0f} MB/s, {s['segment_files']} files, slices "
-            f"{s['pyarrow_slices_mb_s']:.0f} MB/s, SegmentReader {s['segment_reader_mb_s']:.0f}, "
-            f"plain {s['plain_ipc_mb_s']:.0f} | cpu daemon {d['daemon_cpu_cores']:.2f} "
-            f"(loop {d['daemon_loop_cpu_cores']:.2f}) sub {d['subscriber_cpu_cores']:.2f} "
-            f"prod {d['producer_cpu_cores']:.2f} others {d['foreign_cpu_cores']:.2f}")
+    dup = d["duplicates"] + d["paced"]["duplicates"]
+    others = max(d["foreign_cpu_cores"], d["paced"]["foreign_cpu_cores"])
+    return (f"{scn.name:>16} #{rep}: delivered {d['mb_s']:4.0f} MB/s {d['bundles_s']:4.0f} b/s, "
+            f"tail {d['tail_ms']:4.0f} ms, lat p50/p99 {percentile(full, 50):.0f}/"
+            f"{percentile(full, 99):.0f} ms; paced {d['paced']['mb_s']:.0f} MB/s: "
+            f"{percentile(paced, 50):.0f}/{percentile(paced, 99):.0f} ms "
+            f"| ingest {d['ingest_mb_s']:.0f} vs {s['ingest_mb_s']:.0f} MB/s without subscriber "
+            f"| {d['segments_finalized']} segments, acks durable +{drained}, {dup} dup "
+            f"| read {s['segment_files']} files: slices {s['pyarrow_slices_mb_s']:.0f}, "
+            f"SegmentReader {s['segment_reader_mb_s']:.0f}, plain {s['plain_ipc_mb_s']:.0f} MB/s "
+            f"| cpu daemon {d['daemon_cpu_cores']:.2f} (loop {d['daemon_loop_cpu_cores']:.2f}) "
+            f"sub {d['subscriber_cpu_cores']:.2f} prod {d['producer_cpu_cores']:.2f} "
+            f"machine {d['machine_cpu_cores']:.2f}"
+            + (f", OTHERS {others:.2f}" if others > BUSY_CORES else ""))
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| open ms | bundle | delivered MB/s | bundles/s | latency p50 ms | p99 ms "
+    head = ("| open ms | bundle | delivered MB/s | bundles/s | tail ms "
+            "| latency p50 / p99 ms | paced MB/s | paced latency p50 / p99 ms "
             "| ingest MB/s with / without subscriber | baseline MB/s (pyarrow slices) "
             "| SegmentReader MB/s | plain IPC file MB/s | delivered / baseline "
-            "| daemon CPU (loop) | subscriber CPU |")
+            "| daemon CPU (loop) | machine CPU |")
     lines = [head, "|" + "---:|" * (head.count("|") - 1)]
     for r in rows:
+        full, paced = r["lat_full_ms"], r["lat_paced_ms"]
         lines.append(
             f"| {r['open_ms']} | {r['bundle']} | {r['delivered_mb_s']:.0f} "
-            f"| {r['delivered_bundles_s']:.0f} | {r['lat_p50_ms']:.0f} | {r['lat_p99_ms']:.0f} "
+            f"| {r['delivered_bundles_s']:.0f} | {r['tail_ms']:.0f} "
+            f"| {full['p50']:.0f} / {full['p99']:.0f} | {r['paced_mb_s']:.0f} "
+            f"| {paced['p50']:.0f} / {paced['p99']:.0f} "
             f"| {r['ingest_mb_s_with_delivery']:.0f} / {r['ingest_mb_s_no_delivery']:.0f} "
             f"| {r['baseline_mb_s']:.0f} | {r['segment_reader_mb_s']:.0f} "
             f"| {r['plain_ipc_mb_s']:.0f} | {r['ratio']:.4f} "
             f"| {r['daemon_cpu_cores']:.2f} ({r['daemon_loop_cpu_cores']:.2f}) "
-            f"| {r['subscriber_cpu_cores']:.2f} |")
+            f"| {r['machine_cpu_cores']:.2f} |")
     return "\n".join(lines)
 
 

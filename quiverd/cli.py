@@ -256,7 +256,7 @@ def _subscribe(args: argparse.Namespace) -> int:
 
 
 def _wal_dump(args: argparse.Namespace) -> int:
-    from quiverd.walreplay import dump_wal
+    from quiverd.waldump import dump_wal
 
     bad = 0
     for row in dump_wal(Path(args.path)):

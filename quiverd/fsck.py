@@ -36,7 +36,7 @@ from typing import Any, TextIO
 import msgspec
 import pyarrow as pa
 
-from quiverd import acklog, walreplay
+from quiverd import acklog, waldump, walreplay
 from quiverd import walformat as wf
 from quiverd.durable import fsync_dir
 from quiverd.errors import CorruptRecord, FormatMismatch, QuiverError
@@ -169,7 +169,7 @@ class _WalRows:
         self.report.checked["wal_bytes"] += size
         # Replay writes the header of an empty active file: a crash right after creating it.
         if size > 0 or gen != active_generation:
-            for row in walreplay.dump_wal(path):
+            for row in waldump.dump_wal(path):
                 self.check(path, gen, row)
 
     def check(self, path: Path, gen: int, row: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from quiverd import waldump
 from quiverd import walformat as wf
 from quiverd import walreplay as wr
 from quiverd.bundle import MetaCodec, Slot, make_slot
@@ -330,7 +331,7 @@ def test_dump_wal_lists_entries_and_torn_tail_without_modifying(tmp_path: Path) 
     raw = bytearray(wal.read_bytes())
     raw[offsets[1] + 30] ^= 1
     wal.write_bytes(raw)
-    rows = list(wr.dump_wal(wal))
+    rows = list(waldump.dump_wal(wal))
     assert rows[0]["kind"] == "header" and rows[0]["cfg_hash_is_default"]
     assert rows[1] == {
         "kind": "entry", "offset": offsets[0], "sequence": 1, "ts_ns": 1001, "entry_type": 0,
@@ -387,7 +388,7 @@ def test_dump_wal_punched_prefix_with_sidecar_lists_only_live_entries(tmp_path: 
         os.close(fd)
     raw = wal.read_bytes()
     assert end - begin >= BLOCK and raw[begin:end] == bytes(end - begin)
-    rows = list(wr.dump_wal(wal))
+    rows = list(waldump.dump_wal(wal))
     assert rows[1] == {"kind": "released", "offset": wf.HEADER_LEN, "bytes": keep - wf.HEADER_LEN,
                        "message": "released to segments (space reclaimed)"}
     entries = rows[2:]
@@ -404,13 +405,13 @@ def test_dump_wal_rotated_file_below_sidecar_generation_is_one_released_row(
     offsets = write_wal(tmp_path / "quiver.wal.1", [small_entry(s) for s in (3, 4)])
     write_wal(tmp_path / "quiver.wal", [small_entry(5)])
     wr.write_sidecar(tmp_path, offsets[1], 1)
-    old = list(wr.dump_wal(tmp_path / "quiver.wal.0"))
+    old = list(waldump.dump_wal(tmp_path / "quiver.wal.0"))
     size = (tmp_path / "quiver.wal.0").stat().st_size
     assert [r["kind"] for r in old] == ["header", "released"]
     assert old[1]["bytes"] == size - wf.HEADER_LEN
-    current = list(wr.dump_wal(tmp_path / "quiver.wal.1"))
+    current = list(waldump.dump_wal(tmp_path / "quiver.wal.1"))
     assert [r.get("sequence") for r in current if r["kind"] == "entry"] == [4]
-    active = list(wr.dump_wal(tmp_path / "quiver.wal"))  # generation 2: after the sidecar's
+    active = list(waldump.dump_wal(tmp_path / "quiver.wal"))  # generation 2: after the sidecar's
     assert [r["kind"] for r in active] == ["header", "entry"]
 
 
@@ -420,7 +421,7 @@ def test_dump_wal_hole_without_sidecar_is_not_torn_tail(tmp_path: Path) -> None:
     raw = bytearray(wal.read_bytes())
     raw[4096:8192] = bytes(4096)
     wal.write_bytes(raw)
-    rows = list(wr.dump_wal(wal))
+    rows = list(waldump.dump_wal(wal))
     kinds = [r["kind"] for r in rows]
     assert "torn_tail" not in kinds and "released" not in kinds
     i = kinds.index("hole")
@@ -444,12 +445,12 @@ def test_dump_wal_garbage_before_sound_entry_is_skipped_row(tmp_path: Path) -> N
     raw[offsets[1] : offsets[1] + 4] = b"\xff\xff\xff\x7f"  # a length far past EOF
     raw[offsets[1] + 4 : offsets[1] + 8] = b"\x00\x00\x00\x00"
     wal.write_bytes(raw)
-    rows = list(wr.dump_wal(wal))
+    rows = list(waldump.dump_wal(wal))
     assert [r["kind"] for r in rows] == ["header", "entry", "torn_tail"]
     raw = bytearray(wal.read_bytes())
     raw[offsets[1] : offsets[1] + 4] = struct.pack("<I", 2)  # below the fixed header
     wal.write_bytes(raw)
-    rows = list(wr.dump_wal(wal))
+    rows = list(waldump.dump_wal(wal))
     assert [r["kind"] for r in rows] == ["header", "entry", "skipped", "entry"]
     assert rows[2]["offset"] == offsets[1] and rows[2]["bytes"] == offsets[2] - offsets[1]
 
@@ -458,5 +459,5 @@ def test_dump_wal_ignores_sidecar_pointing_past_the_file(tmp_path: Path) -> None
     wal = tmp_path / "quiver.wal"
     write_wal(wal, [small_entry(s) for s in (1, 2)])
     wr.write_sidecar(tmp_path, 1 << 30, 0)
-    rows = list(wr.dump_wal(wal))
+    rows = list(waldump.dump_wal(wal))
     assert [r["kind"] for r in rows] == ["header", "entry", "entry"]
