@@ -48,6 +48,14 @@ class Session:
     deliveries: MemoryObjectSendStream[Any]  # buffer == window: send_nowait never blocks
     unacked: int = 0
     closed: bool = False
+    ended: str = ""  # why the daemon ended this session (e.g. the subscriber was removed)
+    scope: Any = None  # the connection's cancel scope, cancelled by ``end``
+
+    def end(self, reason: str) -> None:
+        if not self.ended:
+            self.ended = reason
+            if self.scope is not None:
+                self.scope.cancel()
 
     @property
     def room(self) -> int:
@@ -157,7 +165,10 @@ class Dispatcher:
 
     async def _fill(self) -> None:
         for session in list(self.sessions):
-            if session.room <= 0 or session.name not in self.state.registry:
+            if session.name not in self.state.registry:
+                session.end(f"subscriber {session.name!r} was removed")
+                continue
+            if session.room <= 0:
                 continue
             picks = self._pick(session)
             if picks:

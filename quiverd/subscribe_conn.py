@@ -58,9 +58,12 @@ async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
         d.attach(session)
     try:
         async with anyio.create_task_group() as tg:
+            session.scope = tg.cancel_scope
             tg.start_soon(_write_deliveries, stream, deliveries_rx)
             await _read_feedback(hub, stream, decoder, session, frames)
             tg.cancel_scope.cancel()
+        if session.ended:
+            raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER, session.ended)
     finally:
         for d in hub.dispatchers:
             d.detach(session)

@@ -233,3 +233,28 @@ def test_durable_ack_is_not_delivered_again_after_restart(daemon_factory):
     again = consume(d, "z", want=10, idle_s=1.0)
     assert again == []
     assert d.stop() == 0
+
+
+def test_removing_an_attached_subscriber_ends_its_connection_with_an_error(daemon_factory):
+    from quiverd.errors import ProtocolError
+
+    d = daemon_factory(FAST).start()
+    add(d, "gone")
+    produce(d, [1])
+    outcome: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            with anyio.fail_after(10):
+                async with subscribe(d.socket, "gone") as deliveries:
+                    async for b in deliveries:
+                        await anyio.to_thread.run_sync(
+                            lambda: request(d.admin_socket, "subscribers.remove",
+                                            {"name": "gone"}))
+                        del b  # never acked
+        except ProtocolError as exc:
+            outcome.append(exc)
+
+    anyio.run(run)
+    assert outcome and "was removed" in str(outcome[0])
+    assert d.stop() == 0
