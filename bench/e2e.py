@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,8 +82,13 @@ PHASES = ("full", "paced")
 PACE_MB_S = {1 * MiB: 64, 64 * KiB: 16}
 PACED_S = 4.0
 READ_REPS = 5  # baseline reads: median of 5 after one untimed pass
-RUN_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = float(os.environ.get("E2E_RUN_TIMEOUT_S", 300))
 DRAIN_TIMEOUT_S = 30.0  # after the last ack, until ack.log holds every ack
+# A subscriber that got nothing for this long while the daemon holds finalized bundles
+# it has not acked reconnects (attaching wakes every shard's dispatcher), counting a
+# stall: one shard's acks do not wake the other shard's dispatcher (bench/README.md).
+STALL_S = 5.0
+MAX_STALLS = 10
 BUSY_CORES = 0.15  # CPU used by other processes during a phase that earns a warning
 
 
@@ -211,7 +216,8 @@ def run_delivered(scn: Scenario, ipc: bytes, root: Path, window: int,
     stop = ctx.Event()
     rows = pa.ipc.open_stream(ipc).read_all().num_rows
     procs = [ctx.Process(target=_subscriber, args=(
-        str(daemon.socket), window, scn.counts(PRODUCERS), rows, starts, results, stop))]
+        str(daemon.socket), str(daemon.admin_socket), window, scn.counts(PRODUCERS), rows,
+        starts, results, stop))]
     procs += [ctx.Process(target=_producer, args=(
         str(daemon.socket), name, ipc, scn.counts(1), PHASES, starts, results))
         for name in client_names(PRODUCERS, SHARDS, scn.name)]
@@ -277,7 +283,7 @@ def _timed_phase(scn: Scenario, phase: str, daemon: Daemon, barrier: Any, result
         # Last delivery after the last producer ack: ~ open duration + finalize when
         # delivery keeps up, growing with the run when it does not.
         "tail_ms": (sub["t_last"] - ingest_end) * 1e3,
-        "latencies_ms": sub["lat_ms"], "duplicates": sub["duplicates"],
+        "latencies_ms": sub["lat_ms"], "duplicates": sub["duplicates"], "stalls": sub["stalls"],
         "daemon_cpu_cores": cpu.total_s / seconds, "daemon_loop_cpu_cores": cpu.main_s / seconds,
         "subscriber_cpu_cores": sub["cpu_s"] / seconds,
         "producer_cpu_cores": sum(o["cpu_s"] for o in prods) / seconds,
@@ -302,12 +308,14 @@ def _wait_acks_durable(daemon: Daemon) -> tuple[float | None, dict[str, Any]]:
         time.sleep(0.01)
 
 
-def _subscriber(socket_path: str, window: int, counts: dict[str, tuple[int, float]], rows: int,
-                starts: list[Any], results: Any, stop: Any) -> None:
+def _subscriber(socket_path: str, admin_path: str, window: int,
+                counts: dict[str, tuple[int, float]], rows: int, starts: list[Any],
+                results: Any, stop: Any) -> None:
     """The subscriber process: decode and ack everything; report each phase, then stay
     attached until ``stop`` (so the last acks reach the daemon over a live connection)."""
     try:
-        anyio.run(_consume, socket_path, window, counts, rows, starts, results, stop,
+        tally = _Tally(counts, rows, starts, results)
+        anyio.run(_consume, socket_path, admin_path, window, tally, stop,
                   backend="asyncio", backend_options={"use_uvloop": True})
     except BaseException as exc:  # reported to the parent, which fails the run
         for barrier in starts:
@@ -315,42 +323,95 @@ def _subscriber(socket_path: str, window: int, counts: dict[str, tuple[int, floa
         results.put({"role": "subscriber", "error": repr(exc)})
 
 
-async def _consume(socket_path: str, window: int, counts: dict[str, tuple[int, float]],
-                   rows: int, starts: list[Any], results: Any, stop: Any) -> None:
-    # Phase boundaries by count: a phase's bundles are only sent once the subscriber
-    # met the others at its barrier, i.e. holds every bundle of the phase before.
-    ends = list(itertools.accumulate(counts[p][0] for p in ("warmup", *PHASES)))
-    phases = iter(zip(PHASES, starts, strict=True))
-    seen: set[tuple[int, int, int]] = set()  # bounded by the run's volume
-    lat_ms: list[float] = []
-    duplicates, cpu0, phase = 0, 0.0, ""
-    async with subscribe(socket_path, SUBSCRIBER, window=window) as deliveries:
-        async for d in deliveries:
-            now_ns = time.time_ns()
-            got = sum(t.num_rows for t in d.tables.values())  # decode, as a consumer would
-            await d.ack()
-            if got != rows:
-                raise AssertionError(f"bundle {d.id}: {got} rows, sent {rows}")
-            if d.id in seen:
-                duplicates += 1
-                continue
-            seen.add(d.id)
-            if phase:
-                lat_ms.append((now_ns - d.ingestion_ts_ns) / 1e6)
-            if len(seen) in ends:
-                if phase:
-                    results.put({"role": "subscriber", "phase": phase,
-                                 "t_last": time.perf_counter(), "bundles": len(lat_ms),
-                                 "lat_ms": lat_ms, "duplicates": duplicates,
-                                 "cpu_s": _own_cpu_s() - cpu0})
-                nxt = next(phases, None)
-                if nxt is None:
-                    break
-                phase, barrier = nxt
-                lat_ms, duplicates = [], 0
-                await anyio.to_thread.run_sync(barrier.wait, RUN_TIMEOUT_S)
-                cpu0 = _own_cpu_s()
-        await anyio.to_thread.run_sync(stop.wait, RUN_TIMEOUT_S)
+async def _consume(socket_path: str, admin_path: str, window: int, tally: _Tally,
+                   stop: Any) -> None:
+    """Subscribe; after ``STALL_S`` without a delivery reconnect, which wakes every
+    shard's dispatcher (a stall if the daemon held finalized bundles meanwhile)."""
+    while True:
+        async with subscribe(socket_path, SUBSCRIBER, window=window) as deliveries:
+            outcome = await _take(deliveries, admin_path, tally)
+            if outcome == "done":
+                await anyio.to_thread.run_sync(stop.wait, RUN_TIMEOUT_S)
+                return
+        if outcome == "stalled":
+            tally.stalls += 1
+        if tally.stalls > MAX_STALLS:
+            raise RuntimeError(f"delivery stalled {tally.stalls} times; {len(tally.seen)} "
+                               "bundles received in all")
+
+
+async def _take(deliveries: AsyncIterator[Any], admin_path: str, tally: _Tally) -> str:
+    """Take deliveries until the last phase is complete ("done") or nothing came for
+    ``STALL_S``: "stalled" if the daemon held finalized bundles we had not acked, else
+    "idle" (e.g. producers slow to start). A timeout ends the delivery iterator (the
+    cancellation runs through it), so both mean: reconnect."""
+    stream = aiter(deliveries)
+    while True:
+        d: Any = None
+        with anyio.move_on_after(STALL_S):
+            d = await anext(stream, _CLOSED)
+        if d is _CLOSED:
+            raise ConnectionError("quiverd closed the subscriber connection")
+        if d is None:
+            lag = await anyio.to_thread.run_sync(_lag_bundles, admin_path)
+            return "stalled" if lag > 0 else "idle"
+        now_ns = time.time_ns()
+        got = sum(t.num_rows for t in d.tables.values())  # decode, as a consumer would
+        await d.ack()
+        if got != tally.rows:
+            raise AssertionError(f"bundle {d.id}: {got} rows, sent {tally.rows}")
+        if not await tally.add(d.id, now_ns - d.ingestion_ts_ns):
+            return "done"
+
+
+def _lag_bundles(admin_path: str) -> int:
+    subs = admin_request(admin_path, "subscribers.list")
+    return sum(s["lag_bundles"] for s in subs if s["name"] == SUBSCRIBER)
+
+
+_CLOSED = object()
+
+
+class _Tally:
+    """The subscriber's count of distinct bundles; reports each phase as it completes.
+
+    Phase boundaries are counts: a phase's bundles are only sent once the subscriber met
+    the others at its barrier, i.e. holds every bundle of the phases before.
+    """
+
+    def __init__(self, counts: dict[str, tuple[int, float]], rows: int, starts: list[Any],
+                 results: Any) -> None:
+        self.rows, self.results = rows, results
+        self.ends = list(itertools.accumulate(counts[p][0] for p in ("warmup", *PHASES)))
+        self.phases = iter(zip(PHASES, starts, strict=True))
+        self.seen: set[tuple[int, int, int]] = set()  # bounded by the run's volume
+        self.phase, self.duplicates, self.cpu0 = "", 0, 0.0
+        self.lat_ms: list[float] = []
+        self.stalls = 0  # counted in the phase they happen in
+
+    async def add(self, bundle_id: tuple[int, int, int], latency_ns: int) -> bool:
+        """Count one delivery; False once the last phase is complete."""
+        if bundle_id in self.seen:
+            self.duplicates += 1  # at least once: a reconnect redelivers the unacked
+            return True
+        self.seen.add(bundle_id)
+        if self.phase:
+            self.lat_ms.append(latency_ns / 1e6)
+        if len(self.seen) not in self.ends:
+            return True
+        if self.phase:
+            self.results.put({"role": "subscriber", "phase": self.phase,
+                              "t_last": time.perf_counter(), "bundles": len(self.lat_ms),
+                              "lat_ms": self.lat_ms, "duplicates": self.duplicates,
+                              "stalls": self.stalls, "cpu_s": _own_cpu_s() - self.cpu0})
+        nxt = next(self.phases, None)
+        if nxt is None:
+            return False
+        self.phase, barrier = nxt
+        self.lat_ms, self.duplicates, self.stalls = [], 0, 0
+        await anyio.to_thread.run_sync(barrier.wait, RUN_TIMEOUT_S)
+        self.cpu0 = _own_cpu_s()
+        return True
 
 
 def _producer(socket_path: str, name: str, ipc: bytes, counts: dict[str, tuple[int, float]],
@@ -551,6 +612,7 @@ def summarize(scn: Scenario, pairs: list[tuple[dict[str, Any], dict[str, Any]]]
         "ratio_segment_reader": statistics.median(d["mb_s"] / s["segment_reader_mb_s"]
                                                   for d, s in pairs),
         "segment_files_stored": med(st, "segment_files"),
+        "stalls": sum(d["stalls"] + d["paced"]["stalls"] for d in dl),
         "daemon_cpu_cores": med(dl, "daemon_cpu_cores"),
         "daemon_loop_cpu_cores": med(dl, "daemon_loop_cpu_cores"),
         "subscriber_cpu_cores": med(dl, "subscriber_cpu_cores"),
@@ -577,6 +639,7 @@ def _line(scn: Scenario, rep: int, d: dict[str, Any], s: dict[str, Any]) -> str:
     drained = "never" if d["acks_durable_after_s"] is None else \
         f"{d['acks_durable_after_s'] * 1e3:.0f} ms"
     dup = d["duplicates"] + d["paced"]["duplicates"]
+    stalls = d["stalls"] + d["paced"]["stalls"]
     others = max(d["foreign_cpu_cores"], d["paced"]["foreign_cpu_cores"])
     return (f"{scn.name:>16} #{rep}: delivered {d['mb_s']:4.0f} MB/s {d['bundles_s']:4.0f} b/s, "
             f"tail {d['tail_ms']:4.0f} ms, lat p50/p99 {percentile(full, 50):.0f}/"
@@ -589,7 +652,8 @@ def _line(scn: Scenario, rep: int, d: dict[str, Any], s: dict[str, Any]) -> str:
             f"| cpu daemon {d['daemon_cpu_cores']:.2f} (loop {d['daemon_loop_cpu_cores']:.2f}) "
             f"sub {d['subscriber_cpu_cores']:.2f} prod {d['producer_cpu_cores']:.2f} "
             f"machine {d['machine_cpu_cores']:.2f}"
-            + (f", OTHERS {others:.2f}" if others > BUSY_CORES else ""))
+            + (f", OTHERS {others:.2f}" if others > BUSY_CORES else "")
+            + (f" | {stalls} STALL(S): {STALL_S:.0f} s each in the figures" if stalls else ""))
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -602,7 +666,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         full, paced = r["lat_full_ms"], r["lat_paced_ms"]
         lines.append(
-            f"| {r['open_ms']} | {r['bundle']} | {r['delivered_mb_s']:.0f} "
+            f"| {r['open_ms']} | {r['bundle']} | {r['delivered_mb_s']:.0f}"
+            f"{' (stalled)' if r['stalls'] else ''} "
             f"| {r['delivered_bundles_s']:.0f} | {r['tail_ms']:.0f} "
             f"| {full['p50']:.0f} / {full['p99']:.0f} | {r['paced_mb_s']:.0f} "
             f"| {paced['p50']:.0f} / {paced['p99']:.0f} "
