@@ -50,6 +50,13 @@ class Session:
     closed: bool = False
     ended: str = ""  # why the daemon ended this session (e.g. the subscriber was removed)
     scope: Any = None  # the connection's cancel scope, cancelled by ``end``
+    # Every attached shard's Changes: the window is shared, so room freed by an ack
+    # on one shard must wake the dispatchers of all shards.
+    wakers: list[Changes] = field(default_factory=list)
+
+    def room_freed(self) -> None:
+        for changes in self.wakers:
+            changes.notify()
 
     def end(self, reason: str) -> None:
         if not self.ended:
@@ -114,6 +121,7 @@ class Dispatcher:
     # ---- sessions (called by the connection's task) -------------------------------
     def attach(self, session: Session) -> None:
         self.sessions.append(session)
+        session.wakers.append(self.changes)
         self.stats.sessions = len(self.sessions)
         self.changes.notify()
 
@@ -132,6 +140,7 @@ class Dispatcher:
         key = (session.name, segment_seq, bundle_index)
         if self.inflight.get(key) is session:
             session.unacked -= 1
+            session.room_freed()  # refill now; the bundle stays in flight until applied
         if outcome == fmt.ACK:
             self.stats.acks += 1
         else:

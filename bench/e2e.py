@@ -86,6 +86,7 @@ PHASES = ("full", "paced")
 PACE_MB_S = {1 * MiB: 64, 64 * KiB: 16}
 PACED_S = 4.0
 READ_REPS = 5  # baseline reads: median of 5 after one untimed pass
+# Bound on every wait for another process; E2E_RUN_TIMEOUT_S shortens it when debugging.
 RUN_TIMEOUT_S = float(os.environ.get("E2E_RUN_TIMEOUT_S", 300))
 DRAIN_TIMEOUT_S = 30.0  # after the last ack, until ack.log holds every ack
 # A subscriber that got nothing for this long while the daemon holds finalized bundles
@@ -176,14 +177,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1/8 of the volume per run")
+    p.add_argument("--quick", action="store_true",
+                   help="1/8 of the volume per run, a 1 s paced phase")
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     p.add_argument("--repeat", type=int, default=2,
                    help="delivered/stored pairs per scenario (default 2)")
     p.add_argument("--only", type=lambda s: s.split(","), metavar="RUN,...",
                    help="run only these scenarios, by name (e.g. open100ms-1MiB)")
     p.add_argument("--scale", type=float, default=1.0,
-                   help="multiply the volume per run (e.g. 4 for long runs to profile)")
+                   help="multiply the volume and the paced phase's length (e.g. 4 for "
+                        "long runs to profile)")
     p.add_argument("--window", type=int, default=64,
                    help="subscriber window: deliveries unanswered at a time (default 64, "
                         "the library's default)")

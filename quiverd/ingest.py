@@ -107,6 +107,17 @@ class IngestServer:
                 await _Connection(self, stream).run()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
             pass  # peer went away; its acked data is durable, the rest was never acked
+        except BaseExceptionGroup as group:
+            # The connection's task group wraps a peer hanging up; anything else in
+            # it is logged, and cancellation is re-raised untouched.
+            _, rest = group.split((anyio.BrokenResourceError, anyio.ClosedResourceError,
+                                   ConnectionError))
+            if rest is not None:
+                bugs, cancels = rest.split(Exception)
+                if cancels is not None:
+                    raise
+                self.stats.errors += 1
+                self.log.error("ingest_connection_failed", error=repr(bugs))
         except Exception:
             # A bug in one connection's handling must not take the daemon down;
             # nothing unacked was promised, so closing this connection is safe.

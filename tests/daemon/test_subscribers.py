@@ -258,3 +258,31 @@ def test_removing_an_attached_subscriber_ends_its_connection_with_an_error(daemo
     anyio.run(run)
     assert outcome and "was removed" in str(outcome[0])
     assert d.stop() == 0
+
+
+def test_window_shared_across_shards_never_stalls_delivery(daemon_factory):
+    """Window 1 with a backlog on both shards: an ack on one shard must wake the other."""
+    from quiverd.ingest import shard_of
+
+    d = daemon_factory({"shards": 2, "segment.max_open_duration_ms": 50}).start()
+    add(d, "w")
+    names = {shard_of(f"c{i}", 2): f"c{i}" for i in range(20)}
+    assert len(names) == 2
+    for shard, client in names.items():
+        produce(d, [shard * 100 + i for i in range(15)], client=client)
+    wait_for(lambda: sum(s["segments"] for s in d.status()["shards"]) >= 2)
+    got: list[Any] = []
+
+    async def run() -> None:
+        with anyio.fail_after(30):
+            async with subscribe(d.socket, "w", window=1) as deliveries:
+                async for b in deliveries:
+                    got.append(b.id)
+                    await b.ack()
+                    if len(got) == 30:
+                        return
+
+    anyio.run(run)
+    assert len(set(got)) == 30
+    assert {i[0] for i in got} == {0, 1}
+    assert d.stop() == 0
