@@ -301,3 +301,13 @@ class BaselineWal:
         os.fdatasync(self.fd)
         now = time.perf_counter()
         latencies.extend(now - t for t in covered)
+
+
+def git_head() -> str:
+    """The short commit the figures were measured at ("" outside a checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent, check=False
+                              ).stdout.strip()
+    except OSError:
+        return ""

@@ -61,6 +61,7 @@ from _common import (  # noqa: E402
     filesystem_of,
     foreign_cpu_s,
     foreign_delta_s,
+    git_head,
     machine_busy_s,
     make_table,
     percentile,
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"cores": os.cpu_count(), "python": platform.python_version(),
                 "pyarrow": pa.__version__, "filesystem": filesystem_of(root),
-                "commit": _git_head(), "quick": args.quick, "repeat": args.repeat,
+                "commit": git_head(), "quick": args.quick, "repeat": args.repeat,
                 "shards": SHARDS, "producers": PRODUCERS, "window": args.window}
         Path(args.json).write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
     return 0
@@ -701,15 +702,6 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['daemon_cpu_cores']:.2f} ({r['daemon_loop_cpu_cores']:.2f}) "
             f"| {r['machine_cpu_cores']:.2f} |")
     return "\n".join(lines)
-
-
-def _git_head() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent, check=False
-                              ).stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from _common import (  # noqa: E402
     client_names,
     cpu_delta,
     filesystem_of,
+    git_head,
     make_table,
     thread_cpu_s,
 )
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"cores": os.cpu_count(), "python": platform.python_version(),
                 "pyarrow": pa.__version__, "filesystem": filesystem_of(root),
-                "commit": _git_head(), "quick": args.quick, "repetitions": reps,
+                "commit": git_head(), "quick": args.quick, "repetitions": reps,
                 "busy_before_start": others}
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "finalize": fin_rows, "read": read_rows, "ingest": e2e_rows},
@@ -539,15 +540,6 @@ def _e2e_md(r: dict[str, Any]) -> str:
 
 def _spread(runs: list[dict[str, Any]]) -> str:
     return f"{min(x['mb_s'] for x in runs):.0f}–{max(x['mb_s'] for x in runs):.0f}"
-
-
-def _git_head() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent, check=False
-                              ).stdout.strip()
-    except OSError:
-        return ""
 
 
 if __name__ == "__main__":
