@@ -94,6 +94,7 @@ class Dispatcher:
     backoff: dict[tuple[str, int, int], float] = field(default_factory=dict)  # -> not before
     delivered_once: set[tuple[str, int, int]] = field(default_factory=set)
     readers: OrderedDict[int, SegmentReader] = field(default_factory=OrderedDict)
+    unreadable: set[int] = field(default_factory=set)  # segments already reported
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -207,7 +208,12 @@ class Dispatcher:
             if session.closed:
                 return
             if frame is None:
-                continue  # deleted while we read it (retention): nothing to deliver
+                # Deleted while we read it (retention), or unreadable: say so once.
+                if seg in self.segments and seg not in self.unreadable:
+                    self.unreadable.add(seg)
+                    self.log.error("segment_unreadable", segment_seq=seg,
+                                   hint="run `quiverd fsck` on the data directory")
+                continue
             try:
                 session.deliveries.send_nowait(frame)
             except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
