@@ -286,3 +286,18 @@ def test_window_shared_across_shards_never_stalls_delivery(daemon_factory):
     assert len(set(got)) == 30
     assert {i[0] for i in got} == {0, 1}
     assert d.stop() == 0
+
+
+def test_config_subscribers_are_registered_at_startup(daemon_factory):
+    d = daemon_factory(FAST)
+    with open(d.config_path, "a") as f:
+        f.write('\n[[subscribers]]\nname = "from-config"\nstart = "earliest"\n')
+    d.start()
+    names = [s["name"] for s in request(d.admin_socket, "subscribers.list")]
+    assert names == ["from-config"]
+    produce(d, [1])
+    assert [b.tables[0]["tag"][0].as_py() for b in consume(d, "from-config", want=1)] == [1]
+    assert d.stop() == 0
+    d.start()  # registered once, not again on every start
+    assert [s["name"] for s in request(d.admin_socket, "subscribers.list")] == ["from-config"]
+    assert d.stop() == 0
