@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from _common import CLOCK_TICKS, REPO, Daemon  # bench/ is on sys.path (segments.py puts it there)
+from _common import CLOCK_TICKS, Daemon  # bench/ is on sys.path (segments.py puts it there)
 
 from quiverd.bundle import encode_ipc_stream
 from quiverd.client import Client
@@ -90,42 +87,14 @@ def _messages(rows: int, first_row: int, rng: np.random.Generator) -> pa.Array:
         num(rng.integers(0, 2000, rows)), "ms trace=", trace, "")
 
 
-class ConfiguredDaemon(Daemon):
+def configured_daemon(root: Path, *, shards: int, wal: dict[str, Any],
+                      segment: dict[str, Any]) -> Daemon:
     """``_common.Daemon`` with chosen ``[wal]`` and ``[segment]`` keys (others default)."""
-
-    def __init__(self, root: Path, *, shards: int, wal: dict[str, Any],
-                 segment: dict[str, Any]) -> None:  # noqa: D107
-        # Daemon.__init__ writes a fixed config; this is its body with two more tables.
-        self.dir = Path(tempfile.mkdtemp(prefix="qs-", dir=root))
-        self.data_dir = self.dir / "data"
-        self.socket = self.data_dir / "ingest.sock"
-        self.admin_socket = self.data_dir / "admin.sock"
-        self.log_path = self.dir / "daemon.log"
-        config = self.dir / "quiverd.toml"
-        config.write_text(
-            f'data_dir = "{self.data_dir}"\nshards = {shards}\n'
-            f"[wal]\n{_toml(wal)}[segment]\n{_toml(segment)}"
-            '[log]\nformat = "json"\nlevel = "info"\n'
-        )
-        self._log = open(self.log_path, "wb")
-        prefix = os.environ.get("QUIVERD_BENCH_SERVE", "").split() or \
-            [sys.executable, "-m", "quiverd"]
-        self.proc = subprocess.Popen(
-            [*prefix, "serve", "--config", str(config)],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-        )
-        self.pid = self.proc.pid
-        try:
-            self._wait_ready()
-        except RuntimeError:
-            self._log.close()
-            self.remove()  # the error already carries the log's tail
-            raise
-
-
-def _toml(keys: dict[str, Any]) -> str:
-    return "".join(f"{k} = {v!r}\n" if isinstance(v, str) else f"{k} = {v}\n"
-                   for k, v in keys.items()).replace("'", '"')
+    settings = {f"wal.{k}": v for k, v in wal.items() if k != "flush_policy"}
+    settings.update({f"segment.{k}": v for k, v in segment.items()})
+    settings["log.level"] = "info"
+    return Daemon(root, policy=wal.get("flush_policy", "interval"), shards=shards,
+                  settings=settings)
 
 
 def producer(socket_path: str, name: str, payloads: list[bytes], warmup: int, bundles: int,

@@ -57,7 +57,7 @@ from _common import (  # noqa: E402
     thread_cpu_s,
 )
 from _segments_common import (  # noqa: E402
-    ConfiguredDaemon,
+    configured_daemon,
     logs_batches,
     others_cpu_s,
     process_cpu_s,
@@ -425,7 +425,7 @@ def _counted(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_e2e(root: Path, ipcs: list[bytes], mode: str, volume: int, spy_out: Path | None
             ) -> dict[str, Any]:
     segment = SEGMENTS_ON if mode == "on" else SEGMENTS_OFF
-    daemon = ConfiguredDaemon(root, shards=SHARDS, wal=E2E_WAL, segment=segment)
+    daemon = configured_daemon(root, shards=SHARDS, wal=E2E_WAL, segment=segment)
     per = max(volume // len(ipcs[0]) // PRODUCERS, 1)
     warm = max(per // 16, 2)
     ctx = mp.get_context("spawn")  # no fork after pyarrow's threads exist

@@ -16,6 +16,7 @@ import anyio
 import anyio.lowlevel
 
 BACKLOG = 128
+IOV_MAX = 512
 
 
 class RawStream:
@@ -65,6 +66,24 @@ class RawStream:
             except (ConnectionError, OSError) as exc:
                 raise anyio.BrokenResourceError(str(exc)) from exc
             view = view[n:]
+        await anyio.lowlevel.checkpoint()
+
+    async def send_parts(self, parts: list[bytes | bytearray | memoryview]) -> None:
+        """Send a frame given as pieces with sendmsg: payloads are never joined (copied)."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        while views:
+            try:
+                n = self.sock.sendmsg(views[:IOV_MAX])
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
+                continue
+            except (ConnectionError, OSError) as exc:
+                raise anyio.BrokenResourceError(str(exc)) from exc
+            while n:
+                if n >= len(views[0]):
+                    n -= len(views.pop(0))
+                else:
+                    views[0], n = views[0][n:], 0
         await anyio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:

@@ -97,4 +97,4 @@ async def _write_deliveries(stream: RawStream, deliveries: Any) -> None:
             parts = protocol.encode_delivery(
                 shard=d.shard, segment_seq=d.segment_seq, bundle_index=d.bundle_index,
                 client=d.client, txn=d.txn, ingestion_ts_ns=d.ingestion_ts_ns, slots=d.slots)
-            await stream.send(b"".join(bytes(p) for p in parts))
+            await stream.send_parts(parts)
