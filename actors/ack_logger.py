@@ -23,11 +23,7 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from quiverd import ackformat as fmt
-from quiverd.acklog import AckLogFile
-from quiverd.changes import Changes
-from quiverd.errors import DurabilityLost, QuiverError
-from quiverd.messages import (
+from actors.messages import (
     AckLogMessage,
     DropRequest,
     FinalizedSegment,
@@ -35,7 +31,11 @@ from quiverd.messages import (
     SegmentGone,
     SubscriberRequest,
 )
-from quiverd.subscriptions import AckState
+from quiverd.acks import format as fmt
+from quiverd.acks.log import AckLogFile
+from quiverd.acks.state import AckState
+from quiverd.kernel.changes import Changes
+from quiverd.kernel.errors import DurabilityLost, QuiverError
 
 MAX_BATCH = 1024
 COMPACT_THRESHOLD_BYTES = 4 * 1024 * 1024

@@ -25,13 +25,13 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from quiverd import ackformat as fmt
-from quiverd.bundle import encode_ipc_stream, make_slot
-from quiverd.changes import Changes
-from quiverd.errors import CorruptRecord
-from quiverd.messages import AckLogMessage, OutcomeRequest
-from quiverd.segment_reader import SegmentReader
-from quiverd.subscriptions import AckState
+from actors.messages import AckLogMessage, OutcomeRequest
+from quiverd.acks import format as fmt
+from quiverd.acks.state import AckState
+from quiverd.kernel.bundle import encode_ipc_stream, make_slot
+from quiverd.kernel.changes import Changes
+from quiverd.kernel.errors import CorruptRecord
+from quiverd.segments.reader import SegmentReader
 
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 30.0

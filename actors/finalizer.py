@@ -20,9 +20,9 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from quiverd.messages import FinalizedSegment, SealedSegment, WalReleased
-from quiverd.segment import encode_segment, write_segment
-from quiverd.shard_files import FLOOR, Floor, write_marker
+from actors.messages import FinalizedSegment, SealedSegment, WalReleased
+from quiverd.segments.format import encode_segment, write_segment
+from quiverd.segments.markers import FLOOR, Floor, write_marker
 
 
 @dataclass

@@ -27,12 +27,12 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from quiverd.changes import Changes
-from quiverd.config import RetentionConfig
-from quiverd.durable import fsync_dir
-from quiverd.messages import AckLogMessage, DropRequest, SegmentGone
-from quiverd.shard_files import DELETED, Deleted, read_marker, write_marker
-from quiverd.subscriptions import AckState
+from actors.messages import AckLogMessage, DropRequest, SegmentGone
+from quiverd.acks.state import AckState
+from quiverd.kernel.changes import Changes
+from quiverd.kernel.config import RetentionConfig
+from quiverd.kernel.durable import fsync_dir
+from quiverd.segments.markers import DELETED, Deleted, read_marker, write_marker
 
 SWEEP_INTERVAL_S = 1.0
 

@@ -19,10 +19,10 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from quiverd.bundle import Bundle
-from quiverd.config import SegmentConfig
-from quiverd.messages import DurableBatch, SealedSegment
-from quiverd.segment import OpenSegment
+from actors.messages import DurableBatch, SealedSegment
+from quiverd.kernel.bundle import Bundle
+from quiverd.kernel.config import SegmentConfig
+from quiverd.segments.format import OpenSegment
 
 
 @dataclass

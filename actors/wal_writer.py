@@ -30,11 +30,11 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from quiverd import walformat
-from quiverd.bundle import Bundle, MetaCodec
-from quiverd.config import WalConfig
-from quiverd.messages import AckReply, AppendRequest, DurableBatch, ErrorReply, WalReleased
-from quiverd.wal import WalFiles
+from actors.messages import AckReply, AppendRequest, DurableBatch, ErrorReply, WalReleased
+from quiverd.kernel.bundle import Bundle, MetaCodec
+from quiverd.kernel.config import WalConfig
+from quiverd.wal import format as walformat
+from quiverd.wal.files import WalFiles
 
 MAX_BATCH_ENTRIES = 256
 MAX_BATCH_BYTES = 16 * 1024 * 1024

@@ -24,9 +24,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from quiverd import walformat
-from quiverd.bundle import encode_ipc_stream
-from quiverd.ingest import shard_of
+from quiverd.kernel.bundle import encode_ipc_stream
+from quiverd.net.ingest import shard_of
+from quiverd.wal import format as walformat
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -63,7 +63,7 @@ def _table(rows: int) -> pa.Table:
 def client_names(producers: int, shards: int, tag: str) -> list[str]:
     """One client name per producer, producer i landing on shard ``i % shards``.
 
-    The daemon routes by a stable hash of the name (``quiverd.ingest.shard_of``),
+    The daemon routes by a stable hash of the name (``quiverd.net.ingest.shard_of``),
     so names are searched until each lands where wanted: load spreads evenly.
     """
     names = []

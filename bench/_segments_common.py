@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from _common import CLOCK_TICKS, Daemon  # bench/ is on sys.path (segments.py puts it there)
 
-from quiverd.bundle import encode_ipc_stream
-from quiverd.client import Client
+from quiverd.client.producer import Client
+from quiverd.kernel.bundle import encode_ipc_stream
 
 LEVELS = pa.array(["INFO", "DEBUG", "WARN", "ERROR", "FATAL"])
 LEVEL_WEIGHTS = np.array([0.70, 0.15, 0.10, 0.04, 0.01])

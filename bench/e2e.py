@@ -8,7 +8,7 @@ Per scenario (``segment.max_open_duration_ms`` 100 / 1000 x bundle 64 KiB / 1 Mi
 
     delivered  a fresh daemon (2 shards, every other key at its default) with subscriber
                ``bench-e2e`` registered before anything is produced; one subscriber
-               process (``quiverd.subscriber.subscribe``) decodes and acks every
+               process (``quiverd.client.subscribe``) decodes and acks every
                delivery while 2 producer processes (one per shard) send, in phases:
                warm-up (1/16 of the volume, untimed), ``full`` (as fast as the
                producers' in-flight windows allow) and ``paced`` (a fixed, modest rate
@@ -68,11 +68,11 @@ from _common import (  # noqa: E402
     thread_cpu_s,
 )
 
-from quiverd.admin import request as admin_request  # noqa: E402
-from quiverd.client import Client  # noqa: E402
-from quiverd.errors import QuiverError  # noqa: E402
-from quiverd.segment_reader import SegmentReader  # noqa: E402
-from quiverd.subscriber import subscribe  # noqa: E402
+from quiverd.client.consumer import subscribe  # noqa: E402
+from quiverd.client.producer import Client  # noqa: E402
+from quiverd.kernel.errors import QuiverError  # noqa: E402
+from quiverd.net.admin import request as admin_request  # noqa: E402
+from quiverd.segments.reader import SegmentReader  # noqa: E402
 
 SHARDS = 2
 PRODUCERS = 2  # one per shard: both dispatchers deliver

@@ -60,10 +60,10 @@ from _common import (  # noqa: E402
     thread_cpu_s,
 )
 
-from quiverd import walformat  # noqa: E402
-from quiverd.admin import request as admin_request  # noqa: E402
-from quiverd.bundle import MetaCodec, make_slot  # noqa: E402
-from quiverd.client import Client  # noqa: E402
+from quiverd.client.producer import Client  # noqa: E402
+from quiverd.kernel.bundle import MetaCodec, make_slot  # noqa: E402
+from quiverd.net.admin import request as admin_request  # noqa: E402
+from quiverd.wal import format as walformat  # noqa: E402
 
 SHARDS = 2
 FLUSH_INTERVAL_S = 0.025  # the daemon's default wal.flush_interval_ms

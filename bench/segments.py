@@ -64,11 +64,11 @@ from _segments_common import (  # noqa: E402
     producer,
 )
 
-from quiverd.admin import request as admin_request  # noqa: E402
-from quiverd.bundle import Bundle, encode_ipc_stream, make_slot  # noqa: E402
-from quiverd.config import SegmentConfig  # noqa: E402
-from quiverd.segment import OpenSegment, encode_segment, write_segment  # noqa: E402
-from quiverd.segment_reader import SegmentReader  # noqa: E402
+from quiverd.kernel.bundle import Bundle, encode_ipc_stream, make_slot  # noqa: E402
+from quiverd.kernel.config import SegmentConfig  # noqa: E402
+from quiverd.net.admin import request as admin_request  # noqa: E402
+from quiverd.segments.format import OpenSegment, encode_segment, write_segment  # noqa: E402
+from quiverd.segments.reader import SegmentReader  # noqa: E402
 
 SEGMENT_BYTES = 32 * MiB
 BUNDLE_BYTES = 256 * KiB

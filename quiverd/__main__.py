@@ -1,5 +1,5 @@
 import sys
 
-from quiverd.cli import main
+from quiverd.cli.main import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from quiverd.admin import request
+from quiverd.net.admin import request
 
 START_TIMEOUT_S = 20.0
 

@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-from quiverd import ackformat as fmt
-from quiverd.crc import crc32c
-from quiverd.errors import CorruptRecord, FormatMismatch
+from quiverd.acks import format as fmt
+from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import CorruptRecord, FormatMismatch
 
 
 def frame(rtype: int, body: bytes) -> bytes:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import structlog
 
-from quiverd import ackformat as fmt
-from quiverd.acklog import AckLogFile, compact, replay_ack_log, scan_ack_log
-from quiverd.errors import CorruptRecord, FormatMismatch
-from quiverd.subscriptions import AckState
+from quiverd.acks import format as fmt
+from quiverd.acks.log import AckLogFile, compact, replay_ack_log, scan_ack_log
+from quiverd.acks.state import AckState
+from quiverd.kernel.errors import CorruptRecord, FormatMismatch
 
 LOG = structlog.get_logger("test")
 
@@ -194,7 +194,7 @@ def test_compaction_atomic_crash_before_rename_keeps_old_file(tmp_path: Path) ->
         if step == "tmp_fsynced":
             raise Crash
 
-    from quiverd.durable import atomic_write
+    from quiverd.kernel.durable import atomic_write
 
     with pytest.raises(Crash):
         atomic_write(path, fmt.encode_header() + fmt.encode(live.checkpoint_record()), hook=hook)

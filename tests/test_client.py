@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from quiverd import protocol as p
-from quiverd.bundle import TxnTag
-from quiverd.client import AsyncClient, Client, FileProgress, iter_file_batches, send_files
-from quiverd.errors import AtCapacity, ProtocolError, ShuttingDown, Unauthorized
+from quiverd.client.producer import AsyncClient, Client, FileProgress, iter_file_batches, send_files
+from quiverd.kernel.bundle import TxnTag
+from quiverd.kernel.errors import AtCapacity, ProtocolError, ShuttingDown, Unauthorized
+from quiverd.protocol import codec as p
 
 # What the fake server does with a bundle: reply bytes, or None for a plain ack.
 Responder = Callable[[p.BundleFrame], bytes | None]

@@ -13,15 +13,16 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from quiverd import ackformat as af
-from quiverd import cli, fsck
-from quiverd import walformat as wf
-from quiverd import walreplay as wr
-from quiverd.acklog import AckLogFile
-from quiverd.bundle import Bundle, MetaCodec, make_slot
-from quiverd.errors import AlreadyRunning
-from quiverd.segment import OpenSegment, encode_segment, write_segment
-from quiverd.wal import BLOCK, probe_punch_hole, punch_hole
+from quiverd.acks import format as af
+from quiverd.acks.log import AckLogFile
+from quiverd.cli import fsck
+from quiverd.cli import main as cli
+from quiverd.kernel.bundle import Bundle, MetaCodec, make_slot
+from quiverd.kernel.errors import AlreadyRunning
+from quiverd.segments.format import OpenSegment, encode_segment, write_segment
+from quiverd.wal import format as wf
+from quiverd.wal import replay as wr
+from quiverd.wal.files import BLOCK, probe_punch_hole, punch_hole
 
 SEGMENT_NAME = f"{1:016d}.qseg"
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quiverd import protocol as p
-from quiverd.bundle import Slot, TxnTag, encode_ipc_stream, read_ipc_stream
-from quiverd.crc import crc32c
-from quiverd.errors import AtCapacity, ProtocolError, ShuttingDown, Unauthorized
+from quiverd.kernel.bundle import Slot, TxnTag, encode_ipc_stream, read_ipc_stream
+from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import AtCapacity, ProtocolError, ShuttingDown, Unauthorized
+from quiverd.protocol import codec as p
 
 MAX_FRAME = p.max_frame_bytes(1 << 20)
 TXN = TxnTag(job_id="job-é", partition=3, attempt=1, row_offset=1000)

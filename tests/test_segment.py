@@ -1,4 +1,4 @@
-"""Segment files (quiverd.segment, segment_reader, dictionaries): layout, round trips, damage."""
+"""Segment files (quiverd.segments: format, reader, dictionaries): layout, round trips, damage."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quiverd.bundle import Bundle, Slot, TxnTag, fingerprint, read_ipc_stream
-from quiverd.crc import crc32c
-from quiverd.errors import CorruptRecord, FormatMismatch
-from quiverd.segment import OpenSegment, encode_segment, write_segment
-from quiverd.segment_reader import SegmentReader, describe_segment, verify_segment
-from quiverd.segment_schema import to_representative
+from quiverd.kernel.bundle import Bundle, Slot, TxnTag, fingerprint, read_ipc_stream
+from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import CorruptRecord, FormatMismatch
+from quiverd.segments.format import OpenSegment, encode_segment, write_segment
+from quiverd.segments.reader import SegmentReader, describe_segment, verify_segment
+from quiverd.segments.schema import to_representative
 
 
 def slot_of(slot: int, table: pa.Table) -> Slot:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from quiverd.segment_schema import INCOMPATIBLE, promote, representative_schema, to_representative
+from quiverd.segments.schema import INCOMPATIBLE, promote, representative_schema, to_representative
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,11 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quiverd import ackformat as fmt
-from quiverd.acklog import AckLogFile, compact, replay_ack_log
-from quiverd.errors import AtCapacity
-from quiverd.registry import InvalidSubscriberName, SubscriberExists, UnknownSubscriber
-from quiverd.subscriptions import AckState, UnknownBundle
+from quiverd.acks import format as fmt
+from quiverd.acks.log import AckLogFile, compact, replay_ack_log
+from quiverd.acks.registry import InvalidSubscriberName, SubscriberExists, UnknownSubscriber
+from quiverd.acks.state import AckState, UnknownBundle
+from quiverd.kernel.errors import AtCapacity
 
 LOG = structlog.get_logger("test")
 

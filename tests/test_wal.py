@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from quiverd import walformat
-from quiverd.bundle import MetaCodec, make_slot
-from quiverd.wal import ACTIVE, WalFiles
-from quiverd.walreplay import replay_wal
+from quiverd.kernel.bundle import MetaCodec, make_slot
+from quiverd.wal import format as walformat
+from quiverd.wal.files import ACTIVE, WalFiles
+from quiverd.wal.replay import replay_wal
 
 HASH = walformat.DEFAULT_CFG_HASH
 MAX_ENTRY = 1 << 20

@@ -10,10 +10,10 @@ import struct
 
 import pytest
 
-from quiverd import walformat as wf
-from quiverd.bundle import META_PAYLOAD_TYPE, META_SLOT, Slot
-from quiverd.crc import crc32c
-from quiverd.errors import CorruptRecord, FormatMismatch
+from quiverd.kernel.bundle import META_PAYLOAD_TYPE, META_SLOT, Slot
+from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import CorruptRecord, FormatMismatch
+from quiverd.wal import format as wf
 
 HASH = bytes(range(16))
 FP_A = b"\xaa" * 32

@@ -9,11 +9,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from quiverd import waldump
-from quiverd import walformat as wf
-from quiverd import walreplay as wr
-from quiverd.bundle import MetaCodec, Slot, make_slot
-from quiverd.errors import CorruptRecord, FormatMismatch
+from quiverd.kernel.bundle import MetaCodec, Slot, make_slot
+from quiverd.kernel.errors import CorruptRecord, FormatMismatch
+from quiverd.wal import dump as waldump
+from quiverd.wal import format as wf
+from quiverd.wal import replay as wr
 
 MAX = 1 << 20
 FP = b"\x11" * 32
@@ -364,7 +364,7 @@ def test_replay_resyncs_after_block_aligned_hole_when_sidecar_lost(tmp_path: Pat
 
 
 def _punchable(directory: Path) -> bool:
-    from quiverd.wal import probe_punch_hole
+    from quiverd.wal.files import probe_punch_hole
 
     return probe_punch_hole(directory)
 
@@ -372,7 +372,7 @@ def _punchable(directory: Path) -> bool:
 def test_dump_wal_punched_prefix_with_sidecar_lists_only_live_entries(tmp_path: Path) -> None:
     import os
 
-    from quiverd.wal import BLOCK, punch_hole
+    from quiverd.wal.files import BLOCK, punch_hole
 
     if not _punchable(tmp_path):
         pytest.skip("filesystem cannot punch holes")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from quiverd.segment_reader import SegmentReader
+from quiverd.segments.reader import SegmentReader
 
 
 def tagged_table(tag: int, rows: int = 100, text_bytes: int = 8) -> pa.Table:

@@ -11,9 +11,9 @@ import sys
 import pyarrow as pa
 import pytest
 
-from quiverd import protocol
 from quiverd.client import Client
-from quiverd.protocol_frames import ErrorCode
+from quiverd.protocol import codec as protocol
+from quiverd.protocol.frames import ErrorCode
 from tests.daemon.helpers import stored_bundles, tagged_table
 
 
@@ -45,7 +45,7 @@ def test_one_clients_order_is_kept_on_one_shard(daemon_factory):
 
 
 def test_multi_slot_bundle_and_txn_tag_survive_restart(daemon_factory):
-    from quiverd.bundle import TxnTag
+    from quiverd.kernel.bundle import TxnTag
 
     d = daemon_factory({"segment.max_open_duration_ms": 60_000}).start()
     tag = TxnTag(job_id="job-1", partition=3, attempt=1, row_offset=200)
@@ -149,7 +149,7 @@ def test_bad_input_gets_an_error_frame_and_others_are_unaffected(daemon_factory,
 
 
 def _ipc(table: pa.Table) -> bytes:
-    from quiverd.bundle import encode_ipc_stream
+    from quiverd.kernel.bundle import encode_ipc_stream
 
     return encode_ipc_stream(table)
 

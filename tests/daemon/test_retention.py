@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from quiverd.client import Client
-from quiverd.errors import AtCapacity, ShuttingDown
+from quiverd.kernel.errors import AtCapacity, ShuttingDown
 from tests.daemon.helpers import tagged_table
 from tests.daemon.test_subscribers import add, announced, consume, produce, wait_for
 

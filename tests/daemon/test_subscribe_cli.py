@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from quiverd.client import Client, TxnTag
+from quiverd.client.producer import Client, TxnTag
 from tests.daemon.helpers import tagged_table
 
 FAST = {"segment.max_open_duration_ms": 100}

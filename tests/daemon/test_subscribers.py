@@ -11,8 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
-from quiverd.admin import request
 from quiverd.client import Client, subscribe
+from quiverd.net.admin import request
 from tests.daemon.helpers import tagged_table
 
 FAST = {"shards": 1, "segment.max_open_duration_ms": 50}
@@ -236,7 +236,7 @@ def test_durable_ack_is_not_delivered_again_after_restart(daemon_factory):
 
 
 def test_removing_an_attached_subscriber_ends_its_connection_with_an_error(daemon_factory):
-    from quiverd.errors import ProtocolError
+    from quiverd.kernel.errors import ProtocolError
 
     d = daemon_factory(FAST).start()
     add(d, "gone")
@@ -262,7 +262,7 @@ def test_removing_an_attached_subscriber_ends_its_connection_with_an_error(daemo
 
 def test_window_shared_across_shards_never_stalls_delivery(daemon_factory):
     """Window 1 with a backlog on both shards: an ack on one shard must wake the other."""
-    from quiverd.ingest import shard_of
+    from quiverd.net.ingest import shard_of
 
     d = daemon_factory({"shards": 2, "segment.max_open_duration_ms": 50}).start()
     add(d, "w")

@@ -1,0 +1,225 @@
+"""ack.log on disk: replay with torn-tail repair, the appender, and compaction.
+
+Layout is in ``quiverd.acks.format``. Every function here blocks: call it from a worker
+thread (``anyio.to_thread.run_sync``), one hop per batch.
+
+Life of the file, as the ack_logger actor drives it::
+
+    startup   scan_ack_log()      replay, cutting a torn tail into quarantine/
+              compact()           rewrite as one CHECKPOINT (atomic_write)
+              AckLogFile.open()
+    running   append(records) -> sync() -> AckState.apply(each record)
+              when should_compact(threshold): AckLogFile.compact(state)
+
+Replay bound: the file is one CHECKPOINT followed by records appended since, and the
+ack_logger compacts as soon as those exceed ``compact_threshold_bytes``. Replay
+therefore reads at most ``checkpoint_len + compact_threshold_bytes + one batch``
+bytes, whatever the daemon's uptime. ``ScanReport.records_since_checkpoint`` counts
+what replay had to apply beyond the checkpoint so tests and metrics can check it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from quiverd.acks import format as fmt
+from quiverd.acks.state import AckState
+from quiverd.kernel.durable import atomic_write, write_all
+from quiverd.kernel.errors import CorruptRecord
+
+READ_CHUNK_BYTES = 1024 * 1024
+
+
+class ScanReport(msgspec.Struct, kw_only=True):
+    state: AckState
+    valid_end: int  # file size after repair: where appends continue
+    records_since_checkpoint: int = 0
+    corrupt_records: int = 0  # CRC-damaged records skipped (their successor was valid)
+    truncated_bytes: int = 0  # torn tail cut into quarantine
+    unknown_records: int = 0  # types from a newer build, skipped by length
+
+
+def replay_ack_log(path: str | os.PathLike[str], quarantine_dir: str | os.PathLike[str], *,
+                   log: Any, max_record_len: int = fmt.DEFAULT_MAX_RECORD_LEN,
+                   state: AckState | None = None) -> AckState:
+    """Rebuild the shard's AckState from ack.log (an absent file is an empty state)."""
+    return scan_ack_log(path, quarantine_dir, log=log, max_record_len=max_record_len,
+                        state=state).state
+
+
+def scan_ack_log(path: str | os.PathLike[str], quarantine_dir: str | os.PathLike[str], *,
+                 log: Any, max_record_len: int = fmt.DEFAULT_MAX_RECORD_LEN,
+                 state: AckState | None = None) -> ScanReport:
+    """Replay like ``replay_ack_log`` and report what was repaired.
+
+    A partial record at the tail (or a length no writer produces) is a torn tail: its
+    bytes are copied to ``quarantine_dir`` and the file is truncated to the last good
+    record. A complete record with a bad CRC is skipped and quarantined when the record
+    after it validates; otherwise it, too, starts the torn tail.
+    """
+    path = Path(path)
+    report = ScanReport(state=state if state is not None else AckState(), valid_end=0)
+    if not path.exists():
+        return report
+    with open(path, "rb") as f:
+        fmt.decode_header(f.read(fmt.HEADER_LEN), path=str(path))
+        decoder = fmt.FrameDecoder(offset=fmt.HEADER_LEN, max_record_len=max_record_len)
+        good_end, suspect = fmt.HEADER_LEN, None
+        while True:
+            item = decoder.next()
+            if item is None:
+                chunk = f.read(READ_CHUNK_BYTES)
+                if chunk:
+                    decoder.feed(chunk)
+                    continue
+                break  # EOF: whatever is still buffered is a partial record
+            if isinstance(item, fmt.BadLength):
+                break
+            if not item.crc_ok:
+                if suspect is not None:
+                    break  # two bad records in a row: no valid successor, torn tail
+                suspect = item
+                continue
+            if suspect is not None:
+                _quarantine(path, quarantine_dir, suspect.offset, suspect.end, "bad_crc", log)
+                report.corrupt_records += 1
+                suspect = None
+            _apply_frame(path, item, report)
+            good_end = item.end
+    size = path.stat().st_size
+    if good_end < size:
+        _cut_tail(path, quarantine_dir, good_end, size, log)
+        report.truncated_bytes = size - good_end
+    report.valid_end = good_end
+    log.info("ack_log_replayed", path=str(path), bytes=good_end,
+             records_since_checkpoint=report.records_since_checkpoint,
+             corrupt_records=report.corrupt_records, truncated_bytes=report.truncated_bytes)
+    return report
+
+
+def _apply_frame(path: Path, frame: fmt.Frame, report: ScanReport) -> None:
+    try:
+        record = fmt.decode_record(frame.record_type, frame.body)
+        if record is None:
+            report.unknown_records += 1
+            return
+        report.state.apply(record)
+    except ValueError as exc:
+        # The CRC matched, so these bytes are what a writer meant: a bug, not a torn write.
+        raise CorruptRecord(str(path), frame.offset, f"record does not apply: {exc}") from exc
+    if isinstance(record, fmt.Checkpoint):
+        report.records_since_checkpoint = 0
+    else:
+        report.records_since_checkpoint += 1
+
+
+def _quarantine(path: Path, quarantine_dir: str | os.PathLike[str], start: int, end: int,
+                kind: str, log: Any) -> None:
+    """Copy ``path[start:end]`` durably into quarantine before anything is cut or skipped."""
+    qdir = Path(quarantine_dir)
+    qdir.mkdir(parents=True, exist_ok=True)
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    # The timestamp keeps two repairs at the same offset (two crashes) from colliding.
+    target = qdir / f"{path.name}.{start:016d}.{kind}.{time.time_ns()}"
+    atomic_write(target, data)
+    log.warning("ack_log_quarantined", path=str(path), offset=start, bytes=len(data),
+                kind=kind, to=str(target))
+
+
+def _cut_tail(path: Path, quarantine_dir: str | os.PathLike[str], good_end: int, size: int,
+              log: Any) -> None:
+    _quarantine(path, quarantine_dir, good_end, size, "torn_tail", log)
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.ftruncate(fd, good_end)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    log.warning("ack_log_truncated", path=str(path), offset=good_end, bytes=size - good_end)
+
+
+def compact(path: str | os.PathLike[str], state: AckState) -> int:
+    """Atomically replace ack.log with its header and one CHECKPOINT; returns the new size.
+
+    ``state`` must include every record in the current file (everything appended has
+    been synced and applied), or those records are lost with the old file.
+    """
+    data = fmt.encode_header() + fmt.encode(state.checkpoint_record())
+    return atomic_write(path, data)
+
+
+class AckLogFile:
+    """Appender for ack.log. Not thread-safe: one worker hop at a time."""
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self.path = path
+        self._fd = fd
+        self._size = size
+        self._base_size = size  # size right after open/compaction
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> AckLogFile:
+        """Open for appending, creating the file (atomically, header only) if absent.
+
+        Call after replay, which has already cut any torn tail.
+        """
+        path = Path(path)
+        if not path.exists():
+            atomic_write(path, fmt.encode_header())
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        return cls(path, fd, os.fstat(fd).st_size)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def bytes_since_compaction(self) -> int:
+        return self._size - self._base_size
+
+    def should_compact(self, threshold_bytes: int) -> bool:
+        return self.bytes_since_compaction >= threshold_bytes
+
+    def append(self, records: list[bytes]) -> int:
+        """Write encoded records (not yet durable: call ``sync``); returns bytes written."""
+        n = write_all(self._fd, records)
+        self._size += n
+        return n
+
+    def sync(self) -> None:
+        """fdatasync. An OSError propagates: the caller must treat it as fatal for the
+        shard (DurabilityLost), because after a failed fsync the page cache may already
+        have dropped the dirty pages and a retry could falsely succeed."""
+        os.fdatasync(self._fd)
+
+    def compact(self, state: AckState) -> int:
+        """Rewrite the file as one checkpoint and reopen it; returns the new size."""
+        os.close(self._fd)
+        try:
+            size = compact(self.path, state)
+        finally:
+            # The rename swapped inodes, or (on failure) the old file is intact:
+            # either way appends must go to whatever ack.log now is.
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._size = os.fstat(self._fd).st_size
+        self._base_size = self._size
+        return size
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> AckLogFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,1 @@
+"""The ``quiverd`` command line: serve, send, subscribe, status, wal/segment dumps, fsck."""

@@ -1,0 +1,294 @@
+"""The ``quiverd`` command line: daemon, producer tool and admin commands.
+
+    quiverd serve --config PATH            run the daemon
+    quiverd check-config PATH              validate a config file
+    quiverd send --socket S --client C FILE...   send Arrow IPC / Parquet files
+    quiverd status [--json]                daemon, per-shard counters (admin socket)
+    quiverd wal dump PATH [--json]         every WAL entry, with CRC ok/bad
+    quiverd segments list [--json]         finalized segments (admin socket)
+    quiverd segment dump FILE [--json]     one segment's directory, manifest, schemas
+    quiverd subscribers add NAME [--from earliest|latest]   register a subscriber
+    quiverd subscribers remove NAME        unregister (releases its hold on segments)
+    quiverd subscribers list [--json]      subscribers and their lag (admin socket)
+    quiverd subscribe NAME (--out DIR | --count N)   console consumer (ingest socket)
+    quiverd fsck DATA_DIR [--repair]       verify WAL, sidecars, segments
+
+Errors print the message and a ``hint:`` line; the exit code is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from quiverd.kernel import config as config_mod
+from quiverd.kernel.errors import QuiverError
+
+DEFAULT_CONFIG = "/etc/quiverd/config.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except QuiverError as exc:
+        print(f"quiverd: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 1
+    except ConnectionError as exc:
+        print(f"quiverd: connection to the daemon lost: {exc}", file=sys.stderr)
+        print("hint: check the daemon's log; acknowledged bundles are durable", file=sys.stderr)
+        return 1
+    except FileNotFoundError as exc:
+        print(f"quiverd: {exc.strerror}: {exc.filename or ''}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quiverd", description="A durable Arrow buffer daemon.")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--config", default=DEFAULT_CONFIG)
+    s.set_defaults(func=_serve)
+
+    s = sub.add_parser("check-config", help="validate a config file")
+    s.add_argument("path")
+    s.set_defaults(func=_check_config)
+
+    s = sub.add_parser("send", help="send Arrow IPC or Parquet files, one bundle per batch")
+    s.add_argument("--socket", required=True)
+    s.add_argument("--client", required=True)
+    s.add_argument("--json", action="store_true", help="print each ack as a JSON line")
+    s.add_argument("files", nargs="+")
+    s.set_defaults(func=_send)
+
+    for name, fn, text in (("status", _status, "daemon and per-shard counters"),):
+        s = sub.add_parser(name, help=text)
+        _admin_args(s)
+        s.set_defaults(func=fn)
+
+    wal = sub.add_parser("wal", help="WAL tools").add_subparsers(metavar="WAL_COMMAND")
+    s = wal.add_parser("dump", help="print the header and every entry of a WAL file")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_wal_dump)
+
+    segs = sub.add_parser("segments", help="segment listing").add_subparsers(metavar="CMD")
+    s = segs.add_parser("list", help="finalized segments of the running daemon")
+    _admin_args(s)
+    s.set_defaults(func=_segments_list)
+
+    seg = sub.add_parser("segment", help="segment file tools").add_subparsers(metavar="CMD")
+    s = seg.add_parser("dump", help="directory, manifest, statistics, representative schemas")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_segment_dump)
+
+    subs = sub.add_parser("subscribers", help="register, remove and list subscribers"
+                          ).add_subparsers(metavar="CMD")
+    s = subs.add_parser("add", help="register a subscriber on every shard")
+    s.add_argument("name", metavar="NAME", help="[a-z0-9_-]{1,64}")
+    s.add_argument("--from", dest="start", choices=("earliest", "latest"), default="earliest",
+                   help="earliest: everything retained; latest: only segments finalized later")
+    _admin_args(s)
+    s.set_defaults(func=_subscribers_add)
+    s = subs.add_parser("remove", help="unregister a subscriber; its segments may be deleted")
+    s.add_argument("name", metavar="NAME")
+    _admin_args(s)
+    s.set_defaults(func=_subscribers_remove)
+    s = subs.add_parser("list", help="registered subscribers and how far behind they are")
+    _admin_args(s)
+    s.set_defaults(func=_subscribers_list)
+
+    s = sub.add_parser("subscribe", help="consume as a subscriber: write files or print bundles")
+    s.add_argument("name", metavar="NAME", help="a registered subscriber")
+    mode = s.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--out", metavar="DIR",
+                      help="write <shard>-<segment_seq>-<bundle_index>.slot<k>.arrow files, "
+                      "ack each bundle once its files are durable")
+    mode.add_argument("--count", metavar="N", type=_positive_int,
+                      help="ack and print N bundles, then stop")
+    s.add_argument("--json", action="store_true", help="one JSON line per bundle")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("--socket", default=None, help="ingest socket path")
+    where.add_argument("--config", default=None, help="config whose ingest socket to use")
+    s.add_argument("--window", type=_positive_int, default=64,
+                   help="bundles delivered but not yet acked (default 64, at most 4096)")
+    s.add_argument("--timeout", metavar="SECONDS", type=_positive_float, default=None,
+                   help="stop after this long without a delivery "
+                   "(default: never with --out, 10 with --count)")
+    s.set_defaults(func=_subscribe)
+
+    s = sub.add_parser("fsck", help="verify WAL, sidecars and every segment")
+    s.add_argument("data_dir")
+    s.add_argument("--repair", action="store_true", help="move damaged files to quarantine/")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_fsck)
+    return p
+
+
+def _admin_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--config", default=None, help="config whose admin socket to use")
+    s.add_argument("--socket", default=None, help="admin socket path (overrides --config)")
+    s.add_argument("--json", action="store_true")
+
+
+def _admin_socket(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    return config_mod.load(args.config or DEFAULT_CONFIG).admin_socket
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    return value
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from quiverd.runtime.daemon import serve
+
+    return serve(config_mod.load(args.config))
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.path)
+    print(f"{args.path}: ok ({cfg.shard_count} shards, data_dir {cfg.data_dir})")
+    return 0
+
+
+def _send(args: argparse.Namespace) -> int:
+    from quiverd.cli.send import send_files_cli
+
+    return send_files_cli(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from quiverd.net.admin import request
+
+    result = request(_admin_socket(args), "status")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"quiverd pid {result['pid']}  data_dir {result['data_dir']}  "
+          f"connections {result['connections']}  stopping {result['stopping']}")
+    cols = ["shard", "wal_bytes", "wal_files", "last_sequence", "fsyncs", "acks", "in_flight",
+            "open_bundles", "segments"]
+    _table(cols, result["shards"])
+    return 0
+
+
+def _segments_list(args: argparse.Namespace) -> int:
+    from quiverd.net.admin import request
+
+    rows = request(_admin_socket(args), "segments")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    _table(["shard", "segment_seq", "bundles", "bytes", "min_ts_ns", "max_ts_ns"], rows)
+    return 0
+
+
+def _subscribers_add(args: argparse.Namespace) -> int:
+    from quiverd.net.admin import request
+
+    result = request(_admin_socket(args), "subscribers.add",
+                     {"name": args.name, "start": args.start})
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"subscriber {args.name!r} added from {args.start} on {_shards(result)}")
+    return 0
+
+
+def _subscribers_remove(args: argparse.Namespace) -> int:
+    from quiverd.net.admin import request
+
+    result = request(_admin_socket(args), "subscribers.remove", {"name": args.name})
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"subscriber {args.name!r} removed on {_shards(result)}")
+    return 0
+
+
+def _shards(result: dict[str, Any]) -> str:
+    n = int(result["shards"])
+    return f"{n} shard" if n == 1 else f"{n} shards"
+
+
+def _subscribers_list(args: argparse.Namespace) -> int:
+    from quiverd.net.admin import request
+
+    rows = request(_admin_socket(args), "subscribers.list")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    _table(["name", "lag_segments", "lag_bundles", "lag_bytes", "dropped_bundles"], rows)
+    if not rows:
+        print("(no subscribers; add one with `quiverd subscribers add NAME`)")
+    return 0
+
+
+def _subscribe(args: argparse.Namespace) -> int:
+    from quiverd.cli.subscribe import subscribe_cli
+
+    return subscribe_cli(args, DEFAULT_CONFIG)
+
+
+def _wal_dump(args: argparse.Namespace) -> int:
+    from quiverd.wal.dump import dump_wal
+
+    bad = 0
+    for row in dump_wal(Path(args.path)):
+        bad += row.get("crc") == "bad" or row.get("kind") in ("torn_tail", "error", "skipped")
+        if args.json:
+            print(json.dumps(row, default=str))
+        else:
+            print("  ".join(f"{k}={v}" for k, v in row.items()))
+    return 1 if bad else 0
+
+
+def _segment_dump(args: argparse.Namespace) -> int:
+    from quiverd.segments.reader import describe_segment
+
+    info = describe_segment(Path(args.path))
+    print(json.dumps(info, indent=None if args.json else 2, default=str))
+    return 0
+
+
+def _fsck(args: argparse.Namespace) -> int:
+    from quiverd.cli.fsck import run_fsck
+
+    return run_fsck(Path(args.data_dir), repair=args.repair, as_json=args.json)
+
+
+def _table(cols: list[str], rows: list[dict[str, Any]]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c)
+              for c in cols]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(cols, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

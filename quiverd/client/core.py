@@ -1,0 +1,198 @@
+"""What quiverd's two producer clients share: request bookkeeping and encoding.
+
+``Requests`` is sans-IO: it hands out request ids, consumes ACK/ERROR messages
+and records one outcome per request, so ``client.AsyncClient`` and
+``client.Client`` differ only in how they wait. Also here: turning tables into
+BUNDLE frames and reading Arrow/Parquet files batch by batch for ``quiverd send``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Collection, Iterator
+from os import PathLike
+from pathlib import Path
+from typing import TypeAlias
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from quiverd.kernel.bundle import USER_SLOTS, TxnTag, encode_ipc_stream
+from quiverd.kernel.errors import ProtocolError
+from quiverd.protocol.codec import (
+    CLOSES_CONNECTION,
+    Ack,
+    Error,
+    ErrorCode,
+    HelloOk,
+    Message,
+    encode_bundle,
+    exception_for,
+)
+from quiverd.protocol.frames import MAX_REQUEST_ID
+
+Buffer = bytes | bytearray | memoryview
+Data: TypeAlias = "pa.Table | pa.RecordBatch"
+SendData: TypeAlias = "Data | dict[int, Data]"
+# send_many items: data for slot 0 or a slot dict, optionally paired with a txn tag.
+SendItem: TypeAlias = "SendData | tuple[SendData, TxnTag | None]"
+StrPath: TypeAlias = "str | PathLike[str]"
+Outcome: TypeAlias = "Ack | BaseException"
+
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024  # NOTES: 4 MiB buffers nearly double Unix socket GB/s
+
+
+class Requests:
+    """Request ids in flight and their outcomes (an Ack or the exception to raise)."""
+
+    def __init__(self) -> None:
+        self._next_id = 1
+        self._inflight: set[int] = set()
+        self._outcomes: dict[int, Outcome] = {}
+        self._forgotten: set[int] = set()  # waiter gone: drop the outcome when it comes
+        self.broken: BaseException | None = None  # set once the connection is unusable
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+
+    def next_id(self) -> int:
+        request_id = self._next_id
+        self._next_id = request_id % MAX_REQUEST_ID + 1  # 0 is reserved: wrap to 1
+        return request_id
+
+    def start(self, request_id: int) -> None:
+        """``request_id`` is about to be sent; its answer will be expected."""
+        self.check_usable()
+        self._inflight.add(request_id)
+
+    def is_done(self, request_id: int) -> bool:
+        return request_id in self._outcomes
+
+    def failed_since(self, request_ids: Collection[int]) -> bool:
+        """Did any of ``request_ids`` fail, or the connection break?"""
+        if self.broken is not None:
+            return True
+        return any(isinstance(self._outcomes.get(r), BaseException) for r in request_ids)
+
+    def take(self, request_id: int) -> Ack:
+        """The request's Ack, or raise its error (it must be done)."""
+        outcome = self._outcomes.pop(request_id)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def forget(self, request_id: int) -> None:
+        """Nobody will ``take`` this request's outcome."""
+        if self._outcomes.pop(request_id, None) is None and request_id in self._inflight:
+            self._forgotten.add(request_id)
+
+    def on_message(self, msg: Message) -> list[int]:
+        """Record a server frame; returns the request ids it resolved."""
+        if isinstance(msg, Ack):
+            return self._resolve(msg.request_id, msg)
+        if isinstance(msg, Error) and msg.request_id == 0:
+            return self.fail(exception_for(msg))
+        if isinstance(msg, Error):
+            if msg.code in CLOSES_CONNECTION:
+                # The server hangs up after this one: later sends would only fail.
+                self.broken = ConnectionError(f"quiverd closed the connection: {msg.message}")
+            return self._resolve(msg.request_id, exception_for(msg))
+        bad = ProtocolError(ErrorCode.MALFORMED, f"unexpected {type(msg).__name__} from server")
+        return self.fail(bad)
+
+    def fail(self, exc: BaseException) -> list[int]:
+        """The connection is unusable: every request in flight fails with ``exc``."""
+        if self.broken is None:
+            self.broken = exc
+        resolved = list(self._inflight)
+        for request_id in resolved:
+            self._store(request_id, exc)
+        self._inflight.clear()
+        return resolved
+
+    def _resolve(self, request_id: int, outcome: Outcome) -> list[int]:
+        if request_id not in self._inflight:
+            bad = ProtocolError(
+                ErrorCode.MALFORMED, f"server answered request {request_id}, which is not in flight"
+            )
+            return self.fail(bad)
+        self._inflight.discard(request_id)
+        self._store(request_id, outcome)
+        return [request_id]
+
+    def _store(self, request_id: int, outcome: Outcome) -> None:
+        if request_id in self._forgotten:
+            self._forgotten.discard(request_id)
+        else:
+            self._outcomes[request_id] = outcome
+
+
+def encode_request(
+    request_id: int, data: SendData, client: str, txn: TxnTag | None, server: HelloOk
+) -> list[Buffer]:
+    """A BUNDLE frame for ``data`` (a table/batch goes to slot 0)."""
+    tables = {0: data} if isinstance(data, pa.Table | pa.RecordBatch) else data
+    if not tables:
+        raise ValueError("a bundle needs at least one slot")
+    for slot in tables:
+        if not 0 <= slot < USER_SLOTS:
+            raise ValueError(
+                f"slot {slot} outside 0..{USER_SLOTS - 1} (slot {USER_SLOTS} holds bundle metadata)"
+            )
+    payloads = {slot: encode_ipc_stream(t) for slot, t in tables.items()}
+    size = sum(len(p) for p in payloads.values())
+    if size > server.max_bundle_bytes:
+        # Refused here so the server never has to cut the connection over it.
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"bundle of {size} payload bytes exceeds the server's max_bundle_bytes "
+            f"{server.max_bundle_bytes}; send smaller batches",
+        )
+    rows = {slot: t.num_rows for slot, t in tables.items()}
+    return encode_bundle(request_id, client, payloads, rows, txn)
+
+
+def split_item(item: SendItem) -> tuple[SendData, TxnTag | None]:
+    if isinstance(item, tuple):
+        return item
+    return item, None
+
+
+def handshake_result(messages: list[Message]) -> HelloOk:
+    """The server's first answer: HELLO_OK, or an ERROR raised as its exception."""
+    first = messages[0]
+    if isinstance(first, Error):
+        raise exception_for(first)
+    if not isinstance(first, HelloOk) or len(messages) > 1:
+        raise ProtocolError(ErrorCode.MALFORMED, f"expected HELLO_OK, got {type(first).__name__}")
+    return first
+
+
+def tune_socket(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+def iter_file_batches(path: StrPath) -> Iterator[pa.RecordBatch]:
+    """Record batches of an Arrow IPC file, IPC stream or Parquet file (blocking I/O).
+
+    The format is told by the magic bytes, not the file name.
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        magic = f.read(6)
+    try:
+        if magic[:4] == b"PAR1":
+            yield from pq.ParquetFile(path).iter_batches()
+            return
+        with pa.memory_map(str(path)) as source:
+            if magic == b"ARROW1":
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
+            else:
+                with pa.ipc.open_stream(source) as stream:
+                    yield from stream
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"{path}: not a readable Arrow IPC or Parquet file: {exc}") from None

@@ -1,0 +1,348 @@
+"""Producer clients for quiverd's Unix socket: ``AsyncClient`` (anyio) and ``Client``.
+
+Both speak protocol v1 (``quiverd.protocol``): HELLO, then BUNDLE frames pipelined
+up to the server's ``max_inflight``; each bundle is answered by an ACK (durable)
+or an ERROR, matched by request id. ERROR frames become quiverd.kernel.errors
+exceptions (``AtCapacity``, ``ShuttingDown``, ``Unauthorized``, else
+``ProtocolError`` with ``.code``); a lost connection is ``ConnectionError``.
+
+    async with await AsyncClient.connect(path) as c:
+        ack = await c.send(table, client="web")
+    with Client.connect(path) as c:
+        acks = c.send_many(batches, client="web")
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Self, cast
+
+import anyio
+import anyio.abc
+import msgspec
+
+from quiverd.client.core import (
+    Buffer,
+    Requests,
+    SendData,
+    SendItem,
+    StrPath,
+    encode_request,
+    handshake_result,
+    iter_file_batches,
+    split_item,
+    tune_socket,
+)
+from quiverd.kernel.bundle import TxnTag
+from quiverd.kernel.errors import ProtocolError
+from quiverd.protocol.codec import SMALL_FRAME_MAX, Ack, FrameDecoder, HelloOk, Role, encode_hello
+
+__all__ = [
+    "Ack", "AsyncClient", "Client", "FileProgress", "SendData", "SendItem",
+    "iter_file_batches", "send_files",
+]
+
+_END = object()  # end of the items iterator
+RECV_BYTES = 64 * 1024  # server frames to producers are small acks and errors
+
+
+class AsyncClient:
+    """anyio producer client; use ``async with await AsyncClient.connect(path) as c``.
+
+    A background reader task (in a task group living inside ``async with``)
+    matches ACK/ERROR frames to request ids, so many coroutines may ``send`` at
+    once; at most ``server.max_inflight`` bundles are unacknowledged.
+    """
+
+    def __init__(self, stream: anyio.abc.SocketStream, hello_ok: HelloOk, decoder: FrameDecoder):
+        self.server = hello_ok
+        self._stream = stream
+        self._decoder = decoder
+        self._requests = Requests()
+        self._events: dict[int, anyio.Event] = {}
+        self._window = anyio.Semaphore(hello_ok.max_inflight)
+        self._send_lock = anyio.Lock()
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @classmethod
+    async def connect(cls, path: StrPath) -> AsyncClient:
+        stream = await anyio.connect_unix(path)
+        try:
+            tune_socket(stream.extra(anyio.abc.SocketAttribute.raw_socket))
+            await stream.send(encode_hello(Role.PRODUCER))
+            decoder = FrameDecoder(SMALL_FRAME_MAX, from_client=False)
+            while True:
+                messages = decoder.feed(await stream.receive(RECV_BYTES))
+                if messages:
+                    return cls(stream, handshake_result(messages), decoder)
+        except anyio.EndOfStream:
+            await anyio.aclose_forcefully(stream)
+            raise ConnectionError("quiverd closed the connection during the handshake") from None
+        except BaseException:
+            await anyio.aclose_forcefully(stream)
+            raise
+
+    async def __aenter__(self) -> Self:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._read_loop)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._tg is not None, "AsyncClient used outside `async with`"
+        try:
+            self._tg.cancel_scope.cancel()
+            return await self._tg.__aexit__(exc_type, exc, tb)
+        finally:
+            await self._stream.aclose()
+
+    async def send(self, data: SendData, *, client: str, txn: TxnTag | None = None) -> Ack:
+        """Send one bundle; returns once the server acked it durably."""
+        request_id = await self._submit(data, client, txn)
+        return await self._outcome(request_id)
+
+    async def send_many(self, items: Iterable[SendItem], *, client: str) -> list[Ack]:
+        """Pipeline bundles (up to max_inflight); acks in input order.
+
+        Sending stops at the first failure seen; that failure is raised once the
+        bundles already sent are answered.
+        """
+        sent: list[int] = []
+        for item in items:
+            if self._requests.failed_since(sent):
+                break
+            data, txn = split_item(item)
+            sent.append(await self._submit(data, client, txn))
+        return [await self._outcome(request_id) for request_id in sent]
+
+    async def _submit(self, data: SendData, client: str, txn: TxnTag | None) -> int:
+        if self._tg is None:
+            raise RuntimeError("use `async with await AsyncClient.connect(path) as c:`")
+        # Encoding is CPU work at memcpy speed, done before waiting for a window slot.
+        self._requests.check_usable()
+        request_id = self._requests.next_id()
+        parts = encode_request(request_id, data, client, txn, self.server)
+        await self._window.acquire()
+        try:
+            self._requests.start(request_id)
+        except BaseException:
+            self._window.release()
+            raise
+        self._events[request_id] = anyio.Event()
+        async with self._send_lock:
+            try:
+                for part in parts:
+                    # anyio's socket streams send any buffer (they wrap it in a
+                    # memoryview); the annotation just says bytes.
+                    await self._stream.send(cast(bytes, part))
+            except BaseException as exc:
+                # A frame cut mid-way (cancelled or failed) leaves the stream unusable.
+                self._resolve(self._requests.fail(ConnectionError(f"send failed: {exc!r}")))
+                raise
+        return request_id
+
+    async def _outcome(self, request_id: int) -> Ack:
+        event = self._events.get(request_id)
+        try:
+            if event is not None:
+                await event.wait()
+        except BaseException:
+            self._requests.forget(request_id)
+            raise
+        return self._requests.take(request_id)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                data = await self._stream.receive(RECV_BYTES)
+                resolved: list[int] = []
+                for msg in self._decoder.feed(data):
+                    resolved += self._requests.on_message(msg)
+                self._resolve(resolved)
+        except anyio.EndOfStream:
+            self._resolve(self._requests.fail(ConnectionError("quiverd closed the connection")))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            self._resolve(self._requests.fail(ConnectionError(f"connection lost: {exc!r}")))
+        except ProtocolError as exc:
+            self._resolve(self._requests.fail(exc))
+
+    def _resolve(self, request_ids: list[int]) -> None:
+        for request_id in request_ids:
+            event = self._events.pop(request_id, None)
+            if event is not None:
+                event.set()
+                self._window.release()
+
+
+class Client:
+    """Blocking producer client over a plain socket; same API as ``AsyncClient``."""
+
+    def __init__(self, sock: socket.socket, hello_ok: HelloOk, decoder: FrameDecoder) -> None:
+        self.server = hello_ok
+        self._sock = sock
+        self._decoder = decoder
+        self._requests = Requests()
+        self._recv_buf = bytearray(RECV_BYTES)
+
+    @classmethod
+    def connect(cls, path: StrPath, *, timeout: float | None = None) -> Client:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            tune_socket(sock)
+            sock.connect(str(path))
+            sock.sendall(encode_hello(Role.PRODUCER))
+            decoder = FrameDecoder(SMALL_FRAME_MAX, from_client=False)
+            while True:
+                data = sock.recv(RECV_BYTES)
+                if not data:
+                    raise ConnectionError("quiverd closed the connection during the handshake")
+                messages = decoder.feed(data)
+                if messages:
+                    return cls(sock, handshake_result(messages), decoder)
+        except BaseException:
+            sock.close()
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def send(self, data: SendData, *, client: str, txn: TxnTag | None = None) -> Ack:
+        """Send one bundle; returns once the server acked it durably."""
+        return self.send_many([(data, txn)], client=client)[0]
+
+    def send_many(self, items: Iterable[SendItem], *, client: str) -> list[Ack]:
+        """Pipeline bundles (up to max_inflight); acks in input order."""
+        return list(self.iter_send(items, client=client))
+
+    def iter_send(self, items: Iterable[SendItem], *, client: str) -> Iterator[Ack]:
+        """Like ``send_many`` but yields each ack in input order as it arrives.
+
+        Sending stops at the first failure; the bundles already in flight are
+        drained (so the connection stays usable) and then the failure is raised.
+        """
+        order: deque[int] = deque()
+        source = iter(items)
+        more = True
+        try:
+            while True:
+                # A failure already seen stops sending; it is raised when its turn comes.
+                while more and len(order) < self.server.max_inflight:
+                    if self._requests.failed_since(order):
+                        break
+                    item = next(source, _END)
+                    if item is _END:
+                        more = False
+                        break
+                    order.append(self._submit(cast(SendItem, item), client))
+                while order and self._requests.is_done(order[0]):
+                    yield self._requests.take(order.popleft())
+                if order:
+                    self._receive()
+                elif not more:
+                    return
+                else:
+                    self._requests.check_usable()  # nothing in flight: raise a broken link
+        finally:
+            self._drain(order)
+
+    def _submit(self, item: SendItem, client: str) -> int:
+        data, txn = split_item(item)
+        request_id = self._requests.next_id()
+        parts = encode_request(request_id, data, client, txn, self.server)
+        self._requests.start(request_id)
+        try:
+            self._sendall(parts)
+        except BaseException as exc:
+            self._requests.fail(ConnectionError(f"send failed: {exc!r}"))
+            raise
+        return request_id
+
+    def _sendall(self, parts: list[Buffer]) -> None:
+        # sendmsg gathers the buffers in one syscall; payloads are never joined.
+        views = deque(memoryview(p).cast("B") for p in parts)
+        while views:
+            sent = self._sock.sendmsg(views)
+            while sent:
+                if sent >= len(views[0]):
+                    sent -= len(views.popleft())
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    def _receive(self) -> None:
+        try:
+            n = self._sock.recv_into(self._recv_buf)
+        except OSError as exc:
+            self._requests.fail(ConnectionError(f"connection lost: {exc!r}"))
+            return
+        if n == 0:
+            self._requests.fail(ConnectionError("quiverd closed the connection"))
+            return
+        try:
+            for msg in self._decoder.feed(memoryview(self._recv_buf)[:n]):
+                self._requests.on_message(msg)
+        except ProtocolError as exc:
+            self._requests.fail(exc)
+
+    def _drain(self, order: deque[int]) -> None:
+        # An abandoned iterator or an error must not leave answers unread on the wire.
+        while order and not self._requests.broken:
+            if not self._requests.is_done(order[0]):
+                self._receive()
+                continue
+            self._requests.forget(order.popleft())
+        for request_id in order:
+            self._requests.forget(request_id)
+
+
+class FileProgress(msgspec.Struct, frozen=True, kw_only=True):
+    """One acked record batch of ``send_files``."""
+
+    path: str
+    batch_index: int
+    rows: int
+    ack: Ack
+
+
+def send_files(
+    socket_path: StrPath,
+    paths: Iterable[StrPath],
+    *,
+    client: str,
+    progress: Callable[[FileProgress], None] | None = None,
+    timeout: float | None = None,
+) -> Iterator[Ack]:
+    """Send every record batch of ``paths`` as one bundle each; yields acks in order.
+
+    Files may be Arrow IPC (file or stream format) or Parquet. ``progress`` is
+    called once per acked batch (the CLI draws its progress line from it).
+    """
+    # (path, batch index, rows) of each batch in flight, oldest first; bounded
+    # by max_inflight because iter_send yields acks in input order.
+    sent: deque[tuple[str, int, int]] = deque()
+
+    def batches() -> Iterator[SendItem]:
+        for path in paths:
+            for index, batch in enumerate(iter_file_batches(path)):
+                sent.append((str(path), index, batch.num_rows))
+                yield batch
+
+    with Client.connect(socket_path, timeout=timeout) as conn:
+        for ack in conn.iter_send(batches(), client=client):
+            path, index, rows = sent.popleft()
+            if progress is not None:
+                progress(FileProgress(path=path, batch_index=index, rows=rows, ack=ack))
+            yield ack

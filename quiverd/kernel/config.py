@@ -1,0 +1,184 @@
+"""quiverd's configuration: one msgspec Struct tree decoded from TOML.
+
+Unknown keys are rejected and every error names its key path
+(``wal.flush_policy``), so a typo never silently falls back to a default.
+Names carry their unit (``flush_interval_ms``, ``max_size_bytes``).
+``config.toml`` at the repository root is the reference: every key, its unit,
+its default and why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from quiverd.kernel.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+SUBSCRIBER_NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
+# sun_path is 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+class IngestConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    socket_path: str = ""  # "" → <data_dir>/ingest.sock
+    socket_mode: int = 0o660
+    allowed_uids: list[int] = msgspec.field(default_factory=list)  # [] and [] → own uid only
+    allowed_gids: list[int] = msgspec.field(default_factory=list)
+    max_bundle_bytes: int = 64 * MiB
+    max_inflight_per_connection: int = 16
+    max_connections: int = 256
+
+
+class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    socket_path: str = ""  # "" → <data_dir>/admin.sock (always mode 0600)
+
+
+class WalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    flush_policy: Literal["interval", "always", "never"] = "interval"
+    flush_interval_ms: int = 25
+    flush_bytes: int = 1 * MiB
+    max_size_bytes: int = 1 * GiB
+    max_chunks: int = 10
+    max_entry_bytes: int = 72 * MiB
+    at_capacity: Literal["wait", "reject"] = "wait"
+
+
+class SegmentConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    target_size_bytes: int = 32 * MiB
+    max_open_duration_ms: int = 1000
+    max_streams: int = 256
+    max_dictionary_cardinality: int = 1 << 20
+
+
+class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    size_cap_bytes: int = 0  # 0 = no cap
+    size_cap_policy: Literal["backpressure", "drop_oldest"] = "backpressure"
+    max_age_s: int = 0  # 0 = keep until acked
+
+
+class SubscriberEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    name: str
+    start: Literal["earliest", "latest"] = "earliest"
+
+
+class LogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    format: Literal["auto", "json", "console"] = "auto"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    data_dir: str = "/var/lib/quiverd"
+    shards: int = 0  # 0 → number of cores
+    shutdown_timeout_ms: int = 10_000
+    ingest: IngestConfig = msgspec.field(default_factory=IngestConfig)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    wal: WalConfig = msgspec.field(default_factory=WalConfig)
+    segment: SegmentConfig = msgspec.field(default_factory=SegmentConfig)
+    retention: RetentionConfig = msgspec.field(default_factory=RetentionConfig)
+    subscribers: list[SubscriberEntry] = msgspec.field(default_factory=list)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+    @property
+    def shard_count(self) -> int:
+        return self.shards or (os.cpu_count() or 1)
+
+    @property
+    def ingest_socket(self) -> Path:
+        return Path(self.ingest.socket_path or os.path.join(self.data_dir, "ingest.sock"))
+
+    @property
+    def admin_socket(self) -> Path:
+        return Path(self.admin.socket_path or os.path.join(self.data_dir, "admin.sock"))
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read, decode and validate a TOML config file."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read config {path}: {exc.strerror}") from exc
+    return loads(raw.decode("utf-8", errors="replace"), source=str(path))
+
+
+def loads(text: str, *, source: str = "<string>") -> Config:
+    """Decode and validate TOML text; errors name the key path."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"{source} is not valid TOML: {exc}") from exc
+    try:
+        cfg = msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise _from_validation(exc) from exc
+    validate(cfg)
+    return cfg
+
+
+def _from_validation(exc: msgspec.ValidationError) -> ConfigError:
+    # msgspec says "... - at `$.wal.flush_policy`"; turn that into a key path.
+    text = str(exc)
+    match = re.search(r" - at `\$\.?(.*)`$", text)
+    path = match.group(1) if match else ""
+    message = text[: match.start()] if match else text
+    unknown = re.match(r"Object contains unknown field `(.+)`", message)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        message = "unknown key (check the spelling against config.toml)"
+    return ConfigError(path, message)
+
+
+def validate(cfg: Config) -> None:
+    """Check the relations no type can express; raise ConfigError naming the key."""
+    checks: list[tuple[bool, str, str]] = [
+        (cfg.data_dir != "", "data_dir", "must not be empty"),
+        (0 <= cfg.shards <= 256, "shards", "must be between 0 (= cores) and 256"),
+        (cfg.shutdown_timeout_ms > 0, "shutdown_timeout_ms", "must be > 0"),
+        (0 <= cfg.ingest.socket_mode <= 0o777, "ingest.socket_mode", "must be a file mode"),
+        (cfg.ingest.max_bundle_bytes >= 1 * KiB, "ingest.max_bundle_bytes", "must be >= 1024"),
+        (1 <= cfg.ingest.max_inflight_per_connection <= 4096,
+         "ingest.max_inflight_per_connection", "must be between 1 and 4096"),
+        (cfg.ingest.max_connections >= 1, "ingest.max_connections", "must be >= 1"),
+        (1 <= cfg.wal.flush_interval_ms <= 10_000, "wal.flush_interval_ms",
+         "must be between 1 and 10000"),
+        (cfg.wal.flush_bytes >= 0, "wal.flush_bytes", "must be >= 0 (0 = timer only)"),
+        (2 <= cfg.wal.max_chunks <= 1000, "wal.max_chunks", "must be between 2 and 1000"),
+        (cfg.wal.max_entry_bytes >= cfg.ingest.max_bundle_bytes + 64 * KiB,
+         "wal.max_entry_bytes", "must exceed ingest.max_bundle_bytes by at least 64 KiB"),
+        (cfg.wal.max_size_bytes >= cfg.wal.max_chunks * cfg.wal.max_entry_bytes // 4,
+         "wal.max_size_bytes", "too small: must hold max_chunks/4 entries of max_entry_bytes"),
+        (cfg.segment.target_size_bytes >= 64 * KiB, "segment.target_size_bytes",
+         "must be >= 65536"),
+        (cfg.segment.max_open_duration_ms >= 1, "segment.max_open_duration_ms", "must be >= 1"),
+        (cfg.segment.max_streams >= 1, "segment.max_streams", "must be >= 1"),
+        (cfg.segment.max_dictionary_cardinality >= 1, "segment.max_dictionary_cardinality",
+         "must be >= 1"),
+        (cfg.retention.size_cap_bytes >= 0, "retention.size_cap_bytes", "must be >= 0"),
+        (cfg.retention.max_age_s >= 0, "retention.max_age_s", "must be >= 0"),
+    ]
+    for ok, path, message in checks:
+        if not ok:
+            raise ConfigError(path, message)
+    for sock_key, sock in (("ingest.socket_path", cfg.ingest_socket),
+                           ("admin.socket_path", cfg.admin_socket)):
+        if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
+            raise ConfigError(sock_key, f"{sock} is longer than {MAX_SOCKET_PATH} bytes "
+                              "(the Unix socket limit); choose a shorter path")
+    if cfg.ingest_socket == cfg.admin_socket:
+        raise ConfigError("admin.socket_path", "must differ from ingest.socket_path")
+    seen: set[str] = set()
+    for i, sub in enumerate(cfg.subscribers):
+        if not SUBSCRIBER_NAME.match(sub.name):
+            raise ConfigError(f"subscribers[{i}].name",
+                              f"{sub.name!r} must match [a-z0-9_-]{{1,64}}")
+        if sub.name in seen:
+            raise ConfigError(f"subscribers[{i}].name", f"{sub.name!r} is listed twice")
+        seen.add(sub.name)

@@ -1,0 +1,115 @@
+"""The admin socket (mode 0600): one JSON request line in, one JSON reply line out.
+
+    → {"cmd": "status"}                      ← {"ok": true, "result": {...}}
+    → {"cmd": "segments"}                    ← {"ok": true, "result": [...]}
+    → {"cmd": "<unknown>"}                   ← {"ok": false, "error": "...", "hint": "..."}
+
+Used by ``quiverd status``, ``quiverd segments list`` and ``quiverd subscribers``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from quiverd.kernel.errors import QuiverError
+
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    cmd: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class AdminServer:
+    def __init__(self, path: Path, daemon: Any, *, log: Any) -> None:
+        self.path, self.daemon, self.log = path, daemon, log
+        self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "status": lambda args: daemon.status(),
+            "segments": lambda args: daemon.segments(),
+        }
+        extra = getattr(daemon, "admin_handlers", None)
+        if extra is not None:
+            self.handlers.update(extra())
+        self.decoder = msgspec.json.Decoder(Request)
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                    ) -> None:
+        self.path.unlink(missing_ok=True)
+        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        try:
+            listener = await anyio.create_unix_listener(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        try:
+            async with listener:
+                task_status.started()
+                await listener.serve(self._handle)
+        finally:
+            self.path.unlink(missing_ok=True)
+
+    async def _handle(self, stream: Any) -> None:
+        async with stream:
+            try:
+                line = await _read_line(stream)
+                reply = await self._dispatch(line)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                return
+            await stream.send(msgspec.json.encode(reply) + b"\n")
+
+    async def _dispatch(self, line: bytes) -> dict[str, Any]:
+        try:
+            req = self.decoder.decode(line)
+            handler = self.handlers.get(req.cmd)
+            if handler is None:
+                return {"ok": False, "error": f"unknown command {req.cmd!r}",
+                        "hint": f"known: {', '.join(sorted(self.handlers))}"}
+            result = handler(req.args)
+            if hasattr(result, "__await__"):
+                result = await result
+            return {"ok": True, "result": result}
+        except msgspec.DecodeError as exc:
+            return {"ok": False, "error": f"bad request: {exc}", "hint": ""}
+        except QuiverError as exc:
+            return {"ok": False, "error": str(exc), "hint": exc.hint}
+
+
+async def _read_line(stream: Any) -> bytes:
+    buf = b""
+    while b"\n" not in buf:
+        buf += await stream.receive(4096)
+        if len(buf) > MAX_REQUEST_BYTES:
+            raise anyio.BrokenResourceError("admin request too long")
+    return buf.split(b"\n", 1)[0]
+
+
+def request(path: Path | str, cmd: str, args: dict[str, Any] | None = None,
+            *, timeout_s: float = 10.0) -> Any:
+    """Blocking client for the CLI: send one request, return ``result`` or raise."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            raise QuiverError(f"cannot reach the admin socket {path}: {exc.strerror}",
+                              hint="is quiverd running? check `systemctl status quiverd` "
+                              "and admin.socket_path") from exc
+        sock.sendall(msgspec.json.encode({"cmd": cmd, "args": args or {}}) + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+    reply = msgspec.json.decode(buf)
+    if not reply.get("ok"):
+        raise QuiverError(reply.get("error", "admin request failed"), hint=reply.get("hint", ""))
+    return reply["result"]

@@ -1,0 +1,100 @@
+"""A subscriber connection: SUBSCRIBE, then DELIVERY frames out, ACK/NACK_BUNDLE in.
+
+Runs on the ingest socket after a HELLO with role SUBSCRIBER (docs/protocol.md).
+One ``Session`` is attached to every shard's dispatcher; the window (bundles
+delivered but not yet acked or nacked) is shared across shards. When the
+connection ends, every unacknowledged delivery goes back to pending and is
+delivered again to the next session of that subscriber.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from quiverd.acks import format as fmt
+from quiverd.kernel.errors import ProtocolError
+from quiverd.net.rawsock import RawStream
+from quiverd.protocol import codec as protocol
+from quiverd.protocol.frames import ErrorCode
+
+MAX_WINDOW = 4096
+RECV_BYTES = 256 * 1024
+
+
+class SubscriberHub:
+    """What subscriber connections need from the daemon: the shards' dispatchers."""
+
+    def __init__(self) -> None:
+        self.dispatchers: list[Any] = []
+        self.states: list[Any] = []
+
+    def known(self, name: str) -> bool:
+        return bool(self.states) and all(name in s.registry for s in self.states)
+
+
+async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
+                           decoder: protocol.FrameDecoder, pending: list[Any], log: Any) -> None:
+    """Handle one subscriber connection until it closes; raises ProtocolError on misuse."""
+    frames = list(pending)
+    while not frames:
+        frames = decoder.feed(await stream.receive(RECV_BYTES))
+    first = frames.pop(0)
+    if not isinstance(first, protocol.Subscribe):
+        raise ProtocolError(ErrorCode.MALFORMED, "a subscriber must send SUBSCRIBE first")
+    if not hub.known(first.name):
+        raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER,
+                            f"no subscriber named {first.name!r}; register it with "
+                            f"`quiverd subscribers add {first.name}`")
+    from actors.dispatcher import Session  # actors import quiverd, not the reverse at load
+
+    window = max(1, min(first.window or 64, MAX_WINDOW))
+    deliveries_tx, deliveries_rx = anyio.create_memory_object_stream[Any](window)
+    session = Session(name=first.name, window=window, deliveries=deliveries_tx)
+    await stream.send(protocol.encode_subscribed(True))
+    log.info("subscriber_attached", subscriber=first.name, window=window)
+    for d in hub.dispatchers:
+        d.attach(session)
+    try:
+        async with anyio.create_task_group() as tg:
+            session.scope = tg.cancel_scope
+            tg.start_soon(_write_deliveries, stream, deliveries_rx)
+            await _read_feedback(hub, stream, decoder, session, frames)
+            tg.cancel_scope.cancel()
+        if session.ended:
+            raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER, session.ended)
+    finally:
+        for d in hub.dispatchers:
+            d.detach(session)
+        deliveries_tx.close()
+        log.info("subscriber_detached", subscriber=first.name)
+
+
+async def _read_feedback(hub: SubscriberHub, stream: RawStream,
+                         decoder: protocol.FrameDecoder, session: Any, frames: list[Any]) -> None:
+    while True:
+        for frame in frames:
+            if isinstance(frame, protocol.AckBundle | protocol.NackBundle):
+                if not 0 <= frame.shard < len(hub.dispatchers):
+                    raise ProtocolError(ErrorCode.MALFORMED, f"no shard {frame.shard}")
+                outcome = fmt.ACK if isinstance(frame, protocol.AckBundle) else fmt.NACK
+                await hub.dispatchers[frame.shard].feedback(
+                    session, frame.segment_seq, frame.bundle_index, outcome)
+            else:
+                raise ProtocolError(ErrorCode.MALFORMED,
+                                    "only ACK_BUNDLE / NACK_BUNDLE may follow SUBSCRIBE")
+        try:
+            data = await stream.receive(RECV_BYTES)
+        except anyio.EndOfStream:
+            return
+        frames = decoder.feed(data)
+
+
+async def _write_deliveries(stream: RawStream, deliveries: Any) -> None:
+    async with deliveries:
+        async for d in deliveries:
+            parts = protocol.encode_delivery(
+                shard=d.shard, segment_seq=d.segment_seq, bundle_index=d.bundle_index,
+                client=d.client, txn=d.txn, ingestion_ts_ns=d.ingestion_ts_ns, slots=d.slots)
+            await stream.send_parts(parts)

@@ -1,0 +1,1 @@
+"""Socket protocol v1, sans-IO: frame layouts, encoders and decoders (docs/protocol.md)."""

@@ -1,0 +1,358 @@
+"""Socket protocol v1, sans-IO: frames in, messages out (no sockets here).
+
+All integers little-endian. Every frame::
+
+    u32 frame_len        bytes after this field (type + body); checked before allocation
+    u8  frame_type       FrameType
+    body
+
+    HELLO       0x01  c->s  magic "QVR" | u16 min_version | u16 max_version
+                            | u8 role (1 producer, 2 subscriber)
+    HELLO_OK    0x02  s->c  u16 version | u32 max_bundle_bytes | u16 max_inflight
+    BUNDLE      0x03  c->s  u32 request_id (>0) | client | txn | slots | end check
+    ACK         0x04  s->c  u32 request_id | u16 shard | u64 sequence
+    ERROR       0x05  s->c  u32 request_id (0 = connection) | u16 code | u16 len | utf8 message
+    SUBSCRIBE   0x10  c->s  u8 len | name [a-z0-9_-]{1,64} | u16 window
+    SUBSCRIBED  0x11  s->c  u8 ok (1)
+    DELIVERY    0x12  s->c  u16 shard | u64 segment_seq | u32 bundle_index | client | txn
+                            | i64 ingestion_ts_ns | slots | end check
+    ACK_BUNDLE  0x13  c->s  u16 shard | u64 segment_seq | u32 bundle_index
+    NACK_BUNDLE 0x14  c->s  u16 shard | u64 segment_seq | u32 bundle_index
+
+    client     u8 len | ascii [A-Za-z0-9._-]{1,255}
+    txn        u8 flag (0 none, 1 tag) [| u16 len | utf8 job_id | u32 partition
+               | u32 attempt | u64 row_offset]
+    slots      u64 slot_bitmap | per set bit, ascending: u32 row_count | u32 payload_len
+               | payload (one Arrow IPC stream)
+    end check  u64 total_rows | u32 crc32c over every body byte before this crc
+
+The end check exists because an Arrow IPC stream cut at a message boundary reads
+back as complete: the declared row counts and the CRC are what catch a cut or
+damaged bundle. Error codes and which of them close the connection: see
+``ErrorCode`` / ``CLOSES_CONNECTION`` and docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import pyarrow as pa
+
+from quiverd.kernel.bundle import META_SLOT, Slot, inspect_ipc_stream
+from quiverd.kernel.errors import AtCapacity, ProtocolError, QuiverError, ShuttingDown, Unauthorized
+from quiverd.protocol.decode import PAYLOAD_FRAMES, decode_body
+from quiverd.protocol.frames import (
+    CLOSES_CONNECTION,
+    ERROR_HEAD,
+    FRAME_HEADER,
+    MAX_FRAME_OVERHEAD,
+    MAX_MESSAGE_LEN,
+    PROTOCOL_VERSION,
+    U32,
+    Ack,
+    AckBundle,
+    BundleFrame,
+    Delivery,
+    Error,
+    ErrorCode,
+    FrameType,
+    Hello,
+    HelloOk,
+    Message,
+    NackBundle,
+    Role,
+    Subscribe,
+    Subscribed,
+    encode_ack,
+    encode_ack_bundle,
+    encode_bundle,
+    encode_delivery,
+    encode_error,
+    encode_hello,
+    encode_hello_ok,
+    encode_nack_bundle,
+    encode_subscribe,
+    encode_subscribed,
+    max_frame_bytes,
+    nbytes,
+)
+
+# Callers import everything protocol-related from here; protocol_frames is an
+# implementation split, not a second API.
+__all__ = [
+    "CLOSES_CONNECTION", "MAX_FRAME_OVERHEAD", "PROTOCOL_VERSION", "SMALL_FRAME_MAX",
+    "Ack", "AckBundle",
+    "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameDecoder", "FrameType", "Hello",
+    "HelloOk", "Message", "NackBundle", "Role", "Subscribe", "Subscribed", "decode_body",
+    "encode_ack", "encode_ack_bundle", "encode_bundle", "encode_delivery", "encode_error",
+    "encode_hello", "encode_hello_ok", "encode_nack_bundle", "encode_subscribe",
+    "encode_subscribed", "error_code_for", "exception_for", "hello_reply", "max_frame_bytes",
+    "negotiate", "validate_bundle",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+# Frames without Arrow payloads are never longer than an ERROR with the longest message.
+SMALL_FRAME_MAX = 1 + ERROR_HEAD.size + MAX_MESSAGE_LEN
+SERVER_FRAMES = frozenset(
+    {FrameType.HELLO_OK, FrameType.ACK, FrameType.ERROR, FrameType.SUBSCRIBED, FrameType.DELIVERY}
+)
+ROLE_FRAMES = MappingProxyType(
+    {
+        Role.PRODUCER: frozenset({FrameType.BUNDLE}),
+        Role.SUBSCRIBER: frozenset(
+            {FrameType.SUBSCRIBE, FrameType.ACK_BUNDLE, FrameType.NACK_BUNDLE}
+        ),
+    }
+)
+# recv_into straight into a frame buffer only pays off for big remainders; smaller
+# reads go through the scratch buffer so one recv can hold many small frames.
+SCRATCH_BYTES = 256 * 1024
+RECV_DIRECT_MIN = 64 * 1024
+
+
+class FrameDecoder:
+    """Incremental decoder: bytes in any split -> complete messages.
+
+    ``from_client=True`` (the server's decoder) also enforces the handshake: the
+    first frame must be HELLO, then only the frames of the HELLO's role. Each frame
+    gets its own buffer, never reused, so decoded payloads are zero-copy read-only
+    memoryviews into it. After a ProtocolError the decoder is spent: the caller
+    answers with an ERROR frame and closes (frames decoded earlier in the same
+    ``feed`` call are dropped with it, as the connection is closing anyway).
+
+    Two ways in: ``feed(data)``, or asyncio's BufferedProtocol pair
+    ``get_buffer``/``buffer_updated`` which lets large payloads be received
+    straight into their frame buffer.
+    """
+
+    def __init__(self, max_frame_bytes: int, *, from_client: bool = True) -> None:
+        self._max_frame_bytes = max_frame_bytes
+        self._from_client = from_client
+        self.role: Role | None = None  # set by the client's HELLO (server side)
+        self._head = bytearray(FRAME_HEADER.size)
+        self._head_filled = 0
+        self._frame_type = FrameType.HELLO
+        self._body: memoryview | None = None
+        self._body_filled = 0
+        self._scratch: bytearray | None = None
+        self._direct = False
+        self._failed: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an unfinished frame held (non-zero at EOF means a cut frame)."""
+        if self._body is None:
+            return self._head_filled
+        return FRAME_HEADER.size + self._body_filled
+
+    def feed(self, data: Buffer) -> list[Message]:
+        if self._failed is not None:
+            raise self._failed
+        view = memoryview(data).cast("B")
+        out: list[Message] = []
+        pos, end = 0, len(view)
+        try:
+            while pos < end:
+                if self._body is None:
+                    take = min(FRAME_HEADER.size - self._head_filled, end - pos)
+                    filled = self._head_filled
+                    self._head[filled : filled + take] = view[pos : pos + take]
+                    self._head_filled += take
+                    pos += take
+                    self._on_header_bytes()
+                else:
+                    body = self._body
+                    take = min(len(body) - self._body_filled, end - pos)
+                    body[self._body_filled : self._body_filled + take] = view[pos : pos + take]
+                    self._body_filled += take
+                    pos += take
+                if self._body is not None and self._body_filled == len(self._body):
+                    out.append(self._finish_frame())
+        except ProtocolError as exc:
+            self._failed = exc
+            raise
+        return out
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next recv_into should write (asyncio.BufferedProtocol)."""
+        body = self._body
+        if body is not None and len(body) - self._body_filled >= RECV_DIRECT_MIN:
+            self._direct = True
+            return memoryview(body)[self._body_filled :]
+        self._direct = False
+        if self._scratch is None:
+            self._scratch = bytearray(SCRATCH_BYTES)
+        return memoryview(self._scratch)
+
+    def buffer_updated(self, nbytes: int) -> list[Message]:
+        """``nbytes`` were written into the last ``get_buffer`` view."""
+        if not self._direct:
+            assert self._scratch is not None
+            return self.feed(memoryview(self._scratch)[:nbytes])
+        assert self._body is not None
+        self._body_filled += nbytes
+        if self._body_filled < len(self._body):
+            return []
+        try:
+            return [self._finish_frame()]
+        except ProtocolError as exc:
+            self._failed = exc
+            raise
+
+    def _on_header_bytes(self) -> None:
+        # The length is judged as soon as its 4 bytes are in, before the type byte
+        # arrives and long before anything is allocated.
+        if self._head_filled < U32.size:
+            return
+        (frame_len,) = U32.unpack_from(self._head)
+        if frame_len > self._max_frame_bytes:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"frame of {frame_len} bytes exceeds the maximum frame size "
+                f"{self._max_frame_bytes} (max_bundle_bytes + overhead)",
+            )
+        if frame_len == 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "frame_len 0: a frame holds at least its type")
+        if self._head_filled < FRAME_HEADER.size:
+            return
+        frame_type = self._check_type(self._head[4])
+        if frame_type not in PAYLOAD_FRAMES and frame_len > SMALL_FRAME_MAX:
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"{frame_type.name} frame of {frame_len} bytes is longer than any valid one",
+            )
+        self._frame_type = frame_type
+        self._body = _frame_buffer(frame_len - 1)
+        self._body_filled = 0
+        self._head_filled = 0
+
+    def _check_type(self, raw: int) -> FrameType:
+        try:
+            frame_type = FrameType(raw)
+        except ValueError:
+            raise ProtocolError(ErrorCode.MALFORMED, f"unknown frame type 0x{raw:02x}") from None
+        if not self._from_client:
+            if frame_type not in SERVER_FRAMES:
+                raise ProtocolError(
+                    ErrorCode.MALFORMED, f"{frame_type.name} frames are not sent by servers"
+                )
+            return frame_type
+        if self.role is None:
+            if frame_type is not FrameType.HELLO:
+                raise ProtocolError(
+                    ErrorCode.MALFORMED, f"expected HELLO as the first frame, got {frame_type.name}"
+                )
+        elif frame_type not in ROLE_FRAMES[self.role]:
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"{frame_type.name} frame not allowed on a {self.role.name.lower()} connection",
+            )
+        return frame_type
+
+    def _finish_frame(self) -> Message:
+        assert self._body is not None
+        body = memoryview(self._body).toreadonly()
+        self._body = None
+        self._body_filled = 0
+        msg = decode_body(self._frame_type, body)
+        if isinstance(msg, Hello) and self._from_client:
+            self.role = msg.role
+        return msg
+
+
+def _frame_buffer(nbytes: int) -> memoryview:
+    """A writable, uninitialized frame buffer from Arrow's memory pool.
+
+    Frames end up as zero-copy Arrow buffers held by the open segment; the pool
+    (jemalloc/mimalloc) hands back recently freed, already-faulted memory, where a
+    zero-filled bytearray would touch fresh pages (slow on these machines, NOTES.md).
+    """
+    return memoryview(pa.allocate_buffer(nbytes)).cast("B")
+
+
+def validate_bundle(
+    frame: BundleFrame | Delivery, *, max_bundle_bytes: int | None = None
+) -> tuple[Slot, ...]:
+    """Server-side semantic check; returns the slots with fingerprints filled.
+
+    Decodes and fully validates every IPC stream (CPU work at ~9 GB/s: run big
+    bundles in a worker thread) and checks the declared row counts against it.
+    """
+    if not frame.slots:
+        raise ProtocolError(ErrorCode.MALFORMED, "bundle has no slots")
+    payload_bytes = sum(nbytes(s.ipc) for s in frame.slots)
+    if max_bundle_bytes is not None and payload_bytes > max_bundle_bytes:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"bundle of {payload_bytes} payload bytes exceeds max_bundle_bytes {max_bundle_bytes}",
+        )
+    out: list[Slot] = []
+    for s in frame.slots:
+        if s.slot == META_SLOT:
+            raise ProtocolError(
+                ErrorCode.MALFORMED, f"slot {META_SLOT} is reserved for bundle metadata"
+            )
+        try:
+            fp, rows = inspect_ipc_stream(s.ipc)
+        except (pa.ArrowException, ValueError, TypeError) as exc:
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"slot {s.slot}: payload is not a valid Arrow IPC stream: {exc}",
+            ) from None
+        if rows != s.row_count:
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"slot {s.slot}: frame declares {s.row_count} rows but its IPC stream holds "
+                f"{rows} (stream cut short?)",
+            )
+        out.append(Slot(slot=s.slot, fingerprint=fp, row_count=rows, ipc=s.ipc))
+    return tuple(out)
+
+
+def negotiate(hello: Hello, *, min_version: int = 1, max_version: int = PROTOCOL_VERSION) -> int:
+    """Highest version both sides speak, or ProtocolError(UNSUPPORTED_VERSION)."""
+    lo, hi = max(hello.min_version, min_version), min(hello.max_version, max_version)
+    if lo > hi:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"client speaks protocol versions {hello.min_version}..{hello.max_version}, "
+            f"this server {min_version}..{max_version}",
+        )
+    return hi
+
+
+def hello_reply(hello: Hello, *, max_bundle_bytes: int, max_inflight: int) -> bytes:
+    """The server's HELLO_OK for ``hello`` (raises like ``negotiate``)."""
+    version = negotiate(hello)
+    return encode_hello_ok(
+        version=version, max_bundle_bytes=max_bundle_bytes, max_inflight=max_inflight
+    )
+
+
+def exception_for(err: Error) -> QuiverError:
+    """The quiverd.kernel.errors exception a client raises for an ERROR frame."""
+    match err.code:
+        case ErrorCode.AT_CAPACITY:
+            return AtCapacity(err.message)
+        case ErrorCode.SHUTTING_DOWN:
+            return ShuttingDown(err.message)
+        case ErrorCode.UNAUTHORIZED:
+            return Unauthorized(err.message)
+    return ProtocolError(err.code, err.message)
+
+
+def error_code_for(exc: BaseException) -> ErrorCode:
+    """The wire code a server sends for ``exc`` (INTERNAL for anything unexpected)."""
+    if isinstance(exc, ProtocolError) and exc.code in ErrorCode._value2member_map_:
+        return ErrorCode(exc.code)
+    for cls, code in (
+        (AtCapacity, ErrorCode.AT_CAPACITY),
+        (ShuttingDown, ErrorCode.SHUTTING_DOWN),
+        (Unauthorized, ErrorCode.UNAUTHORIZED),
+    ):
+        if isinstance(exc, cls):
+            return code
+    return ErrorCode.INTERNAL
+
+

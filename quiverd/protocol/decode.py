@@ -1,0 +1,209 @@
+"""Socket protocol v1: frame bodies -> message Structs (layouts in protocol.py).
+
+Every function here works on one complete frame body (the bytes after the type
+byte) and raises ``ProtocolError`` naming what is wrong; framing, size limits and
+the handshake order are ``protocol.FrameDecoder``'s job.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from typing import Any
+
+from quiverd.kernel.bundle import MAX_SLOTS, Slot, TxnTag
+from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import ProtocolError
+from quiverd.protocol.frames import (
+    ACK_BODY,
+    BUNDLE_ID,
+    CLIENT_NAME_RE,
+    END_CHECK,
+    ERROR_HEAD,
+    HELLO_BODY,
+    HELLO_OK_BODY,
+    I64,
+    MAGIC,
+    SLOT_HEAD,
+    SUBSCRIBER_NAME_RE,
+    TXN_FIXED,
+    U8,
+    U16,
+    U32,
+    U64,
+    Ack,
+    AckBundle,
+    BundleFrame,
+    Delivery,
+    Error,
+    ErrorCode,
+    FrameType,
+    Hello,
+    HelloOk,
+    Message,
+    NackBundle,
+    Role,
+    Subscribe,
+    Subscribed,
+)
+
+PAYLOAD_FRAMES = frozenset({FrameType.BUNDLE, FrameType.DELIVERY})
+
+
+def decode_body(frame_type: FrameType, body: memoryview) -> Message:
+    """Decode one frame body (everything after the type byte)."""
+    if frame_type in PAYLOAD_FRAMES:
+        return _decode_payload_frame(frame_type, body)
+    r = _Reader(body, frame_type.name)
+    msg: Message
+    match frame_type:
+        case FrameType.HELLO:
+            magic, lo, hi, role = r.unpack(HELLO_BODY)
+            msg = _hello(magic, lo, hi, role)
+        case FrameType.HELLO_OK:
+            version, max_bundle_bytes, max_inflight = r.unpack(HELLO_OK_BODY)
+            if max_inflight == 0:
+                raise ProtocolError(ErrorCode.MALFORMED, "HELLO_OK: max_inflight is 0")
+            msg = HelloOk(
+                version=version, max_bundle_bytes=max_bundle_bytes, max_inflight=max_inflight
+            )
+        case FrameType.ACK:
+            request_id, shard, sequence = r.unpack(ACK_BODY)
+            msg = Ack(request_id=request_id, shard=shard, sequence=sequence)
+        case FrameType.ERROR:
+            request_id, code, length = r.unpack(ERROR_HEAD)
+            # A garbled message must not hide the error code behind a decode failure.
+            text = bytes(r.take(length)).decode("utf-8", "replace")
+            msg = Error(request_id=request_id, code=code, message=text)
+        case FrameType.SUBSCRIBE:
+            name = _ascii(r, SUBSCRIBER_NAME_RE, "subscriber name")
+            (window,) = r.unpack(U16)
+            if window == 0:
+                raise ProtocolError(ErrorCode.MALFORMED, "SUBSCRIBE: window is 0")
+            msg = Subscribe(name=name, window=window)
+        case FrameType.SUBSCRIBED:
+            (ok,) = r.unpack(U8)
+            if ok > 1:
+                raise ProtocolError(ErrorCode.MALFORMED, f"SUBSCRIBED: ok flag {ok} not 0 or 1")
+            msg = Subscribed(ok=bool(ok))
+        case FrameType.ACK_BUNDLE | FrameType.NACK_BUNDLE:
+            shard, seq, index = r.unpack(BUNDLE_ID)
+            cls = AckBundle if frame_type is FrameType.ACK_BUNDLE else NackBundle
+            msg = cls(shard=shard, segment_seq=seq, bundle_index=index)
+        case _:  # pragma: no cover - FrameType is exhaustive above
+            raise AssertionError(frame_type)
+    r.finish()
+    return msg
+
+
+class _Reader:
+    """Bounds-checked cursor over one frame body."""
+
+    __slots__ = ("_view", "_pos", "_what")
+
+    def __init__(self, view: memoryview, what: str) -> None:
+        self._view = view
+        self._pos = 0
+        self._what = what
+
+    def take(self, n: int) -> memoryview:
+        start, end = self._pos, self._pos + n
+        if end > len(self._view):
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"{self._what} frame truncated: needs {n} bytes at body offset {start}, "
+                f"only {len(self._view) - start} left",
+            )
+        self._pos = end
+        return self._view[start:end]
+
+    def unpack(self, st: struct.Struct) -> tuple[Any, ...]:
+        return st.unpack(self.take(st.size))
+
+    def finish(self) -> None:
+        if self._pos != len(self._view):
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"{self._what} frame has {len(self._view) - self._pos} unexpected trailing bytes",
+            )
+
+
+def _hello(magic: bytes, lo: int, hi: int, role: int) -> Hello:
+    if magic != MAGIC:
+        raise ProtocolError(ErrorCode.MALFORMED, f"HELLO: bad magic {magic!r}, expected {MAGIC!r}")
+    if lo > hi:
+        raise ProtocolError(ErrorCode.MALFORMED, f"HELLO: min_version {lo} > max_version {hi}")
+    if role not in Role._value2member_map_:
+        raise ProtocolError(ErrorCode.MALFORMED, f"HELLO: unknown role {role}")
+    return Hello(min_version=lo, max_version=hi, role=Role(role))
+
+
+def _decode_payload_frame(frame_type: FrameType, body: memoryview) -> BundleFrame | Delivery:
+    what = frame_type.name
+    if len(body) < END_CHECK.size:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what} frame truncated: no end check")
+    total_rows, crc = END_CHECK.unpack_from(body, len(body) - END_CHECK.size)
+    # The CRC is checked before any field is trusted, so a damaged length field
+    # reports as damage rather than as a confusing parse error.
+    actual = crc32c(body[:-4])
+    if actual != crc:
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"{what} end check failed: crc 0x{actual:08x} != 0x{crc:08x} (frame damaged or cut)",
+        )
+    r = _Reader(body[: -END_CHECK.size], what)
+    if frame_type is FrameType.BUNDLE:
+        (request_id,) = r.unpack(U32)
+        if request_id == 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "BUNDLE: request_id 0 is reserved")
+        client, txn = _ascii(r, CLIENT_NAME_RE, "client name"), _txn(r)
+        slots = _slots(r, total_rows)
+        return BundleFrame(request_id=request_id, client=client, txn=txn, slots=slots)
+    shard, seq, index = r.unpack(BUNDLE_ID)
+    client, txn = _ascii(r, CLIENT_NAME_RE, "client name"), _txn(r)
+    (ts,) = r.unpack(I64)
+    slots = _slots(r, total_rows)
+    return Delivery(
+        shard=shard, segment_seq=seq, bundle_index=index, client=client, txn=txn,
+        ingestion_ts_ns=ts, slots=slots,
+    )
+
+
+def _ascii(r: _Reader, pattern: re.Pattern[bytes], what: str) -> str:
+    (length,) = r.unpack(U8)
+    raw = bytes(r.take(length))
+    if pattern.fullmatch(raw) is None:
+        raise ProtocolError(ErrorCode.MALFORMED, f"invalid {what} {raw!r}")
+    return raw.decode("ascii")
+
+
+def _txn(r: _Reader) -> TxnTag | None:
+    (flag,) = r.unpack(U8)
+    if flag == 0:
+        return None
+    if flag != 1:
+        raise ProtocolError(ErrorCode.MALFORMED, f"transactional tag flag {flag} not 0 or 1")
+    (length,) = r.unpack(U16)
+    try:
+        job_id = bytes(r.take(length)).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError(ErrorCode.MALFORMED, "transactional tag: job_id is not utf-8") from None
+    partition, attempt, row_offset = r.unpack(TXN_FIXED)
+    return TxnTag(job_id=job_id, partition=partition, attempt=attempt, row_offset=row_offset)
+
+
+def _slots(r: _Reader, total_rows: int) -> tuple[Slot, ...]:
+    (bitmap,) = r.unpack(U64)
+    slots = []
+    for n in range(MAX_SLOTS):
+        if bitmap >> n & 1:
+            rows, length = r.unpack(SLOT_HEAD)
+            slots.append(Slot(slot=n, fingerprint=b"", row_count=rows, ipc=r.take(length)))
+    r.finish()
+    declared = sum(s.row_count for s in slots)
+    if declared != total_rows:
+        raise ProtocolError(
+            ErrorCode.MALFORMED,
+            f"end check failed: total_rows {total_rows} != sum of slot row counts {declared}",
+        )
+    return tuple(slots)

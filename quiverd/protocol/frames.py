@@ -1,0 +1,325 @@
+"""Socket protocol v1: frame types, message Structs and encoders.
+
+The byte layouts are drawn in ``quiverd/protocol/codec.py`` (and docs/protocol.md);
+this module builds frames, ``protocol.py`` parses them. Encoders return
+``bytes`` for small frames and a list of buffers for frames that carry Arrow
+payloads, so a sender can ``writelines``/``sendmsg`` them without copying the
+payloads.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from enum import IntEnum
+
+import msgspec
+
+from quiverd.kernel.bundle import MAX_SLOTS, Slot, TxnTag
+from quiverd.kernel.crc import crc32c
+
+__all__ = [
+    "CLOSES_CONNECTION", "MAX_FRAME_OVERHEAD", "PROTOCOL_VERSION", "Ack", "AckBundle",
+    "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameType", "Hello", "HelloOk",
+    "Message", "NackBundle", "Role", "Subscribe", "Subscribed", "encode_ack",
+    "encode_ack_bundle", "encode_bundle", "encode_delivery", "encode_error", "encode_hello",
+    "encode_hello_ok", "encode_nack_bundle", "encode_subscribe", "encode_subscribed",
+    "max_frame_bytes", "nbytes",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+PROTOCOL_VERSION = 1
+MAGIC = b"QVR"
+
+FRAME_HEADER = struct.Struct("<IB")  # frame_len (bytes after this field), frame_type
+HELLO_BODY = struct.Struct("<3sHHB")  # magic, min_version, max_version, role
+HELLO_OK_BODY = struct.Struct("<HIH")  # version, max_bundle_bytes, max_inflight
+ACK_BODY = struct.Struct("<IHQ")  # request_id, shard, sequence
+ERROR_HEAD = struct.Struct("<IHH")  # request_id, code, message_len
+BUNDLE_ID = struct.Struct("<HQI")  # shard, segment_seq, bundle_index
+TXN_FIXED = struct.Struct("<IIQ")  # partition, attempt, row_offset
+SLOT_HEAD = struct.Struct("<II")  # row_count, payload_len
+END_CHECK = struct.Struct("<QI")  # total_rows, crc32c
+U8 = struct.Struct("<B")
+U16 = struct.Struct("<H")
+U32 = struct.Struct("<I")
+U64 = struct.Struct("<Q")
+I64 = struct.Struct("<q")
+
+MAX_CLIENT_LEN = 255  # u8 length prefix
+MAX_JOB_ID_LEN = 0xFFFF  # u16 length prefix
+MAX_MESSAGE_LEN = 0xFFFF
+MAX_ROW_COUNT = 0xFFFF_FFFF  # u32 per slot on the wire
+MAX_REQUEST_ID = 0xFFFF_FFFF  # request_id 0 is reserved for connection-level errors
+# Largest BUNDLE/DELIVERY frame apart from its payload bytes: the frame_len field is
+# outside the limit, everything else (type, ids, longest client and job id, 64 slot
+# headers, end check) is counted so a config's max_bundle_bytes always fits.
+MAX_FRAME_OVERHEAD = (
+    1 + BUNDLE_ID.size + 4 + 1 + MAX_CLIENT_LEN + 1 + 2 + MAX_JOB_ID_LEN + TXN_FIXED.size
+    + 8 + 8 + MAX_SLOTS * SLOT_HEAD.size + END_CHECK.size
+)
+
+CLIENT_NAME_RE = re.compile(rb"[A-Za-z0-9._-]{1,255}")
+SUBSCRIBER_NAME_RE = re.compile(rb"[a-z0-9_-]{1,64}")
+
+
+def max_frame_bytes(max_bundle_bytes: int) -> int:
+    """The decoder limit for a daemon configured with ``max_bundle_bytes`` of payload."""
+    return max_bundle_bytes + MAX_FRAME_OVERHEAD
+
+
+class FrameType(IntEnum):
+    HELLO = 0x01  # client -> server
+    HELLO_OK = 0x02  # server -> client
+    BUNDLE = 0x03  # producer -> server
+    ACK = 0x04  # server -> producer
+    ERROR = 0x05  # server -> client
+    SUBSCRIBE = 0x10  # subscriber -> server
+    SUBSCRIBED = 0x11  # server -> subscriber
+    DELIVERY = 0x12  # server -> subscriber
+    ACK_BUNDLE = 0x13  # subscriber -> server
+    NACK_BUNDLE = 0x14  # subscriber -> server
+
+
+class Role(IntEnum):
+    PRODUCER = 1
+    SUBSCRIBER = 2
+
+
+class ErrorCode(IntEnum):
+    """Stable wire error codes; never renumber, only add."""
+
+    MALFORMED = 1
+    TOO_LARGE = 2
+    UNSUPPORTED_VERSION = 3
+    UNAUTHORIZED = 4
+    AT_CAPACITY = 5
+    SHUTTING_DOWN = 6
+    INTERNAL = 7
+    UNKNOWN_SUBSCRIBER = 8
+
+
+# After these the server closes the connection: the byte stream can no longer be
+# trusted (malformed, too large: the rest of the frame is never read) or the peer
+# may not talk to us at all. The others answer one request and keep the connection.
+CLOSES_CONNECTION = frozenset(
+    {
+        ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.UNSUPPORTED_VERSION,
+        ErrorCode.UNAUTHORIZED, ErrorCode.UNKNOWN_SUBSCRIBER,
+    }
+)
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True):
+    min_version: int
+    max_version: int
+    role: Role
+
+
+class HelloOk(msgspec.Struct, frozen=True, kw_only=True):
+    version: int
+    max_bundle_bytes: int
+    max_inflight: int
+
+
+class BundleFrame(msgspec.Struct, frozen=True, kw_only=True):
+    """A producer's bundle as decoded; slots carry fingerprint=b"" until validated."""
+
+    request_id: int
+    client: str
+    txn: TxnTag | None
+    slots: tuple[Slot, ...]
+
+    @property
+    def row_count(self) -> int:
+        return sum(s.row_count for s in self.slots)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(s.ipc) for s in self.slots)
+
+
+class Ack(msgspec.Struct, frozen=True, kw_only=True):
+    """The bundle ``request_id`` is durable as ``sequence`` of ``shard``."""
+
+    request_id: int
+    shard: int
+    sequence: int
+
+
+class Error(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: int  # 0: about the connection, not one request
+    code: int  # an ErrorCode, kept as int so a newer server's codes still decode
+    message: str
+
+
+class Subscribe(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    window: int  # deliveries the server may have unacknowledged at once
+
+
+class Subscribed(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool
+
+
+class Delivery(msgspec.Struct, frozen=True, kw_only=True):
+    shard: int
+    segment_seq: int
+    bundle_index: int
+    client: str
+    txn: TxnTag | None
+    ingestion_ts_ns: int
+    slots: tuple[Slot, ...]
+
+
+class AckBundle(msgspec.Struct, frozen=True, kw_only=True):
+    shard: int
+    segment_seq: int
+    bundle_index: int
+
+
+class NackBundle(msgspec.Struct, frozen=True, kw_only=True):
+    shard: int
+    segment_seq: int
+    bundle_index: int
+
+
+Message = (
+    Hello | HelloOk | BundleFrame | Ack | Error | Subscribe | Subscribed | Delivery
+    | AckBundle | NackBundle
+)
+
+
+def encode_hello(
+    role: Role, *, min_version: int = PROTOCOL_VERSION, max_version: int = PROTOCOL_VERSION
+) -> bytes:
+    return _frame(FrameType.HELLO, HELLO_BODY.pack(MAGIC, min_version, max_version, role))
+
+
+def encode_hello_ok(*, version: int, max_bundle_bytes: int, max_inflight: int) -> bytes:
+    return _frame(
+        FrameType.HELLO_OK, HELLO_OK_BODY.pack(version, max_bundle_bytes, max_inflight)
+    )
+
+
+def encode_ack(request_id: int, shard: int, sequence: int) -> bytes:
+    return _frame(FrameType.ACK, ACK_BODY.pack(request_id, shard, sequence))
+
+
+def encode_error(request_id: int, code: int, message: str) -> bytes:
+    # Cut overlong messages on a character boundary rather than fail to report an error.
+    text = message.encode("utf-8")[:MAX_MESSAGE_LEN].decode("utf-8", "ignore").encode()
+    return _frame(FrameType.ERROR, ERROR_HEAD.pack(request_id, code, len(text)) + text)
+
+
+def encode_subscribe(name: str, window: int) -> bytes:
+    raw = name.encode("ascii", "replace")
+    if SUBSCRIBER_NAME_RE.fullmatch(raw) is None:
+        raise ValueError(f"subscriber name {name!r} must match [a-z0-9_-]{{1,64}}")
+    return _frame(FrameType.SUBSCRIBE, U8.pack(len(raw)) + raw + U16.pack(window))
+
+
+def encode_subscribed(ok: bool) -> bytes:
+    return _frame(FrameType.SUBSCRIBED, U8.pack(1 if ok else 0))
+
+
+def encode_ack_bundle(shard: int, segment_seq: int, bundle_index: int) -> bytes:
+    return _frame(FrameType.ACK_BUNDLE, BUNDLE_ID.pack(shard, segment_seq, bundle_index))
+
+
+def encode_nack_bundle(shard: int, segment_seq: int, bundle_index: int) -> bytes:
+    return _frame(FrameType.NACK_BUNDLE, BUNDLE_ID.pack(shard, segment_seq, bundle_index))
+
+
+def encode_bundle(
+    request_id: int,
+    client: str,
+    slots: Mapping[int, Buffer],
+    row_counts: Mapping[int, int],
+    txn: TxnTag | None = None,
+) -> list[Buffer]:
+    """BUNDLE frame as buffers for ``writelines``; payloads are passed through uncopied."""
+    if not 1 <= request_id <= MAX_REQUEST_ID:
+        raise ValueError(f"request_id {request_id} outside 1..{MAX_REQUEST_ID}")
+    if set(slots) != set(row_counts):
+        raise ValueError("slots and row_counts must name the same slot ids")
+    head = U32.pack(request_id) + encode_client(client) + encode_txn(txn)
+    items = ((n, row_counts[n], slots[n]) for n in sorted(slots))
+    return _with_slots(FrameType.BUNDLE, head, items)
+
+
+def encode_delivery(
+    *,
+    shard: int,
+    segment_seq: int,
+    bundle_index: int,
+    client: str,
+    txn: TxnTag | None,
+    ingestion_ts_ns: int,
+    slots: Iterable[Slot],
+) -> list[Buffer]:
+    """DELIVERY frame as buffers for ``writelines``; payloads are passed through uncopied."""
+    head = (
+        BUNDLE_ID.pack(shard, segment_seq, bundle_index) + encode_client(client)
+        + encode_txn(txn) + I64.pack(ingestion_ts_ns)
+    )
+    items = sorted((s.slot, s.row_count, s.ipc) for s in slots)
+    return _with_slots(FrameType.DELIVERY, head, items)
+
+
+def encode_client(client: str) -> bytes:
+    raw = client.encode("ascii", "replace")
+    if CLIENT_NAME_RE.fullmatch(raw) is None:
+        raise ValueError(f"client name {client!r} must match [A-Za-z0-9._-]{{1,255}}")
+    return U8.pack(len(raw)) + raw
+
+
+def encode_txn(txn: TxnTag | None) -> bytes:
+    if txn is None:
+        return U8.pack(0)
+    job = txn.job_id.encode("utf-8")
+    if len(job) > MAX_JOB_ID_LEN:
+        raise ValueError(f"job_id of {len(job)} bytes exceeds {MAX_JOB_ID_LEN}")
+    fixed = TXN_FIXED.pack(txn.partition, txn.attempt, txn.row_offset)
+    return U8.pack(1) + U16.pack(len(job)) + job + fixed
+
+
+def _with_slots(
+    frame_type: FrameType, head: bytes, items: Iterable[tuple[int, int, Buffer]]
+) -> list[Buffer]:
+    """Append bitmap, slots and end check to ``head``; prepend the frame header."""
+    bitmap = 0
+    total_rows = 0
+    parts: list[Buffer] = []
+    for slot, rows, payload in items:
+        if not 0 <= slot < MAX_SLOTS:
+            raise ValueError(f"slot {slot} outside 0..{MAX_SLOTS - 1}")
+        if not 0 <= rows <= MAX_ROW_COUNT:
+            raise ValueError(f"slot {slot}: row count {rows} does not fit u32")
+        bitmap |= 1 << slot
+        total_rows += rows
+        parts.append(SLOT_HEAD.pack(rows, nbytes(payload)))
+        parts.append(payload)
+    # Small header bytes are merged so a one-slot frame is three buffers.
+    first = head + U64.pack(bitmap)
+    parts = [first + bytes(parts[0]), *parts[1:]] if parts else [first]
+    # The CRC covers total_rows too: every body byte before the CRC itself.
+    crc = 0
+    for part in parts:
+        crc = crc32c(part, crc)
+    rows_field = U64.pack(total_rows)
+    parts.append(rows_field + U32.pack(crc32c(rows_field, crc)))
+    body_len = sum(nbytes(p) for p in parts)
+    parts[0] = FRAME_HEADER.pack(1 + body_len, frame_type) + parts[0]
+    return parts
+
+
+def nbytes(buf: Buffer) -> int:
+    """Length in bytes (``len`` of a memoryview counts items, not bytes)."""
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)
+
+
+def _frame(frame_type: FrameType, body: bytes) -> bytes:
+    return FRAME_HEADER.pack(1 + len(body), frame_type) + body

@@ -1,0 +1,266 @@
+"""``quiverd serve``: one process, one root task group, one pipeline per shard.
+
+    ingest listener ─▶ wal_writer[n] ─▶ segment_builder[n] ─▶ finalizer[n] ─▶ dispatcher[n]
+                            ▲                                    │
+                            └────────── WalReleased ─────────────┘
+    admin socket (status, subscribers) reads every actor's counters.
+
+Startup: take ``data_dir/LOCK`` (flock), recover every shard (segments, WAL
+replay) in worker threads, start actors in dependency order, then listen, then
+tell systemd READY. Shutdown (SIGTERM/SIGINT): stop accepting and reading,
+deliver pending acks, let end-of-stream flow down every pipeline (final
+fdatasync, final segment), exit within ``shutdown_timeout_ms``; a second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from actors.messages import SubscriberRequest
+from quiverd.acks.registry import validate_name
+from quiverd.kernel import faults, logs
+from quiverd.kernel.config import Config
+from quiverd.kernel.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
+from quiverd.net.admin import AdminServer
+from quiverd.net.ingest import IngestServer
+from quiverd.runtime.lockfile import lock_data_dir
+from quiverd.runtime.sdnotify import Notifier
+from quiverd.runtime.shard import Shard
+
+EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
+
+
+class Daemon:
+    def __init__(self, cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.log = logs.get("daemon")
+        self.notifier = Notifier()
+        self.fault_hooks = fault_hooks or {}
+        self.shards: list[Shard] = []
+        self.ingest: IngestServer | None = None
+        self.stopping = False
+
+    async def run(self) -> None:
+        """Run until shut down; the caller holds the data directory's LOCK."""
+        try:
+            await self._run()
+        finally:
+            self.notifier.close()
+
+    async def _run(self) -> None:
+        cfg = self.cfg
+        self.shards = [Shard(i, cfg, fault_hooks=self.fault_hooks)
+                       for i in range(cfg.shard_count)]
+        async with anyio.create_task_group() as root:
+            for shard in self.shards:
+                await shard.recover()
+            root.start_soon(self._signals, root.cancel_scope)
+            async with anyio.create_task_group() as pipelines:
+                for shard in self.shards:
+                    await pipelines.start(shard.run)
+                self.ingest = IngestServer(cfg.ingest, cfg.ingest_socket,
+                                           [s.inbox for s in self.shards],
+                                           limiter=anyio.CapacityLimiter(2),
+                                           log=logs.get("ingest"))
+                admin = AdminServer(cfg.admin_socket, self, log=logs.get("admin"))
+                self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards]
+                self.ingest.hub.states = [s.acks for s in self.shards]
+                await pipelines.start(self.ingest.serve)
+                await root.start(admin.serve)
+                self.log.info("quiverd_ready", shards=cfg.shard_count, data_dir=cfg.data_dir,
+                              ingest_socket=str(cfg.ingest_socket))
+                self.notifier.ready(f"{cfg.shard_count} shards")
+                if self.notifier.watchdog_interval_s():
+                    root.start_soon(self._watchdog)
+            # Every pipeline drained: end the admin server and signal watchers.
+            root.cancel_scope.cancel()
+        self.log.info("quiverd_stopped")
+
+    def shutdown(self) -> None:
+        """Begin a graceful stop (idempotent)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.notifier.stopping()
+        self.log.info("quiverd_stopping")
+        for shard in self.shards:
+            shard.stopping.set()
+        if self.ingest is not None:
+            self.ingest.stop()
+
+    async def _signals(self, root_scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self.stopping:
+                    self.log.warning("quiverd_second_signal", signal=signum)
+                    os._exit(1)
+                self.shutdown()
+                # Bound the drain: past the timeout, cancel everything and exit non-zero.
+                root_scope.deadline = anyio.current_time() + self.cfg.shutdown_timeout_ms / 1000
+
+    async def _watchdog(self) -> None:
+        interval = self.notifier.watchdog_interval_s() or 1.0
+        while True:
+            self.notifier.watchdog()
+            await anyio.sleep(interval)
+
+    def status(self) -> dict[str, Any]:
+        ingest = self.ingest.stats if self.ingest else None
+        return {
+            "pid": os.getpid(),
+            "data_dir": self.cfg.data_dir,
+            "stopping": self.stopping,
+            "connections": ingest.connections if ingest else 0,
+            "ingest": vars(ingest) if ingest else {},
+            "shards": [s.status() for s in self.shards],
+            "metrics": self.metrics(),
+        }
+
+    def admin_handlers(self) -> dict[str, Any]:
+        return {
+            "subscribers.add": lambda a: self.subscriber_op("add", a["name"],
+                                                            a.get("start", "earliest")),
+            "subscribers.remove": lambda a: self.subscriber_op("remove", a["name"]),
+            "subscribers.list": lambda a: self.subscribers(),
+        }
+
+    async def subscriber_op(self, op: str, name: str, start: str = "earliest") -> dict[str, Any]:
+        """Add or remove a subscriber on every shard (each shard's ack.log records it)."""
+        validate_name(name)
+        if start not in ("earliest", "latest"):
+            raise ConfigError("start", f"must be 'earliest' or 'latest', not {start!r}")
+        results: list[Any] = [None] * len(self.shards)
+        done = [anyio.Event() for _ in self.shards]
+        for i, shard in enumerate(self.shards):
+            def on_done(result: Any, i: int = i) -> None:
+                results[i] = result
+                done[i].set()
+            await shard.ack_tx.send(SubscriberRequest(op=op, name=name, start=start,
+                                                      on_done=on_done))
+        for event in done:
+            await event.wait()
+        errors = [r for r in results if isinstance(r, Exception)]
+        if len(errors) == len(results):
+            raise errors[0]
+        self.log.info("subscriber_" + ("added" if op == "add" else "removed"), subscriber=name,
+                      start=start)
+        return {"name": name, "op": op, "shards": len(self.shards) - len(errors)}
+
+    def subscribers(self) -> list[dict[str, Any]]:
+        names = sorted({sub.name for s in self.shards for sub in s.acks.registry})
+        return [{"name": n, **self._lag(n)} for n in names]
+
+    def _lag(self, name: str) -> dict[str, Any]:
+        segments = bundles = nbytes = 0
+        dropped = 0
+        for shard in self.shards:
+            if name not in shard.acks.registry:
+                continue
+            lag = shard.acks.lag(name)
+            segments += lag.segments_behind
+            bundles += lag.bundles_pending
+            mark = shard.acks.covered_below(name)
+            nbytes += sum(s.size_bytes for q, s in shard.segments.items() if q >= mark)
+            dropped += shard.gc_stats.dropped_bundles.get(name, 0)
+        return {"lag_segments": segments, "lag_bundles": bundles, "lag_bytes": nbytes,
+                "dropped_bundles": dropped}
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters named after the design document (Prometheus export comes later)."""
+        evictions: dict[str, int] = {}
+        dropped: dict[str, int] = {}
+        for s in self.shards:
+            for reason, n in s.gc_stats.evictions.items():
+                evictions[reason] = evictions.get(reason, 0) + n
+            for sub_name, n in s.gc_stats.dropped_bundles.items():
+                dropped[sub_name] = dropped.get(sub_name, 0) + n
+        return {
+            "quiver_gc_evictions_total": evictions,
+            "quiver_ingest_throttle_total": sum(s.gate.throttled for s in self.shards),
+            "quiver_subscriber_dropped_bundles_total": dropped,
+            "quiver_segment_dropped_total": sum(s.gc_stats.segments_dropped
+                                                for s in self.shards),
+            "quiver_wal_corrupt_entries_total": sum(
+                (s.recovered.replay.get("corrupt_entries", 0) if s.recovered else 0)
+                for s in self.shards),
+            "quiver_subscriber_lag": {sub["name"]: {k: v for k, v in sub.items() if k != "name"}
+                                      for sub in self.subscribers()},
+        }
+
+    def segments(self) -> list[dict[str, Any]]:
+        rows = []
+        for shard in self.shards:
+            for seg in sorted(shard.segments.values(), key=lambda s: s.segment_seq):
+                rows.append({"shard": shard.index, "segment_seq": seg.segment_seq,
+                             "bundles": seg.bundle_count, "bytes": seg.size_bytes,
+                             "first_sequence": seg.first_sequence,
+                             "last_sequence": seg.last_sequence,
+                             "min_ts_ns": seg.min_ts_ns, "max_ts_ns": seg.max_ts_ns,
+                             "path": str(seg.path)})
+        return rows
+
+
+def serve(cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> int:
+    """Run the daemon until shut down; return the process exit code."""
+    logs.configure(cfg.log.format, cfg.log.level)
+    log = logs.get("daemon")
+    if fault_hooks is None:
+        fault_hooks = faults.from_env()
+    if fault_hooks:
+        log.warning("quiverd_fault_injection_active", rules=faults.describe(fault_hooks))
+    if cfg.wal.flush_policy == "never":
+        log.warning("wal_flush_policy_never", hint="acks do not mean durable: tests only")
+    daemon = Daemon(cfg, fault_hooks=fault_hooks)
+    lock_fd = -1
+    try:
+        data_dir = Path(cfg.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock_fd = lock_data_dir(data_dir)  # before the loop: a second instance stops here
+        anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
+    except BaseExceptionGroup as group:
+        return _report_fatal(group, log)
+    except QuiverError as exc:
+        return _report_fatal(BaseExceptionGroup("quiverd", [exc]), log)
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+    if daemon.stopping and _timed_out(daemon):
+        return EXIT_FATAL
+    return 0
+
+
+def _timed_out(daemon: Daemon) -> bool:
+    return any(s.unfinished for s in daemon.shards)
+
+
+def _report_fatal(group: BaseExceptionGroup[BaseException], log: Any) -> int:
+    """Log the first fatal error with its hint; re-raise anything that is a bug."""
+    durability, rest = group.split(DurabilityLost)
+    if durability is not None:
+        exc: BaseException = _first(durability)
+        log.critical("quiverd_fatal_durability", error=str(exc), hint=getattr(exc, "hint", ""))
+        return EXIT_FATAL
+    known, bugs = group.split(QuiverError)
+    if known is None:
+        raise group
+    exc = _first(known)
+    hint = getattr(exc, "hint", "")
+    log.error("quiverd_failed", error=str(exc), hint=hint)
+    print(f"quiverd: {exc}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+    return 2 if isinstance(exc, AlreadyRunning) else EXIT_FATAL
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,381 @@
+"""Segment files: the finalized, read-only form of one shard's open segment.
+
+``segments/<seq:016>.qseg``, all integers little-endian (SPEC §4)::
+
+    [stream 0: Arrow IPC FILE]            offset 0
+    [zero pad to 64][stream 1: IPC FILE]  every stream starts on a 64-byte boundary
+    ...
+    [zero pad to 64][stream directory]    Arrow IPC FILE, one row per stream:
+        stream_id u32, slot_id u16, schema_fingerprint fsb(32), byte_offset u64,
+        byte_length u64, row_count u64, chunk_count u32, min_ingestion_ts i64,
+        max_ingestion_ts i64, omitted_columns list<utf8>,
+        original_schemas list<binary>      every distinct schema (with metadata)
+                                           the producers sent for this stream
+    [zero pad to 64][batch manifest]      Arrow IPC FILE, one row per bundle, arrival order:
+        bundle_index u32, client utf8, ingestion_ts i64, sequence u64 (WAL),
+        txn struct<job_id utf8, partition u32, attempt u32, row_offset u64> (nullable),
+        slot_refs list<struct<slot_id u16, stream_id u32, chunk_index u32,
+                              schema_variant u32, dictionary_maps list<list<int32>>>>
+    [footer, FOOTER_LEN = 2 + 4 + 4 + 8 + 4 + 8 + 4 = 34 bytes]
+        version u16 = 1, stream_count u32, bundle_count u32, directory_offset u64,
+        directory_length u32, manifest_offset u64, manifest_length u32
+    [trailer, TRAILER_LEN = 4 + 8 + 4 = 16 bytes]
+        footer_size u32, magic b"QUIVER\\0S", crc32c u32 over file[:-4]
+
+A stream is every chunk of one ``(slot, schema fingerprint)``; a slot whose IPC
+stream held k batches has k consecutive slot_refs. ``schema_variant`` indexes
+``original_schemas`` (same types, maybe other metadata); ``dictionary_maps``
+lets the reader give back each chunk's original dictionary (quiverd.segments.dictionaries).
+Streams whose schema nests dictionaries inside other types cannot share one
+IPC-file dictionary safely, so each such chunk gets a stream of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from quiverd.kernel import durable
+from quiverd.kernel.bundle import META_SLOT, Bundle, TxnTag
+from quiverd.kernel.crc import crc32c
+from quiverd.segments.dictionaries import has_dictionary, is_unifiable, unify_batches
+from quiverd.segments.schema import representative_schema
+
+Piece = bytes | memoryview
+
+SEGMENT_MODE = 0o440
+VERSION = 1
+ALIGN = 64
+MAGIC = b"QUIVER\0S"
+FOOTER = struct.Struct("<HIIQIQI")  # 2 + 4 + 4 + 8 + 4 + 8 + 4 = 34 bytes
+TRAILER = struct.Struct("<I8sI")  # footer_size, magic, crc32c = 16 bytes
+
+TXN_TYPE = pa.struct([
+    pa.field("job_id", pa.utf8()), pa.field("partition", pa.uint32()),
+    pa.field("attempt", pa.uint32()), pa.field("row_offset", pa.uint64()),
+])
+MAPS_TYPE = pa.list_(pa.list_(pa.int32()))
+SLOT_REF_TYPE = pa.struct([
+    pa.field("slot_id", pa.uint16()), pa.field("stream_id", pa.uint32()),
+    pa.field("chunk_index", pa.uint32()), pa.field("schema_variant", pa.uint32()),
+    pa.field("dictionary_maps", MAPS_TYPE),
+])
+MANIFEST_SCHEMA = pa.schema([
+    pa.field("bundle_index", pa.uint32()), pa.field("client", pa.utf8()),
+    pa.field("ingestion_ts", pa.int64()), pa.field("sequence", pa.uint64()),
+    pa.field("txn", TXN_TYPE), pa.field("slot_refs", pa.list_(SLOT_REF_TYPE)),
+])
+DIRECTORY_SCHEMA = pa.schema([
+    pa.field("stream_id", pa.uint32()), pa.field("slot_id", pa.uint16()),
+    pa.field("schema_fingerprint", pa.binary(32)), pa.field("byte_offset", pa.uint64()),
+    pa.field("byte_length", pa.uint64()), pa.field("row_count", pa.uint64()),
+    pa.field("chunk_count", pa.uint32()), pa.field("min_ingestion_ts", pa.int64()),
+    pa.field("max_ingestion_ts", pa.int64()), pa.field("omitted_columns", pa.list_(pa.utf8())),
+    pa.field("original_schemas", pa.list_(pa.binary())),
+])
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Accumulator for one (slot, fingerprint): decoded batches, zero copy."""
+
+    slot: int
+    fingerprint: bytes
+    schemas: list[pa.Schema] = field(default_factory=list)
+    schema_index: dict[bytes, int] = field(default_factory=dict)
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+    rows: int = 0
+    min_ts: int | None = None
+    max_ts: int | None = None
+
+    def extend(
+        self, stream_id: int, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int
+    ) -> list[ChunkRef]:
+        """Append one bundle's batches; returns their manifest refs."""
+        variant = self.variant(schema)
+        first = len(self.batches)
+        self.batches.extend(batches)
+        self.rows += sum(b.num_rows for b in batches)
+        self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
+        self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
+        return [ChunkRef(self.slot, stream_id, first + k, variant) for k in range(len(batches))]
+
+    def variant(self, schema: pa.Schema) -> int:
+        """Index of ``schema`` (metadata included) among this stream's originals."""
+        if self.schemas and self.schemas[-1].equals(schema, check_metadata=True):
+            return len(self.schemas) - 1
+        key = schema.serialize().to_pybytes()
+        found = self.schema_index.get(key)
+        if found is None:
+            if self.schemas and not self.schemas[0].equals(schema):
+                raise ValueError(f"slot {self.slot}: fingerprint does not match the schema")
+            found = self.schema_index[key] = len(self.schemas)
+            self.schemas.append(schema)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One manifest slot_ref: chunk ``chunk`` of stream ``stream`` holds (part of)
+    slot ``slot``; ``variant`` indexes the stream's original schemas."""
+
+    slot: int
+    stream: int
+    chunk: int
+    variant: int
+
+
+@dataclass(frozen=True, slots=True)
+class BundleEntry:
+    """One manifest row as held in memory."""
+
+    client: str
+    ingestion_ts_ns: int
+    sequence: int
+    txn: TxnTag | None
+    refs: tuple[ChunkRef, ...]
+
+
+class OpenSegment:
+    """In-memory accumulator of one shard's open segment (segment_builder actor).
+
+    Holds decoded batches, not copies: each bundle's IPC payload buffer stays
+    alive through the batches that view it. ``bytes`` counts payload bytes held.
+    """
+
+    def __init__(self) -> None:
+        self._streams: list[_Stream] = []
+        self._by_key: dict[tuple[int, bytes], int] = {}
+        self.entries: list[BundleEntry] = []
+        self.bytes = 0
+        self.first_sequence: int | None = None
+        self.last_sequence: int | None = None
+        self.min_ts: int | None = None
+        self.max_ts: int | None = None
+
+    @property
+    def bundle_count(self) -> int:
+        return len(self.entries)
+
+    @property
+    def stream_count(self) -> int:
+        return len(self._streams)
+
+    @property
+    def streams(self) -> list[_Stream]:
+        return self._streams
+
+    def add(self, bundle: Bundle) -> None:
+        """Append one bundle (ingestion_ts_ns and sequence set, user slots only)."""
+        ts, seq = bundle.ingestion_ts_ns, bundle.sequence
+        # Decode every slot before touching any stream, so a payload Arrow
+        # rejects (ArrowInvalid) leaves this segment exactly as it was.
+        decoded = [(slot, *_decode(slot.ipc)) for slot in bundle.slots]
+        refs: list[ChunkRef] = []
+        for slot, schema, batches in decoded:
+            assert slot.slot < META_SLOT, "metadata slot must be split off before a segment"
+            refs.extend(self._append(slot.slot, slot.fingerprint, schema, batches, ts))
+        self.entries.append(BundleEntry(
+            client=bundle.client, ingestion_ts_ns=ts, sequence=seq, txn=bundle.txn,
+            refs=tuple(refs),
+        ))
+        self.bytes += bundle.payload_bytes
+        if self.first_sequence is None:
+            self.first_sequence = seq
+        self.last_sequence = seq
+        self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
+        self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
+
+    def _append(
+        self, slot: int, fp: bytes, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int
+    ) -> list[ChunkRef]:
+        if _needs_solo_stream(schema):
+            groups = [[b] for b in batches]
+            ids = [self._new_stream(slot, fp) for _ in batches]
+        else:
+            found = self._by_key.get((slot, fp))
+            if found is None:
+                found = self._by_key[(slot, fp)] = self._new_stream(slot, fp)
+            groups, ids = [batches], [found]
+        refs: list[ChunkRef] = []
+        for stream_id, group in zip(ids, groups, strict=True):
+            refs.extend(self._streams[stream_id].extend(stream_id, schema, group, ts))
+        return refs
+
+    def _new_stream(self, slot: int, fp: bytes) -> int:
+        self._streams.append(_Stream(slot, fp))
+        return len(self._streams) - 1
+
+
+def _decode(payload: durable.Buffer) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """Zero-copy decode of one slot's IPC stream; an empty stream becomes one
+    0-row chunk so the slot stays present (it reads back as a 0-row table)."""
+    with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
+        schema = reader.schema
+        batches = list(reader)
+    return schema, batches or [pa.RecordBatch.from_pylist([], schema=schema)]
+
+
+def _needs_solo_stream(schema: pa.Schema) -> bool:
+    """Dictionaries we cannot unify (nested ones) force one stream per chunk."""
+    for f in schema:
+        if pa.types.is_dictionary(f.type):
+            if not is_unifiable(f):
+                return True
+        elif has_dictionary(f.type):
+            return True
+    return False
+
+
+def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int) -> list[Piece]:
+    """The whole segment file as pieces to write in order (blocking, pure).
+
+    Batches are serialized once into one IPC file per stream; only dictionary
+    columns are rebuilt. The last piece carries the footer, trailer and CRC.
+    """
+    pieces: list[Piece] = []
+    offset = 0
+    stream_rows: list[dict[str, object]] = []
+    chunk_maps: list[list[list[pa.Array | None]]] = []
+    for stream_id, stream in enumerate(open_segment.streams):
+        schema = stream.schemas[0]
+        if _needs_solo_stream(schema):
+            stored_schema, batches = schema, stream.batches
+            maps: list[list[pa.Array | None]] = [[] for _ in batches]
+        else:
+            stored_schema, batches, maps = unify_batches(
+                schema, stream.batches, max_dictionary_cardinality
+            )
+        data = _ipc_file(stored_schema, batches)
+        pieces.append(memoryview(data))
+        stream_rows.append(_directory_row(stream_id, stream, offset, data.size))
+        chunk_maps.append(maps)
+        offset = _pad(pieces, offset + data.size)
+    directory = _ipc_file_of(directory_table(stream_rows, open_segment.streams))
+    directory_offset = offset
+    pieces.append(memoryview(directory))
+    offset = _pad(pieces, offset + directory.size)
+    manifest = _ipc_file_of(manifest_table(open_segment.entries, chunk_maps))
+    manifest_offset = offset
+    pieces.append(memoryview(manifest))
+    footer = FOOTER.pack(
+        VERSION, len(stream_rows), open_segment.bundle_count,
+        directory_offset, directory.size, manifest_offset, manifest.size,
+    )
+    crc = 0
+    for piece in pieces:
+        crc = crc32c(piece, crc)
+    tail = footer + TRAILER.pack(FOOTER.size, MAGIC, 0)[:-4]
+    crc = crc32c(tail, crc)
+    pieces.append(tail + struct.pack("<I", crc))
+    return pieces
+
+
+def write_segment(path: str | os.PathLike[str], pieces: list[Piece], *, hook: object = None) -> int:
+    """Write ``pieces`` durably as ``path`` (tmp → fsync → rename → fsync dir),
+    read-only (0440). Blocking: call from a worker thread. Returns bytes written."""
+    return durable.atomic_write(path, pieces, mode=SEGMENT_MODE, hook=hook)
+
+
+def _ipc_file(schema: pa.Schema, batches: list[pa.RecordBatch]) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    return sink.getvalue()
+
+
+def _ipc_file_of(table: pa.Table) -> pa.Buffer:
+    return _ipc_file(table.schema, table.to_batches())
+
+
+def _pad(pieces: list[Piece], end: int) -> int:
+    """Zero-pad so the next region starts on an ALIGN boundary; returns its offset."""
+    gap = -end % ALIGN
+    if gap:
+        pieces.append(bytes(gap))
+    return end + gap
+
+
+def _directory_row(stream_id: int, stream: _Stream, offset: int, length: int) -> dict[str, object]:
+    return {
+        "stream_id": stream_id, "slot_id": stream.slot,
+        "schema_fingerprint": stream.fingerprint, "byte_offset": offset,
+        "byte_length": length, "row_count": stream.rows, "chunk_count": len(stream.batches),
+        "min_ingestion_ts": stream.min_ts, "max_ingestion_ts": stream.max_ts,
+    }
+
+
+def directory_table(rows: list[dict[str, object]], streams: list[_Stream]) -> pa.Table:
+    """The stream directory; omitted columns are judged against the slot's
+    representative schema over this segment's streams."""
+    by_slot: dict[int, list[pa.Schema]] = {}
+    for stream in streams:
+        by_slot.setdefault(stream.slot, []).append(stream.schemas[0])
+    names = {slot: representative_schema(schemas).names for slot, schemas in by_slot.items()}
+    for row, stream in zip(rows, streams, strict=True):
+        present = set(stream.schemas[0].names)
+        row["omitted_columns"] = [n for n in names[stream.slot] if n not in present]
+        row["original_schemas"] = [s.serialize().to_pybytes() for s in stream.schemas]
+    return pa.Table.from_pylist(rows, schema=DIRECTORY_SCHEMA)
+
+
+def manifest_table(
+    entries: list[BundleEntry], chunk_maps: list[list[list[pa.Array | None]]]
+) -> pa.Table:
+    """The batch manifest. Per-chunk work is Python (a few fields per chunk);
+    dictionary maps are assembled as Arrow arrays, never as Python lists."""
+    ref_offsets = [0]
+    slot_ids: list[int] = []
+    stream_ids: list[int] = []
+    chunks: list[int] = []
+    variants: list[int] = []
+    maps: list[list[pa.Array | None]] = []
+    for entry in entries:
+        for ref in entry.refs:
+            slot_ids.append(ref.slot)
+            stream_ids.append(ref.stream)
+            chunks.append(ref.chunk)
+            variants.append(ref.variant)
+            maps.append(chunk_maps[ref.stream][ref.chunk])
+        ref_offsets.append(len(slot_ids))
+    refs = pa.StructArray.from_arrays(
+        [pa.array(slot_ids, pa.uint16()), pa.array(stream_ids, pa.uint32()),
+         pa.array(chunks, pa.uint32()), pa.array(variants, pa.uint32()), _maps_array(maps)],
+        fields=list(SLOT_REF_TYPE),
+    )
+    txns = [None if e.txn is None else {
+        "job_id": e.txn.job_id, "partition": e.txn.partition, "attempt": e.txn.attempt,
+        "row_offset": e.txn.row_offset,
+    } for e in entries]
+    columns = [
+        pa.array(range(len(entries)), pa.uint32()),
+        pa.array([e.client for e in entries], pa.utf8()),
+        pa.array([e.ingestion_ts_ns for e in entries], pa.int64()),
+        pa.array([e.sequence for e in entries], pa.uint64()),
+        pa.array(txns, TXN_TYPE),
+        pa.ListArray.from_arrays(pa.array(ref_offsets, pa.int32()), refs),
+    ]
+    return pa.Table.from_arrays(columns, schema=MANIFEST_SCHEMA)
+
+
+def _maps_array(maps: list[list[pa.Array | None]]) -> pa.Array:
+    """list<list<int32>> from per-chunk lists of optional int32 arrays."""
+    outer = [0]
+    inner = [0]
+    inner_null: list[bool] = []
+    values: list[pa.Array] = []
+    for chunk_maps in maps:
+        for mapping in chunk_maps:
+            inner_null.append(mapping is None)
+            if mapping is not None:
+                values.append(mapping)
+            inner.append(inner[-1] + (0 if mapping is None else len(mapping)))
+        outer.append(len(inner_null))
+    flat = pa.concat_arrays(values) if values else pa.array([], pa.int32())
+    mask = pa.array(inner_null, pa.bool_())
+    inner_array = pa.ListArray.from_arrays(pa.array(inner, pa.int32()), flat, mask=mask)
+    return pa.ListArray.from_arrays(pa.array(outer, pa.int32()), inner_array)

@@ -1,0 +1,88 @@
+"""``quiverd wal dump``: a read-only listing of one WAL file.
+
+Header, then every entry (offset, sequence, ts, slots, rows, CRC ok/bad); the
+prefix already released to segments (per the sidecar) as one row; holes and
+damage as rows of their own, resynchronized the way replay does; a torn tail
+ends the listing. Never modifies the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from quiverd.kernel.bundle import MAX_SLOTS
+from quiverd.kernel.errors import CorruptRecord
+from quiverd.wal import format as wf
+from quiverd.wal.replay import (
+    _NONZERO,
+    _runs_past_eof,
+    find_sound_entry,
+    live_start,
+)
+
+
+def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
+    """Rows describing a WAL file for ``quiverd wal dump``; never modifies the file.
+
+    Bytes a valid sidecar beside the file releases are one ``released`` row, not
+    entries: they may be a punched hole. Damage followed by a sound entry is a
+    ``hole`` row (all zeros) or a ``skipped`` row; only damage with no sound
+    entry after it is a ``torn_tail``, as in replay.
+    """
+    raw = Path(path).read_bytes()
+    try:
+        header = wf.decode_header(raw, path=str(path), expected_cfg_hash=None)
+    except CorruptRecord as exc:
+        yield {"kind": "error", "offset": exc.offset, "message": str(exc)}
+        return
+    yield {
+        "kind": "header", "path": str(path), "version": header.version,
+        "cfg_hash": header.cfg_hash.hex(),
+        "cfg_hash_is_default": header.cfg_hash == wf.DEFAULT_CFG_HASH, "bytes": len(raw),
+    }
+    pos = live_start(Path(path), len(raw))
+    if pos > wf.HEADER_LEN:
+        whole = "whole file" if pos == len(raw) else "space reclaimed"
+        yield {"kind": "released", "offset": wf.HEADER_LEN, "bytes": pos - wf.HEADER_LEN,
+               "message": f"released to segments ({whole})"}
+    while pos < len(raw):
+        try:
+            e = wf.decode_entry(raw, pos, max_entry_bytes=len(raw), path=str(path))
+        except CorruptRecord as exc:
+            resync = None if _runs_past_eof(raw, pos) else find_sound_entry(raw, pos + 1, len(raw))
+            if resync is None:
+                yield {"kind": "torn_tail", "offset": pos, "bytes": len(raw) - pos,
+                       "message": str(exc)}
+                return
+            yield from _skipped_rows(raw, pos, resync, str(exc))
+            pos = resync
+            continue
+        yield _entry_row(e)
+        pos += e.total_len
+
+
+def _entry_row(e: wf.DecodedEntry) -> dict[str, Any]:
+    parsed = e.sound and e.entry_type in wf.KNOWN_ENTRY_TYPES
+    return {
+        "kind": "entry", "offset": e.offset, "sequence": e.sequence, "ts_ns": e.ts_ns,
+        "entry_type": e.entry_type,
+        "slots": [n for n in range(MAX_SLOTS) if e.slot_bitmap >> n & 1],
+        "rows": sum(s.row_count for s in e.slots) if parsed else None,
+        "payload_bytes": sum(len(s.ipc) for s in e.slots) if parsed else None,
+        "bytes": e.total_len, "crc": "ok" if e.crc_ok else "bad", "problem": e.problem,
+    }
+
+
+def _skipped_rows(raw: bytes, pos: int, resync: int, reason: str) -> Iterator[dict[str, Any]]:
+    """A leading zero run is a punched hole; what follows it up to ``resync`` is damage
+    (or, right after a hole, the tail of an entry the hole's edge cut)."""
+    match = _NONZERO.search(raw, pos, resync)
+    data_at = resync if match is None else match.start()
+    if data_at > pos:
+        yield {"kind": "hole", "offset": pos, "bytes": data_at - pos,
+               "message": f"zeroed bytes (a punched hole), sound entry at {resync}"}
+    if data_at < resync:
+        yield {"kind": "skipped", "offset": data_at, "bytes": resync - data_at,
+               "message": f"damaged bytes, sound entry at {resync}: {reason}"}
