@@ -1,41 +1,49 @@
-"""Ack logger: one per shard, the only writer of ack.log and of the shard's AckState.
+"""Ack logger: one per shard, the only writer of ack.log, the AckState and the segment table.
 
-    finalizer ──FinalizedSegment──┐
-    dispatcher ─OutcomeRequest────┤
-    admin ──────SubscriberRequest─┼─▶ ack_logger ──(Changes.notify)──▶ dispatcher, gc_sweeper
-    gc_sweeper ─DropRequest───────┤
-    gc_sweeper ─SegmentGone───────┘
+    finalizer ──SegmentWritten──────────┐
+    dispatcher ─RecordOutcome───────────┤
+    admin ──────ChangeSubscriber────────┼─▶ ack_logger ──(Changes.notify)──▶ dispatcher, gc_sweeper
+    gc_sweeper ─RetireSegments──────────┤         └── Reply given per request
+    gc_sweeper ─SegmentsDeleted─────────┘
 
 Each batch of requests becomes ack.log records that are appended and covered by
 one fdatasync (group commit); only then are they applied to the AckState and
-the requesters told, so a high-water mark is never ahead of the durable acks.
-A failed fdatasync raises DurabilityLost (fatal for the shard, never retried).
-The log is compacted into one checkpoint once ``compact_threshold_bytes`` of
-records accumulated, which bounds replay.
+the segment table, and only then are the requests' replies given, so a
+high-water mark is never ahead of the durable acks. A failed fdatasync raises
+DurabilityLost (fatal for the shard, never retried). The log is compacted into
+one checkpoint once ``compact_threshold_bytes`` of records accumulated, which
+bounds replay.
+
+The segment table follows ack.log: a segment is listed once its SEGMENT record
+is durable, and leaves the table when the gc retires it (after the ``dropped``
+outcomes a retention retirement needs are durable), before its file is unlinked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from actors.messages import (
-    AckLogMessage,
-    DropRequest,
-    FinalizedSegment,
-    OutcomeRequest,
-    SegmentGone,
-    SubscriberRequest,
+    AckLogRequest,
+    ChangeSubscriber,
+    RecordOutcome,
+    Retired,
+    RetireSegments,
+    SegmentsDeleted,
+    SegmentWritten,
 )
 from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.state import AckState
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import DurabilityLost, QuiverError
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.reply import Reply
+from quiverd.segments.table import SegmentTable
 
 MAX_BATCH = 1024
 COMPACT_THRESHOLD_BYTES = 4 * 1024 * 1024
@@ -48,26 +56,24 @@ class AckLogStats:
     compactions: int = 0
     log_bytes: int = 0
     segments_deleted: dict[str, int] = field(default_factory=dict)  # by reason
-    dropped_bundles: dict[str, int] = field(default_factory=dict)  # by subscriber
-    segments_dropped: int = 0
 
 
 async def run(
-    inbox: MemoryObjectReceiveStream[AckLogMessage],
+    inbox: MemoryObjectReceiveStream[AckLogRequest],
     *,
     state: AckState,
     file: AckLogFile,
-    segments: dict[int, Any],
-    on_segment: Any,
+    segments: SegmentTable,
     changes: Changes,
     limiter: CapacityLimiter,
     stats: AckLogStats,
-    log: Any,
+    log: Logger,
     compact_threshold_bytes: int = COMPACT_THRESHOLD_BYTES,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Make requests durable in ack.log, apply them, notify; until ``inbox`` ends."""
+    """Make requests durable in ack.log, apply them, answer, notify; until ``inbox`` ends."""
     stats.log_bytes = file.size
+    committer = _Committer(state, file, segments, limiter, stats)
     async with inbox:
         task_status.started()
         try:
@@ -79,7 +85,7 @@ async def run(
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
                 for chunk in _split_at_subscriber_ops(batch):
-                    await _commit(chunk, state, file, segments, on_segment, limiter, stats, log)
+                    await committer.commit(chunk)
                 changes.notify()
                 if file.should_compact(compact_threshold_bytes):
                     stats.log_bytes = await anyio.to_thread.run_sync(file.compact, state,
@@ -90,47 +96,126 @@ async def run(
             await anyio.to_thread.run_sync(file.close, limiter=limiter)
 
 
-def _split_at_subscriber_ops(batch: list[AckLogMessage]) -> list[list[AckLogMessage]]:
+def _split_at_subscriber_ops(batch: list[AckLogRequest]) -> list[list[AckLogRequest]]:
     """A subscriber add takes its id when applied: at most one per durable batch."""
-    chunks: list[list[AckLogMessage]] = [[]]
+    chunks: list[list[AckLogRequest]] = [[]]
     for msg in batch:
-        if isinstance(msg, SubscriberRequest) and any(
-                isinstance(m, SubscriberRequest) for m in chunks[-1]):
+        if isinstance(msg, ChangeSubscriber) and any(
+                isinstance(m, ChangeSubscriber) for m in chunks[-1]):
             chunks.append([])
         chunks[-1].append(msg)
     return chunks
 
 
-async def _commit(chunk: list[AckLogMessage], state: AckState, file: AckLogFile,
-                  segments: dict[int, Any], on_segment: Any, limiter: CapacityLimiter,
-                  stats: AckLogStats, log: Any) -> None:
-    records: list[Any] = []
-    done: list[tuple[Any, Any]] = []  # (callback, result) to call after apply
-    for msg in chunk:
-        try:
-            recs, result = _propose(msg, state)
-        except (QuiverError, ValueError, KeyError) as exc:
-            done.append((getattr(msg, "on_done", None), exc))
-            continue
-        records += recs
-        done.append((getattr(msg, "on_done", None), result))
-    if records:
+class _Committer:
+    """Turns one chunk of requests into records, one fdatasync, state changes and replies."""
+
+    def __init__(self, state: AckState, file: AckLogFile, segments: SegmentTable,
+                 limiter: CapacityLimiter, stats: AckLogStats) -> None:
+        self.state, self.file, self.segments = state, file, segments
+        self.limiter, self.stats = limiter, stats
+
+    async def commit(self, chunk: list[AckLogRequest]) -> None:
+        records: list[fmt.Record] = []
+        answers: list[_Answer] = []
+        for msg in chunk:
+            try:
+                recs, answer = self._propose(msg)
+            except (QuiverError, ValueError, KeyError) as exc:
+                if (reply := _reply_of(msg)) is not None:
+                    answers.append(_Answer(reply, error=exc))
+                continue
+            records += recs
+            if answer is not None:
+                answers.append(answer)
+        if records:
+            await self._append(records)
+            for r in records:
+                self.state.apply(r)
+        for msg in chunk:
+            self._update_table(msg)
+        for answer in answers:
+            answer.give()
+
+    def _propose(self, msg: AckLogRequest) -> tuple[list[fmt.Record], _Answer | None]:
+        state = self.state
+        if isinstance(msg, SegmentWritten):
+            if msg.info.segment_seq in state.live_segments():
+                return [], None  # announced by recovery already
+            return [state.segment_finalized(msg.info.segment_seq, msg.info.bundle_count)], None
+        if isinstance(msg, RecordOutcome):
+            rec = state.record_outcome(msg.subscriber, msg.segment_seq, msg.bundle_index,
+                                       msg.outcome)
+            return ([rec] if rec is not None else []), _Answer(msg.reply, value=None)
+        if isinstance(msg, ChangeSubscriber):
+            change = (state.add_subscriber(msg.name, msg.start) if msg.op == "add"
+                      else state.remove_subscriber(msg.name))
+            return [change], _Answer(msg.reply, value=None)
+        if isinstance(msg, RetireSegments):
+            return self._retire(msg)
+        return [state.segment_deleted(seq) for seq in msg.segment_seqs], None
+
+    def _retire(self, msg: RetireSegments) -> tuple[list[fmt.Record], _Answer]:
+        """``dropped`` outcomes first for a retention reason; the rows leave the table after."""
+        records: list[fmt.Record] = []
+        dropped: dict[str, int] = {}
+        with_drops = 0
+        if msg.reason != "acked":
+            for seq in msg.segment_seqs:
+                plan = self.state.drop_segment(seq)
+                records += plan.records
+                for sub, n in plan.dropped_by_subscriber.items():
+                    dropped[sub] = dropped.get(sub, 0) + n
+                with_drops += bool(plan.dropped_by_subscriber)
+        retiring = tuple(info for seq in msg.segment_seqs
+                         if (info := self.segments.get(seq)) is not None)
+        return records, _Answer(msg.reply, value=Retired(
+            segments=retiring, dropped_by_subscriber=dropped, segments_with_drops=with_drops))
+
+    def _update_table(self, msg: AckLogRequest) -> None:
+        """Keep the segment table in step with what ack.log now says."""
+        if isinstance(msg, SegmentWritten):
+            self.segments.add(msg.info)
+        elif isinstance(msg, RetireSegments):
+            for seq in msg.segment_seqs:
+                self.segments.remove(seq)
+        elif isinstance(msg, SegmentsDeleted):
+            n = len(msg.segment_seqs)
+            self.stats.segments_deleted[msg.reason] = (
+                self.stats.segments_deleted.get(msg.reason, 0) + n)
+
+    async def _append(self, records: list[fmt.Record]) -> None:
         encoded = [fmt.encode(r) for r in records]
         try:
-            await anyio.to_thread.run_sync(_append_sync, file, encoded, limiter=limiter)
+            await anyio.to_thread.run_sync(_append_sync, self.file, encoded,
+                                           limiter=self.limiter)
         except OSError as exc:
-            raise DurabilityLost(f"ack.log write/fdatasync failed at {file.path}: "
+            raise DurabilityLost(f"ack.log write/fdatasync failed at {self.file.path}: "
                                  f"{exc.strerror or exc}; the shard stops") from exc
-        stats.fsyncs += 1
-        stats.records += len(records)
-        stats.log_bytes = file.size
-        for r in records:
-            state.apply(r)
-    for msg in chunk:
-        _after_apply(msg, segments, on_segment, stats)
-    for callback, result in done:
-        if callback is not None:
-            callback(result)
+        self.stats.fsyncs += 1
+        self.stats.records += len(records)
+        self.stats.log_bytes = self.file.size
+
+
+@dataclass
+class _Answer:
+    """A reply to give once the batch is durable and applied."""
+
+    reply: Reply[None] | Reply[Retired]
+    value: None | Retired = None
+    error: Exception | None = None
+
+    def give(self) -> None:
+        if self.error is not None:
+            self.reply.fail(self.error)
+        else:
+            self.reply.set(self.value)  # type: ignore[arg-type]
+
+
+def _reply_of(msg: AckLogRequest) -> Reply[None] | Reply[Retired] | None:
+    if isinstance(msg, RecordOutcome | ChangeSubscriber | RetireSegments):
+        return msg.reply
+    return None
 
 
 def _append_sync(file: AckLogFile, encoded: list[bytes]) -> None:
@@ -138,29 +223,3 @@ def _append_sync(file: AckLogFile, encoded: list[bytes]) -> None:
     file.sync()
 
 
-def _propose(msg: AckLogMessage, state: AckState) -> tuple[list[Any], Any]:
-    if isinstance(msg, FinalizedSegment):
-        if msg.segment_seq in state.live_segments():
-            return [], None  # announced by recovery already
-        return [state.segment_finalized(msg.segment_seq, msg.bundle_count)], None
-    if isinstance(msg, OutcomeRequest):
-        rec = state.record_outcome(msg.subscriber, msg.segment_seq, msg.bundle_index, msg.outcome)
-        return ([rec] if rec is not None else []), rec
-    if isinstance(msg, SubscriberRequest):
-        if msg.op == "add":
-            return [state.add_subscriber(msg.name, msg.start)], msg.name  # type: ignore[arg-type]
-        return [state.remove_subscriber(msg.name)], msg.name
-    if isinstance(msg, DropRequest):
-        plan = state.drop_segment(msg.segment_seq)
-        return list(plan.records), dict(plan.dropped_by_subscriber)
-    return [state.segment_deleted(msg.segment_seq)], None
-
-
-def _after_apply(msg: AckLogMessage, segments: dict[int, Any], on_segment: Any,
-                 stats: AckLogStats) -> None:
-    """Keep the shard's segment table in step with what ack.log now says."""
-    if isinstance(msg, FinalizedSegment):
-        on_segment(msg)
-    elif isinstance(msg, SegmentGone):
-        segments.pop(msg.segment_seq, None)
-        stats.segments_deleted[msg.reason] = stats.segments_deleted.get(msg.reason, 0) + 1

@@ -2,7 +2,7 @@
 
     ack_logger ──(Changes)──▶ dispatcher ──Delivery──▶ subscriber sessions (sockets)
                                    │  ◀── ack / nack from the sessions
-                                   └──OutcomeRequest──▶ ack_logger
+                                   └──RecordOutcome──▶ ack_logger (Reply given once durable)
 
 For every attached session it walks ``AckState.pending_for(name)`` oldest
 first and sends what is neither in flight nor waiting out a nack backoff, up
@@ -11,6 +11,11 @@ hop per batch. A nack is redelivered after ``base * 2**n`` (capped) with
 jitter; a session that goes away gives its in-flight bundles back, so they are
 delivered again on reconnect: delivery is at least once, and ids
 ``(shard, segment_seq, bundle_index)`` let consumers deduplicate.
+
+An ack or nack stays in flight until the ack_logger's reply says it is durable
+(the same commit wakes this actor through ``Changes``): then the bundle leaves
+flight, and a nacked one waits out its backoff. The segment table is read
+only (``SegmentView``): the ack_logger lists and retires segments.
 """
 
 from __future__ import annotations
@@ -19,19 +24,22 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.messages import AckLogMessage, OutcomeRequest
+from actors.messages import AckLogRequest, RecordOutcome
 from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
-from quiverd.kernel.bundle import encode_ipc_stream, make_slot
+from quiverd.kernel.bundle import make_slot
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.reply import Reply
+from quiverd.protocol.frames import Delivery
 from quiverd.segments.reader import SegmentReader
+from quiverd.segments.table import SegmentView
 
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 30.0
@@ -45,11 +53,11 @@ class Session:
 
     name: str
     window: int
-    deliveries: MemoryObjectSendStream[Any]  # buffer == window: send_nowait never blocks
+    deliveries: MemoryObjectSendStream[Delivery]  # buffer == window: send_nowait never blocks
     unacked: int = 0
     closed: bool = False
     ended: str = ""  # why the daemon ended this session (e.g. the subscriber was removed)
-    scope: Any = None  # the connection's cancel scope, cancelled by ``end``
+    scope: anyio.CancelScope | None = None  # the connection's, cancelled by ``end``
     # Every attached shard's Changes: the window is shared, so room freed by an ack
     # on one shard must wake the dispatchers of all shards.
     wakers: list[Changes] = field(default_factory=list)
@@ -82,11 +90,11 @@ class DispatchStats:
 class Dispatcher:
     shard: int
     state: AckState
-    segments: dict[int, Any]  # segment_seq -> SegmentInfo (path, ...)
-    ack_log: MemoryObjectSendStream[AckLogMessage]
+    segments: SegmentView
+    ack_log: MemoryObjectSendStream[AckLogRequest]
     changes: Changes
     limiter: CapacityLimiter
-    log: Any
+    log: Logger
     stats: DispatchStats = field(default_factory=DispatchStats)
     sessions: list[Session] = field(default_factory=list)
     # (subscriber, segment_seq, bundle_index) -> session holding it
@@ -95,6 +103,7 @@ class Dispatcher:
     delivered_once: set[tuple[str, int, int]] = field(default_factory=set)
     readers: OrderedDict[int, SegmentReader] = field(default_factory=OrderedDict)
     unreadable: set[int] = field(default_factory=set)  # segments already reported
+    awaiting: list[_Feedback] = field(default_factory=list)  # outcomes not yet settled
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -111,6 +120,7 @@ class Dispatcher:
         try:
             while True:
                 version = self.changes.version
+                self._settle()
                 await self._fill()
                 with anyio.move_on_after(self._next_backoff_s()):
                     await self.changes.wait_beyond(version)
@@ -141,31 +151,37 @@ class Dispatcher:
         key = (session.name, segment_seq, bundle_index)
         if self.inflight.get(key) is session:
             session.unacked -= 1
-            session.room_freed()  # refill now; the bundle stays in flight until applied
+            session.room_freed()  # refill now; the bundle stays in flight until settled
         if outcome == fmt.ACK:
             self.stats.acks += 1
         else:
             self.stats.nacks += 1
+        reply: Reply[None] = Reply()
+        self.awaiting.append(_Feedback(key=key, session=session, outcome=outcome, reply=reply))
+        await self.ack_log.send(RecordOutcome(
+            subscriber=session.name, segment_seq=segment_seq, bundle_index=bundle_index,
+            outcome=outcome, reply=reply))
 
-        def done(result: Any) -> None:
+    def _settle(self) -> None:
+        """Outcomes the ack_logger made durable leave flight; a nack starts its backoff."""
+        still: list[_Feedback] = []
+        for fb in self.awaiting:
+            if not fb.reply.done:
+                still.append(fb)
+                continue
+            session, key = fb.session, fb.key
             if self.inflight.get(key) is session:
                 del self.inflight[key]
-            if outcome == fmt.NACK:
-                n = self.state.nack_count(session.name, segment_seq, bundle_index) \
-                    if session.name in self.state.registry else 1
+            if fb.outcome == fmt.NACK:
+                n = (self.state.nack_count(*key) if session.name in self.state.registry else 1)
                 delay = min(BACKOFF_BASE_S * 2 ** max(n - 1, 0), BACKOFF_MAX_S)
                 self.backoff[key] = anyio.current_time() + delay * random.uniform(0.5, 1.0)
             else:
                 self.backoff.pop(key, None)
-            if isinstance(result, Exception):
+            if fb.reply.error is not None:
                 self.log.info("subscriber_feedback_ignored", subscriber=session.name,
-                              segment_seq=segment_seq, bundle_index=bundle_index,
-                              error=str(result))
-            self.changes.notify()
-
-        await self.ack_log.send(OutcomeRequest(
-            subscriber=session.name, segment_seq=segment_seq, bundle_index=bundle_index,
-            outcome=outcome, on_done=done))
+                              segment_seq=key[1], bundle_index=key[2], error=str(fb.reply.error))
+        self.awaiting = still
 
     # ---- delivery ---------------------------------------------------------------
     def _next_backoff_s(self) -> float:
@@ -200,7 +216,7 @@ class Dispatcher:
 
     async def _deliver(self, session: Session, picks: list[tuple[int, int]]) -> None:
         paths = {seg: self.segments[seg].path for seg, _ in picks}
-        live = set(self.segments)
+        live = set(self.segments.seqs())
         frames = await anyio.to_thread.run_sync(self._read, picks, paths, live,
                                                 limiter=self.limiter)
         for (seg, idx), frame in zip(picks, frames, strict=True):
@@ -230,7 +246,7 @@ class Dispatcher:
                     self.delivered_once.clear()  # only feeds the redelivery counter
 
     def _read(self, picks: list[tuple[int, int]], paths: dict[int, Path],
-              live: set[int]) -> list[Any]:
+              live: set[int]) -> list[Delivery | None]:
         """Read and encode the picked bundles (worker thread; owns the reader cache)."""
         for seg in [s for s in self.readers if s not in live]:
             self.readers.pop(seg).close()  # deleted by the gc: release the mapping
@@ -241,7 +257,7 @@ class Dispatcher:
             except (OSError, CorruptRecord):
                 out.append(None)
                 continue
-            slots = [make_slot(slot, table) for slot, table in sorted(b.slots.items())]
+            slots = tuple(make_slot(slot, table) for slot, table in sorted(b.slots.items()))
             out.append(Delivery(shard=self.shard, segment_seq=seg, bundle_index=idx,
                                 client=b.client, txn=b.txn, ingestion_ts_ns=b.ingestion_ts_ns,
                                 slots=slots))
@@ -259,14 +275,13 @@ class Dispatcher:
 
 
 @dataclass(frozen=True)
-class Delivery:
-    shard: int
-    segment_seq: int
-    bundle_index: int
-    client: str
-    txn: Any
-    ingestion_ts_ns: int
-    slots: list[Any]
+class _Feedback:
+    """An ack or nack sent to the ack_logger, settled when its reply is given."""
+
+    key: tuple[str, int, int]  # (subscriber, segment_seq, bundle_index)
+    session: Session
+    outcome: int
+    reply: Reply[None]
 
 
-__all__ = ["Dispatcher", "Session", "Delivery", "encode_ipc_stream"]
+__all__ = ["Dispatcher", "DispatchStats", "Session"]

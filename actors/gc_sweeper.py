@@ -1,7 +1,7 @@
 """GC sweeper: one per shard. Deletes segments that are fully acked or past retention.
 
-    ack_logger ──(Changes)──▶ gc_sweeper ──DropRequest / SegmentGone──▶ ack_logger
-                                   └── sets the shard's RetentionGate (ingest backpressure)
+    ack_logger ──(Changes)──▶ gc_sweeper ──RetireSegments / SegmentsDeleted──▶ ack_logger
+                                   └── refreshes the shard's RetentionGate (ingest backpressure)
 
 Steady state: a segment every registered subscriber's mark covers is deleted.
 Retention, per shard (``size_cap_bytes / shards``), over WAL + segments + ack.log:
@@ -11,50 +11,34 @@ Retention, per shard (``size_cap_bytes / shards``), over WAL + segments + ack.lo
   outcomes for every subscriber that lacked them are durable in ack.log.
 ``max_age_s`` deletes segments whose newest bundle is older (drop, then delete).
 
-Deleting is: raise the DELETED marker (replay must not resurrect the segment's
-WAL entries) → unlink → fsync(dir) → SEGMENT_DELETED in ack.log.
+One sweep deletes in batches, one per reason, each in three steps: the
+ack_logger retires the batch (``dropped`` outcomes durable first for a retention
+reason; the segments leave the table, so the dispatcher stops reading them) →
+one DELETED marker write, the unlinks, one directory fsync → SEGMENT_DELETED
+records in one ack.log commit. A crash between steps is reconciled at startup.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.messages import AckLogMessage, DropRequest, SegmentGone
+from actors.messages import AckLogRequest, Retired, RetireReason, RetireSegments, SegmentsDeleted
+from actors.retention_gate import RetentionGate
 from quiverd.acks.state import AckState
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import RetentionConfig
-from quiverd.kernel.durable import fsync_dir
-from quiverd.segments.markers import DELETED, Deleted, read_marker, write_marker
+from quiverd.kernel.layout import ShardLayout
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.reply import Reply
+from quiverd.segments.files import delete_segments
+from quiverd.segments.table import SegmentView
 
 SWEEP_INTERVAL_S = 1.0
-
-
-@dataclass
-class RetentionGate:
-    """Closed while the shard is over its size cap under ``backpressure``."""
-
-    cap_bytes: int
-    usage: Any  # callable() -> bytes used by the shard
-    closed: bool = False
-    opened: anyio.Event = field(default_factory=anyio.Event)
-    throttled: int = 0  # quiver_ingest_throttle_total
-
-    def over(self) -> bool:
-        return self.cap_bytes > 0 and self.usage() >= self.cap_bytes
-
-    def refresh(self) -> None:
-        self.closed = self.over()
-        if not self.closed:
-            self.opened.set()
-            self.opened = anyio.Event()
 
 
 @dataclass
@@ -62,29 +46,31 @@ class GcStats:
     evictions: dict[str, int] = field(default_factory=dict)  # quiver_gc_evictions_total{reason}
     segments_dropped: int = 0  # quiver_segment_dropped_total
     dropped_bundles: dict[str, int] = field(default_factory=dict)  # {subscriber}
+    sweeps: int = 0
+    fsync_batches: int = 0  # deletion batches (each: one marker write, one dir fsync)
 
 
 async def run(
-    ack_log: MemoryObjectSendStream[AckLogMessage],
+    ack_log: MemoryObjectSendStream[AckLogRequest],
     *,
     state: AckState,
-    segments: dict[int, Any],
-    segments_dir: Path,
+    segments: SegmentView,
+    shard: ShardLayout,
     cfg: RetentionConfig,
     gate: RetentionGate,
-    pressure: Changes,
+    over_cap: Changes,
     changes: Changes,
     limiter: CapacityLimiter,
     stats: GcStats,
-    log: Any,
+    log: Logger,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Sweep on every state change, on ingest pressure and once a second."""
-    sweeper = _Sweeper(ack_log, state, segments, segments_dir, cfg, gate, limiter, stats, log)
+    """Sweep on every ack state change, when ingest hits the cap, and once a second."""
+    sweeper = _Sweeper(ack_log, state, segments, shard, cfg, gate, limiter, stats, log)
     async with ack_log:
         task_status.started()
         while True:
-            version, pressed = changes.version, pressure.version
+            version, pressed = changes.version, over_cap.version
             await sweeper.sweep()
             with anyio.move_on_after(SWEEP_INTERVAL_S):
                 async with anyio.create_task_group() as tg:
@@ -92,74 +78,68 @@ async def run(
                         await c.wait_beyond(v)
                         tg.cancel_scope.cancel()
                     tg.start_soon(wake, changes, version)
-                    tg.start_soon(wake, pressure, pressed)
+                    tg.start_soon(wake, over_cap, pressed)
 
 
 class _Sweeper:
-    def __init__(self, ack_log: MemoryObjectSendStream[AckLogMessage], state: AckState,
-                 segments: dict[int, Any], segments_dir: Path, cfg: RetentionConfig,
+    def __init__(self, ack_log: MemoryObjectSendStream[AckLogRequest], state: AckState,
+                 segments: SegmentView, shard: ShardLayout, cfg: RetentionConfig,
                  gate: RetentionGate, limiter: CapacityLimiter, stats: GcStats,
-                 log: Any) -> None:
+                 log: Logger) -> None:
         self.ack_log, self.state, self.segments = ack_log, state, segments
-        self.dir, self.cfg, self.gate, self.limiter = segments_dir, cfg, gate, limiter
+        self.shard, self.cfg, self.gate, self.limiter = shard, cfg, gate, limiter
         self.stats, self.log = stats, log
 
     async def sweep(self) -> None:
-        for seq in self.state.deletable_segments():
-            if seq in self.segments:
-                await self._delete(seq, "acked")
+        self.stats.sweeps += 1
+        await self._delete([s for s in self.state.deletable_segments() if s in self.segments],
+                           "acked")
         if self.cfg.max_age_s:
             horizon = time.time_ns() - self.cfg.max_age_s * 1_000_000_000
-            for seq in sorted(self.segments):
-                if seq in self.segments and self.segments[seq].max_ts_ns < horizon:
-                    await self._drop_and_delete(seq, "max_age")
+            await self._delete([s.segment_seq for s in self.segments if s.max_ts_ns < horizon],
+                               "max_age")
         if self.cfg.size_cap_policy == "drop_oldest":
-            while self.gate.over() and self._oldest() is not None:
-                await self._drop_and_delete(self._oldest(), "size_cap")  # type: ignore[arg-type]
+            await self._delete(self._oldest_over_cap(), "size_cap")
         self.gate.refresh()
 
-    def _oldest(self) -> int | None:
-        return min(self.segments) if self.segments else None
+    def _oldest_over_cap(self) -> list[int]:
+        """The oldest segments whose bytes bring the shard back under its cap."""
+        excess = self.gate.excess_bytes()
+        picked: list[int] = []
+        for seg in self.segments:
+            if excess <= 0:
+                break
+            picked.append(seg.segment_seq)
+            excess -= seg.size_bytes
+        return picked
 
-    async def _drop_and_delete(self, seq: int, reason: str) -> None:
-        done = anyio.Event()
-        result: dict[str, Any] = {}
+    async def _delete(self, seqs: list[int], reason: RetireReason) -> None:
+        if not seqs:
+            return
+        reply: Reply[Retired] = Reply()
+        await self.ack_log.send(RetireSegments(segment_seqs=tuple(seqs), reason=reason,
+                                               reply=reply))
+        retired = await reply.wait()
+        if not retired.segments:
+            return
+        self._count_drops(retired, reason)
+        await anyio.to_thread.run_sync(delete_segments, self.shard, retired.segments,
+                                       limiter=self.limiter)
+        self.stats.fsync_batches += 1
+        n = len(retired.segments)
+        self.stats.evictions[reason] = self.stats.evictions.get(reason, 0) + n
+        self.log.info("segments_deleted", reason=reason, segments=n,
+                      first_segment_seq=retired.segments[0].segment_seq,
+                      last_segment_seq=retired.segments[-1].segment_seq,
+                      bytes=sum(s.size_bytes for s in retired.segments))
+        await self.ack_log.send(SegmentsDeleted(
+            segment_seqs=tuple(s.segment_seq for s in retired.segments), reason=reason))
 
-        def on_done(counts: Any) -> None:
-            result["counts"] = counts
-            done.set()
-
-        await self.ack_log.send(DropRequest(segment_seq=seq, on_done=on_done))
-        await done.wait()
-        counts = result["counts"]
-        if isinstance(counts, Exception):
-            raise counts
-        for sub, n in counts.items():
-            self.stats.dropped_bundles[sub] = self.stats.dropped_bundles.get(sub, 0) + n
-        if counts:
-            self.stats.segments_dropped += 1
-            self.log.warning("segment_dropped", segment_seq=seq, reason=reason,
-                             dropped_by_subscriber=counts)
-        await self._delete(seq, reason)
-
-    async def _delete(self, seq: int, reason: str) -> None:
-        # Out of the table first, so the dispatcher stops reading it; the file goes
-        # next, and SEGMENT_DELETED last (recovery reconciles a crash in between).
-        info = self.segments.pop(seq)
-        await anyio.to_thread.run_sync(_unlink_segment, self.dir, info.path,
-                                       info.last_sequence, limiter=self.limiter)
-        self.stats.evictions[reason] = self.stats.evictions.get(reason, 0) + 1
-        self.log.info("segment_deleted", segment_seq=seq, reason=reason, bytes=info.size_bytes)
-        await self.ack_log.send(SegmentGone(segment_seq=seq, reason=reason))
-
-
-def _unlink_segment(segments_dir: Path, path: Path, last_sequence: int) -> None:
-    marker = segments_dir / DELETED
-    current = read_marker(marker, Deleted)
-    if last_sequence > current.wal_sequence:
-        write_marker(marker, Deleted(wal_sequence=last_sequence))
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    fsync_dir(segments_dir)
+    def _count_drops(self, retired: Retired, reason: RetireReason) -> None:
+        for sub, count in retired.dropped_by_subscriber.items():
+            self.stats.dropped_bundles[sub] = self.stats.dropped_bundles.get(sub, 0) + count
+        self.stats.segments_dropped += retired.segments_with_drops
+        if retired.dropped_by_subscriber:
+            self.log.warning("segments_dropped", reason=reason,
+                             segments=retired.segments_with_drops,
+                             dropped_by_subscriber=retired.dropped_by_subscriber)

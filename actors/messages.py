@@ -1,31 +1,35 @@
-"""Messages that travel between actors: frozen, keyword-only msgspec Structs.
+"""What crosses an actor boundary: frozen, keyword-only msgspec Structs.
 
-Replies to producers travel on a per-connection memory stream whose buffer is
-the connection's in-flight bound, so an actor's ``send_nowait`` never blocks.
+    ingest ──AppendRequest──▶ wal_writer ──DurableBatch──▶ segment_builder ──SealedSegment──▶
+    finalizer ──WalReleased──▶ wal_writer
+    finalizer ──SegmentWritten──────────────┐
+    dispatcher ──RecordOutcome──────────────┤
+    admin ──ChangeSubscriber────────────────┼──▶ ack_logger (one inbox: AckLogRequest)
+    gc_sweeper ──RetireSegments, SegmentsDeleted┘
+
+Requests that need an answer carry a ``Reply`` (``quiverd.kernel.reply``), given
+once by the actor that handles them; nothing inside a message is code to run.
+Producers' answers are protocol ``Ack``/``Error`` values on a per-connection
+stream whose buffer is the connection's in-flight bound, so an actor's
+``send_nowait`` never blocks.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
 
 from quiverd.kernel.bundle import Bundle
+from quiverd.kernel.reply import Reply
+from quiverd.protocol.frames import Ack, Error
+from quiverd.segments.open_segment import OpenSegment
+from quiverd.segments.table import SegmentInfo
 
-
-class AckReply(msgspec.Struct, frozen=True, kw_only=True):
-    request_id: int
-    shard: int
-    sequence: int
-
-
-class ErrorReply(msgspec.Struct, frozen=True, kw_only=True):
-    request_id: int
-    code: int
-    message: str
-
-
-Reply = AckReply | ErrorReply
+ProducerReply = Ack | Error
+SealReason = Literal["size", "age", "streams", "shutdown", "pressure"]
+RetireReason = Literal["acked", "max_age", "size_cap"]
 
 
 class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,7 +37,7 @@ class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: int
     bundle: Bundle
-    reply: Any  # MemoryObjectSendStream[Reply] of the producer's connection
+    reply: MemoryObjectSendStream[ProducerReply]  # the producer's connection
 
 
 class DurableBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,52 +56,65 @@ class SealedSegment(msgspec.Struct, frozen=True, kw_only=True):
     """An open segment handed from the builder to the finalizer (ownership moves)."""
 
     segment_seq: int
-    segment: Any  # segment.OpenSegment
-    reason: str  # size | age | streams | shutdown | pressure
+    segment: OpenSegment
+    reason: SealReason
 
 
-class FinalizedSegment(msgspec.Struct, frozen=True, kw_only=True):
-    """A durable, read-only segment file."""
+class SegmentWritten(msgspec.Struct, frozen=True, kw_only=True):
+    """The finalizer wrote a segment file durably; the ack_logger records and lists it."""
 
-    segment_seq: int
-    path: str
-    bundle_count: int
-    size_bytes: int
-    first_sequence: int
-    last_sequence: int
-    min_ts_ns: int
-    max_ts_ns: int
+    info: SegmentInfo
 
 
-class OutcomeRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A consumer's ack/nack (or nothing else) for the ack_logger to make durable."""
+class RecordOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """A consumer's ack or nack, to be made durable in ack.log.
+
+    ``reply`` is given once the record is durable and applied (``None``), or
+    fails with why it changed nothing (unknown bundle, gap set full, ...).
+    """
 
     subscriber: str
     segment_seq: int
     bundle_index: int
-    outcome: int  # ackformat.ACK | NACK
-    on_done: Any = None  # callable(result | exception), called on the event loop
+    outcome: int  # acks.format.ACK | NACK
+    reply: Reply[None]
 
 
-class SubscriberRequest(msgspec.Struct, frozen=True, kw_only=True):
-    op: str  # "add" | "remove"
+class ChangeSubscriber(msgspec.Struct, frozen=True, kw_only=True):
+    """Register (``add``) or unregister (``remove``) a subscriber on one shard."""
+
+    op: Literal["add", "remove"]
     name: str
-    start: str = "earliest"
-    on_done: Any = None
+    start: Literal["earliest", "latest"] = "earliest"
+    reply: Reply[None]
 
 
-class DropRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """Retention: record `dropped` for every subscriber lacking the segment's bundles."""
+class Retired(msgspec.Struct, frozen=True, kw_only=True):
+    """Segments out of the table (no longer delivered): the gc may unlink them now."""
 
-    segment_seq: int
-    on_done: Any = None  # called with {subscriber: count}
-
-
-class SegmentGone(msgspec.Struct, frozen=True, kw_only=True):
-    """The gc unlinked a segment file (durably); record SEGMENT_DELETED."""
-
-    segment_seq: int
-    reason: str
+    segments: tuple[SegmentInfo, ...]
+    dropped_by_subscriber: dict[str, int]  # bundles each subscriber never got
+    segments_with_drops: int
 
 
-AckLogMessage = FinalizedSegment | OutcomeRequest | SubscriberRequest | DropRequest | SegmentGone
+class RetireSegments(msgspec.Struct, frozen=True, kw_only=True):
+    """The gc's sweep: take these segments out of the table, in one durable batch.
+
+    For retention reasons (``max_age``, ``size_cap``) the ack_logger first makes
+    ``dropped`` outcomes durable for every subscriber that lacked their bundles.
+    """
+
+    segment_seqs: tuple[int, ...]
+    reason: RetireReason
+    reply: Reply[Retired]
+
+
+class SegmentsDeleted(msgspec.Struct, frozen=True, kw_only=True):
+    """The gc unlinked these segment files (durably); record SEGMENT_DELETED."""
+
+    segment_seqs: tuple[int, ...]
+    reason: RetireReason
+
+
+AckLogRequest = (SegmentWritten | RecordOutcome | ChangeSubscriber | RetireSegments
+                 | SegmentsDeleted)

@@ -5,24 +5,26 @@
 Bundles accumulate in an ``OpenSegment`` (per-stream accumulators keyed by
 ``(slot, schema fingerprint)`` plus the manifest). The segment is sealed when
 it reaches ``target_size_bytes`` or ``max_streams``, when it has been open for
-``max_open_duration_ms`` (a timer, not the next arrival), when ``pressure`` is
-set (WAL or disk), and at end of stream (shutdown). Decoding Arrow payloads
-happens in one worker-thread hop per batch.
+``max_open_duration_ms`` (a timer, not the next arrival), when ``seal_early()``
+says so after a batch (WAL or disk near its bound: reason ``pressure``), and at
+end of stream (shutdown). Decoding Arrow payloads happens in one worker-thread
+hop per batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.messages import DurableBatch, SealedSegment
+from actors.messages import DurableBatch, SealedSegment, SealReason
 from quiverd.kernel.bundle import Bundle
 from quiverd.kernel.config import SegmentConfig
-from quiverd.segments.format import OpenSegment
+from quiverd.kernel.logs import Logger
+from quiverd.segments.open_segment import OpenSegment
 
 
 @dataclass
@@ -43,8 +45,8 @@ async def run(
     recovered: list[Bundle],
     limiter: CapacityLimiter,
     stats: BuilderStats,
-    pressure: Any = None,  # callable() -> bool: WAL or disk near its bound
-    log: Any,
+    seal_early: Callable[[], bool] | None = None,  # WAL or disk near its bound
+    log: Logger,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accumulate and seal until ``inbox`` ends; the last open segment is sealed then."""
@@ -65,7 +67,7 @@ async def run(
                 await builder.seal("age")
                 continue
             await builder.add(list(batch.bundles))
-            if pressure is not None and pressure():
+            if seal_early is not None and seal_early():
                 await builder.seal("pressure")
             await builder.seal_if_full()
         await builder.seal("shutdown")
@@ -73,7 +75,7 @@ async def run(
 
 class _Builder:
     def __init__(self, outbox: MemoryObjectSendStream[SealedSegment], cfg: SegmentConfig,
-                 next_seq: int, limiter: CapacityLimiter, stats: BuilderStats, log: Any) -> None:
+                 next_seq: int, limiter: CapacityLimiter, stats: BuilderStats, log: Logger) -> None:
         self.outbox, self.cfg, self.limiter, self.stats, self.log = outbox, cfg, limiter, stats, log
         self.stats.next_segment_seq = next_seq
         self.open = OpenSegment()
@@ -105,7 +107,7 @@ class _Builder:
         elif self.open.stream_count >= self.cfg.max_streams:
             await self.seal("streams")
 
-    async def seal(self, reason: str) -> None:
+    async def seal(self, reason: SealReason) -> None:
         if self.open.bundle_count == 0:
             self.opened_at = None
             return

@@ -1,7 +1,7 @@
 """WAL writer: one per shard. Consumes AppendRequests, produces DurableBatches.
 
     producers ──AppendRequest──▶ wal_writer ──DurableBatch──▶ segment_builder
-                                    ▲  │ AckReply / ErrorReply (per connection)
+                                    ▲  │ protocol Ack / Error (per connection)
     finalizer ──WalReleased─────────┘  ▼
 
 Each append batch is encoded and written in one worker-thread hop. Acks leave
@@ -23,23 +23,25 @@ replay recovers what was durable). It is never retried.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.messages import AckReply, AppendRequest, DurableBatch, ErrorReply, WalReleased
+from actors.messages import AppendRequest, DurableBatch, ProducerReply, WalReleased
+from actors.retention_gate import RetentionGate
 from quiverd.kernel.bundle import Bundle, MetaCodec
+from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import WalConfig
+from quiverd.kernel.logs import Logger
+from quiverd.protocol.frames import Ack, Error, ErrorCode
 from quiverd.wal import format as walformat
-from quiverd.wal.files import WalFiles
+from quiverd.wal.files import EntryToWrite, WalFiles
 
 MAX_BATCH_ENTRIES = 256
 MAX_BATCH_BYTES = 16 * 1024 * 1024
-AT_CAPACITY = 5  # protocol ErrorCode.AT_CAPACITY
-SHUTTING_DOWN = 6  # protocol ErrorCode.SHUTTING_DOWN
 
 
 @dataclass
@@ -73,9 +75,9 @@ async def run(
     next_sequence: int,
     limiter: CapacityLimiter,
     stats: WalStats,
-    log: Any,
-    gate: Any = None,
-    pressure: Any = None,
+    log: Logger,
+    gate: RetentionGate | None = None,
+    over_cap: Changes | None = None,
     drop_oldest: bool = False,
     stopping: anyio.Event | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
@@ -83,10 +85,12 @@ async def run(
     """Append, sync and acknowledge until ``inbox`` ends; then release until ``releases`` ends.
 
     ``gate`` (the shard's RetentionGate) holds producers back while the shard is
-    over its size cap; under ``drop_oldest`` it only wakes the gc (``pressure``).
+    over its size cap; under ``drop_oldest`` it only wakes the gc (``over_cap``).
     """
     writer = _Writer(shard, wal, cfg, next_sequence, limiter, stats, log, outbox)
-    writer.gate, writer.pressure, writer.drop_oldest = gate, pressure, drop_oldest
+    writer.gate, writer.drop_oldest = gate, drop_oldest
+    if over_cap is not None:
+        writer.over_cap = over_cap
     writer.idle = lambda: inbox.statistics().current_buffer_used == 0
     if stopping is not None:
         writer.stopping = stopping
@@ -121,7 +125,7 @@ def _drain(first: AppendRequest,
 
 class _Writer:
     def __init__(self, shard: int, wal: WalFiles, cfg: WalConfig, next_sequence: int,
-                 limiter: CapacityLimiter, stats: WalStats, log: Any,
+                 limiter: CapacityLimiter, stats: WalStats, log: Logger,
                  outbox: MemoryObjectSendStream[DurableBatch]) -> None:
         self.shard, self.wal, self.cfg, self.limiter = shard, wal, cfg, limiter
         self.next_sequence, self.stats, self.log, self.outbox = next_sequence, stats, log, outbox
@@ -130,14 +134,14 @@ class _Writer:
         self.kick = anyio.Event()  # set to sync now rather than at the next tick
         self.capacity = anyio.Event()  # set when a release freed WAL space
         self.sync_lock = anyio.Lock()  # keeps acks and DurableBatches in sequence order
-        self.gate: Any = None
-        self.pressure: Any = None
+        self.gate: RetentionGate | None = None
+        self.over_cap = Changes()  # wakes the gc; the shard passes its own
         self.drop_oldest = False
-        self.idle: Any = lambda: False  # is the inbox empty right now?
+        self.idle: Callable[[], bool] = lambda: False  # is the inbox empty right now?
         self.stopping = anyio.Event()  # set by the shard when the daemon stops
 
     async def append(self, batch: list[AppendRequest]) -> None:
-        entries: list[tuple[int, Any, int]] = []
+        entries: list[EntryToWrite] = []
         placed: list[tuple[AppendRequest, Bundle]] = []
         for req in batch:
             slots = (*req.bundle.slots, self.meta.encode(req.bundle.client, req.bundle.txn))
@@ -152,8 +156,8 @@ class _Writer:
         if entries:
             await self._write(entries, placed)
 
-    async def _wait_for_room(self, req: AppendRequest, entries: list[Any],
-                             placed: list[Any], size: int) -> bool:
+    async def _wait_for_room(self, req: AppendRequest, entries: list[EntryToWrite],
+                             placed: list[tuple[AppendRequest, Bundle]], size: int) -> bool:
         """Block (``wait``) or refuse (``reject``) while the WAL or the shard is full."""
         if not await self._wait_for_retention(req):
             return False
@@ -186,14 +190,14 @@ class _Writer:
         if self.drop_oldest:
             # The gc drops the oldest segments; wait (briefly) for it so the cap holds.
             # If only the open segment holds data, the builder seals it under pressure.
-            self.pressure.notify()
+            self.over_cap.notify()
             with anyio.move_on_after(1.0):
                 while gate.over():
                     await gate.opened.wait()
             return True
         gate.closed = True
         gate.throttled += 1
-        self.pressure.notify()
+        self.over_cap.notify()
         if self.cfg.at_capacity == "reject":
             return self._reject(req, f"shard {self.shard} is at its retention size cap "
                                 f"({gate.usage()} of {gate.cap_bytes} bytes) and subscribers "
@@ -211,17 +215,17 @@ class _Writer:
     def _reject(self, req: AppendRequest, message: str) -> bool:
         """``at_capacity = "reject"``: answer AT_CAPACITY now (never acked, retryable)."""
         self.stats.rejected += 1
-        _reply(req, ErrorReply(request_id=req.request_id, code=AT_CAPACITY, message=message))
+        _reply(req, Error(request_id=req.request_id, code=ErrorCode.AT_CAPACITY, message=message))
         return False
 
     def _refuse_stopping(self, req: AppendRequest) -> bool:
         """Shutting down while the bundle waits for room: refuse it (never acked)."""
-        _reply(req, ErrorReply(request_id=req.request_id, code=SHUTTING_DOWN,
-                               message="quiverd is shutting down; this bundle was not stored, "
-                               "resend it after the restart"))
+        _reply(req, Error(request_id=req.request_id, code=ErrorCode.SHUTTING_DOWN,
+                          message="quiverd is shutting down; this bundle was not stored, "
+                          "resend it after the restart"))
         return False
 
-    async def _write(self, entries: list[tuple[int, Any, int]],
+    async def _write(self, entries: list[EntryToWrite],
                      placed: list[tuple[AppendRequest, Bundle]]) -> None:
         nbytes = sum(e[2] for e in entries)
         policy = self.cfg.flush_policy
@@ -247,7 +251,7 @@ class _Writer:
         else:
             await self._acknowledge(placed)
 
-    async def _append(self, entries: list[tuple[int, Any, int]], nbytes: int, *,
+    async def _append(self, entries: list[EntryToWrite], nbytes: int, *,
                       sync: bool) -> None:
         await anyio.to_thread.run_sync(lambda: self.wal.append(entries, sync=sync),
                                        limiter=self.limiter)
@@ -278,8 +282,8 @@ class _Writer:
 
     async def _acknowledge(self, placed: list[tuple[AppendRequest, Bundle]]) -> None:
         for req, bundle in placed:
-            _reply(req, AckReply(request_id=req.request_id, shard=self.shard,
-                                 sequence=bundle.sequence))
+            _reply(req, Ack(request_id=req.request_id, shard=self.shard,
+                            sequence=bundle.sequence))
         self.stats.acks += len(placed)
         await self.outbox.send(DurableBatch(bundles=tuple(b for _, b in placed)))
 
@@ -300,7 +304,7 @@ def _stamp(bundle: Bundle, sequence: int, ts_ns: int) -> Bundle:
                   ingestion_ts_ns=ts_ns, sequence=sequence)
 
 
-def _reply(req: AppendRequest, reply: AckReply | ErrorReply) -> None:
+def _reply(req: AppendRequest, reply: ProducerReply) -> None:
     try:
         req.reply.send_nowait(reply)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError):

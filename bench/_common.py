@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from quiverd.kernel.bundle import encode_ipc_stream
+from quiverd.kernel.layout import DataDir
 from quiverd.net.ingest import shard_of
 from quiverd.wal import format as walformat
 
@@ -185,8 +186,8 @@ class Daemon:
         """``settings``: extra config keys by dotted name (``{"wal.flush_bytes": 1}``)."""
         self.dir = Path(tempfile.mkdtemp(prefix="qd-", dir=root))
         self.data_dir = self.dir / "data"
-        self.socket = self.data_dir / "ingest.sock"
-        self.admin_socket = self.data_dir / "admin.sock"
+        self.socket = DataDir(self.data_dir).ingest_socket
+        self.admin_socket = DataDir(self.data_dir).admin_socket
         self.log_path = self.dir / "daemon.log"
         config = self.dir / "quiverd.toml"
         # segment.max_open_duration_ms and every key not set here keep their defaults.

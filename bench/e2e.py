@@ -70,6 +70,7 @@ from _common import (  # noqa: E402
 
 from quiverd.client.consumer import subscribe  # noqa: E402
 from quiverd.client.producer import Client  # noqa: E402
+from quiverd.kernel import layout  # noqa: E402
 from quiverd.kernel.errors import QuiverError  # noqa: E402
 from quiverd.net.admin import request as admin_request  # noqa: E402
 from quiverd.segments.reader import SegmentReader  # noqa: E402
@@ -518,7 +519,9 @@ def run_stored(scn: Scenario, ipc: bytes, table: pa.Table, root: Path) -> dict[s
         code = daemon.stop()  # seals and finalizes the open segment
         if code != 0:
             raise RuntimeError(f"{scn.name}: quiverd exited with {code}:\n{daemon.log_tail()}")
-        files = sorted(daemon.data_dir.glob("shard-*/segments/*.qseg"))
+        data = layout.DataDir(daemon.data_dir)
+        files = sorted(p for i in range(SHARDS) for p in data.shard(i).segments_dir.iterdir()
+                       if layout.segment_seq_of(p.name) is not None)
         return _read_all_ways(scn, files, table, len(ipc), daemon.dir, outs)
     finally:
         for proc in procs:

@@ -355,7 +355,7 @@ def run_baseline(scn: Scenario, table: pa.Table, root: Path) -> Timed:
     names = client_names(scn.producers, SHARDS, scn.name)
     meta = MetaCodec()
     workdir = Path(tempfile.mkdtemp(prefix="qb-", dir=root))
-    files = [BaselineWal(workdir / f"shard-{i}.wal", policy=scn.policy,
+    files = [BaselineWal(workdir / f"baseline-{i}.log", policy=scn.policy,
                          flush_interval_s=FLUSH_INTERVAL_S, flush_bytes=FLUSH_BYTES)
              for i in range(min(scn.producers, SHARDS))]
     per = scn.warmup_per_producer + scn.bundles_per_producer

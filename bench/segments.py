@@ -66,8 +66,11 @@ from _segments_common import (  # noqa: E402
 
 from quiverd.kernel.bundle import Bundle, encode_ipc_stream, make_slot  # noqa: E402
 from quiverd.kernel.config import SegmentConfig  # noqa: E402
+from quiverd.kernel.layout import segment_path  # noqa: E402
 from quiverd.net.admin import request as admin_request  # noqa: E402
-from quiverd.segments.format import OpenSegment, encode_segment, write_segment  # noqa: E402
+from quiverd.segments.files import write_segment  # noqa: E402
+from quiverd.segments.format import encode_segment  # noqa: E402
+from quiverd.segments.open_segment import OpenSegment  # noqa: E402
 from quiverd.segments.reader import SegmentReader  # noqa: E402
 
 SEGMENT_BYTES = 32 * MiB
@@ -260,7 +263,7 @@ def bench_finalize(case: Case, work: Path, reps: int, profile_dir: str | None
             else:
                 path.unlink()
     if profile_dir:
-        scratch = work / "profiled.qseg"
+        scratch = segment_path(work, 1)
         _profile(lambda: finalize_quiverd(case, scratch),
                  Path(profile_dir) / f"finalize-{tag}.pstats")
         scratch.unlink()

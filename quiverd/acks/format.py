@@ -211,7 +211,7 @@ def _encode_checkpoint(cp: Checkpoint) -> bytes:
     return b"".join(parts)
 
 
-class FrameDecoder:
+class RecordScanner:
     """Incremental frame splitter: ``feed`` bytes, then call ``next`` until it returns None.
 
     Lengths are checked against ``max_record_len`` before any body is awaited, so a

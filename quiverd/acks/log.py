@@ -29,8 +29,10 @@ import msgspec
 
 from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
+from quiverd.kernel import layout
 from quiverd.kernel.durable import atomic_write, write_all
 from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.quarantine import keep_bytes
 
 READ_CHUNK_BYTES = 1024 * 1024
 
@@ -68,14 +70,14 @@ def scan_ack_log(path: str | os.PathLike[str], quarantine_dir: str | os.PathLike
         return report
     with open(path, "rb") as f:
         fmt.decode_header(f.read(fmt.HEADER_LEN), path=str(path))
-        decoder = fmt.FrameDecoder(offset=fmt.HEADER_LEN, max_record_len=max_record_len)
+        scanner = fmt.RecordScanner(offset=fmt.HEADER_LEN, max_record_len=max_record_len)
         good_end, suspect = fmt.HEADER_LEN, None
         while True:
-            item = decoder.next()
+            item = scanner.next()
             if item is None:
                 chunk = f.read(READ_CHUNK_BYTES)
                 if chunk:
-                    decoder.feed(chunk)
+                    scanner.feed(chunk)
                     continue
                 break  # EOF: whatever is still buffered is a partial record
             if isinstance(item, fmt.BadLength):
@@ -121,14 +123,12 @@ def _apply_frame(path: Path, frame: fmt.Frame, report: ScanReport) -> None:
 def _quarantine(path: Path, quarantine_dir: str | os.PathLike[str], start: int, end: int,
                 kind: str, log: Any) -> None:
     """Copy ``path[start:end]`` durably into quarantine before anything is cut or skipped."""
-    qdir = Path(quarantine_dir)
-    qdir.mkdir(parents=True, exist_ok=True)
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read(end - start)
     # The timestamp keeps two repairs at the same offset (two crashes) from colliding.
-    target = qdir / f"{path.name}.{start:016d}.{kind}.{time.time_ns()}"
-    atomic_write(target, data)
+    name = layout.ack_log_quarantine_name(start, kind, time.time_ns())
+    target = keep_bytes(data, Path(quarantine_dir), name)
     log.warning("ack_log_quarantined", path=str(path), offset=start, bytes=len(data),
                 kind=kind, to=str(target))
 

@@ -18,24 +18,17 @@ only mutation, and the caller applies a record only once it is durable.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import msgspec
 
 from quiverd.acks.format import OP_ADD, OP_REMOVE, SubscriberChange
 from quiverd.kernel.errors import AtCapacity, QuiverError
+from quiverd.kernel.names import validate_subscriber_name
 
-NAME_RE = re.compile(r"[a-z0-9_-]{1,64}")
 # Every subscriber pins segments and costs a cursor; a few dozen is the realistic
 # ceiling, the cap only stops a runaway client.
 DEFAULT_MAX_SUBSCRIBERS = 256
-
-
-class InvalidSubscriberName(QuiverError, ValueError):
-    """A subscriber name outside ``[a-z0-9_-]{1,64}``."""
-
-    hint = "subscriber names are 1-64 chars of lowercase letters, digits, '_' and '-'"
 
 
 class UnknownSubscriber(QuiverError, LookupError):
@@ -55,15 +48,6 @@ class Subscriber(msgspec.Struct, frozen=True, kw_only=True):
     subscriber_id: int
     name: str
     start_segment: int  # segments below this count as covered for this subscriber
-
-
-def validate_name(name: str) -> str:
-    """Return ``name`` if it is a valid subscriber name, else raise InvalidSubscriberName."""
-    if not isinstance(name, str) or NAME_RE.fullmatch(name) is None:
-        raise InvalidSubscriberName(
-            f"invalid subscriber name {name!r}: must match [a-z0-9_-]{{1,64}}"
-        )
-    return name
 
 
 class SubscriberRegistry:
@@ -101,7 +85,7 @@ class SubscriberRegistry:
     def propose_add(self, name: str, start_segment: int) -> SubscriberChange:
         """The record registering ``name``. Apply it before proposing another add:
         the id is only taken when the record is applied."""
-        validate_name(name)
+        validate_subscriber_name(name)
         if name in self._by_name:
             raise SubscriberExists(f"subscriber {name!r} is already registered")
         if len(self._by_id) >= self._max:
@@ -110,7 +94,7 @@ class SubscriberRegistry:
                                 start_segment=start_segment)
 
     def propose_remove(self, name: str) -> SubscriberChange:
-        sub = self.get(validate_name(name))
+        sub = self.get(validate_subscriber_name(name))
         return SubscriberChange(subscriber_id=sub.subscriber_id, op=OP_REMOVE, name=name,
                                 start_segment=sub.start_segment)
 

@@ -37,10 +37,12 @@ import msgspec
 import pyarrow as pa
 
 from quiverd.acks import log as acklog
-from quiverd.kernel.durable import fsync_dir
+from quiverd.kernel import layout
 from quiverd.kernel.errors import CorruptRecord, FormatMismatch, QuiverError
+from quiverd.kernel.layout import ShardLayout
+from quiverd.kernel.quarantine import move_file
 from quiverd.runtime.lockfile import lock_data_dir
-from quiverd.segments.markers import DELETED, FLOOR, Deleted, Floor, read_marker
+from quiverd.segments.files import MARKER_TYPES, read_marker
 from quiverd.segments.reader import verify_segment
 from quiverd.wal import dump as waldump
 from quiverd.wal import format as wf
@@ -52,9 +54,7 @@ MAX_LISTED = 1000
 # fsck has no config: accept any length a u32 allows, so a repair never cuts an
 # entry a daemon with a large ``wal.max_entry_bytes`` would keep.
 MAX_ENTRY_BYTES = wf.MAX_ENTRY_LEN
-SHARD_DIR = re.compile(r"shard-(\d+)")
-_MARKERS: dict[str, type[Floor] | type[Deleted]] = {FLOOR: Floor, DELETED: Deleted}
-_WAL_QUARANTINED = re.compile(r"quiver\.wal\.(\d+)\.(\d+)\.(corrupt|skipped)")
+_SKIPPED_KINDS = frozenset({"corrupt", "skipped"})  # quarantined WAL bytes replay skips
 _MOVED_KINDS = frozenset({"segment_corrupt", "segment_temp", "segment_stray", "wal_sidecar"})
 _WAL_REPLAY_KINDS = frozenset({"wal_torn_tail", "wal_corrupt_entry", "wal_damage"})
 _ACK_REPLAY_KINDS = frozenset({"ack_torn_tail", "ack_corrupt_record"})
@@ -109,8 +109,9 @@ def run_fsck(data_dir: Path, *, repair: bool, as_json: bool) -> int:
 
 
 def shard_dirs(data_dir: Path) -> list[Path]:
-    found = [p for p in data_dir.iterdir() if p.is_dir() and SHARD_DIR.fullmatch(p.name)]
-    return sorted(found, key=lambda p: int(p.name[len("shard-"):]))
+    found = {i: p for p in data_dir.iterdir()
+             if p.is_dir() and (i := layout.shard_index(p.name)) is not None}
+    return [found[i] for i in sorted(found)]
 
 
 def check_data_dir(shards: list[Path], progress: _Progress) -> Report:
@@ -127,31 +128,30 @@ def check_data_dir(shards: list[Path], progress: _Progress) -> Report:
     return report
 
 
-def _plan(shard: Path, report: Report) -> list[tuple[Path, Callable[[], None]]]:
+def _plan(shard_dir: Path, report: Report) -> list[tuple[Path, Callable[[], None]]]:
     """One check per file, in replay order: WAL files share sequence state."""
-    layout = walreplay.wal_layout(shard / "wal")
-    sidecar = shard / "wal" / walreplay.SIDECAR_NAME
+    shard = ShardLayout(shard_dir)
+    inv = walreplay.wal_inventory(shard.wal_dir)
     work: list[tuple[Path, Callable[[], None]]] = []
-    if layout.sidecar_state != "missing":
-        work.append((sidecar, partial(_check_sidecar, sidecar, layout, report)))
-    rows = _WalRows(report, _wal_quarantined(shard / "quarantine"))
-    work += [(path, partial(rows.check_file, path, gen, layout.active_generation))
-             for gen, path in layout.files.items()]
-    seg_dir = shard / "segments"
-    if seg_dir.is_dir():
+    if inv.sidecar_state != "missing":
+        work.append((shard.sidecar, partial(_check_sidecar, shard.sidecar, inv, report)))
+    rows = _WalRows(report, _wal_quarantined(shard.quarantine_dir))
+    work += [(path, partial(rows.check_file, path, gen, inv.active_generation))
+             for gen, path in inv.files.items()]
+    if shard.segments_dir.is_dir():
         # A marker's .tmp is an atomic write cut short: the marker itself is intact.
-        leftovers = {name + ".tmp" for name in _MARKERS}
         work += [(path, partial(_check_segment_dir, path, report))
-                 for path in sorted(seg_dir.iterdir()) if path.name not in leftovers]
-    if (shard / "ack.log").exists():
-        work.append((shard / "ack.log", partial(_check_ack_log, shard / "ack.log", report)))
+                 for path in sorted(shard.segments_dir.iterdir())
+                 if not (layout.is_marker(path.name) and path.name not in MARKER_TYPES)]
+    if shard.ack_log.exists():
+        work.append((shard.ack_log, partial(_check_ack_log, shard.ack_log, report)))
     return work
 
 
-def _check_sidecar(sidecar: Path, layout: walreplay.WalLayout, report: Report) -> None:
+def _check_sidecar(sidecar: Path, inv: walreplay.WalInventory, report: Report) -> None:
     report.checked["sidecars"] += 1
-    if layout.sidecar_state != "ok":
-        report.add(sidecar, 0, "wal_sidecar", f"{_strip(layout.sidecar_problem, sidecar)}; "
+    if inv.sidecar_state != "ok":
+        report.add(sidecar, 0, "wal_sidecar", f"{_strip(inv.sidecar_problem, sidecar)}; "
                    "replay starts at the oldest WAL file instead")
 
 
@@ -232,21 +232,22 @@ def _wal_quarantined(quarantine_dir: Path) -> dict[int, list[tuple[int, int]]]:
     ranges: dict[int, list[tuple[int, int]]] = {}
     if quarantine_dir.is_dir():
         for p in quarantine_dir.iterdir():
-            if m := _WAL_QUARANTINED.fullmatch(p.name):
-                start = int(m.group(2))
-                ranges.setdefault(int(m.group(1)), []).append((start, start + _size(p)))
+            parsed = layout.parse_wal_quarantine_name(p.name)
+            if parsed is not None and parsed[2] in _SKIPPED_KINDS:
+                gen, start, _ = parsed
+                ranges.setdefault(gen, []).append((start, start + _size(p)))
     return ranges
 
 
 def _check_segment_dir(path: Path, report: Report) -> None:
-    if path.name in _MARKERS:
+    if path.name in MARKER_TYPES:
         try:
-            read_marker(path, _MARKERS[path.name])
+            read_marker(path, MARKER_TYPES[path.name])
         except CorruptRecord as exc:
             report.add(path, 0, "segment_marker", f"{_why(exc)}; the shard will not start")
         return
-    if path.suffix != ".qseg" or not path.is_file():
-        temp = path.name.endswith(".qseg.tmp")
+    if layout.segment_seq_of(path.name) is None or not path.is_file():
+        temp = layout.is_segment_tmp(path.name)
         report.add(path, None, "segment_temp" if temp else "segment_stray",
                    "temp file of a finalize cut short; its bundles are still in the WAL"
                    if temp else "not a segment; startup would quarantine it")
@@ -276,7 +277,7 @@ def _check_ack_log(path: Path, report: Report) -> None:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
         try:
-            acklog.scan_ack_log(copy, Path(tmp) / "quarantine", log=events)
+            acklog.scan_ack_log(copy, ShardLayout(Path(tmp)).quarantine_dir, log=events)
         except CorruptRecord as exc:
             report.add(path, exc.offset, "ack_log", f"{_why(exc)}; the shard will not start")
             return
@@ -296,38 +297,26 @@ def repair_findings(findings: list[Finding]) -> list[dict[str, Any]]:
         path = Path(f.path)
         if f.kind in _MOVED_KINDS:
             # A sidecar replay ignores anyway: moving it changes nothing but the report.
-            _move_to_quarantine(path, path.parent.parent / "quarantine", events, f.message)
+            move_file(path, layout.shard_of(path).quarantine_dir, reason=f.message, log=events)
         elif f.kind in _WAL_REPLAY_KINDS:
-            wal_shards.add(path.parent.parent)
+            wal_shards.add(layout.shard_of(path).dir)
         elif f.kind in _ACK_REPLAY_KINDS:
             ack_logs.add(path)
-    for shard in sorted(wal_shards):
+    for shard_dir in sorted(wal_shards):
+        shard = ShardLayout(shard_dir)
         try:
-            walreplay.replay_wal(shard / "wal", shard / "quarantine", cfg_hash=wf.DEFAULT_CFG_HASH,
-                                 max_entry_bytes=MAX_ENTRY_BYTES, log=events)
+            walreplay.replay_wal(shard.wal_dir, shard.quarantine_dir,
+                                 cfg_hash=wf.DEFAULT_CFG_HASH, max_entry_bytes=MAX_ENTRY_BYTES,
+                                 log=events)
         except QuiverError as exc:
-            events.error("wal_repair_refused", shard=str(shard), error=str(exc))
+            events.error("wal_repair_refused", shard=str(shard_dir), error=str(exc))
     for path in sorted(ack_logs):
-        scan = acklog.scan_ack_log(path, path.parent / "quarantine", log=events)
+        scan = acklog.scan_ack_log(path, layout.shard_of(path).quarantine_dir, log=events)
         if scan.corrupt_records:
             # The skipped records are in quarantine/; compaction stops replay re-reading them.
             acklog.compact(path, scan.state)
             events.warning("ack_log_compacted", path=str(path))
     return events.records
-
-
-def _move_to_quarantine(path: Path, quarantine_dir: Path, events: _Events, reason: str) -> None:
-    """Startup's recipe: never overwrite an earlier copy; fsync both directories."""
-    if not quarantine_dir.is_dir():
-        quarantine_dir.mkdir()
-        fsync_dir(quarantine_dir.parent)
-    target, n = quarantine_dir / path.name, 1
-    while target.exists():
-        target, n = quarantine_dir / f"{path.name}.{n}", n + 1
-    os.rename(path, target)  # same shard directory, so same filesystem
-    fsync_dir(quarantine_dir)
-    fsync_dir(path.parent)
-    events.warning("file_quarantined", path=str(path), moved_to=str(target), reason=reason)
 
 
 def _lock(data_dir: Path) -> int:

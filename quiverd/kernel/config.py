@@ -18,12 +18,13 @@ from typing import Literal
 import msgspec
 
 from quiverd.kernel.errors import ConfigError
+from quiverd.kernel.layout import DataDir
+from quiverd.kernel.names import subscriber_name_problem
 
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-SUBSCRIBER_NAME = re.compile(r"^[a-z0-9_-]{1,64}$")
 # sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
@@ -93,11 +94,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
 
     @property
     def ingest_socket(self) -> Path:
-        return Path(self.ingest.socket_path or os.path.join(self.data_dir, "ingest.sock"))
+        return Path(self.ingest.socket_path or DataDir(Path(self.data_dir)).ingest_socket)
 
     @property
     def admin_socket(self) -> Path:
-        return Path(self.admin.socket_path or os.path.join(self.data_dir, "admin.sock"))
+        return Path(self.admin.socket_path or DataDir(Path(self.data_dir)).admin_socket)
 
 
 def load(path: str | os.PathLike[str]) -> Config:
@@ -176,9 +177,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("admin.socket_path", "must differ from ingest.socket_path")
     seen: set[str] = set()
     for i, sub in enumerate(cfg.subscribers):
-        if not SUBSCRIBER_NAME.match(sub.name):
-            raise ConfigError(f"subscribers[{i}].name",
-                              f"{sub.name!r} must match [a-z0-9_-]{{1,64}}")
+        if (problem := subscriber_name_problem(sub.name)) is not None:
+            raise ConfigError(f"subscribers[{i}].name", problem)
         if sub.name in seen:
             raise ConfigError(f"subscribers[{i}].name", f"{sub.name!r} is listed twice")
         seen.add(sub.name)

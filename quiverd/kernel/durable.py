@@ -11,10 +11,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from quiverd.kernel.layout import tmp_path
+
 Buffer = bytes | bytearray | memoryview
-
-TMP_SUFFIX = ".tmp"
-
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename or create inside it is durable."""
@@ -53,7 +52,7 @@ def atomic_write(
     if isinstance(chunks, bytes | bytearray | memoryview):
         chunks = [chunks]
     target = Path(path)
-    tmp = target.with_name(target.name + TMP_SUFFIX)
+    tmp = tmp_path(target)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         n = write_all(fd, chunks)

@@ -20,13 +20,15 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
 
 ENV = "QUIVERD_FAULTS"
 GATE_POLL_S = 0.002
 
+Hook = Callable[[str], None]  # called with the step just reached, in a worker thread
+Hooks = dict[str, Hook]  # by component: "wal", "finalize"
 
-def from_env(environ: dict[str, str] | None = None) -> dict[str, Callable[[str], None]]:
+
+def from_env(environ: dict[str, str] | None = None) -> Hooks:
     """Parse $QUIVERD_FAULTS into {"wal": hook, "finalize": hook}."""
     spec = (environ if environ is not None else dict(os.environ)).get(ENV, "")
     rules: dict[str, list[Callable[[str], None]]] = {}
@@ -70,5 +72,5 @@ def _chain(hooks: list[Callable[[str], None]]) -> Callable[[str], None]:
     return run
 
 
-def describe(hooks: dict[str, Any]) -> str:
+def describe(hooks: Hooks) -> str:
     return os.environ.get(ENV, "") if hooks else ""

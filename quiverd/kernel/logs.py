@@ -31,6 +31,10 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     )
 
 
-def get(name: str, **bound: Any) -> Any:
+Logger = structlog.typing.FilteringBoundLogger
+
+
+def get(name: str, **bound: Any) -> Logger:
     """A logger bound to a component name (and e.g. ``shard=0``)."""
-    return structlog.get_logger(name).bind(component=name, **bound)
+    logger: Logger = structlog.get_logger(name).bind(component=name, **bound)
+    return logger

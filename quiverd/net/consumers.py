@@ -9,15 +9,16 @@ delivered again to the next session of that subscriber.
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 
+from actors.dispatcher import Dispatcher, Session
 from quiverd.acks import format as fmt
 from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.logs import Logger
 from quiverd.net.rawsock import RawStream
 from quiverd.protocol import codec as protocol
-from quiverd.protocol.frames import ErrorCode
+from quiverd.protocol.frames import Delivery, ErrorCode
 
 MAX_WINDOW = 4096
 RECV_BYTES = 256 * 1024
@@ -27,15 +28,16 @@ class SubscriberHub:
     """What subscriber connections need from the daemon: the shards' dispatchers."""
 
     def __init__(self) -> None:
-        self.dispatchers: list[Any] = []
-        self.states: list[Any] = []
+        self.dispatchers: list[Dispatcher] = []  # one per shard, set once they run
 
     def known(self, name: str) -> bool:
-        return bool(self.states) and all(name in s.registry for s in self.states)
+        return bool(self.dispatchers) and all(name in d.state.registry
+                                              for d in self.dispatchers)
 
 
 async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
-                           decoder: protocol.FrameDecoder, pending: list[Any], log: Any) -> None:
+                           decoder: protocol.FrameDecoder, pending: list[protocol.Message],
+                           log: Logger) -> None:
     """Handle one subscriber connection until it closes; raises ProtocolError on misuse."""
     frames = list(pending)
     while not frames:
@@ -47,10 +49,8 @@ async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
         raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER,
                             f"no subscriber named {first.name!r}; register it with "
                             f"`quiverd subscribers add {first.name}`")
-    from actors.dispatcher import Session  # actors import quiverd, not the reverse at load
-
     window = max(1, min(first.window or 64, MAX_WINDOW))
-    deliveries_tx, deliveries_rx = anyio.create_memory_object_stream[Any](window)
+    deliveries_tx, deliveries_rx = anyio.create_memory_object_stream[Delivery](window)
     session = Session(name=first.name, window=window, deliveries=deliveries_tx)
     await stream.send(protocol.encode_subscribed(True))
     log.info("subscriber_attached", subscriber=first.name, window=window)
@@ -72,7 +72,8 @@ async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
 
 
 async def _read_feedback(hub: SubscriberHub, stream: RawStream,
-                         decoder: protocol.FrameDecoder, session: Any, frames: list[Any]) -> None:
+                         decoder: protocol.FrameDecoder, session: Session,
+                         frames: list[protocol.Message]) -> None:
     while True:
         for frame in frames:
             if isinstance(frame, protocol.AckBundle | protocol.NackBundle):
@@ -91,7 +92,8 @@ async def _read_feedback(hub: SubscriberHub, stream: RawStream,
         frames = decoder.feed(data)
 
 
-async def _write_deliveries(stream: RawStream, deliveries: Any) -> None:
+async def _write_deliveries(stream: RawStream,
+                            deliveries: MemoryObjectReceiveStream[Delivery]) -> None:
     async with deliveries:
         async for d in deliveries:
             parts = protocol.encode_delivery(

@@ -25,7 +25,7 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.messages import AckReply, AppendRequest, ErrorReply, Reply
+from actors.messages import AppendRequest, ProducerReply
 from quiverd.kernel.bundle import Bundle
 from quiverd.kernel.config import IngestConfig
 from quiverd.kernel.crc import crc32c
@@ -143,7 +143,7 @@ class _Connection:
         self.decoder = protocol.FrameDecoder(server.max_frame)
         window = server.cfg.max_inflight_per_connection
         self.window = anyio.Semaphore(window)
-        self.replies, self.reply_rx = anyio.create_memory_object_stream[Reply](window)
+        self.replies, self.reply_rx = anyio.create_memory_object_stream[ProducerReply](window)
 
     async def run(self) -> None:
         sock = self.stream.sock
@@ -268,8 +268,8 @@ class _Connection:
         await self._send_error(0, exc)
 
 
-def _encode_reply(reply: Reply) -> bytes:
-    if isinstance(reply, AckReply):
+def _encode_reply(reply: ProducerReply) -> bytes:
+    if isinstance(reply, protocol.Ack):
         return protocol.encode_ack(reply.request_id, reply.shard, reply.sequence)
     return protocol.encode_error(reply.request_id, reply.code, reply.message)
 
@@ -286,4 +286,4 @@ def _validate_all(frames: list[protocol.BundleFrame], max_bundle_bytes: int
     return out
 
 
-__all__ = ["IngestServer", "shard_of", "ErrorReply"]
+__all__ = ["IngestServer", "shard_of"]

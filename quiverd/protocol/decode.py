@@ -14,10 +14,10 @@ from typing import Any
 from quiverd.kernel.bundle import MAX_SLOTS, Slot, TxnTag
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.names import CLIENT_NAME_BYTES, SUBSCRIBER_NAME_BYTES
 from quiverd.protocol.frames import (
     ACK_BODY,
     BUNDLE_ID,
-    CLIENT_NAME_RE,
     END_CHECK,
     ERROR_HEAD,
     HELLO_BODY,
@@ -25,7 +25,6 @@ from quiverd.protocol.frames import (
     I64,
     MAGIC,
     SLOT_HEAD,
-    SUBSCRIBER_NAME_RE,
     TXN_FIXED,
     U8,
     U16,
@@ -76,7 +75,7 @@ def decode_body(frame_type: FrameType, body: memoryview) -> Message:
             text = bytes(r.take(length)).decode("utf-8", "replace")
             msg = Error(request_id=request_id, code=code, message=text)
         case FrameType.SUBSCRIBE:
-            name = _ascii(r, SUBSCRIBER_NAME_RE, "subscriber name")
+            name = _ascii(r, SUBSCRIBER_NAME_BYTES, "subscriber name")
             (window,) = r.unpack(U16)
             if window == 0:
                 raise ProtocolError(ErrorCode.MALFORMED, "SUBSCRIBE: window is 0")
@@ -156,11 +155,11 @@ def _decode_payload_frame(frame_type: FrameType, body: memoryview) -> BundleFram
         (request_id,) = r.unpack(U32)
         if request_id == 0:
             raise ProtocolError(ErrorCode.MALFORMED, "BUNDLE: request_id 0 is reserved")
-        client, txn = _ascii(r, CLIENT_NAME_RE, "client name"), _txn(r)
+        client, txn = _ascii(r, CLIENT_NAME_BYTES, "client name"), _txn(r)
         slots = _slots(r, total_rows)
         return BundleFrame(request_id=request_id, client=client, txn=txn, slots=slots)
     shard, seq, index = r.unpack(BUNDLE_ID)
-    client, txn = _ascii(r, CLIENT_NAME_RE, "client name"), _txn(r)
+    client, txn = _ascii(r, CLIENT_NAME_BYTES, "client name"), _txn(r)
     (ts,) = r.unpack(I64)
     slots = _slots(r, total_rows)
     return Delivery(

@@ -9,7 +9,6 @@ payloads.
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Iterable, Mapping
 from enum import IntEnum
@@ -18,6 +17,7 @@ import msgspec
 
 from quiverd.kernel.bundle import MAX_SLOTS, Slot, TxnTag
 from quiverd.kernel.crc import crc32c
+from quiverd.kernel.names import client_name_problem, subscriber_name_problem
 
 __all__ = [
     "CLOSES_CONNECTION", "MAX_FRAME_OVERHEAD", "PROTOCOL_VERSION", "Ack", "AckBundle",
@@ -61,8 +61,6 @@ MAX_FRAME_OVERHEAD = (
     + 8 + 8 + MAX_SLOTS * SLOT_HEAD.size + END_CHECK.size
 )
 
-CLIENT_NAME_RE = re.compile(rb"[A-Za-z0-9._-]{1,255}")
-SUBSCRIBER_NAME_RE = re.compile(rb"[a-z0-9_-]{1,64}")
 
 
 def max_frame_bytes(max_bundle_bytes: int) -> int:
@@ -215,9 +213,10 @@ def encode_error(request_id: int, code: int, message: str) -> bytes:
 
 
 def encode_subscribe(name: str, window: int) -> bytes:
-    raw = name.encode("ascii", "replace")
-    if SUBSCRIBER_NAME_RE.fullmatch(raw) is None:
-        raise ValueError(f"subscriber name {name!r} must match [a-z0-9_-]{{1,64}}")
+    problem = subscriber_name_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    raw = name.encode("ascii")
     return _frame(FrameType.SUBSCRIBE, U8.pack(len(raw)) + raw + U16.pack(window))
 
 
@@ -270,9 +269,10 @@ def encode_delivery(
 
 
 def encode_client(client: str) -> bytes:
-    raw = client.encode("ascii", "replace")
-    if CLIENT_NAME_RE.fullmatch(raw) is None:
-        raise ValueError(f"client name {client!r} must match [A-Za-z0-9._-]{{1,255}}")
+    problem = client_name_problem(client)
+    if problem is not None:
+        raise ValueError(problem)
+    raw = client.encode("ascii")
     return U8.pack(len(raw)) + raw
 
 

@@ -1,13 +1,16 @@
 """``quiverd serve``: one process, one root task group, one pipeline per shard.
 
-    ingest listener ─▶ wal_writer[n] ─▶ segment_builder[n] ─▶ finalizer[n] ─▶ dispatcher[n]
-                            ▲                                    │
-                            └────────── WalReleased ─────────────┘
+    ingest listener ─▶ wal_writer[n] ─▶ segment_builder[n] ─▶ finalizer[n] ─▶ ack_logger[n]
+                            ▲                                    │               │ (Changes)
+                            └────────── WalReleased ─────────────┘    dispatcher[n], gc_sweeper[n]
     admin socket (status, subscribers) reads every actor's counters.
+
+(each shard's wiring: ``quiverd.runtime.shard``)
 
 Startup: take ``data_dir/LOCK`` (flock), recover every shard (segments, WAL
 replay) in worker threads, start actors in dependency order, then listen, then
-tell systemd READY. Shutdown (SIGTERM/SIGINT): stop accepting and reading,
+tell systemd READY. Shutdown (SIGTERM/SIGINT, or the ``stop`` event a caller
+running the daemon in process passes): stop accepting and reading,
 deliver pending acks, let end-of-stream flow down every pipeline (final
 fdatasync, final segment), exit within ``shutdown_timeout_ms``; a second signal
 exits at once.
@@ -19,30 +22,39 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import anyio
 
-from actors.messages import SubscriberRequest
-from quiverd.acks.registry import validate_name
+from actors.messages import ChangeSubscriber
 from quiverd.kernel import faults, logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
+from quiverd.kernel.faults import Hooks
+from quiverd.kernel.names import validate_subscriber_name
+from quiverd.kernel.reply import Reply
 from quiverd.net.admin import AdminServer
 from quiverd.net.ingest import IngestServer
 from quiverd.runtime.lockfile import lock_data_dir
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 
+SubscriberOp = Literal["add", "remove"]
+SubscriberStart = Literal["earliest", "latest"]
 EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
 
 
 class Daemon:
-    def __init__(self, cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> None:
+    def __init__(self, cfg: Config, *, faults: Hooks | None = None,
+                 stop: anyio.Event | None = None, handle_signals: bool = True) -> None:
+        """``stop``: set it to begin a graceful shutdown (in-process callers and tests);
+        ``handle_signals``: whether SIGTERM/SIGINT do the same (the main thread only)."""
         self.cfg = cfg
         self.log = logs.get("daemon")
         self.notifier = Notifier()
-        self.fault_hooks = fault_hooks or {}
+        self.faults = faults or {}
+        self.stop = stop
+        self.handle_signals = handle_signals
         self.shards: list[Shard] = []
         self.ingest: IngestServer | None = None
         self.stopping = False
@@ -56,12 +68,14 @@ class Daemon:
 
     async def _run(self) -> None:
         cfg = self.cfg
-        self.shards = [Shard(i, cfg, fault_hooks=self.fault_hooks)
-                       for i in range(cfg.shard_count)]
+        self.shards = [Shard(i, cfg, faults=self.faults) for i in range(cfg.shard_count)]
         async with anyio.create_task_group() as root:
             for shard in self.shards:
                 await shard.recover()
-            root.start_soon(self._signals, root.cancel_scope)
+            if self.handle_signals:
+                root.start_soon(self._signals, root.cancel_scope)
+            if self.stop is not None:
+                root.start_soon(self._stop_on, self.stop, root.cancel_scope)
             async with anyio.create_task_group() as pipelines:
                 for shard in self.shards:
                     await pipelines.start(shard.run)
@@ -70,8 +84,8 @@ class Daemon:
                                            limiter=anyio.CapacityLimiter(2),
                                            log=logs.get("ingest"))
                 admin = AdminServer(cfg.admin_socket, self, log=logs.get("admin"))
-                self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards]
-                self.ingest.hub.states = [s.acks for s in self.shards]
+                self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards
+                                               if s.dispatcher is not None]
                 await pipelines.start(self.ingest.serve)
                 await root.start(admin.serve)
                 self.log.info("quiverd_ready", shards=cfg.shard_count, data_dir=cfg.data_dir,
@@ -101,9 +115,16 @@ class Daemon:
                 if self.stopping:
                     self.log.warning("quiverd_second_signal", signal=signum)
                     os._exit(1)
-                self.shutdown()
-                # Bound the drain: past the timeout, cancel everything and exit non-zero.
-                root_scope.deadline = anyio.current_time() + self.cfg.shutdown_timeout_ms / 1000
+                self._begin_stop(root_scope)
+
+    async def _stop_on(self, stop: anyio.Event, root_scope: anyio.CancelScope) -> None:
+        await stop.wait()
+        self._begin_stop(root_scope)
+
+    def _begin_stop(self, root_scope: anyio.CancelScope) -> None:
+        self.shutdown()
+        # Bound the drain: past the timeout, cancel everything and exit non-zero.
+        root_scope.deadline = anyio.current_time() + self.cfg.shutdown_timeout_ms / 1000
 
     async def _watchdog(self) -> None:
         interval = self.notifier.watchdog_interval_s() or 1.0
@@ -133,21 +154,22 @@ class Daemon:
 
     async def subscriber_op(self, op: str, name: str, start: str = "earliest") -> dict[str, Any]:
         """Add or remove a subscriber on every shard (each shard's ack.log records it)."""
-        validate_name(name)
+        validate_subscriber_name(name)
+        if op not in ("add", "remove"):
+            raise ConfigError("op", f"must be 'add' or 'remove', not {op!r}")
         if start not in ("earliest", "latest"):
             raise ConfigError("start", f"must be 'earliest' or 'latest', not {start!r}")
-        results: list[Any] = [None] * len(self.shards)
-        done = [anyio.Event() for _ in self.shards]
-        for i, shard in enumerate(self.shards):
-            def on_done(result: Any, i: int = i) -> None:
-                results[i] = result
-                done[i].set()
-            await shard.ack_tx.send(SubscriberRequest(op=op, name=name, start=start,
-                                                      on_done=on_done))
-        for event in done:
-            await event.wait()
-        errors = [r for r in results if isinstance(r, Exception)]
-        if len(errors) == len(results):
+        replies: list[Reply[None]] = []
+        for shard in self.shards:
+            reply: Reply[None] = Reply()
+            await shard.ack_tx.send(ChangeSubscriber(
+                op=cast(SubscriberOp, op), name=name, start=cast(SubscriberStart, start),
+                reply=reply))
+            replies.append(reply)
+        for reply in replies:
+            await reply.settled()
+        errors = [r.error for r in replies if r.error is not None]
+        if len(errors) == len(replies):
             raise errors[0]
         self.log.info("subscriber_" + ("added" if op == "add" else "removed"), subscriber=name,
                       start=start)
@@ -166,8 +188,7 @@ class Daemon:
             lag = shard.acks.lag(name)
             segments += lag.segments_behind
             bundles += lag.bundles_pending
-            mark = shard.acks.covered_below(name)
-            nbytes += sum(s.size_bytes for q, s in shard.segments.items() if q >= mark)
+            nbytes += shard.segments.bytes_from(shard.acks.covered_below(name))
             dropped += shard.gc_stats.dropped_bundles.get(name, 0)
         return {"lag_segments": segments, "lag_bundles": bundles, "lag_bytes": nbytes,
                 "dropped_bundles": dropped}
@@ -197,7 +218,7 @@ class Daemon:
     def segments(self) -> list[dict[str, Any]]:
         rows = []
         for shard in self.shards:
-            for seg in sorted(shard.segments.values(), key=lambda s: s.segment_seq):
+            for seg in shard.segments:
                 rows.append({"shard": shard.index, "segment_seq": seg.segment_seq,
                              "bundles": seg.bundle_count, "bytes": seg.size_bytes,
                              "first_sequence": seg.first_sequence,
@@ -207,7 +228,7 @@ class Daemon:
         return rows
 
 
-def serve(cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> int:
+def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     """Run the daemon until shut down; return the process exit code."""
     logs.configure(cfg.log.format, cfg.log.level)
     log = logs.get("daemon")
@@ -217,7 +238,7 @@ def serve(cfg: Config, *, fault_hooks: dict[str, Any] | None = None) -> int:
         log.warning("quiverd_fault_injection_active", rules=faults.describe(fault_hooks))
     if cfg.wal.flush_policy == "never":
         log.warning("wal_flush_policy_never", hint="acks do not mean durable: tests only")
-    daemon = Daemon(cfg, fault_hooks=fault_hooks)
+    daemon = Daemon(cfg, faults=fault_hooks)
     lock_fd = -1
     try:
         data_dir = Path(cfg.data_dir)

@@ -7,12 +7,13 @@ import os
 from pathlib import Path
 
 from quiverd.kernel.errors import AlreadyRunning
+from quiverd.kernel.layout import DataDir
 
 
 def lock_data_dir(data_dir: Path, *, purpose: str = "", hint: str | None = None,
                   record_pid: bool = True) -> int:
     """flock LOCK without blocking; the holder's pid is named when it is taken."""
-    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(DataDir(data_dir).lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

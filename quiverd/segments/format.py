@@ -32,16 +32,13 @@ IPC-file dictionary safely, so each such chunk gets a stream of its own.
 
 from __future__ import annotations
 
-import os
 import struct
-from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from quiverd.kernel import durable
-from quiverd.kernel.bundle import META_SLOT, Bundle, TxnTag
 from quiverd.kernel.crc import crc32c
-from quiverd.segments.dictionaries import has_dictionary, is_unifiable, unify_batches
+from quiverd.segments.dictionaries import unify_batches
+from quiverd.segments.open_segment import BundleEntry, OpenSegment, Stream, needs_solo_stream
 from quiverd.segments.schema import representative_schema
 
 Piece = bytes | memoryview
@@ -78,158 +75,6 @@ DIRECTORY_SCHEMA = pa.schema([
 ])
 
 
-@dataclass(slots=True)
-class _Stream:
-    """Accumulator for one (slot, fingerprint): decoded batches, zero copy."""
-
-    slot: int
-    fingerprint: bytes
-    schemas: list[pa.Schema] = field(default_factory=list)
-    schema_index: dict[bytes, int] = field(default_factory=dict)
-    batches: list[pa.RecordBatch] = field(default_factory=list)
-    rows: int = 0
-    min_ts: int | None = None
-    max_ts: int | None = None
-
-    def extend(
-        self, stream_id: int, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int
-    ) -> list[ChunkRef]:
-        """Append one bundle's batches; returns their manifest refs."""
-        variant = self.variant(schema)
-        first = len(self.batches)
-        self.batches.extend(batches)
-        self.rows += sum(b.num_rows for b in batches)
-        self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
-        self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
-        return [ChunkRef(self.slot, stream_id, first + k, variant) for k in range(len(batches))]
-
-    def variant(self, schema: pa.Schema) -> int:
-        """Index of ``schema`` (metadata included) among this stream's originals."""
-        if self.schemas and self.schemas[-1].equals(schema, check_metadata=True):
-            return len(self.schemas) - 1
-        key = schema.serialize().to_pybytes()
-        found = self.schema_index.get(key)
-        if found is None:
-            if self.schemas and not self.schemas[0].equals(schema):
-                raise ValueError(f"slot {self.slot}: fingerprint does not match the schema")
-            found = self.schema_index[key] = len(self.schemas)
-            self.schemas.append(schema)
-        return found
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRef:
-    """One manifest slot_ref: chunk ``chunk`` of stream ``stream`` holds (part of)
-    slot ``slot``; ``variant`` indexes the stream's original schemas."""
-
-    slot: int
-    stream: int
-    chunk: int
-    variant: int
-
-
-@dataclass(frozen=True, slots=True)
-class BundleEntry:
-    """One manifest row as held in memory."""
-
-    client: str
-    ingestion_ts_ns: int
-    sequence: int
-    txn: TxnTag | None
-    refs: tuple[ChunkRef, ...]
-
-
-class OpenSegment:
-    """In-memory accumulator of one shard's open segment (segment_builder actor).
-
-    Holds decoded batches, not copies: each bundle's IPC payload buffer stays
-    alive through the batches that view it. ``bytes`` counts payload bytes held.
-    """
-
-    def __init__(self) -> None:
-        self._streams: list[_Stream] = []
-        self._by_key: dict[tuple[int, bytes], int] = {}
-        self.entries: list[BundleEntry] = []
-        self.bytes = 0
-        self.first_sequence: int | None = None
-        self.last_sequence: int | None = None
-        self.min_ts: int | None = None
-        self.max_ts: int | None = None
-
-    @property
-    def bundle_count(self) -> int:
-        return len(self.entries)
-
-    @property
-    def stream_count(self) -> int:
-        return len(self._streams)
-
-    @property
-    def streams(self) -> list[_Stream]:
-        return self._streams
-
-    def add(self, bundle: Bundle) -> None:
-        """Append one bundle (ingestion_ts_ns and sequence set, user slots only)."""
-        ts, seq = bundle.ingestion_ts_ns, bundle.sequence
-        # Decode every slot before touching any stream, so a payload Arrow
-        # rejects (ArrowInvalid) leaves this segment exactly as it was.
-        decoded = [(slot, *_decode(slot.ipc)) for slot in bundle.slots]
-        refs: list[ChunkRef] = []
-        for slot, schema, batches in decoded:
-            assert slot.slot < META_SLOT, "metadata slot must be split off before a segment"
-            refs.extend(self._append(slot.slot, slot.fingerprint, schema, batches, ts))
-        self.entries.append(BundleEntry(
-            client=bundle.client, ingestion_ts_ns=ts, sequence=seq, txn=bundle.txn,
-            refs=tuple(refs),
-        ))
-        self.bytes += bundle.payload_bytes
-        if self.first_sequence is None:
-            self.first_sequence = seq
-        self.last_sequence = seq
-        self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
-        self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
-
-    def _append(
-        self, slot: int, fp: bytes, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int
-    ) -> list[ChunkRef]:
-        if _needs_solo_stream(schema):
-            groups = [[b] for b in batches]
-            ids = [self._new_stream(slot, fp) for _ in batches]
-        else:
-            found = self._by_key.get((slot, fp))
-            if found is None:
-                found = self._by_key[(slot, fp)] = self._new_stream(slot, fp)
-            groups, ids = [batches], [found]
-        refs: list[ChunkRef] = []
-        for stream_id, group in zip(ids, groups, strict=True):
-            refs.extend(self._streams[stream_id].extend(stream_id, schema, group, ts))
-        return refs
-
-    def _new_stream(self, slot: int, fp: bytes) -> int:
-        self._streams.append(_Stream(slot, fp))
-        return len(self._streams) - 1
-
-
-def _decode(payload: durable.Buffer) -> tuple[pa.Schema, list[pa.RecordBatch]]:
-    """Zero-copy decode of one slot's IPC stream; an empty stream becomes one
-    0-row chunk so the slot stays present (it reads back as a 0-row table)."""
-    with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
-        schema = reader.schema
-        batches = list(reader)
-    return schema, batches or [pa.RecordBatch.from_pylist([], schema=schema)]
-
-
-def _needs_solo_stream(schema: pa.Schema) -> bool:
-    """Dictionaries we cannot unify (nested ones) force one stream per chunk."""
-    for f in schema:
-        if pa.types.is_dictionary(f.type):
-            if not is_unifiable(f):
-                return True
-        elif has_dictionary(f.type):
-            return True
-    return False
-
-
 def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int) -> list[Piece]:
     """The whole segment file as pieces to write in order (blocking, pure).
 
@@ -242,7 +87,7 @@ def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int
     chunk_maps: list[list[list[pa.Array | None]]] = []
     for stream_id, stream in enumerate(open_segment.streams):
         schema = stream.schemas[0]
-        if _needs_solo_stream(schema):
+        if needs_solo_stream(schema):
             stored_schema, batches = schema, stream.batches
             maps: list[list[pa.Array | None]] = [[] for _ in batches]
         else:
@@ -274,12 +119,6 @@ def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int
     return pieces
 
 
-def write_segment(path: str | os.PathLike[str], pieces: list[Piece], *, hook: object = None) -> int:
-    """Write ``pieces`` durably as ``path`` (tmp → fsync → rename → fsync dir),
-    read-only (0440). Blocking: call from a worker thread. Returns bytes written."""
-    return durable.atomic_write(path, pieces, mode=SEGMENT_MODE, hook=hook)
-
-
 def _ipc_file(schema: pa.Schema, batches: list[pa.RecordBatch]) -> pa.Buffer:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, schema) as writer:
@@ -300,7 +139,7 @@ def _pad(pieces: list[Piece], end: int) -> int:
     return end + gap
 
 
-def _directory_row(stream_id: int, stream: _Stream, offset: int, length: int) -> dict[str, object]:
+def _directory_row(stream_id: int, stream: Stream, offset: int, length: int) -> dict[str, object]:
     return {
         "stream_id": stream_id, "slot_id": stream.slot,
         "schema_fingerprint": stream.fingerprint, "byte_offset": offset,
@@ -309,7 +148,7 @@ def _directory_row(stream_id: int, stream: _Stream, offset: int, length: int) ->
     }
 
 
-def directory_table(rows: list[dict[str, object]], streams: list[_Stream]) -> pa.Table:
+def directory_table(rows: list[dict[str, object]], streams: list[Stream]) -> pa.Table:
     """The stream directory; omitted columns are judged against the slot's
     representative schema over this segment's streams."""
     by_slot: dict[int, list[pa.Schema]] = {}

@@ -27,13 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quiverd.kernel.bundle import Buffer
+from quiverd.kernel import layout
+from quiverd.kernel.bundle import Buffer, Slot
 from quiverd.kernel.durable import atomic_write, fsync_dir, write_all
 from quiverd.kernel.errors import DurabilityLost
+from quiverd.kernel.faults import Hook
 from quiverd.wal import format as walformat
 
-ACTIVE = "quiver.wal"
-SIDECAR = "truncate.offset"
+# (sequence, (ingestion_ts_ns, slots), encoded size): encoded in the write's worker hop
+EntryToWrite = tuple[int, tuple[int, tuple[Slot, ...]], int]
 BLOCK = 4096
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -58,7 +60,7 @@ class WalFiles:
     generation: int = 0
     end_offset: int = 0
     punch_supported: bool = True
-    fault_hook: Any = None  # tests: callable(step) raising to simulate an I/O error
+    fault_hook: Hook | None = None  # tests: raises at a step to simulate an I/O error
     _fd: int = -1
     _rotated: list[_Rotated] = field(default_factory=list)
     # (sequence, generation, offset) of every entry not yet released: bounded by
@@ -83,7 +85,7 @@ class WalFiles:
             self._rotated.append(_Rotated(r.generation, r.size))
         for e in state.entries:
             self._index.append((e.sequence, e.generation, e.offset))
-        self._fd = os.open(wal_dir / ACTIVE, os.O_WRONLY | os.O_CLOEXEC)
+        self._fd = os.open(layout.active_wal(wal_dir), os.O_WRONLY | os.O_CLOEXEC)
         os.lseek(self._fd, self.end_offset, os.SEEK_SET)
         self.punch_supported = probe_punch_hole(wal_dir)
         return self
@@ -124,7 +126,7 @@ class WalFiles:
         return active_has_data and self.end_offset + nbytes > self.chunk_bytes
 
     # ---- append and sync -------------------------------------------------------------
-    def append(self, entries: list[tuple[int, tuple[int, Any], int]], *, sync: bool) -> None:
+    def append(self, entries: list[EntryToWrite], *, sync: bool) -> None:
         """Encode and write ``(sequence, (ts_ns, slots), size)`` entries in order.
 
         fdatasync too if ``sync``. The caller checked ``fits`` for each entry. One
@@ -135,7 +137,7 @@ class WalFiles:
         if sync:
             self.sync()
 
-    def _append(self, entries: list[tuple[int, tuple[int, Any], int]]) -> None:
+    def _append(self, entries: list[EntryToWrite]) -> None:
         pieces: list[Buffer] = []
         for sequence, (ts_ns, slots), size in entries:
             entry_pieces = walformat.encode_entry(ts_ns=ts_ns, sequence=sequence, slots=slots)
@@ -165,7 +167,8 @@ class WalFiles:
                 os.fdatasync(self._fd)
             except OSError as exc:
                 raise DurabilityLost(
-                    f"fdatasync of {self.wal_dir / ACTIVE} failed: {exc.strerror or exc}; "
+                    f"fdatasync of {layout.active_wal(self.wal_dir)} failed: "
+                    f"{exc.strerror or exc}; "
                     "the shard stops without acknowledging the entries it covered"
                 ) from exc
 
@@ -177,7 +180,8 @@ class WalFiles:
         """Retire the active file as ``quiver.wal.<gen>`` and start a fresh one."""
         self.sync()
         with self._lock:
-            os.rename(self.wal_dir / ACTIVE, self.wal_dir / f"{ACTIVE}.{self.generation}")
+            os.rename(layout.active_wal(self.wal_dir),
+                      layout.rotated_wal(self.wal_dir, self.generation))
             self._rotated.append(_Rotated(self.generation, self.end_offset - self._released_offset))
             os.close(self._fd)
             self.generation += 1
@@ -205,11 +209,11 @@ class WalFiles:
             _, gen, offset = self._index[0]
         else:
             gen, offset = self.generation, self.end_offset
-        atomic_write(self.wal_dir / SIDECAR, walformat.encode_sidecar(offset, gen))
+        atomic_write(layout.sidecar(self.wal_dir), walformat.encode_sidecar(offset, gen))
         self._fault("sidecar_written")
         freed = False
         for r in [r for r in self._rotated if r.generation < gen]:
-            os.unlink(self.wal_dir / f"{ACTIVE}.{r.generation}")
+            os.unlink(layout.rotated_wal(self.wal_dir, r.generation))
             self._rotated.remove(r)
             freed = True
         if freed:
@@ -239,12 +243,12 @@ class WalFiles:
         (replay then skips released entries by sequence) and in the new one.
         """
         start = walformat.HEADER_LEN
-        atomic_write(self.wal_dir / SIDECAR, walformat.encode_sidecar(start, self.generation))
-        new_path = self.wal_dir / f"{ACTIVE}.new"
+        atomic_write(layout.sidecar(self.wal_dir), walformat.encode_sidecar(start, self.generation))
+        new_path = layout.tmp_path(layout.active_wal(self.wal_dir))
         fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
         try:
             write_all(fd, [walformat.encode_header(self.cfg_hash)])
-            src = os.open(self.wal_dir / ACTIVE, os.O_RDONLY | os.O_CLOEXEC)
+            src = os.open(layout.active_wal(self.wal_dir), os.O_RDONLY | os.O_CLOEXEC)
             try:
                 remaining, pos = self.end_offset - offset, offset
                 while remaining > 0:
@@ -259,7 +263,7 @@ class WalFiles:
             os.close(fd)
             raise
         with self._lock:
-            os.rename(new_path, self.wal_dir / ACTIVE)
+            os.rename(new_path, layout.active_wal(self.wal_dir))
             fsync_dir(self.wal_dir)
             os.close(self._fd)
             self._fd = fd
@@ -285,7 +289,7 @@ def _round_up(n: int, block: int) -> int:
 
 def create_active(wal_dir: Path, cfg_hash: bytes) -> int:
     """Create ``quiver.wal`` holding just the header, durably; return its fd."""
-    path = wal_dir / ACTIVE
+    path = layout.active_wal(wal_dir)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
     write_all(fd, [walformat.encode_header(cfg_hash)])
     os.fdatasync(fd)

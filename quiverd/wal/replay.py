@@ -1,6 +1,6 @@
 """WAL replay and dump: blocking file-level functions, run from worker threads.
 
-Directory layout (SPEC §2)::
+Directory layout (SPEC §2, names from ``quiverd.kernel.layout``)::
 
     wal_dir/quiver.wal          active file, generation = active_generation
     wal_dir/quiver.wal.<gen>    rotated files, <gen> increasing, never renamed again
@@ -23,14 +23,13 @@ from typing import Any, Protocol
 
 import msgspec
 
+from quiverd.kernel import layout
 from quiverd.kernel.bundle import Slot
 from quiverd.kernel.durable import atomic_write
 from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.quarantine import keep_bytes
 from quiverd.wal import format as wf
 
-ACTIVE_NAME = "quiver.wal"
-SIDECAR_NAME = "truncate.offset"
-_ROTATED = re.compile(r"quiver\.wal\.(\d+)")
 _NONZERO = re.compile(rb"[^\x00]")
 _ZERO_LEN = bytes(wf.LEN_PREFIX_LEN)
 _U32 = struct.Struct("<I")
@@ -75,17 +74,13 @@ class WalState(msgspec.Struct, kw_only=True):
     quarantined: list[Path] = msgspec.field(default_factory=list)
 
 
-def rotated_path(wal_dir: Path, generation: int) -> Path:
-    return wal_dir / f"{ACTIVE_NAME}.{generation}"
-
-
 def create_wal_file(path: Path, cfg_hash: bytes) -> None:
     """A fresh WAL file holding only its header, created atomically and durably."""
     atomic_write(path, wf.encode_header(cfg_hash))
 
 
 def write_sidecar(wal_dir: Path, truncate_offset: int, rotation_generation: int) -> None:
-    atomic_write(wal_dir / SIDECAR_NAME, wf.encode_sidecar(truncate_offset, rotation_generation))
+    atomic_write(layout.sidecar(wal_dir), wf.encode_sidecar(truncate_offset, rotation_generation))
 
 
 def replay_wal(
@@ -99,21 +94,21 @@ def replay_wal(
     the floor from elsewhere.
     """
     wal_dir.mkdir(parents=True, exist_ok=True)
-    active = wal_dir / ACTIVE_NAME
+    active = layout.active_wal(wal_dir)
     created = not active.exists() or active.stat().st_size == 0
     if created:
         # An empty file has no header to protect: only then may we write one.
         create_wal_file(active, cfg_hash)
-    layout = wal_layout(wal_dir)
-    active_gen, sidecar = layout.active_generation, layout.sidecar
-    brand_new = created and len(layout.files) == 1
+    inv = wal_inventory(wal_dir)
+    active_gen, sidecar = inv.active_generation, inv.sidecar
+    brand_new = created and len(inv.files) == 1
     if created:
         log.info("wal_created", path=str(active), generation=active_gen)
-    if layout.sidecar_state != "ok":
-        level = log.info if layout.sidecar_state == "missing" else log.warning
-        level(f"wal_sidecar_{layout.sidecar_state}", path=str(wal_dir / SIDECAR_NAME),
-              error=layout.sidecar_problem)
-    chain = list(layout.files.items())
+    if inv.sidecar_state != "ok":
+        level = log.info if inv.sidecar_state == "missing" else log.warning
+        level(f"wal_sidecar_{inv.sidecar_state}", path=str(layout.sidecar(wal_dir)),
+              error=inv.sidecar_problem)
+    chain = list(inv.files.items())
     for _, path in chain:
         with open(path, "rb") as f:
             wf.decode_header(f.read(wf.HEADER_LEN), path=str(path), expected_cfg_hash=cfg_hash)
@@ -134,7 +129,7 @@ def replay_wal(
         entries=scan.entries,
         next_sequence=1 if last is None else last + 1,
         sequence_known=(last is not None or brand_new
-                        or layout.sidecar_state in ("missing", "corrupt")),
+                        or inv.sidecar_state in ("missing", "corrupt")),
         active_generation=active_gen, active_path=active, active_end_offset=sizes[active_gen],
         rotated=[WalFile(generation=g, path=p, size=sizes[g]) for g, p in chain[:-1]],
         start_generation=start_gen, start_offset=start_off,
@@ -288,9 +283,8 @@ class _Scan:
     def _quarantine(self, gen: int, offset: int, kind: str, chunk: memoryview) -> Path:
         # Named by generation and offset, so a replay interrupted and rerun rewrites
         # the same file instead of piling up copies.
-        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
-        target = self.quarantine_dir / f"{ACTIVE_NAME}.{gen}.{offset}.{kind}"
-        atomic_write(target, chunk)
+        name = layout.wal_quarantine_name(gen, offset, kind)
+        target = keep_bytes(chunk, self.quarantine_dir, name)
         self.quarantined.append(target)
         return target
 
@@ -338,7 +332,7 @@ def _why(entry: wf.DecodedEntry) -> str:
     return entry.problem or "crc mismatch"
 
 
-class WalLayout(msgspec.Struct, frozen=True, kw_only=True):
+class WalInventory(msgspec.Struct, frozen=True, kw_only=True):
     """The files of one WAL directory and the sidecar, as replay will see them."""
 
     files: dict[int, Path]  # generation -> path; the active file only if it exists
@@ -348,20 +342,19 @@ class WalLayout(msgspec.Struct, frozen=True, kw_only=True):
     sidecar_problem: str = ""  # why a present sidecar is unusable
 
     def generation_of(self, path: Path) -> int | None:
-        if path.name == ACTIVE_NAME:
+        if layout.is_active_wal(path.name):
             return self.active_generation
-        m = _ROTATED.fullmatch(path.name)
-        return int(m.group(1)) if m else None
+        return layout.rotated_generation(path.name)
 
 
-def wal_layout(wal_dir: Path) -> WalLayout:
+def wal_inventory(wal_dir: Path) -> WalInventory:
     """Read-only: generations and the usable sidecar (same rules as ``replay_wal``)."""
     rotated = {
-        int(m.group(1)): p for p in wal_dir.iterdir() if (m := _ROTATED.fullmatch(p.name))
+        gen: p for p in wal_dir.iterdir() if (gen := layout.rotated_generation(p.name)) is not None
     } if wal_dir.is_dir() else {}
     sidecar: wf.Sidecar | None = None
     state, problem = "missing", ""
-    sidecar_path = wal_dir / SIDECAR_NAME
+    sidecar_path = layout.sidecar(wal_dir)
     if sidecar_path.exists():
         try:
             sidecar = wf.decode_sidecar(sidecar_path.read_bytes(), path=str(sidecar_path))
@@ -371,23 +364,23 @@ def wal_layout(wal_dir: Path) -> WalLayout:
     active_gen = max(max(rotated) + 1 if rotated else 0,
                      sidecar.rotation_generation if sidecar else 0)
     files = dict(sorted(rotated.items()))
-    if (wal_dir / ACTIVE_NAME).exists():
-        files[active_gen] = wal_dir / ACTIVE_NAME
+    if layout.active_wal(wal_dir).exists():
+        files[active_gen] = layout.active_wal(wal_dir)
     if sidecar is not None:
         target = files.get(sidecar.rotation_generation)
         if target is None or not wf.HEADER_LEN <= sidecar.truncate_offset <= target.stat().st_size:
             problem = (f"sidecar points at generation {sidecar.rotation_generation} offset "
                        f"{sidecar.truncate_offset}, which no WAL file holds: replay ignores it")
             state, sidecar = "out_of_range", None
-    return WalLayout(files=files, active_generation=active_gen, sidecar=sidecar,
+    return WalInventory(files=files, active_generation=active_gen, sidecar=sidecar,
                      sidecar_state=state, sidecar_problem=problem)
 
 
 def live_start(path: Path, size: int) -> int:
     """First byte of ``path`` a valid sidecar beside it still needs (``size``: none)."""
-    layout = wal_layout(path.parent)
-    gen = layout.generation_of(path)
-    sidecar = layout.sidecar
+    inv = wal_inventory(path.parent)
+    gen = inv.generation_of(path)
+    sidecar = inv.sidecar
     if sidecar is None or gen is None or gen > sidecar.rotation_generation:
         return wf.HEADER_LEN
     if gen < sidecar.rotation_generation:

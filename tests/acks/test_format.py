@@ -89,7 +89,7 @@ def test_checkpoint_bytes_exact() -> None:
     ],
 )
 def test_decode_roundtrip_every_type(record: fmt.Record) -> None:
-    decoder = fmt.FrameDecoder()
+    decoder = fmt.RecordScanner()
     decoder.feed(fmt.encode(record))
     got = decoder.next()
     assert isinstance(got, fmt.Frame) and got.crc_ok
@@ -99,7 +99,7 @@ def test_decode_roundtrip_every_type(record: fmt.Record) -> None:
 def test_decoder_incremental_byte_by_byte() -> None:
     data = fmt.encode(fmt.SegmentDeleted(segment_seq=1)) + fmt.encode(
         fmt.SegmentFinalized(segment_seq=2, bundle_count=3))
-    decoder = fmt.FrameDecoder(offset=14)
+    decoder = fmt.RecordScanner(offset=14)
     frames = []
     for b in data:
         decoder.feed(bytes([b]))
@@ -114,25 +114,25 @@ def test_decoder_incremental_byte_by_byte() -> None:
 def test_decoder_flags_bad_crc_and_bad_length() -> None:
     good = bytearray(fmt.encode(fmt.SegmentDeleted(segment_seq=1)))
     good[6] ^= 0x01
-    decoder = fmt.FrameDecoder(max_record_len=100)
+    decoder = fmt.RecordScanner(max_record_len=100)
     decoder.feed(bytes(good) + struct.pack("<I", 101))
     item = decoder.next()
     assert isinstance(item, fmt.Frame) and not item.crc_ok
     assert decoder.next() == fmt.BadLength(offset=14 + len(good), record_len=101)
     decoder.feed(b"\x00" * 4)
-    zero = fmt.FrameDecoder()
+    zero = fmt.RecordScanner()
     zero.feed(b"\x00" * 8)
     assert isinstance(zero.next(), fmt.BadLength)  # a zero-filled tail is never a record
 
 
 def test_decoder_checks_length_before_waiting_for_body() -> None:
-    decoder = fmt.FrameDecoder(max_record_len=1024)
+    decoder = fmt.RecordScanner(max_record_len=1024)
     decoder.feed(struct.pack("<I", 0xFFFF_FFFF))
     assert isinstance(decoder.next(), fmt.BadLength)
 
 
 def test_decode_unknown_type_skipped() -> None:
-    decoder = fmt.FrameDecoder()
+    decoder = fmt.RecordScanner()
     decoder.feed(frame(200, b"future") + fmt.encode(fmt.SegmentDeleted(segment_seq=4)))
     first, second = decoder.next(), decoder.next()
     assert isinstance(first, fmt.Frame) and fmt.decode_record(first.record_type, first.body) is None

@@ -67,7 +67,7 @@ def test_replay_torn_tail_at_every_byte_of_last_record(tmp_path: Path) -> None:
     good_end = len(full) - len(frames[-1])
     expected = AckState()
     for rec_bytes in frames[:-1]:
-        dec = fmt.FrameDecoder()
+        dec = fmt.RecordScanner()
         dec.feed(rec_bytes)
         frame = dec.next()
         assert isinstance(frame, fmt.Frame)

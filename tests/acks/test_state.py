@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile, compact, replay_ack_log
-from quiverd.acks.registry import InvalidSubscriberName, SubscriberExists, UnknownSubscriber
+from quiverd.acks.registry import SubscriberExists, UnknownSubscriber
 from quiverd.acks.state import AckState, UnknownBundle
 from quiverd.kernel.errors import AtCapacity
+from quiverd.kernel.names import InvalidSubscriberName
 
 LOG = structlog.get_logger("test")
 

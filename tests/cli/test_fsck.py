@@ -19,7 +19,9 @@ from quiverd.cli import fsck
 from quiverd.cli import main as cli
 from quiverd.kernel.bundle import Bundle, MetaCodec, make_slot
 from quiverd.kernel.errors import AlreadyRunning
-from quiverd.segments.format import OpenSegment, encode_segment, write_segment
+from quiverd.segments.files import write_segment
+from quiverd.segments.format import encode_segment
+from quiverd.segments.open_segment import OpenSegment
 from quiverd.wal import format as wf
 from quiverd.wal import replay as wr
 from quiverd.wal.files import BLOCK, probe_punch_hole, punch_hole

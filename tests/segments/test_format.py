@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from quiverd.kernel.bundle import Bundle, Slot, TxnTag, fingerprint, read_ipc_stream
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import CorruptRecord, FormatMismatch
-from quiverd.segments.format import OpenSegment, encode_segment, write_segment
+from quiverd.segments.files import write_segment
+from quiverd.segments.format import encode_segment
+from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.reader import SegmentReader, describe_segment, verify_segment
 from quiverd.segments.schema import to_representative
 

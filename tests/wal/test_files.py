@@ -12,8 +12,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from quiverd.kernel.bundle import MetaCodec, make_slot
+from quiverd.kernel.layout import ACTIVE_WAL as ACTIVE
 from quiverd.wal import format as walformat
-from quiverd.wal.files import ACTIVE, WalFiles
+from quiverd.wal.files import WalFiles
 from quiverd.wal.replay import replay_wal
 
 HASH = walformat.DEFAULT_CFG_HASH

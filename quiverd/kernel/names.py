@@ -1,0 +1,47 @@
+"""The names users choose, one rule each: subscriber names and client names.
+
+Config, the admin commands, the subscriber registry and the socket protocol all
+check names here, so the rule and its message are written once.
+"""
+
+from __future__ import annotations
+
+import re
+
+from quiverd.kernel.errors import QuiverError
+
+SUBSCRIBER_NAME_RULE = "[a-z0-9_-]{1,64}"
+CLIENT_NAME_RULE = "[A-Za-z0-9._-]{1,255}"
+SUBSCRIBER_NAME = re.compile(SUBSCRIBER_NAME_RULE)
+CLIENT_NAME = re.compile(CLIENT_NAME_RULE)
+# The protocol checks raw bytes before decoding them.
+SUBSCRIBER_NAME_BYTES = re.compile(SUBSCRIBER_NAME_RULE.encode())
+CLIENT_NAME_BYTES = re.compile(CLIENT_NAME_RULE.encode())
+
+
+class InvalidSubscriberName(QuiverError, ValueError):
+    """A subscriber name outside ``[a-z0-9_-]{1,64}``."""
+
+    hint = "subscriber names are 1-64 chars of lowercase letters, digits, '_' and '-'"
+
+
+def subscriber_name_problem(name: object) -> str | None:
+    """Why ``name`` is not a valid subscriber name, or None when it is."""
+    if isinstance(name, str) and SUBSCRIBER_NAME.fullmatch(name) is not None:
+        return None
+    return f"invalid subscriber name {name!r}: must match {SUBSCRIBER_NAME_RULE}"
+
+
+def validate_subscriber_name(name: str) -> str:
+    """Return ``name`` if it is a valid subscriber name, else raise InvalidSubscriberName."""
+    problem = subscriber_name_problem(name)
+    if problem is not None:
+        raise InvalidSubscriberName(problem)
+    return name
+
+
+def client_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a valid client name, or None when it is."""
+    if CLIENT_NAME_BYTES.fullmatch(name.encode("ascii", "replace")) is not None:
+        return None
+    return f"client name {name!r} must match {CLIENT_NAME_RULE}"

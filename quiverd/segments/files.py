@@ -1,0 +1,124 @@
+"""A shard's segments directory on disk: segment files and their two markers.
+
+    segments/<seq:016>.qseg   written once (tmp → fsync → rename → fsync dir → 0440)
+    segments/FLOOR            {"segment_seq": N}   highest segment seq ever finalized
+                              (finalizer): numbers never repeat, even after every
+                              segment is deleted
+    segments/DELETED          {"wal_sequence": S}  WAL sequences <= S were in segments
+                              deleted on purpose (gc): replay must not resurrect them
+
+Paths come from ``quiverd.kernel.layout``. Every function blocks: call it from a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from quiverd.kernel import layout
+from quiverd.kernel.durable import atomic_write, fsync_dir
+from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.layout import ShardLayout
+from quiverd.kernel.quarantine import move_file
+from quiverd.segments.format import SEGMENT_MODE, Piece
+from quiverd.segments.reader import SegmentReader
+from quiverd.segments.table import SegmentInfo
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+class Floor(msgspec.Struct, frozen=True, kw_only=True):
+    segment_seq: int = 0
+
+
+class Deleted(msgspec.Struct, frozen=True, kw_only=True):
+    wal_sequence: int = 0
+
+
+MARKER_TYPES: dict[str, type[Floor] | type[Deleted]] = {layout.FLOOR: Floor,
+                                                        layout.DELETED: Deleted}
+
+
+def write_segment(path: Path, pieces: list[Piece], *, hook: object = None) -> int:
+    """Write ``pieces`` durably as ``path``, read-only (0440); returns bytes written."""
+    return atomic_write(path, pieces, mode=SEGMENT_MODE, hook=hook)
+
+
+def read_marker(path: Path, kind: type[T]) -> T:
+    """Read a marker; a missing file is the zero marker."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=kind)
+    except FileNotFoundError:
+        return kind()
+    except (msgspec.DecodeError, OSError) as exc:
+        raise CorruptRecord(str(path), 0, f"marker unreadable: {exc}",
+                            hint="restore it from backup, or delete it after checking "
+                            "that no higher segment numbers were ever used") from exc
+
+
+def write_marker(path: Path, marker: msgspec.Struct) -> None:
+    atomic_write(path, msgspec.json.encode(marker))
+
+
+def delete_segments(shard: ShardLayout, segments: Iterable[SegmentInfo]) -> int:
+    """Unlink a batch of segments durably: one DELETED marker write, one directory fsync.
+
+    The marker rises first (to the highest WAL sequence in the batch), so a crash
+    after any unlink cannot bring their bundles back from the WAL. Returns how
+    many files were unlinked (a file already gone is not an error).
+    """
+    batch = list(segments)
+    if not batch:
+        return 0
+    highest = max(s.last_sequence for s in batch)
+    if highest > read_marker(shard.deleted, Deleted).wal_sequence:
+        write_marker(shard.deleted, Deleted(wal_sequence=highest))
+    unlinked = 0
+    for seg in batch:
+        try:
+            os.unlink(seg.path)
+            unlinked += 1
+        except FileNotFoundError:
+            pass
+    fsync_dir(shard.segments_dir)
+    return unlinked
+
+
+def scan_segments(shard: ShardLayout, log: Any) -> tuple[list[SegmentInfo], list[int]]:
+    """Verify every segment of a shard; quarantine bad ones and leftover temp files.
+
+    Returns the good segments (sorted by seq) and the sequence numbers of the
+    segments that were quarantined.
+    """
+    good: list[SegmentInfo] = []
+    quarantined: list[int] = []
+    for path in sorted(shard.segments_dir.iterdir()):
+        if layout.is_marker(path.name):
+            continue
+        seq = layout.segment_seq_of(path.name)
+        if seq is None:
+            # A *.qseg.tmp is a finalize cut short: its bundles are still in the WAL.
+            move_file(path, shard.quarantine_dir, reason="incomplete temp file", log=log)
+            continue
+        try:
+            with SegmentReader.open(path) as reader:
+                good.append(segment_info(path, seq, reader))
+        except CorruptRecord as exc:
+            log.error("segment_quarantined", path=str(path), error=str(exc))
+            move_file(path, shard.quarantine_dir, reason=str(exc), log=log)
+            quarantined.append(seq)
+    return good, quarantined
+
+
+def segment_info(path: Path, segment_seq: int, reader: SegmentReader) -> SegmentInfo:
+    manifest = reader.manifest
+    seqs = manifest.column("sequence").to_pylist()
+    ts = manifest.column("ingestion_ts").to_pylist()
+    return SegmentInfo(segment_seq=segment_seq, path=path, size_bytes=path.stat().st_size,
+                       bundle_count=len(seqs), first_sequence=min(seqs),
+                       last_sequence=max(seqs), min_ts_ns=min(ts), max_ts_ns=max(ts))

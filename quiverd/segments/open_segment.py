@@ -1,0 +1,169 @@
+"""The open segment: one shard's bundles accumulating in memory until sealed.
+
+The segment_builder actor owns it; at seal it moves (``SealedSegment``) to the
+finalizer, which encodes it (``quiverd.segments.format``) and writes it. Bundles
+are held as decoded Arrow batches, zero copy: each slot's IPC payload buffer
+stays alive through the batches that view it. A *stream* is every chunk of one
+``(slot, schema fingerprint)``; schema drift opens a new stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from quiverd.kernel.bundle import META_SLOT, Buffer, Bundle, TxnTag
+from quiverd.segments.dictionaries import has_dictionary, is_unifiable
+
+
+@dataclass(slots=True)
+class Stream:
+    """Accumulator for one (slot, fingerprint): decoded batches, zero copy."""
+
+    slot: int
+    fingerprint: bytes
+    schemas: list[pa.Schema] = field(default_factory=list)
+    schema_index: dict[bytes, int] = field(default_factory=dict)
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+    rows: int = 0
+    min_ts: int | None = None
+    max_ts: int | None = None
+
+    def extend(
+        self, stream_id: int, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int
+    ) -> list[ChunkRef]:
+        """Append one bundle's batches; returns their manifest refs."""
+        variant = self.variant(schema)
+        first = len(self.batches)
+        self.batches.extend(batches)
+        self.rows += sum(b.num_rows for b in batches)
+        self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
+        self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
+        return [ChunkRef(self.slot, stream_id, first + k, variant) for k in range(len(batches))]
+
+    def variant(self, schema: pa.Schema) -> int:
+        """Index of ``schema`` (metadata included) among this stream's originals."""
+        if self.schemas and self.schemas[-1].equals(schema, check_metadata=True):
+            return len(self.schemas) - 1
+        key = schema.serialize().to_pybytes()
+        found = self.schema_index.get(key)
+        if found is None:
+            if self.schemas and not self.schemas[0].equals(schema):
+                raise ValueError(f"slot {self.slot}: fingerprint does not match the schema")
+            found = self.schema_index[key] = len(self.schemas)
+            self.schemas.append(schema)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One manifest slot_ref: chunk ``chunk`` of stream ``stream`` holds (part of)
+    slot ``slot``; ``variant`` indexes the stream's original schemas."""
+
+    slot: int
+    stream: int
+    chunk: int
+    variant: int
+
+
+@dataclass(frozen=True, slots=True)
+class BundleEntry:
+    """One manifest row as held in memory."""
+
+    client: str
+    ingestion_ts_ns: int
+    sequence: int
+    txn: TxnTag | None
+    refs: tuple[ChunkRef, ...]
+
+
+class OpenSegment:
+    """In-memory accumulator of one shard's open segment (segment_builder actor).
+
+    Holds decoded batches, not copies: each bundle's IPC payload buffer stays
+    alive through the batches that view it. ``bytes`` counts payload bytes held.
+    """
+
+    def __init__(self) -> None:
+        self._streams: list[Stream] = []
+        self._by_key: dict[tuple[int, bytes], int] = {}
+        self.entries: list[BundleEntry] = []
+        self.bytes = 0
+        self.first_sequence: int | None = None
+        self.last_sequence: int | None = None
+        self.min_ts: int | None = None
+        self.max_ts: int | None = None
+
+    @property
+    def bundle_count(self) -> int:
+        return len(self.entries)
+
+    @property
+    def stream_count(self) -> int:
+        return len(self._streams)
+
+    @property
+    def streams(self) -> list[Stream]:
+        return self._streams
+
+    def add(self, bundle: Bundle) -> None:
+        """Append one bundle (ingestion_ts_ns and sequence set, user slots only)."""
+        ts, seq = bundle.ingestion_ts_ns, bundle.sequence
+        # Decode every slot before touching any stream, so a payload Arrow
+        # rejects (ArrowInvalid) leaves this segment exactly as it was.
+        decoded = [(slot, *_decode(slot.ipc)) for slot in bundle.slots]
+        refs: list[ChunkRef] = []
+        for slot, schema, batches in decoded:
+            assert slot.slot < META_SLOT, "metadata slot must be split off before a segment"
+            refs.extend(self._append(slot.slot, slot.fingerprint, schema, batches, ts))
+        self.entries.append(BundleEntry(
+            client=bundle.client, ingestion_ts_ns=ts, sequence=seq, txn=bundle.txn,
+            refs=tuple(refs),
+        ))
+        self.bytes += bundle.payload_bytes
+        if self.first_sequence is None:
+            self.first_sequence = seq
+        self.last_sequence = seq
+        self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
+        self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
+
+    def _append(
+        self, slot: int, fp: bytes, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int
+    ) -> list[ChunkRef]:
+        if needs_solo_stream(schema):
+            groups = [[b] for b in batches]
+            ids = [self._new_stream(slot, fp) for _ in batches]
+        else:
+            found = self._by_key.get((slot, fp))
+            if found is None:
+                found = self._by_key[(slot, fp)] = self._new_stream(slot, fp)
+            groups, ids = [batches], [found]
+        refs: list[ChunkRef] = []
+        for stream_id, group in zip(ids, groups, strict=True):
+            refs.extend(self._streams[stream_id].extend(stream_id, schema, group, ts))
+        return refs
+
+    def _new_stream(self, slot: int, fp: bytes) -> int:
+        self._streams.append(Stream(slot, fp))
+        return len(self._streams) - 1
+
+
+def _decode(payload: Buffer) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """Zero-copy decode of one slot's IPC stream; an empty stream becomes one
+    0-row chunk so the slot stays present (it reads back as a 0-row table)."""
+    with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
+        schema = reader.schema
+        batches = list(reader)
+    return schema, batches or [pa.RecordBatch.from_pylist([], schema=schema)]
+
+
+def needs_solo_stream(schema: pa.Schema) -> bool:
+    """Dictionaries we cannot unify (nested ones) force one stream per chunk."""
+    for f in schema:
+        if pa.types.is_dictionary(f.type):
+            if not is_unifiable(f):
+                return True
+        elif has_dictionary(f.type):
+            return True
+    return False

@@ -1,0 +1,75 @@
+"""A shard's live segment files: what each one holds, in one table with one owner.
+
+The ack_logger owns the ``SegmentTable``: it adds a segment once its SEGMENT
+record is durable in ack.log and removes it when the gc retires it, so the
+table and ack.log never disagree. Every other reader (dispatcher, gc sweeper,
+status) holds a ``SegmentView``, which has no way to change it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import msgspec
+
+
+class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One durable, read-only segment file."""
+
+    segment_seq: int
+    path: Path
+    size_bytes: int
+    bundle_count: int
+    first_sequence: int  # WAL sequences of its first and last bundle
+    last_sequence: int
+    min_ts_ns: int
+    max_ts_ns: int
+
+
+class SegmentView:
+    """Read-only: the live segments by sequence number, oldest first."""
+
+    def __init__(self, rows: dict[int, SegmentInfo]) -> None:
+        self._rows = rows
+
+    def __contains__(self, segment_seq: object) -> bool:
+        return segment_seq in self._rows
+
+    def __getitem__(self, segment_seq: int) -> SegmentInfo:
+        return self._rows[segment_seq]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[SegmentInfo]:
+        return iter(sorted(self._rows.values(), key=lambda s: s.segment_seq))
+
+    def get(self, segment_seq: int) -> SegmentInfo | None:
+        return self._rows.get(segment_seq)
+
+    def seqs(self) -> list[int]:
+        return sorted(self._rows)
+
+    def total_bytes(self) -> int:
+        return sum(s.size_bytes for s in self._rows.values())
+
+    def bytes_from(self, segment_seq: int) -> int:
+        """Bytes of the segments at or above ``segment_seq`` (a subscriber's lag)."""
+        return sum(s.size_bytes for q, s in self._rows.items() if q >= segment_seq)
+
+
+class SegmentTable(SegmentView):
+    """The owner's handle (the ack_logger's): adds and removes rows."""
+
+    def __init__(self, rows: Iterable[SegmentInfo] = ()) -> None:
+        super().__init__({s.segment_seq: s for s in rows})
+
+    def view(self) -> SegmentView:
+        return SegmentView(self._rows)
+
+    def add(self, info: SegmentInfo) -> None:
+        self._rows[info.segment_seq] = info
+
+    def remove(self, segment_seq: int) -> SegmentInfo | None:
+        return self._rows.pop(segment_seq, None)
