@@ -37,7 +37,7 @@ from quiverd.kernel.durable import atomic_write
 from quiverd.kernel.errors import ProtocolError, QuiverError, ShuttingDown
 from quiverd.protocol.frames import ErrorCode
 
-MAX_WINDOW = 4096  # the daemon clamps larger windows to this (subscribe_conn.MAX_WINDOW)
+MAX_WINDOW = 4096  # the daemon clamps larger windows to this (quiverd.net.consumers.MAX_WINDOW)
 DEFAULT_COUNT_TIMEOUT_S = 10.0
 EXIT_SIGINT = 130
 

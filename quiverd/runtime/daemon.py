@@ -59,14 +59,19 @@ class Daemon:
         self.ingest: IngestServer | None = None
         self.stopping = False
 
-    async def run(self) -> None:
-        """Run until shut down; the caller holds the data directory's LOCK."""
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Run until shut down; the caller holds the data directory's LOCK.
+
+        ``task_status.started()`` fires when the daemon is ready (sockets listening),
+        so an in-process caller can ``await tg.start(daemon.run)``.
+        """
         try:
-            await self._run()
+            await self._run(task_status)
         finally:
             self.notifier.close()
 
-    async def _run(self) -> None:
+    async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         cfg = self.cfg
         self.shards = [Shard(i, cfg, faults=self.faults) for i in range(cfg.shard_count)]
         async with anyio.create_task_group() as root:
@@ -91,6 +96,7 @@ class Daemon:
                 self.log.info("quiverd_ready", shards=cfg.shard_count, data_dir=cfg.data_dir,
                               ingest_socket=str(cfg.ingest_socket))
                 self.notifier.ready(f"{cfg.shard_count} shards")
+                task_status.started()
                 if self.notifier.watchdog_interval_s():
                     root.start_soon(self._watchdog)
             # Every pipeline drained: end the admin server and signal watchers.

@@ -1,0 +1,1 @@
+"""In-process actor tests: real memory streams and real files, no daemon subprocess."""

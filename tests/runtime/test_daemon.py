@@ -1,0 +1,74 @@
+"""The daemon in process: ``Daemon.run`` with an injected stop trigger, no subprocess.
+
+Real sockets, real files; the subprocess tests in tests/daemon cover signals,
+exit codes and crashes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pyarrow as pa
+import pytest
+
+from quiverd.client import AsyncClient
+from quiverd.kernel.config import Config, loads
+from quiverd.kernel.layout import DataDir
+from quiverd.runtime.daemon import Daemon
+from quiverd.segments.reader import SegmentReader
+
+
+def _config(tmp_path: Path, **extra: str) -> Config:
+    lines = [f'data_dir = "{tmp_path / "data"}"', "shards = 2",
+             "[ingest]", f'socket_path = "{tmp_path / "in.sock"}"',
+             "[admin]", f'socket_path = "{tmp_path / "adm.sock"}"',
+             "[segment]", "max_open_duration_ms = 60000"]
+    lines += [f"{k} = {v}" for k, v in extra.items()]
+    (tmp_path / "data").mkdir()
+    return loads("\n".join(lines) + "\n")
+
+
+def _table(i: int) -> pa.Table:
+    return pa.table({"i": pa.array([i] * 10, pa.int64()), "s": [f"row-{i}"] * 10})
+
+
+@pytest.mark.asyncio
+async def test_daemon_run_in_process_acks_then_stops_on_trigger(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    stop = anyio.Event()
+    daemon = Daemon(cfg, stop=stop, handle_signals=False)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            await tg.start(daemon.run)  # returns once ready: sockets listening
+            async with await AsyncClient.connect(cfg.ingest_socket) as client:
+                acks = [await client.send(_table(i), client=f"c{i}") for i in range(6)]
+            assert len({(a.shard, a.sequence) for a in acks}) == 6  # distinct ids
+            assert {a.shard for a in acks} <= {0, 1}
+            stop.set()
+        # run() returned: every pipeline drained, the open segments sealed at shutdown.
+    assert daemon.stopping and not any(s.unfinished for s in daemon.shards)
+    rows = []
+    for i in range(cfg.shard_count):
+        for path in sorted(DataDir(Path(cfg.data_dir)).shard(i).segments_dir.glob("*.qseg")):
+            with SegmentReader.open(path) as reader:
+                rows += [(b.client, b.slots[0].column("i")[0].as_py()) for b in reader.bundles()]
+    assert sorted(rows) == [(f"c{i}", i) for i in range(6)]
+
+
+@pytest.mark.asyncio
+async def test_daemon_run_in_process_status_and_subscriber_ops(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    stop = anyio.Event()
+    daemon = Daemon(cfg, stop=stop, handle_signals=False)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            await tg.start(daemon.run)
+            result = await daemon.subscriber_op("add", "exporter")
+            assert result == {"name": "exporter", "op": "add", "shards": 2}
+            assert [s["name"] for s in daemon.subscribers()] == ["exporter"]
+            with pytest.raises(ValueError, match="invalid subscriber name"):
+                await daemon.subscriber_op("add", "Not Valid")
+            status = daemon.status()
+            assert [s["shard"] for s in status["shards"]] == [0, 1]
+            stop.set()
