@@ -13,12 +13,13 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
 
 from quiverd.kernel.errors import QuiverError
+from quiverd.kernel.logs import Logger
 
 MAX_REQUEST_BYTES = 64 * 1024
 
@@ -28,16 +29,25 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+Handler = Callable[[dict[str, Any]], Any]  # args -> JSON-able result (or an awaitable of one)
+
+
+class AdminTarget(Protocol):
+    """What the admin socket serves; the runtime's Daemon is one."""
+
+    def status(self) -> dict[str, Any]: ...
+    def segments(self) -> list[dict[str, Any]]: ...
+    def admin_handlers(self) -> dict[str, Handler]: ...
+
+
 class AdminServer:
-    def __init__(self, path: Path, daemon: Any, *, log: Any) -> None:
+    def __init__(self, path: Path, daemon: AdminTarget, *, log: Logger) -> None:
         self.path, self.daemon, self.log = path, daemon, log
-        self.handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+        self.handlers: dict[str, Handler] = {
             "status": lambda args: daemon.status(),
             "segments": lambda args: daemon.segments(),
+            **daemon.admin_handlers(),
         }
-        extra = getattr(daemon, "admin_handlers", None)
-        if extra is not None:
-            self.handlers.update(extra())
         self.decoder = msgspec.json.Decoder(Request)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -56,7 +66,7 @@ class AdminServer:
         finally:
             self.path.unlink(missing_ok=True)
 
-    async def _handle(self, stream: Any) -> None:
+    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         async with stream:
             try:
                 line = await _read_line(stream)
@@ -82,7 +92,7 @@ class AdminServer:
             return {"ok": False, "error": str(exc), "hint": exc.hint}
 
 
-async def _read_line(stream: Any) -> bytes:
+async def _read_line(stream: anyio.abc.ByteStream) -> bytes:
     buf = b""
     while b"\n" not in buf:
         buf += await stream.receive(4096)

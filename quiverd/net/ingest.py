@@ -19,17 +19,17 @@ import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.messages import AppendRequest, ProducerReply
-from quiverd.kernel.bundle import Bundle
+from quiverd.kernel.bundle import Bundle, Slot
 from quiverd.kernel.config import IngestConfig
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.logs import Logger
 from quiverd.net.consumers import SubscriberHub, serve_subscriber
 from quiverd.net.rawsock import RawListener, RawStream
 from quiverd.protocol import codec as protocol
@@ -59,7 +59,7 @@ class IngestServer:
 
     def __init__(self, cfg: IngestConfig, socket_path: Path,
                  inboxes: list[MemoryObjectSendStream[AppendRequest]], *,
-                 limiter: CapacityLimiter, log: Any) -> None:
+                 limiter: CapacityLimiter, log: Logger) -> None:
         self.cfg, self.path, self.inboxes = cfg, socket_path, inboxes
         self.limiter, self.log = limiter, log
         self.stats = IngestStats()
@@ -190,7 +190,7 @@ class _Connection:
                             "is durable, resend the rest after restart")
                     await self._send_error(0, ProtocolError(ErrorCode.SHUTTING_DOWN, text))
 
-    async def _receive_frames(self) -> list[Any] | None:
+    async def _receive_frames(self) -> list[protocol.Message] | None:
         """recv_into the decoder's own buffer: large payloads land in their frame
         buffer directly, with no intermediate copy. None at end of stream."""
         n = await self.stream.receive_into(self.decoder.get_buffer())
@@ -221,7 +221,7 @@ class _Connection:
             if bundles:
                 await self._submit(bundles)
 
-    async def _handshake(self, frame: Any) -> bool:
+    async def _handshake(self, frame: protocol.Message) -> bool:
         if not isinstance(frame, protocol.Hello):
             raise ProtocolError(ErrorCode.MALFORMED, "the first frame must be HELLO")
         version = protocol.negotiate(frame)  # raises UNSUPPORTED_VERSION
@@ -275,8 +275,8 @@ def _encode_reply(reply: ProducerReply) -> bytes:
 
 
 def _validate_all(frames: list[protocol.BundleFrame], max_bundle_bytes: int
-                  ) -> list[tuple[Any, Any]]:
-    out: list[tuple[Any, Any]] = []
+                  ) -> list[tuple[protocol.BundleFrame, tuple[Slot, ...] | ProtocolError]]:
+    out: list[tuple[protocol.BundleFrame, tuple[Slot, ...] | ProtocolError]] = []
     for frame in frames:
         try:
             out.append((frame, protocol.validate_bundle(frame, max_bundle_bytes=max_bundle_bytes)))

@@ -6,6 +6,8 @@ exit codes and crashes.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -33,20 +35,28 @@ def _table(i: int) -> pa.Table:
     return pa.table({"i": pa.array([i] * 10, pa.int64()), "s": [f"row-{i}"] * 10})
 
 
-@pytest.mark.asyncio
-async def test_daemon_run_in_process_acks_then_stops_on_trigger(tmp_path: Path) -> None:
-    cfg = _config(tmp_path)
+@asynccontextmanager
+async def _running(cfg: Config) -> AsyncIterator[Daemon]:
+    """A ready daemon in this process; stopped through its trigger on exit."""
     stop = anyio.Event()
     daemon = Daemon(cfg, stop=stop, handle_signals=False)
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             await tg.start(daemon.run)  # returns once ready: sockets listening
-            async with await AsyncClient.connect(cfg.ingest_socket) as client:
-                acks = [await client.send(_table(i), client=f"c{i}") for i in range(6)]
-            assert len({(a.shard, a.sequence) for a in acks}) == 6  # distinct ids
-            assert {a.shard for a in acks} <= {0, 1}
+            yield daemon
             stop.set()
-        # run() returned: every pipeline drained, the open segments sealed at shutdown.
+        # run() returned: every pipeline drained.
+
+
+@pytest.mark.asyncio
+async def test_daemon_run_in_process_acks_then_stops_on_trigger(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    async with _running(cfg) as daemon:
+        async with await AsyncClient.connect(cfg.ingest_socket) as client:
+            acks = [await client.send(_table(i), client=f"c{i}") for i in range(6)]
+        assert len({(a.shard, a.sequence) for a in acks}) == 6  # distinct ids
+        assert {a.shard for a in acks} <= {0, 1}
+    # The open segments were sealed and finalized at shutdown.
     assert daemon.stopping and not any(s.unfinished for s in daemon.shards)
     rows = []
     for i in range(cfg.shard_count):
@@ -58,17 +68,10 @@ async def test_daemon_run_in_process_acks_then_stops_on_trigger(tmp_path: Path) 
 
 @pytest.mark.asyncio
 async def test_daemon_run_in_process_status_and_subscriber_ops(tmp_path: Path) -> None:
-    cfg = _config(tmp_path)
-    stop = anyio.Event()
-    daemon = Daemon(cfg, stop=stop, handle_signals=False)
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-            await tg.start(daemon.run)
-            result = await daemon.subscriber_op("add", "exporter")
-            assert result == {"name": "exporter", "op": "add", "shards": 2}
-            assert [s["name"] for s in daemon.subscribers()] == ["exporter"]
-            with pytest.raises(ValueError, match="invalid subscriber name"):
-                await daemon.subscriber_op("add", "Not Valid")
-            status = daemon.status()
-            assert [s["shard"] for s in status["shards"]] == [0, 1]
-            stop.set()
+    async with _running(_config(tmp_path)) as daemon:
+        result = await daemon.subscriber_op("add", "exporter")
+        assert result == {"name": "exporter", "op": "add", "shards": 2}
+        assert [s["name"] for s in daemon.subscribers()] == ["exporter"]
+        with pytest.raises(ValueError, match="invalid subscriber name"):
+            await daemon.subscriber_op("add", "Not Valid")
+        assert [s["shard"] for s in daemon.status()["shards"]] == [0, 1]
