@@ -37,6 +37,12 @@ class IngestConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     max_bundle_bytes: int = 64 * MiB
     max_inflight_per_connection: int = 16
     max_connections: int = 256
+    max_connections_per_uid: int = 64  # one peer cannot take every slot
+    handshake_timeout_ms: int = 5_000  # HELLO must arrive within this
+    idle_timeout_ms: int = 300_000  # nothing received, nothing in flight: closed (0 = never)
+    # Bytes received (or announced by a frame header) but not yet durable, across all
+    # connections: a connection waits for budget before its frame buffer is allocated.
+    max_pending_bytes: int = 512 * MiB
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -71,6 +77,10 @@ class SubscriberEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     start: Literal["earliest", "latest"] = "earliest"
 
 
+class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    listen: str = ""  # "host:port" of the Prometheus /metrics endpoint; "" = off
+
+
 class LogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     format: Literal["auto", "json", "console"] = "auto"
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -86,6 +96,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     segment: SegmentConfig = msgspec.field(default_factory=SegmentConfig)
     retention: RetentionConfig = msgspec.field(default_factory=RetentionConfig)
     subscribers: list[SubscriberEntry] = msgspec.field(default_factory=list)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
 
     @property
@@ -148,6 +159,12 @@ def validate(cfg: Config) -> None:
         (1 <= cfg.ingest.max_inflight_per_connection <= 4096,
          "ingest.max_inflight_per_connection", "must be between 1 and 4096"),
         (cfg.ingest.max_connections >= 1, "ingest.max_connections", "must be >= 1"),
+        (1 <= cfg.ingest.max_connections_per_uid <= cfg.ingest.max_connections,
+         "ingest.max_connections_per_uid", "must be between 1 and ingest.max_connections"),
+        (cfg.ingest.handshake_timeout_ms >= 1, "ingest.handshake_timeout_ms", "must be >= 1"),
+        (cfg.ingest.idle_timeout_ms >= 0, "ingest.idle_timeout_ms", "must be >= 0 (0 = never)"),
+        (cfg.ingest.max_pending_bytes >= cfg.ingest.max_bundle_bytes,
+         "ingest.max_pending_bytes", "must be >= ingest.max_bundle_bytes"),
         (1 <= cfg.wal.flush_interval_ms <= 10_000, "wal.flush_interval_ms",
          "must be between 1 and 10000"),
         (cfg.wal.flush_bytes >= 0, "wal.flush_bytes", "must be >= 0 (0 = timer only)"),
