@@ -129,6 +129,7 @@ class _Writer:
                  outbox: MemoryObjectSendStream[DurableBatch]) -> None:
         self.shard, self.wal, self.cfg, self.limiter = shard, wal, cfg, limiter
         self.next_sequence, self.stats, self.log, self.outbox = next_sequence, stats, log, outbox
+        self.stats.last_sequence = next_sequence - 1  # what replay recovered, until the next
         self.meta = MetaCodec()
         self.pending = _Pending()
         self.kick = anyio.Event()  # set to sync now rather than at the next tick
@@ -281,6 +282,7 @@ class _Writer:
             await self._acknowledge(covered.items)
 
     async def _acknowledge(self, placed: list[tuple[AppendRequest, Bundle]]) -> None:
+        self.stats.inflight = len(self.pending.items)  # written, not yet covered by a sync
         for req, bundle in placed:
             _reply(req, Ack(request_id=req.request_id, shard=self.shard,
                             sequence=bundle.sequence))

@@ -19,13 +19,14 @@ Errors print the message and a ``hint:`` line; the exit code is non-zero.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from quiverd.kernel import config as config_mod
-from quiverd.kernel.errors import QuiverError
+from quiverd.kernel.errors import ConfigError, QuiverError
 
 DEFAULT_CONFIG = "/etc/quiverd/config.toml"
 
@@ -39,19 +40,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except QuiverError as exc:
-        print(f"quiverd: {exc}", file=sys.stderr)
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
+        _print_error(exc)
         return 1
-    except ConnectionError as exc:
-        print(f"quiverd: connection to the daemon lost: {exc}", file=sys.stderr)
-        print("hint: check the daemon's log; acknowledged bundles are durable", file=sys.stderr)
+    except ConnectionError as exc:  # reset, broken pipe, closed mid-stream
+        print(f"quiverd: the daemon closed the connection ({exc.strerror or exc})",
+              file=sys.stderr)
+        print("hint: check the daemon's log (journalctl -u quiverd); every bundle acknowledged "
+              "before this is durable", file=sys.stderr)
         return 1
-    except FileNotFoundError as exc:
-        print(f"quiverd: {exc.strerror}: {exc.filename or ''}", file=sys.stderr)
+    except OSError as exc:
+        print(f"quiverd: {_describe(exc)}", file=sys.stderr)
+        print(f"hint: {_os_hint(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _print_error(exc: QuiverError) -> None:
+    print(f"quiverd: {exc}", file=sys.stderr)
+    if exc.hint:
+        print(f"hint: {exc.hint}", file=sys.stderr)
+
+
+def _describe(exc: OSError) -> str:
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
+def _os_hint(exc: OSError) -> str:
+    if isinstance(exc, PermissionError):
+        return "run as a user allowed to read/write that path (the daemon runs as User=quiverd)"
+    if isinstance(exc, FileNotFoundError | NotADirectoryError):
+        return "check the path for a typo; every directory on the way must exist"
+    return "see the message above; nothing acknowledged was lost"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -165,9 +186,14 @@ def _positive_float(text: str) -> float:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from quiverd.runtime.daemon import serve
+    from quiverd.runtime.daemon import EXIT_CONFIG, serve
 
-    return serve(config_mod.load(args.config))
+    try:
+        cfg = config_mod.load(args.config)
+    except ConfigError as exc:
+        _print_error(exc)
+        return EXIT_CONFIG  # systemd must not restart-loop on a bad config
+    return serve(cfg)
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -204,7 +230,10 @@ def _segments_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    _table(["shard", "segment_seq", "bundles", "bytes", "min_ts_ns", "max_ts_ns"], rows)
+    human = [{**r, "first_ingested": _utc(r["min_ts_ns"]), "last_ingested": _utc(r["max_ts_ns"])}
+             for r in rows]
+    _table(["shard", "segment_seq", "bundles", "bytes", "first_ingested", "last_ingested"],
+           human)
     return 0
 
 
@@ -280,6 +309,12 @@ def _fsck(args: argparse.Namespace) -> int:
     from quiverd.cli.fsck import run_fsck
 
     return run_fsck(Path(args.data_dir), repair=args.repair, as_json=args.json)
+
+
+def _utc(ts_ns: int) -> str:
+    """Nanoseconds since the epoch as an ISO-8601 UTC time, to the millisecond."""
+    when = datetime.datetime.fromtimestamp(ts_ns / 1e9, tz=datetime.UTC)
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _table(cols: list[str], rows: list[dict[str, Any]]) -> None:

@@ -15,7 +15,9 @@ import sys
 import time
 from typing import TextIO
 
+from quiverd.client.core import check_arrow_file
 from quiverd.client.producer import FileProgress, send_files
+from quiverd.kernel.errors import QuiverError
 
 
 class _ProgressLine:
@@ -49,8 +51,14 @@ class _ProgressLine:
 def send_files_cli(args: argparse.Namespace) -> int:
     missing = [f for f in args.files if not os.path.isfile(f)]
     if missing:
-        print(f"quiverd send: no such file: {', '.join(missing)}", file=sys.stderr)
-        return 2
+        raise QuiverError(f"no such file: {', '.join(missing)}",
+                          hint="pass Arrow IPC (file or stream) or Parquet files")
+    empty = [f for f in args.files if os.path.getsize(f) == 0]
+    if empty:
+        raise QuiverError(f"empty file: {', '.join(empty)}",
+                          hint="pass Arrow IPC (file or stream) or Parquet files")
+    for f in args.files:
+        check_arrow_file(f)  # before connecting: a bad file changes nothing on the daemon
     total = sum(os.path.getsize(f) for f in args.files)
     bar = _ProgressLine(total, sys.stderr) if sys.stderr.isatty() and not args.json else None
     acks = 0

@@ -105,12 +105,6 @@ async def _attached(socket_path: Path, name: str, window: int
         async with subscribe(socket_path, name, window=window) as deliveries:
             attached = True
             yield deliveries
-    except (FileNotFoundError, ConnectionRefusedError) as exc:
-        if attached:
-            raise
-        raise QuiverError(f"cannot reach the ingest socket {socket_path}: {exc.strerror}",
-                          hint="is quiverd running? pass --socket, or --config for "
-                          "ingest.socket_path") from exc
     except ProtocolError as exc:
         if attached or exc.code != ErrorCode.UNKNOWN_SUBSCRIBER:
             raise

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from quiverd.client.core import StrPath, tune_socket
 from quiverd.kernel.bundle import TxnTag, read_ipc_stream
-from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
 from quiverd.protocol.codec import (
     Delivery,
     Error,
@@ -106,7 +106,10 @@ async def subscribe(path: StrPath, name: str, *, window: int = 64,
                     max_bundle_bytes: int = DEFAULT_MAX_BUNDLE_BYTES
                     ) -> AsyncIterator[AsyncIterator[ReceivedBundle]]:
     """Attach as subscriber ``name``; yields an async iterator of deliveries."""
-    stream = await anyio.connect_unix(path)
+    try:
+        stream = await anyio.connect_unix(path)
+    except OSError as exc:
+        raise DaemonUnreachable.from_os_error(path, exc) from exc
     async with stream:
         tune_socket(stream.extra(anyio.abc.SocketAttribute.raw_socket))
         conn = _Conn(stream, FrameDecoder(max_frame_bytes(max_bundle_bytes), from_client=False))

@@ -37,7 +37,7 @@ from quiverd.client.core import (
     tune_socket,
 )
 from quiverd.kernel.bundle import TxnTag
-from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
 from quiverd.protocol.codec import SMALL_FRAME_MAX, Ack, FrameDecoder, HelloOk, Role, encode_hello
 
 __all__ = [
@@ -69,7 +69,10 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, path: StrPath) -> AsyncClient:
-        stream = await anyio.connect_unix(path)
+        try:
+            stream = await anyio.connect_unix(path)
+        except OSError as exc:
+            raise DaemonUnreachable.from_os_error(path, exc) from exc
         try:
             tune_socket(stream.extra(anyio.abc.SocketAttribute.raw_socket))
             await stream.send(encode_hello(Role.PRODUCER))
@@ -196,7 +199,10 @@ class Client:
         try:
             sock.settimeout(timeout)
             tune_socket(sock)
-            sock.connect(str(path))
+            try:
+                sock.connect(str(path))
+            except OSError as exc:
+                raise DaemonUnreachable.from_os_error(path, exc) from exc
             sock.sendall(encode_hello(Role.PRODUCER))
             decoder = FrameDecoder(SMALL_FRAME_MAX, from_client=False)
             while True:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -117,7 +118,9 @@ def load(path: str | os.PathLike[str]) -> Config:
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError("", f"cannot read config {path}: {exc.strerror}") from exc
+        raise ConfigError("", f"cannot read config {path}: {exc.strerror}",
+                          hint="pass --config with the path of a readable config file; the "
+                          "config.toml in the source tree documents every key") from exc
     return loads(raw.decode("utf-8", errors="replace"), source=str(path))
 
 
@@ -144,14 +147,46 @@ def _from_validation(exc: msgspec.ValidationError) -> ConfigError:
     unknown = re.match(r"Object contains unknown field `(.+)`", message)
     if unknown:
         path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
-        message = "unknown key (check the spelling against config.toml)"
+        section = _struct_at(path.rsplit(".", 1)[0]) if "." in path else Config
+        keys = sorted(section.__struct_fields__) if section is not None else []
+        message = f"unknown key (allowed here: {', '.join(keys)})"
+    elif (allowed := _allowed_values(path)) is not None:
+        message = f"{message}; allowed values: {', '.join(repr(v) for v in allowed)}"
     return ConfigError(path, message)
+
+
+def _struct_at(path: str) -> type[msgspec.Struct] | None:
+    """The config Struct type at a dotted key path (``wal``), or None."""
+    node: Any = Config
+    for part in filter(None, path.split(".")):
+        hints = typing.get_type_hints(node) if isinstance(node, type) else {}
+        node = hints.get(part)
+        if not (isinstance(node, type) and issubclass(node, msgspec.Struct)):
+            return None
+    return node
+
+
+def _allowed_values(path: str) -> tuple[object, ...] | None:
+    """The values a Literal-typed key accepts (``wal.flush_policy``), or None."""
+    if "." not in path and path not in Config.__struct_fields__:
+        return None
+    parent, _, key = path.rpartition(".")
+    struct = _struct_at(parent)
+    if struct is None:
+        return None
+    hint = typing.get_type_hints(struct).get(key)
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    return None
 
 
 def validate(cfg: Config) -> None:
     """Check the relations no type can express; raise ConfigError naming the key."""
     checks: list[tuple[bool, str, str]] = [
         (cfg.data_dir != "", "data_dir", "must not be empty"),
+        (os.path.isabs(cfg.data_dir), "data_dir",
+         f"must be an absolute path, not {cfg.data_dir!r} (a relative path would depend on "
+         "the directory quiverd happens to start in)"),
         (0 <= cfg.shards <= 256, "shards", "must be between 0 (= cores) and 256"),
         (cfg.shutdown_timeout_ms > 0, "shutdown_timeout_ms", "must be > 0"),
         (0 <= cfg.ingest.socket_mode <= 0o777, "ingest.socket_mode", "must be a file mode"),

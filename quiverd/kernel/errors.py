@@ -84,6 +84,34 @@ class AlreadyRunning(QuiverError):
     hint = "stop the other instance (systemctl stop quiverd) or use another data_dir"
 
 
+class NotArrowData(QuiverError, ValueError):
+    """A file given to send is neither Arrow IPC (file or stream) nor Parquet."""
+
+    hint = "pass Arrow IPC (file or stream format) or Parquet files"
+
+
+class DaemonUnreachable(QuiverError):
+    """No quiverd answers on a socket path (missing, refused, not permitted)."""
+
+    retryable = True
+    hint = ("is quiverd running (`systemctl status quiverd`)? The producer socket is "
+            "ingest.socket_path, by default <data_dir>/ingest.sock")
+
+    @classmethod
+    def from_os_error(cls, path: object, exc: OSError, *, what: str = "quiverd socket",
+                      hint: str | None = None) -> DaemonUnreachable:
+        if isinstance(exc, FileNotFoundError):
+            return cls(f"no {what} at {path}", hint=hint)
+        if isinstance(exc, ConnectionRefusedError):
+            return cls(f"nothing listens on {path}: the socket file is left from a daemon "
+                       "that is no longer running", hint=hint)
+        if isinstance(exc, PermissionError):
+            return cls(f"permission denied on {path}",
+                       hint="the socket is mode ingest.socket_mode (0660): run as the daemon's "
+                       "user or group, and list your uid/gid in ingest.allowed_uids/gids")
+        return cls(f"cannot connect to {path}: {exc.strerror or exc}", hint=hint)
+
+
 class DurabilityLost(QuiverError):
     """fsync/fdatasync failed: the shard stops; restart lets replay recover."""
 

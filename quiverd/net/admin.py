@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 
-from quiverd.kernel.errors import QuiverError
+from quiverd.kernel.errors import DaemonUnreachable, QuiverError
 from quiverd.kernel.logs import Logger
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -109,9 +109,11 @@ def request(path: Path | str, cmd: str, args: dict[str, Any] | None = None,
         try:
             sock.connect(str(path))
         except OSError as exc:
-            raise QuiverError(f"cannot reach the admin socket {path}: {exc.strerror}",
-                              hint="is quiverd running? check `systemctl status quiverd` "
-                              "and admin.socket_path") from exc
+            raise DaemonUnreachable.from_os_error(
+                path, exc, what="quiverd admin socket",
+                hint="is quiverd running (`systemctl status quiverd`)? The admin socket is "
+                "admin.socket_path, by default <data_dir>/admin.sock: pass the daemon's "
+                "--config or --socket") from exc
         sock.sendall(msgspec.json.encode({"cmd": cmd, "args": args or {}}) + b"\n")
         buf = b""
         while not buf.endswith(b"\n"):

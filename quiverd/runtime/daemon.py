@@ -31,6 +31,8 @@ from quiverd.kernel import faults, logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
 from quiverd.kernel.faults import Hooks
+from quiverd.kernel.layout import DataDir, shard_index
+from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import validate_subscriber_name
 from quiverd.kernel.reply import Reply
 from quiverd.net.admin import AdminServer
@@ -42,6 +44,7 @@ from quiverd.runtime.shard import Shard
 SubscriberOp = Literal["add", "remove"]
 SubscriberStart = Literal["earliest", "latest"]
 EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
+EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=78 stops a restart loop
 
 
 class Daemon:
@@ -73,7 +76,9 @@ class Daemon:
 
     async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         cfg = self.cfg
-        self.shards = [Shard(i, cfg, faults=self.faults) for i in range(cfg.shard_count)]
+        count = await anyio.to_thread.run_sync(shards_to_serve, cfg, self.log)
+        self.shards = [Shard(i, cfg, shard_count=count, faults=self.faults)
+                       for i in range(count)]
         async with anyio.create_task_group() as root:
             for shard in self.shards:
                 await shard.recover()
@@ -93,9 +98,9 @@ class Daemon:
                                                if s.dispatcher is not None]
                 await pipelines.start(self.ingest.serve)
                 await root.start(admin.serve)
-                self.log.info("quiverd_ready", shards=cfg.shard_count, data_dir=cfg.data_dir,
+                self.log.info("quiverd_ready", shards=count, data_dir=cfg.data_dir,
                               ingest_socket=str(cfg.ingest_socket))
-                self.notifier.ready(f"{cfg.shard_count} shards")
+                self.notifier.ready(f"{count} shards")
                 task_status.started()
                 if self.notifier.watchdog_interval_s():
                     root.start_soon(self._watchdog)
@@ -234,6 +239,25 @@ class Daemon:
         return rows
 
 
+def shards_to_serve(cfg: Config, log: Logger) -> int:
+    """The configured shard count, raised to cover every shard directory on disk.
+
+    Shard directories hold acknowledged data; serving fewer than exist would hide
+    them from status, delivery and retention. Blocking (lists ``data_dir``).
+    """
+    data = DataDir(Path(cfg.data_dir))
+    on_disk = [i for p in data.root.iterdir()
+               if p.is_dir() and (i := shard_index(p.name)) is not None]
+    count = max([cfg.shard_count, *(i + 1 for i in on_disk)])
+    if count > cfg.shard_count:
+        log.warning("shards_raised_to_data_on_disk", configured=cfg.shard_count, serving=count,
+                    shard_dirs=sorted(on_disk),
+                    hint=f"data_dir holds shard directories up to shard-{count - 1}; they keep "
+                    f"being served. Set shards = {count} to silence this; to shrink, let "
+                    "subscribers drain the extra shards first, then move the directory away")
+    return count
+
+
 def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     """Run the daemon until shut down; return the process exit code."""
     logs.configure(cfg.log.format, cfg.log.level)
@@ -247,8 +271,7 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     daemon = Daemon(cfg, faults=fault_hooks)
     lock_fd = -1
     try:
-        data_dir = Path(cfg.data_dir)
-        data_dir.mkdir(parents=True, exist_ok=True)
+        data_dir = open_data_dir(Path(cfg.data_dir))
         lock_fd = lock_data_dir(data_dir)  # before the loop: a second instance stops here
         anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
     except BaseExceptionGroup as group:
@@ -261,6 +284,33 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     if daemon.stopping and _timed_out(daemon):
         return EXIT_FATAL
     return 0
+
+
+def open_data_dir(data_dir: Path) -> Path:
+    """Create ``data_dir`` if its parent exists; refuse what would hide a typo.
+
+    A missing parent is a config error, not something to create: a mistyped path
+    would otherwise become a new, empty store while the real one waits elsewhere.
+    """
+    parent = data_dir.parent
+    if not parent.is_dir():
+        what = "is a file, not a directory" if parent.exists() else "does not exist"
+        raise ConfigError("data_dir", f"{data_dir}: its parent {parent} {what}",
+                          hint="fix a typo in data_dir, or create the parent directory "
+                          "(the systemd unit's StateDirectory= does it for /var/lib/quiverd)")
+    try:
+        data_dir.mkdir(exist_ok=True)
+    except FileExistsError:
+        raise ConfigError("data_dir", f"{data_dir} exists and is not a directory") from None
+    except PermissionError as exc:
+        raise ConfigError("data_dir", f"permission denied creating {data_dir}",
+                          hint="run quiverd as the user that owns data_dir's parent, or create "
+                          "data_dir for it (systemd: User=quiverd, StateDirectory=quiverd)") \
+            from exc
+    if not os.access(data_dir, os.R_OK | os.W_OK | os.X_OK):
+        raise ConfigError("data_dir", f"permission denied on {data_dir}",
+                          hint="run quiverd as the user that owns data_dir (systemd: User=quiverd)")
+    return data_dir
 
 
 def _timed_out(daemon: Daemon) -> bool:
@@ -283,7 +333,9 @@ def _report_fatal(group: BaseExceptionGroup[BaseException], log: Any) -> int:
     print(f"quiverd: {exc}", file=sys.stderr)
     if hint:
         print(f"hint: {hint}", file=sys.stderr)
-    return 2 if isinstance(exc, AlreadyRunning) else EXIT_FATAL
+    if isinstance(exc, AlreadyRunning):
+        return 2
+    return EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FATAL
 
 
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -42,7 +42,7 @@ from quiverd.segments.table import SegmentTable, SegmentView
 
 
 class Shard:
-    def __init__(self, index: int, cfg: Config, *, faults: Hooks) -> None:
+    def __init__(self, index: int, cfg: Config, *, shard_count: int, faults: Hooks) -> None:
         self.index, self.cfg, self.faults = index, cfg, faults
         self.layout = DataDir(Path(cfg.data_dir)).shard(index)
         self.log = logs.get("shard", shard=index)
@@ -59,7 +59,7 @@ class Shard:
         self.unfinished = True
         self.changes = Changes()  # ack state changed: dispatcher and gc re-evaluate
         self.over_cap = Changes()  # ingest hit the size cap: gc sweeps now
-        per_shard_cap = cfg.retention.size_cap_bytes // cfg.shard_count
+        per_shard_cap = cfg.retention.size_cap_bytes // shard_count
         self.gate = RetentionGate(cap_bytes=per_shard_cap, usage=self.usage_bytes)
         self.dispatcher: Dispatcher | None = None
         self.stopping = anyio.Event()  # producers waiting for room are refused, not held

@@ -85,6 +85,9 @@ class WalFiles:
             self._rotated.append(_Rotated(r.generation, r.size))
         for e in state.entries:
             self._index.append((e.sequence, e.generation, e.offset))
+        if state.start_generation == self.generation and state.start_offset > walformat.HEADER_LEN:
+            # The sidecar's prefix was released before the restart: not live bytes.
+            self._released_offset = state.start_offset - walformat.HEADER_LEN
         self._fd = os.open(layout.active_wal(wal_dir), os.O_WRONLY | os.O_CLOEXEC)
         os.lseek(self._fd, self.end_offset, os.SEEK_SET)
         self.punch_supported = probe_punch_hole(wal_dir)

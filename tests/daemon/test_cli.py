@@ -50,7 +50,8 @@ def test_send_to_a_missing_socket_fails_clearly(tmp_path):
     proc = quiverd("send", "--socket", str(tmp_path / "nope.sock"), "--client", "x", str(f),
                    check=False)
     assert proc.returncode == 1
-    assert "No such file or directory" in proc.stderr
+    assert f"no quiverd socket at {tmp_path / 'nope.sock'}" in proc.stderr
+    assert "hint: is quiverd running" in proc.stderr
 
 
 def test_kill_9_then_wal_dump_shows_every_acknowledged_bundle(daemon_factory):
