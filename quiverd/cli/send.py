@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TextIO
 
-from quiverd.client.core import check_arrow_file
+from quiverd.client.files import FileSplit, check_arrow_file
 from quiverd.client.producer import FileProgress, send_files
 from quiverd.kernel.errors import QuiverError
 
@@ -71,14 +71,18 @@ def send_files_cli(args: argparse.Namespace) -> int:
             print(json.dumps({"file": p.path, "batch": p.batch_index, "rows": p.rows,
                               "shard": p.ack.shard, "sequence": p.ack.sequence}))
 
+    splits: list[FileSplit] = []
     try:
-        for _ in send_files(args.socket, args.files, client=args.client, progress=progress):
+        for _ in send_files(args.socket, args.files, client=args.client, progress=progress,
+                            splits=splits):
             acks += 1
     finally:
         if bar is not None:
             bar.finish()
     if not args.json:
         elapsed = time.monotonic() - started
+        for split in splits:
+            print(split.describe())
         print(f"sent {acks} bundles from {len(args.files)} files in {elapsed:.2f}s; "
               "every one acknowledged durable")
     return 0

@@ -9,16 +9,14 @@ BUNDLE frames and reading Arrow/Parquet files batch by batch for ``quiverd send`
 from __future__ import annotations
 
 import socket
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from os import PathLike
-from pathlib import Path
 from typing import TypeAlias
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from quiverd.kernel.bundle import USER_SLOTS, TxnTag, encode_ipc_stream
-from quiverd.kernel.errors import NotArrowData, ProtocolError
+from quiverd.kernel.errors import ProtocolError
 from quiverd.protocol.codec import (
     CLOSES_CONNECTION,
     Ack,
@@ -174,49 +172,3 @@ def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def check_arrow_file(path: StrPath) -> None:
-    """Raise NotArrowData unless ``path`` opens as Parquet or Arrow IPC (reads its header)."""
-    path = Path(path)
-    with path.open("rb") as f:
-        magic = f.read(6)
-    try:
-        if magic[:4] == b"PAR1":
-            pq.ParquetFile(path).close()
-            return
-        with pa.memory_map(str(path)) as source:
-            if magic == b"ARROW1":
-                pa.ipc.open_file(source)
-            else:
-                pa.ipc.open_stream(source).close()
-    except (pa.ArrowInvalid, OSError) as exc:
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise
-        raise NotArrowData(f"{path} is not a readable Arrow IPC or Parquet file ({exc})") \
-            from None
-
-
-def iter_file_batches(path: StrPath) -> Iterator[pa.RecordBatch]:
-    """Record batches of an Arrow IPC file, IPC stream or Parquet file (blocking I/O).
-
-    The format is told by the magic bytes, not the file name.
-    """
-    path = Path(path)
-    with path.open("rb") as f:
-        magic = f.read(6)
-    try:
-        if magic[:4] == b"PAR1":
-            yield from pq.ParquetFile(path).iter_batches()
-            return
-        with pa.memory_map(str(path)) as source:
-            if magic == b"ARROW1":
-                reader = pa.ipc.open_file(source)
-                for i in range(reader.num_record_batches):
-                    yield reader.get_batch(i)
-            else:
-                with pa.ipc.open_stream(source) as stream:
-                    yield from stream
-    except (pa.ArrowInvalid, OSError) as exc:
-        if isinstance(exc, OSError) and exc.errno is not None:
-            raise  # a real I/O error (permission, ...), not a format problem
-        raise NotArrowData(f"{path} is not a readable Arrow IPC or Parquet file ({exc})") \
-            from None

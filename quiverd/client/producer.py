@@ -32,16 +32,16 @@ from quiverd.client.core import (
     StrPath,
     encode_request,
     handshake_result,
-    iter_file_batches,
     split_item,
     tune_socket,
 )
+from quiverd.client.files import FileSplit, iter_file_batches
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
 from quiverd.protocol.codec import SMALL_FRAME_MAX, Ack, FrameDecoder, HelloOk, Role, encode_hello
 
 __all__ = [
-    "Ack", "AsyncClient", "Client", "FileProgress", "SendData", "SendItem",
+    "Ack", "AsyncClient", "Client", "FileProgress", "FileSplit", "SendData", "SendItem",
     "iter_file_batches", "send_files",
 ]
 
@@ -330,24 +330,32 @@ def send_files(
     client: str,
     progress: Callable[[FileProgress], None] | None = None,
     timeout: float | None = None,
+    splits: list[FileSplit] | None = None,
 ) -> Iterator[Ack]:
-    """Send every record batch of ``paths`` as one bundle each; yields acks in order.
+    """Send every file as bundles; yields acks in order.
 
-    Files may be Arrow IPC (file or stream format) or Parquet. ``progress`` is
-    called once per acked batch (the CLI draws its progress line from it).
+    Files may be Arrow IPC (file or stream format), one bundle per record batch,
+    or Parquet, one bundle per row group; a batch or row group larger than the
+    daemon's ``max_bundle_bytes`` is cut into row slices that fit. ``splits``, when
+    given, receives one ``FileSplit`` per file saying how it was cut. ``progress``
+    is called once per acked bundle (the CLI draws its progress line from it).
     """
     # (path, batch index, rows) of each batch in flight, oldest first; bounded
     # by max_inflight because iter_send yields acks in input order.
     sent: deque[tuple[str, int, int]] = deque()
 
-    def batches() -> Iterator[SendItem]:
+    def batches(max_bundle_bytes: int) -> Iterator[SendItem]:
         for path in paths:
-            for index, batch in enumerate(iter_file_batches(path)):
+            split = FileSplit(str(path))
+            if splits is not None:
+                splits.append(split)
+            for index, batch in enumerate(iter_file_batches(
+                    path, max_bundle_bytes=max_bundle_bytes, split=split)):
                 sent.append((str(path), index, batch.num_rows))
                 yield batch
 
     with Client.connect(socket_path, timeout=timeout) as conn:
-        for ack in conn.iter_send(batches(), client=client):
+        for ack in conn.iter_send(batches(conn.server.max_bundle_bytes), client=client):
             path, index, rows = sent.popleft()
             if progress is not None:
                 progress(FileProgress(path=path, batch_index=index, rows=rows, ack=ack))

@@ -101,3 +101,26 @@ def test_check_config_names_the_bad_key(tmp_path):
     assert "wal.flush_policy" in proc.stderr
     good = quiverd("check-config", "config.toml")
     assert "ok" in good.stdout
+
+
+def test_send_parquet_cuts_row_groups_to_fit_max_bundle_bytes(daemon_factory, tmp_path):
+    limit = 128 * 1024
+    d = daemon_factory({"ingest.max_bundle_bytes": limit,
+                        "segment.max_open_duration_ms": 100}).start()
+    table = pa.concat_tables([tagged_table(i, rows=5000, text_bytes=16) for i in range(6)])
+    parquet = tmp_path / "big.parquet"
+    pq.write_table(table, parquet, row_group_size=10_000)  # 3 row groups of ~400 KB
+    out = quiverd("send", "--socket", str(d.socket), "--client", "cli", str(parquet))
+    assert out.returncode == 0, out.stderr
+    assert f"{parquet}: 3 row groups -> " in out.stdout
+    assert f"3 of them cut to fit the daemon's max_bundle_bytes of {limit} bytes" in out.stdout
+    assert d.stop() == 0
+    stored = stored_bundles(d.data_dir)
+    got = pa.concat_tables([b.slots[0] for _, b in sorted(stored.items())])
+    assert got.num_rows == table.num_rows
+    assert sorted(got.column("tag").to_pylist()) == sorted(table.column("tag").to_pylist())
+    # No bundle spans two row groups: rows of one bundle come from one row group.
+    for b in stored.values():
+        ids = b.slots[0].column("tag").to_pylist()
+        first = b.slots[0].column("i").to_pylist()
+        assert len({(t * 5000 + i) // 10_000 for t, i in zip(ids, first, strict=True)}) == 1
