@@ -73,7 +73,7 @@ async def run(
 ) -> None:
     """Make requests durable in ack.log, apply them, answer, notify; until ``inbox`` ends."""
     stats.log_bytes = file.size
-    committer = _Committer(state, file, segments, limiter, stats)
+    committer = _Committer(state, file, segments, limiter, stats, log)
     async with inbox:
         task_status.started()
         try:
@@ -93,7 +93,8 @@ async def run(
                     stats.compactions += 1
                     log.info("ack_log_compacted", bytes=stats.log_bytes)
         finally:
-            await anyio.to_thread.run_sync(file.close, limiter=limiter)
+            with anyio.CancelScope(shield=True):  # close even when cancelled
+                await anyio.to_thread.run_sync(file.close, limiter=limiter)
 
 
 def _split_at_subscriber_ops(batch: list[AckLogRequest]) -> list[list[AckLogRequest]]:
@@ -111,20 +112,21 @@ class _Committer:
     """Turns one chunk of requests into records, one fdatasync, state changes and replies."""
 
     def __init__(self, state: AckState, file: AckLogFile, segments: SegmentTable,
-                 limiter: CapacityLimiter, stats: AckLogStats) -> None:
+                 limiter: CapacityLimiter, stats: AckLogStats, log: Logger) -> None:
         self.state, self.file, self.segments = state, file, segments
-        self.limiter, self.stats = limiter, stats
+        self.limiter, self.stats, self.log = limiter, stats, log
 
     async def commit(self, chunk: list[AckLogRequest]) -> None:
         records: list[fmt.Record] = []
         answers: list[_Answer] = []
+        accepted: list[AckLogRequest] = []
         for msg in chunk:
             try:
                 recs, answer = self._propose(msg)
             except (QuiverError, ValueError, KeyError) as exc:
-                if (reply := _reply_of(msg)) is not None:
-                    answers.append(_Answer(reply, error=exc))
+                self._refused(msg, exc, answers)
                 continue
+            accepted.append(msg)
             records += recs
             if answer is not None:
                 answers.append(answer)
@@ -132,10 +134,19 @@ class _Committer:
             await self._append(records)
             for r in records:
                 self.state.apply(r)
-        for msg in chunk:
+        for msg in accepted:
             self._update_table(msg)
         for answer in answers:
             answer.give()
+
+    def _refused(self, msg: AckLogRequest, exc: Exception, answers: list[_Answer]) -> None:
+        """A request ack.log cannot record: its requester hears why; nothing changes."""
+        if (reply := _reply_of(msg)) is not None:
+            answers.append(_Answer(reply, error=exc))
+        elif isinstance(msg, SegmentWritten):
+            # Not listed without its SEGMENT record; startup reconciles the file.
+            self.log.error("segment_not_recorded", segment_seq=msg.info.segment_seq,
+                           error=str(exc), hint="a bug: the segment is reconciled at restart")
 
     def _propose(self, msg: AckLogRequest) -> tuple[list[fmt.Record], _Answer | None]:
         state = self.state

@@ -185,20 +185,27 @@ class Dispatcher:
 
     # ---- delivery ---------------------------------------------------------------
     def _next_backoff_s(self) -> float:
-        if not self.backoff:
-            return float("inf")
-        return max(0.0, min(self.backoff.values()) - anyio.current_time()) + 0.001
+        """Until the next backoff ends; a backoff already over wakes no one again."""
+        now = anyio.current_time()
+        ahead = [t for t in self.backoff.values() if t > now]
+        return min(ahead) - now + 0.001 if ahead else float("inf")
 
     async def _fill(self) -> None:
         for session in list(self.sessions):
             if session.name not in self.state.registry:
                 session.end(f"subscriber {session.name!r} was removed")
+                self._forget(session.name)
                 continue
             if session.room <= 0:
                 continue
             picks = self._pick(session)
             if picks:
                 await self._deliver(session, picks)
+
+    def _forget(self, name: str) -> None:
+        """A removed subscriber's backoff timers go with it."""
+        for key in [k for k in self.backoff if k[0] == name]:
+            del self.backoff[key]
 
     def _pick(self, session: Session) -> list[tuple[int, int]]:
         now = anyio.current_time()

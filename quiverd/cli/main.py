@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from quiverd import __version__
 from quiverd.kernel import config as config_mod
 from quiverd.kernel.errors import ConfigError, QuiverError
 
@@ -77,6 +78,7 @@ def _os_hint(exc: OSError) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quiverd", description="A durable Arrow buffer daemon.")
+    p.add_argument("--version", action="version", version=f"quiverd {__version__}")
     sub = p.add_subparsers(metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the daemon")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -17,6 +18,10 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
     use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     renderer: Any = (structlog.dev.ConsoleRenderer(colors=False) if use_console
                      else structlog.processors.JSONRenderer())
+    if os.environ.get("JOURNAL_STREAM"):
+        # stderr goes to journald: a "<N>" prefix sets the line's priority, so
+        # `journalctl -p err` finds errors (SyslogLevelPrefix=yes is the default).
+        renderer = _JournalPriority(renderer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -38,3 +43,17 @@ def get(name: str, **bound: Any) -> Logger:
     """A logger bound to a component name (and e.g. ``shard=0``)."""
     logger: Logger = structlog.get_logger(name).bind(component=name, **bound)
     return logger
+
+
+_PRIORITY = {"critical": 2, "error": 3, "warning": 4, "info": 6, "debug": 7}
+
+
+class _JournalPriority:
+    """Wraps a renderer: ``<3>{...}`` for an error line, ``<6>{...}`` for info."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
+        level = str(event.get("level", method))
+        return f"<{_PRIORITY.get(level, 6)}>{self.inner(logger, method, event)}"

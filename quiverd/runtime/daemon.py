@@ -43,6 +43,8 @@ from quiverd.runtime.shard import Shard
 
 SubscriberOp = Literal["add", "remove"]
 SubscriberStart = Literal["earliest", "latest"]
+EXTEND_EVERY_S = 5.0  # while replaying, every 5 s ask systemd for 15 s more
+EXTEND_USEC = 15_000_000
 EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
 EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=78 stops a restart loop
 
@@ -80,8 +82,7 @@ class Daemon:
         self.shards = [Shard(i, cfg, shard_count=count, faults=self.faults)
                        for i in range(count)]
         async with anyio.create_task_group() as root:
-            for shard in self.shards:
-                await shard.recover()
+            await self._recover()
             if self.handle_signals:
                 root.start_soon(self._signals, root.cancel_scope)
             if self.stop is not None:
@@ -137,10 +138,44 @@ class Daemon:
         # Bound the drain: past the timeout, cancel everything and exit non-zero.
         root_scope.deadline = anyio.current_time() + self.cfg.shutdown_timeout_ms / 1000
 
-    async def _watchdog(self) -> None:
-        interval = self.notifier.watchdog_interval_s() or 1.0
+    async def _recover(self) -> None:
+        """Recover every shard in parallel worker threads; keep systemd's start timer fed."""
+        async with anyio.create_task_group() as keepalive:
+            keepalive.start_soon(self._extend_start_timeout)
+            async with anyio.create_task_group() as shards:
+                for shard in self.shards:
+                    shards.start_soon(shard.recover)
+            keepalive.cancel_scope.cancel()
+
+    async def _extend_start_timeout(self) -> None:
+        """While replay runs, ask systemd for more time (TimeoutStartSec stays short)."""
         while True:
-            self.notifier.watchdog()
+            done = sum(s.recovered is not None for s in self.shards)
+            self.notifier.extend_timeout(EXTEND_USEC, f"recovering: {done} of "
+                                         f"{len(self.shards)} shards replayed")
+            await anyio.sleep(EXTEND_EVERY_S)
+
+    async def _watchdog(self) -> None:
+        """Ping systemd only while every shard makes progress on the work it holds.
+
+        A shard with appends written but not yet covered by an fdatasync must
+        complete one within each interval; one that does not (a hung disk) stops
+        the pings, and systemd restarts the daemon after WatchdogSec. A shard
+        waiting for producers, subscribers or retention is idle, not stalled.
+        """
+        interval = self.notifier.watchdog_interval_s() or 1.0
+        marks = [s.progress_mark() for s in self.shards]
+        while True:
+            stalled = [s.index for s, mark in zip(self.shards, marks, strict=True)
+                       if s.stalled_since(mark)]
+            if stalled:
+                self.log.error("watchdog_shard_stalled", shards=stalled, interval_s=interval,
+                               hint="an fdatasync has not returned for a whole watchdog "
+                               "interval: check the disk (dmesg); systemd restarts quiverd "
+                               "after WatchdogSec")
+            else:
+                self.notifier.watchdog()
+            marks = [s.progress_mark() for s in self.shards]
             await anyio.sleep(interval)
 
     def status(self) -> dict[str, Any]:

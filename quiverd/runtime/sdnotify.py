@@ -1,4 +1,4 @@
-"""systemd's sd_notify protocol: READY, STOPPING, WATCHDOG over $NOTIFY_SOCKET.
+"""systemd's sd_notify protocol: READY, STOPPING, WATCHDOG, EXTEND_TIMEOUT_USEC.
 
 A datagram to a Unix socket; when NOTIFY_SOCKET is unset (not under systemd),
 every call is a no-op. The send is a single non-blocking datagram, so it is
@@ -49,6 +49,10 @@ class Notifier:
 
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")
+
+    def extend_timeout(self, usec: int, status: str) -> None:
+        """Ask for ``usec`` more before systemd's start timeout fires (long replays)."""
+        self.notify(f"EXTEND_TIMEOUT_USEC={usec}", f"STATUS={status}")
 
     def close(self) -> None:
         if self._sock is not None:

@@ -134,6 +134,14 @@ class Shard:
                 stopping=self.stopping, task_status=task_status))
             task_status.started()
 
+    def progress_mark(self) -> tuple[int, int]:
+        """Counters that move whenever the WAL makes written appends durable."""
+        return (self.wal_stats.fsyncs, self.wal_stats.acks)
+
+    def stalled_since(self, mark: tuple[int, int]) -> bool:
+        """Appends wait for an fdatasync and none completed since ``mark`` was taken."""
+        return self.wal_stats.inflight > 0 and self.progress_mark() == mark
+
     def _seal_early(self) -> bool:
         """Finalize early: the WAL is past half its bound or the shard is at its cap."""
         rec = self.recovered

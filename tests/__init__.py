@@ -1,0 +1,1 @@
+"""quiverd test suite (a package, so tests/actors never shadows the actors package)."""

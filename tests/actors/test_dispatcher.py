@@ -1,0 +1,264 @@
+"""The dispatcher actor (actors/dispatcher.py) in process, against the real ack_logger.
+
+Real segment files, a real ack.log; sessions get their ``Delivery`` values on
+memory streams and the RecordOutcome requests pass through a tap on their way to
+the ack_logger, so each test compares what comes out: order and window, slot
+contents, acks, nack backoff, detach, a removed subscriber, cancellation.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pyarrow as pa
+import pytest
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from actors import ack_logger
+from actors.dispatcher import BACKOFF_BASE_S, Dispatcher, Session
+from actors.messages import AckLogRequest, ChangeSubscriber, RecordOutcome
+from quiverd.acks import format as fmt
+from quiverd.acks.recovery import recover_acks
+from quiverd.acks.state import AckState
+from quiverd.kernel import logs
+from quiverd.kernel.bundle import Bundle, make_slot, read_ipc_stream
+from quiverd.kernel.changes import Changes
+from quiverd.kernel.config import SubscriberEntry
+from quiverd.kernel.layout import DataDir
+from quiverd.kernel.reply import Reply
+from quiverd.protocol.frames import Delivery
+from quiverd.segments.files import segment_info, write_segment
+from quiverd.segments.format import encode_segment
+from quiverd.segments.open_segment import OpenSegment
+from quiverd.segments.reader import SegmentReader
+from quiverd.segments.table import SegmentTable
+
+LOG = logs.get("test")
+SEGMENTS = {1: 3, 2: 2}  # segment_seq -> bundles
+
+
+def table(seq: int, idx: int) -> pa.Table:
+    return pa.table({"x": [seq, idx], "s": [f"row-{seq}-{idx}"] * 2})
+
+
+def ts_of(seq: int, idx: int) -> int:
+    return 1_000_000 * seq + idx
+
+
+@dataclass
+class Rig:
+    """Segments 1 (3 bundles) and 2 (2 bundles) on disk, subscriber "a", the actors' streams."""
+
+    state: AckState
+    dispatcher: Dispatcher
+    ack_logger: Callable[..., Coroutine[Any, Any, None]]
+    ack_tx: MemoryObjectSendStream[AckLogRequest]  # the test's own requests
+    outcomes: MemoryObjectReceiveStream[AckLogRequest]  # what the dispatcher sent, tapped
+    tap: tuple[MemoryObjectReceiveStream[AckLogRequest], MemoryObjectSendStream[AckLogRequest],
+               MemoryObjectSendStream[AckLogRequest]]
+
+
+def make_rig(tmp_path: Path) -> Rig:
+    shard = DataDir(tmp_path).shard(0)
+    for d in shard.directories():
+        d.mkdir(parents=True, exist_ok=True)
+    infos = []
+    for seq, count in SEGMENTS.items():
+        segment = OpenSegment()
+        for i in range(count):
+            segment.add(Bundle(client=f"app{seq}", slots=(make_slot(0, table(seq, i)),),
+                               ingestion_ts_ns=ts_of(seq, i), sequence=10 * seq + i))
+        write_segment(shard.segment(seq), encode_segment(segment, max_dictionary_cardinality=64))
+        with SegmentReader.open(shard.segment(seq)) as reader:
+            infos.append(segment_info(shard.segment(seq), seq, reader))
+    rec = recover_acks(shard, SEGMENTS, [SubscriberEntry(name="a")], LOG)
+    segments, changes = SegmentTable(infos), Changes()
+    ack_tx, ack_rx = anyio.create_memory_object_stream[AckLogRequest](64)
+    tap_tx, tap_rx = anyio.create_memory_object_stream[AckLogRequest](64)
+    seen_tx, seen_rx = anyio.create_memory_object_stream[AckLogRequest](64)
+    run_ack_logger = partial(
+        ack_logger.run, ack_rx, state=rec.state, file=rec.file, segments=segments,
+        changes=changes, limiter=anyio.CapacityLimiter(1), stats=ack_logger.AckLogStats(),
+        log=LOG)
+    dispatcher = Dispatcher(0, rec.state, segments.view(), tap_tx, changes,
+                            anyio.CapacityLimiter(1), LOG)
+    return Rig(rec.state, dispatcher, run_ack_logger, ack_tx, seen_rx,
+               (tap_rx, ack_tx.clone(), seen_tx))
+
+
+async def tap(rx: MemoryObjectReceiveStream[AckLogRequest],
+              tx: MemoryObjectSendStream[AckLogRequest],
+              seen: MemoryObjectSendStream[AckLogRequest]) -> None:
+    async with rx, tx, seen:
+        async for msg in rx:
+            seen.send_nowait(msg)
+            await tx.send(msg)
+
+
+@asynccontextmanager
+async def running(rig: Rig) -> AsyncIterator[anyio.CancelScope]:
+    """ack_logger, then the dispatcher; yields the dispatcher's scope, cancelled on leaving."""
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            await tg.start(rig.ack_logger)
+            async with rig.ack_tx, rig.outcomes, anyio.create_task_group() as services:
+                services.start_soon(tap, *rig.tap)
+                await services.start(rig.dispatcher.run)
+                yield services.cancel_scope
+                services.cancel_scope.cancel()
+
+
+@contextmanager
+def attached(rig: Rig, window: int) -> Iterator[tuple[Session,
+                                                     MemoryObjectReceiveStream[Delivery]]]:
+    """A session of subscriber "a" attached; its streams close on leaving (no detach)."""
+    tx, rx = anyio.create_memory_object_stream[Delivery](window)
+    session = Session(name="a", window=window, deliveries=tx)
+    rig.dispatcher.attach(session)
+    with tx, rx:
+        yield session, rx
+
+
+async def take(rx: MemoryObjectReceiveStream[Delivery], n: int) -> list[tuple[int, int]]:
+    """The ids of the next ``n`` deliveries, then checks that nothing more is coming."""
+    got = [await rx.receive() for _ in range(n)]
+    await anyio.sleep(0.05)
+    with pytest.raises(anyio.WouldBlock):
+        rx.receive_nowait()
+    return [(d.segment_seq, d.bundle_index) for d in got]
+
+
+async def settled(rig: Rig, idx: tuple[int, int], outcome: int) -> None:
+    """The dispatcher sent this outcome; wait until the ack_logger made it durable."""
+    msg = await rig.outcomes.receive()
+    assert isinstance(msg, RecordOutcome)
+    assert (msg.subscriber, msg.segment_seq, msg.bundle_index, msg.outcome) == ("a", *idx,
+                                                                                 outcome)
+    await msg.reply.wait()
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_delivers_oldest_first_up_to_window(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    async with running(rig):
+        with attached(rig, 4) as (session, rx):
+            got = [await rx.receive() for _ in range(4)]
+            assert await take(rx, 0) == []
+    assert [(d.segment_seq, d.bundle_index) for d in got] == [(1, 0), (1, 1), (1, 2), (2, 0)]
+    for d in got:
+        assert (d.shard, d.client, d.txn) == (0, f"app{d.segment_seq}", None)
+        assert d.ingestion_ts_ns == ts_of(d.segment_seq, d.bundle_index)
+        assert [s.slot for s in d.slots] == [0]
+        assert read_ipc_stream(d.slots[0].ipc).equals(table(d.segment_seq, d.bundle_index))
+    assert (session.unacked, rig.dispatcher.stats.delivered) == (4, 4)
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_ack_made_durable_not_redelivered(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    async with running(rig):
+        with attached(rig, 2) as (first, rx):
+            assert await take(rx, 2) == [(1, 0), (1, 1)]
+            await rig.dispatcher.feedback(first, 1, 0, fmt.ACK)
+            await settled(rig, (1, 0), fmt.ACK)
+            assert await take(rx, 1) == [(1, 2)]  # the ack freed one place in the window
+        rig.dispatcher.detach(first)
+        with attached(rig, 8) as (second, rx):
+            assert await take(rx, 4) == [(1, 1), (1, 2), (2, 0), (2, 1)]
+    assert rig.state.gap_set("a") == {(1, 0)}
+    assert (rig.dispatcher.stats.acks, rig.dispatcher.stats.redelivered) == (1, 2)
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_nack_redelivered_after_doubling_backoff(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(random, "uniform", lambda lo, hi: hi)  # no jitter
+    rig = make_rig(tmp_path)
+    waited = []
+    async with running(rig):
+        with attached(rig, 5) as (session, rx):
+            assert len(await take(rx, 5)) == 5
+            for _ in range(2):
+                await rig.dispatcher.feedback(session, 1, 1, fmt.NACK)
+                await settled(rig, (1, 1), fmt.NACK)
+                start = anyio.current_time()
+                again = await rx.receive()
+                waited.append(anyio.current_time() - start)
+                assert (again.segment_seq, again.bundle_index) == (1, 1)
+    assert BACKOFF_BASE_S * 0.9 <= waited[0] < BACKOFF_BASE_S * 1.9
+    assert BACKOFF_BASE_S * 1.9 <= waited[1] < BACKOFF_BASE_S * 3.9
+    assert rig.state.nack_count("a", 1, 1) == 2
+    assert (rig.dispatcher.stats.nacks, rig.dispatcher.stats.redelivered) == (2, 2)
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_detach_gives_inflight_to_next_session(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    async with running(rig):
+        with attached(rig, 2) as (first, rx):
+            assert await take(rx, 2) == [(1, 0), (1, 1)]
+        rig.dispatcher.detach(first)
+        assert first.closed and rig.dispatcher.inflight == {}
+        with attached(rig, 2) as (second, rx):
+            assert await take(rx, 2) == [(1, 0), (1, 1)]
+        assert set(rig.dispatcher.inflight.values()) == {second}
+    assert rig.dispatcher.stats.redelivered == 2
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_removed_subscriber_session_ended(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    async with running(rig):
+        with attached(rig, 1) as (session, rx):
+            assert await take(rx, 1) == [(1, 0)]
+            with anyio.CancelScope() as scope:  # the connection's scope
+                session.scope = scope
+                remove = ChangeSubscriber(op="remove", name="a", reply=Reply())
+                await rig.ack_tx.send(remove)
+                await remove.reply.wait()
+                await anyio.sleep_forever()
+    assert scope.cancelled_caught
+    assert session.ended == "subscriber 'a' was removed"
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_cancelled_ends_run_and_detaches(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    async with running(rig) as dispatcher_scope:
+        with attached(rig, 2) as (session, rx):
+            assert await take(rx, 2) == [(1, 0), (1, 1)]
+        dispatcher_scope.cancel()
+    assert session.closed and rig.dispatcher.sessions == []
+    assert rig.dispatcher.inflight == {} and len(rig.dispatcher.readers) == 0
+    with pytest.raises(anyio.ClosedResourceError):  # run() closed its ack_log stream
+        rig.dispatcher.ack_log.send_nowait(ChangeSubscriber(op="add", name="b", reply=Reply()))
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_idle_when_backoff_expires_with_window_full(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig(tmp_path)
+    rounds = 0
+    fill = rig.dispatcher._fill
+
+    async def counted_fill() -> None:
+        nonlocal rounds
+        rounds += 1
+        await fill()
+
+    async with running(rig):
+        with attached(rig, 2) as (session, rx):
+            assert await take(rx, 2) == [(1, 0), (1, 1)]
+            await rig.dispatcher.feedback(session, 1, 0, fmt.NACK)
+            await settled(rig, (1, 0), fmt.NACK)
+            assert await take(rx, 1) == [(1, 2)]  # the window is full again
+            monkeypatch.setattr(rig.dispatcher, "_fill", counted_fill)
+            await anyio.sleep(0.4)  # the nack's backoff (<= 0.1 s) expires meanwhile
+    assert rounds <= 5
