@@ -21,7 +21,7 @@ outcomes a retention retirement needs are durable), before its file is unlinked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 from anyio import CapacityLimiter
@@ -33,7 +33,6 @@ from actors.messages import (
     RecordOutcome,
     Retired,
     RetireSegments,
-    SegmentsDeleted,
     SegmentWritten,
 )
 from quiverd.acks import format as fmt
@@ -42,20 +41,12 @@ from quiverd.acks.state import AckState
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import DurabilityLost, QuiverError
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import AckLogMetrics
 from quiverd.kernel.reply import Reply
 from quiverd.segments.table import SegmentTable
 
 MAX_BATCH = 1024
 COMPACT_THRESHOLD_BYTES = 4 * 1024 * 1024
-
-
-@dataclass
-class AckLogStats:
-    records: int = 0
-    fsyncs: int = 0
-    compactions: int = 0
-    log_bytes: int = 0
-    segments_deleted: dict[str, int] = field(default_factory=dict)  # by reason
 
 
 async def run(
@@ -66,13 +57,13 @@ async def run(
     segments: SegmentTable,
     changes: Changes,
     limiter: CapacityLimiter,
-    stats: AckLogStats,
+    stats: AckLogMetrics,
     log: Logger,
     compact_threshold_bytes: int = COMPACT_THRESHOLD_BYTES,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Make requests durable in ack.log, apply them, answer, notify; until ``inbox`` ends."""
-    stats.log_bytes = file.size
+    stats.log_bytes.set(file.size)
     committer = _Committer(state, file, segments, limiter, stats, log)
     async with inbox:
         task_status.started()
@@ -88,10 +79,10 @@ async def run(
                     await committer.commit(chunk)
                 changes.notify()
                 if file.should_compact(compact_threshold_bytes):
-                    stats.log_bytes = await anyio.to_thread.run_sync(file.compact, state,
-                                                                     limiter=limiter)
-                    stats.compactions += 1
-                    log.info("ack_log_compacted", bytes=stats.log_bytes)
+                    size = await anyio.to_thread.run_sync(file.compact, state, limiter=limiter)
+                    stats.log_bytes.set(size)
+                    stats.compactions.inc()
+                    log.info("ack_log_compacted", bytes=size)
         finally:
             with anyio.CancelScope(shield=True):  # close even when cancelled
                 await anyio.to_thread.run_sync(file.close, limiter=limiter)
@@ -112,7 +103,7 @@ class _Committer:
     """Turns one chunk of requests into records, one fdatasync, state changes and replies."""
 
     def __init__(self, state: AckState, file: AckLogFile, segments: SegmentTable,
-                 limiter: CapacityLimiter, stats: AckLogStats, log: Logger) -> None:
+                 limiter: CapacityLimiter, stats: AckLogMetrics, log: Logger) -> None:
         self.state, self.file, self.segments = state, file, segments
         self.limiter, self.stats, self.log = limiter, stats, log
 
@@ -190,10 +181,6 @@ class _Committer:
         elif isinstance(msg, RetireSegments):
             for seq in msg.segment_seqs:
                 self.segments.remove(seq)
-        elif isinstance(msg, SegmentsDeleted):
-            n = len(msg.segment_seqs)
-            self.stats.segments_deleted[msg.reason] = (
-                self.stats.segments_deleted.get(msg.reason, 0) + n)
 
     async def _append(self, records: list[fmt.Record]) -> None:
         encoded = [fmt.encode(r) for r in records]
@@ -203,9 +190,9 @@ class _Committer:
         except OSError as exc:
             raise DurabilityLost(f"ack.log write/fdatasync failed at {self.file.path}: "
                                  f"{exc.strerror or exc}; the shard stops") from exc
-        self.stats.fsyncs += 1
-        self.stats.records += len(records)
-        self.stats.log_bytes = self.file.size
+        self.stats.fsyncs.inc()
+        self.stats.records.inc(len(records))
+        self.stats.log_bytes.set(self.file.size)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from quiverd.kernel.bundle import make_slot
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import DispatchMetrics
 from quiverd.kernel.reply import Reply
 from quiverd.protocol.frames import Delivery
 from quiverd.segments.reader import SegmentReader
@@ -78,15 +79,6 @@ class Session:
 
 
 @dataclass
-class DispatchStats:
-    delivered: int = 0
-    redelivered: int = 0
-    acks: int = 0
-    nacks: int = 0
-    sessions: int = 0
-
-
-@dataclass
 class Dispatcher:
     shard: int
     state: AckState
@@ -95,7 +87,7 @@ class Dispatcher:
     changes: Changes
     limiter: CapacityLimiter
     log: Logger
-    stats: DispatchStats = field(default_factory=DispatchStats)
+    stats: DispatchMetrics
     sessions: list[Session] = field(default_factory=list)
     # (subscriber, segment_seq, bundle_index) -> session holding it
     inflight: dict[tuple[str, int, int], Session] = field(default_factory=dict)
@@ -133,7 +125,7 @@ class Dispatcher:
     def attach(self, session: Session) -> None:
         self.sessions.append(session)
         session.wakers.append(self.changes)
-        self.stats.sessions = len(self.sessions)
+        self.stats.sessions.set(len(self.sessions))
         self.changes.notify()
 
     def detach(self, session: Session) -> None:
@@ -142,7 +134,7 @@ class Dispatcher:
             self.sessions.remove(session)
         for key in [k for k, s in self.inflight.items() if s is session]:
             del self.inflight[key]  # pending again: redelivered to the next session
-        self.stats.sessions = len(self.sessions)
+        self.stats.sessions.set(len(self.sessions))
         self.changes.notify()
 
     async def feedback(self, session: Session, segment_seq: int, bundle_index: int,
@@ -153,9 +145,9 @@ class Dispatcher:
             session.unacked -= 1
             session.room_freed()  # refill now; the bundle stays in flight until settled
         if outcome == fmt.ACK:
-            self.stats.acks += 1
+            self.stats.acks(session.name).inc()
         else:
-            self.stats.nacks += 1
+            self.stats.nacks(session.name).inc()
         reply: Reply[None] = Reply()
         self.awaiting.append(_Feedback(key=key, session=session, outcome=outcome, reply=reply))
         await self.ack_log.send(RecordOutcome(
@@ -244,9 +236,9 @@ class Dispatcher:
             self.inflight[key] = session
             session.unacked += 1
             self.backoff.pop(key, None)
-            self.stats.delivered += 1
+            self.stats.delivered(session.name).inc()
             if key in self.delivered_once:
-                self.stats.redelivered += 1
+                self.stats.redelivered(session.name).inc()
             else:
                 self.delivered_once.add(key)
                 if len(self.delivered_once) > 1_000_000:
@@ -291,4 +283,4 @@ class _Feedback:
     reply: Reply[None]
 
 
-__all__ = ["Dispatcher", "DispatchStats", "Session"]
+__all__ = ["Dispatcher", "Session"]

@@ -14,7 +14,6 @@ the dispatcher delivers it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -25,17 +24,11 @@ from actors.messages import SealedSegment, SegmentWritten, WalReleased
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import SegmentMetrics
 from quiverd.segments.files import Floor, write_marker, write_segment
 from quiverd.segments.format import encode_segment
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.table import SegmentInfo
-
-
-@dataclass
-class FinalizerStats:
-    segments: int = 0
-    bytes: int = 0
-    last_segment_seq: int = 0
 
 
 async def run(
@@ -46,7 +39,7 @@ async def run(
     shard: ShardLayout,
     max_dictionary_cardinality: int,
     limiter: CapacityLimiter,
-    stats: FinalizerStats,
+    stats: SegmentMetrics,
     log: Logger,
     hook: Hook | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
@@ -60,9 +53,8 @@ async def run(
             size = await anyio.to_thread.run_sync(
                 _write, shard, path, sealed.segment_seq, segment, max_dictionary_cardinality,
                 hook, limiter=limiter)
-            stats.segments += 1
-            stats.bytes += size
-            stats.last_segment_seq = sealed.segment_seq
+            stats.finalized.inc()
+            stats.finalized_bytes.inc(size)
             log.info("segment_finalized", segment_seq=sealed.segment_seq, bytes=size,
                      bundles=segment.bundle_count, streams=segment.stream_count,
                      reason=sealed.reason)

@@ -21,7 +21,6 @@ records in one ack.log commit. A crash between steps is reconciled at startup.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import anyio
 from anyio import CapacityLimiter
@@ -34,20 +33,12 @@ from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import RetentionConfig
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import GcMetrics
 from quiverd.kernel.reply import Reply
 from quiverd.segments.files import delete_segments
 from quiverd.segments.table import SegmentView
 
 SWEEP_INTERVAL_S = 1.0
-
-
-@dataclass
-class GcStats:
-    evictions: dict[str, int] = field(default_factory=dict)  # quiver_gc_evictions_total{reason}
-    segments_dropped: int = 0  # quiver_segment_dropped_total
-    dropped_bundles: dict[str, int] = field(default_factory=dict)  # {subscriber}
-    sweeps: int = 0
-    fsync_batches: int = 0  # deletion batches (each: one marker write, one dir fsync)
 
 
 async def run(
@@ -61,7 +52,7 @@ async def run(
     over_cap: Changes,
     changes: Changes,
     limiter: CapacityLimiter,
-    stats: GcStats,
+    stats: GcMetrics,
     log: Logger,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -84,14 +75,14 @@ async def run(
 class _Sweeper:
     def __init__(self, ack_log: MemoryObjectSendStream[AckLogRequest], state: AckState,
                  segments: SegmentView, shard: ShardLayout, cfg: RetentionConfig,
-                 gate: RetentionGate, limiter: CapacityLimiter, stats: GcStats,
+                 gate: RetentionGate, limiter: CapacityLimiter, stats: GcMetrics,
                  log: Logger) -> None:
         self.ack_log, self.state, self.segments = ack_log, state, segments
         self.shard, self.cfg, self.gate, self.limiter = shard, cfg, gate, limiter
         self.stats, self.log = stats, log
 
     async def sweep(self) -> None:
-        self.stats.sweeps += 1
+        self.stats.sweeps.inc()
         await self._delete([s for s in self.state.deletable_segments() if s in self.segments],
                            "acked")
         if self.cfg.max_age_s:
@@ -125,9 +116,9 @@ class _Sweeper:
         self._count_drops(retired, reason)
         await anyio.to_thread.run_sync(delete_segments, self.shard, retired.segments,
                                        limiter=self.limiter)
-        self.stats.fsync_batches += 1
+        self.stats.delete_batches.inc()
         n = len(retired.segments)
-        self.stats.evictions[reason] = self.stats.evictions.get(reason, 0) + n
+        self.stats.evictions(reason).inc(n)
         self.log.info("segments_deleted", reason=reason, segments=n,
                       first_segment_seq=retired.segments[0].segment_seq,
                       last_segment_seq=retired.segments[-1].segment_seq,
@@ -137,8 +128,8 @@ class _Sweeper:
 
     def _count_drops(self, retired: Retired, reason: RetireReason) -> None:
         for sub, count in retired.dropped_by_subscriber.items():
-            self.stats.dropped_bundles[sub] = self.stats.dropped_bundles.get(sub, 0) + count
-        self.stats.segments_dropped += retired.segments_with_drops
+            self.stats.dropped_bundles(sub).inc(count)
+        self.stats.segments_dropped.inc(retired.segments_with_drops)
         if retired.dropped_by_subscriber:
             self.log.warning("segments_dropped", reason=reason,
                              segments=retired.segments_with_drops,

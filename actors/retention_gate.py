@@ -20,7 +20,6 @@ class RetentionGate:
     usage: Callable[[], int]
     closed: bool = False
     opened: anyio.Event = field(default_factory=anyio.Event)
-    throttled: int = 0  # quiver_ingest_throttle_total
 
     def over(self) -> bool:
         return self.cap_bytes > 0 and self.usage() >= self.cap_bytes

@@ -14,7 +14,6 @@ hop per batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import anyio
 from anyio import CapacityLimiter
@@ -24,16 +23,8 @@ from actors.messages import DurableBatch, SealedSegment, SealReason
 from quiverd.kernel.bundle import Bundle
 from quiverd.kernel.config import SegmentConfig
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import SegmentMetrics
 from quiverd.segments.open_segment import OpenSegment
-
-
-@dataclass
-class BuilderStats:
-    open_bundles: int = 0
-    open_bytes: int = 0
-    open_streams: int = 0
-    sealed: int = 0
-    next_segment_seq: int = 1
 
 
 async def run(
@@ -44,7 +35,7 @@ async def run(
     first_segment_seq: int,
     recovered: list[Bundle],
     limiter: CapacityLimiter,
-    stats: BuilderStats,
+    stats: SegmentMetrics,
     seal_early: Callable[[], bool] | None = None,  # WAL or disk near its bound
     log: Logger,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
@@ -75,9 +66,10 @@ async def run(
 
 class _Builder:
     def __init__(self, outbox: MemoryObjectSendStream[SealedSegment], cfg: SegmentConfig,
-                 next_seq: int, limiter: CapacityLimiter, stats: BuilderStats, log: Logger) -> None:
+                 next_seq: int, limiter: CapacityLimiter, stats: SegmentMetrics,
+                 log: Logger) -> None:
         self.outbox, self.cfg, self.limiter, self.stats, self.log = outbox, cfg, limiter, stats, log
-        self.stats.next_segment_seq = next_seq
+        self.next_segment_seq = next_seq
         self.open = OpenSegment()
         self.opened_at: float | None = None
 
@@ -97,9 +89,7 @@ class _Builder:
                 segment.add(b)
 
         await anyio.to_thread.run_sync(add_all, limiter=self.limiter)
-        self.stats.open_bundles = segment.bundle_count
-        self.stats.open_bytes = segment.bytes
-        self.stats.open_streams = segment.stream_count
+        self._show(segment)
 
     async def seal_if_full(self) -> None:
         if self.open.bytes >= self.cfg.target_size_bytes:
@@ -111,10 +101,15 @@ class _Builder:
         if self.open.bundle_count == 0:
             self.opened_at = None
             return
-        sealed = SealedSegment(segment_seq=self.stats.next_segment_seq, segment=self.open,
+        sealed = SealedSegment(segment_seq=self.next_segment_seq, segment=self.open,
                                reason=reason)
-        self.stats.next_segment_seq += 1
-        self.stats.sealed += 1
+        self.next_segment_seq += 1
+        self.stats.sealed(reason).inc()
         self.open, self.opened_at = OpenSegment(), None
-        self.stats.open_bundles = self.stats.open_bytes = self.stats.open_streams = 0
+        self._show(self.open)
         await self.outbox.send(sealed)
+
+    def _show(self, segment: OpenSegment) -> None:
+        self.stats.open_bundles.set(segment.bundle_count)
+        self.stats.open_bytes.set(segment.bytes)
+        self.stats.open_streams.set(segment.stream_count)

@@ -36,6 +36,7 @@ from quiverd.kernel.bundle import Bundle, MetaCodec
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import WalConfig
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import WalMetrics
 from quiverd.protocol.frames import Ack, Error, ErrorCode
 from quiverd.wal import format as walformat
 from quiverd.wal.files import EntryToWrite, WalFiles
@@ -44,23 +45,14 @@ MAX_BATCH_ENTRIES = 256
 MAX_BATCH_BYTES = 16 * 1024 * 1024
 
 
-@dataclass
-class WalStats:
-    appends: int = 0
-    fsyncs: int = 0
-    acks: int = 0
-    bytes_written: int = 0
-    last_sequence: int = 0
-    capacity_waits: int = 0
-    rejected: int = 0
-    inflight: int = 0
+_Placed = tuple[AppendRequest, Bundle, float]  # request, stamped bundle, monotonic time taken
 
 
 @dataclass
 class _Pending:
     """Written but not yet covered by an fdatasync."""
 
-    items: list[tuple[AppendRequest, Bundle]] = field(default_factory=list)
+    items: list[_Placed] = field(default_factory=list)
     nbytes: int = 0
 
 
@@ -74,7 +66,7 @@ async def run(
     cfg: WalConfig,
     next_sequence: int,
     limiter: CapacityLimiter,
-    stats: WalStats,
+    stats: WalMetrics,
     log: Logger,
     gate: RetentionGate | None = None,
     over_cap: Changes | None = None,
@@ -125,11 +117,11 @@ def _drain(first: AppendRequest,
 
 class _Writer:
     def __init__(self, shard: int, wal: WalFiles, cfg: WalConfig, next_sequence: int,
-                 limiter: CapacityLimiter, stats: WalStats, log: Logger,
+                 limiter: CapacityLimiter, stats: WalMetrics, log: Logger,
                  outbox: MemoryObjectSendStream[DurableBatch]) -> None:
         self.shard, self.wal, self.cfg, self.limiter = shard, wal, cfg, limiter
         self.next_sequence, self.stats, self.log, self.outbox = next_sequence, stats, log, outbox
-        self.stats.last_sequence = next_sequence - 1  # what replay recovered, until the next
+        self.stats.last_sequence.set(next_sequence - 1)  # what replay recovered
         self.meta = MetaCodec()
         self.pending = _Pending()
         self.kick = anyio.Event()  # set to sync now rather than at the next tick
@@ -143,7 +135,8 @@ class _Writer:
 
     async def append(self, batch: list[AppendRequest]) -> None:
         entries: list[EntryToWrite] = []
-        placed: list[tuple[AppendRequest, Bundle]] = []
+        placed: list[_Placed] = []
+        taken = time.monotonic()  # the ack latency runs from here
         for req in batch:
             slots = (*req.bundle.slots, self.meta.encode(req.bundle.client, req.bundle.txn))
             size = walformat.entry_size(slots)
@@ -153,16 +146,18 @@ class _Writer:
             self.next_sequence += 1
             # Encoded (CRC over the payloads) in the write's worker thread, not here.
             entries.append((seq, (ts, slots), size))
-            placed.append((req, _stamp(req.bundle, seq, ts)))
+            placed.append((req, _stamp(req.bundle, seq, ts), taken))
         if entries:
             await self._write(entries, placed)
+        elif self.pending.items and self.idle():
+            self.kick.set()  # only refusals this time: sync what earlier batches wrote
 
     async def _wait_for_room(self, req: AppendRequest, entries: list[EntryToWrite],
-                             placed: list[tuple[AppendRequest, Bundle]], size: int) -> bool:
+                             placed: list[_Placed], size: int) -> bool:
         """Block (``wait``) or refuse (``reject``) while the WAL or the shard is full."""
         if not await self._wait_for_retention(req):
             return False
-        while not self.wal.fits(size + sum(e[2] for e in entries)):
+        while not self.wal.fits_batch([*(e[2] for e in entries), size]):
             if self.cfg.at_capacity == "reject":
                 return self._reject(req, f"shard {self.shard} WAL is at capacity "
                                     f"({self.wal.live_bytes} bytes in {self.wal.file_count} "
@@ -172,7 +167,7 @@ class _Writer:
                 entries.clear()
                 placed.clear()
                 continue
-            self.stats.capacity_waits += 1
+            self.stats.capacity_waits.inc()
             self.log.warning("wal_at_capacity", shard=self.shard, bytes=self.wal.live_bytes,
                              files=self.wal.file_count)
             self.kick.set()
@@ -197,7 +192,7 @@ class _Writer:
                     await gate.opened.wait()
             return True
         gate.closed = True
-        gate.throttled += 1
+        self.stats.throttled.inc()
         self.over_cap.notify()
         if self.cfg.at_capacity == "reject":
             return self._reject(req, f"shard {self.shard} is at its retention size cap "
@@ -215,7 +210,7 @@ class _Writer:
 
     def _reject(self, req: AppendRequest, message: str) -> bool:
         """``at_capacity = "reject"``: answer AT_CAPACITY now (never acked, retryable)."""
-        self.stats.rejected += 1
+        self.stats.rejected.inc()
         _reply(req, Error(request_id=req.request_id, code=ErrorCode.AT_CAPACITY, message=message))
         return False
 
@@ -226,8 +221,7 @@ class _Writer:
                           "resend it after the restart"))
         return False
 
-    async def _write(self, entries: list[EntryToWrite],
-                     placed: list[tuple[AppendRequest, Bundle]]) -> None:
+    async def _write(self, entries: list[EntryToWrite], placed: list[_Placed]) -> None:
         nbytes = sum(e[2] for e in entries)
         policy = self.cfg.flush_policy
         early = (policy == "interval" and self.cfg.flush_bytes > 0
@@ -244,7 +238,7 @@ class _Writer:
         if policy == "interval":
             self.pending.items.extend(placed)
             self.pending.nbytes += nbytes
-            self.stats.inflight = len(self.pending.items)
+            self.stats.inflight.set(len(self.pending.items))
             if self.idle():
                 # Nothing more is queued: waiting for the tick would only add latency,
                 # the group is as large as it will get.
@@ -256,11 +250,11 @@ class _Writer:
                       sync: bool) -> None:
         await anyio.to_thread.run_sync(lambda: self.wal.append(entries, sync=sync),
                                        limiter=self.limiter)
-        self.stats.appends += len(entries)
-        self.stats.bytes_written += nbytes
-        self.stats.last_sequence = entries[-1][0]
+        self.stats.appends.inc(len(entries))
+        self.stats.bytes_written.inc(nbytes)
+        self.stats.last_sequence.set(entries[-1][0])
         if sync:
-            self.stats.fsyncs += 1
+            self._synced()
 
     async def sync_on_timer(self) -> None:
         """Group commit: one fdatasync per tick covers everything written before it."""
@@ -277,17 +271,23 @@ class _Writer:
                 return
             covered, self.pending = self.pending, _Pending()
             await anyio.to_thread.run_sync(self.wal.sync, limiter=self.limiter)
-            self.stats.fsyncs += 1
-            self.stats.inflight = len(self.pending.items)
+            self._synced()
             await self._acknowledge(covered.items)
 
-    async def _acknowledge(self, placed: list[tuple[AppendRequest, Bundle]]) -> None:
-        self.stats.inflight = len(self.pending.items)  # written, not yet covered by a sync
-        for req, bundle in placed:
+    def _synced(self) -> None:
+        self.stats.fsyncs.inc()
+        self.stats.fdatasync_latency.observe(self.wal.last_sync_seconds)
+
+    async def _acknowledge(self, placed: list[_Placed]) -> None:
+        self.stats.inflight.set(len(self.pending.items))  # written, not yet synced
+        now = time.monotonic()
+        for req, bundle, taken in placed:
             _reply(req, Ack(request_id=req.request_id, shard=self.shard,
                             sequence=bundle.sequence))
-        self.stats.acks += len(placed)
-        await self.outbox.send(DurableBatch(bundles=tuple(b for _, b in placed)))
+            self.stats.ack_latency.observe(now - taken)
+        self.stats.acks.inc(len(placed))
+        self.stats.acked_bytes.inc(sum(b.payload_bytes for _, b, _ in placed))
+        await self.outbox.send(DurableBatch(bundles=tuple(b for _, b, _ in placed)))
 
     async def finish(self) -> None:
         """Inbox ended: make everything written durable and acknowledged."""

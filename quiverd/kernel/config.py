@@ -217,6 +217,8 @@ def validate(cfg: Config) -> None:
         (cfg.retention.size_cap_bytes >= 0, "retention.size_cap_bytes", "must be >= 0"),
         (cfg.retention.max_age_s >= 0, "retention.max_age_s", "must be >= 0"),
     ]
+    if cfg.metrics.listen:
+        parse_listen(cfg.metrics.listen)
     for ok, path, message in checks:
         if not ok:
             raise ConfigError(path, message)
@@ -234,3 +236,12 @@ def validate(cfg: Config) -> None:
         if sub.name in seen:
             raise ConfigError(f"subscribers[{i}].name", f"{sub.name!r} is listed twice")
         seen.add(sub.name)
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``[metrics] listen``: ``"127.0.0.1:9464"`` -> (host, port); ``"[::1]:9464"`` for IPv6."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError("metrics.listen", f"{listen!r} is not host:port, e.g. "
+                          "\"127.0.0.1:9464\" (\"\" turns the endpoint off)")
+    return host.strip("[]"), int(port)

@@ -18,6 +18,7 @@ exits at once.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -33,10 +34,12 @@ from quiverd.kernel.errors import AlreadyRunning, ConfigError, DurabilityLost, Q
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import DataDir, shard_index
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import Metrics
 from quiverd.kernel.names import validate_subscriber_name
 from quiverd.kernel.reply import Reply
 from quiverd.net.admin import AdminServer
 from quiverd.net.ingest import IngestServer
+from quiverd.net.metrics_http import MetricsServer
 from quiverd.runtime.lockfile import lock_data_dir
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
@@ -58,6 +61,9 @@ class Daemon:
         self.log = logs.get("daemon")
         self.notifier = Notifier()
         self.faults = faults or {}
+        self.metrics = Metrics()
+        self.metrics_server: MetricsServer | None = None
+        self._derive_gauges()
         self.stop = stop
         self.handle_signals = handle_signals
         self.shards: list[Shard] = []
@@ -79,8 +85,8 @@ class Daemon:
     async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         cfg = self.cfg
         count = await anyio.to_thread.run_sync(shards_to_serve, cfg, self.log)
-        self.shards = [Shard(i, cfg, shard_count=count, faults=self.faults)
-                       for i in range(count)]
+        self.shards = [Shard(i, cfg, shard_count=count, faults=self.faults,
+                             metrics=self.metrics) for i in range(count)]
         async with anyio.create_task_group() as root:
             await self._recover()
             if self.handle_signals:
@@ -99,6 +105,10 @@ class Daemon:
                                                if s.dispatcher is not None]
                 await pipelines.start(self.ingest.serve)
                 await root.start(admin.serve)
+                if cfg.metrics.listen:
+                    self.metrics_server = MetricsServer(cfg.metrics.listen, self.metrics,
+                                                        log=logs.get("metrics"))
+                    await root.start(self.metrics_server.serve)
                 self.log.info("quiverd_ready", shards=count, data_dir=cfg.data_dir,
                               ingest_socket=str(cfg.ingest_socket))
                 self.notifier.ready(f"{count} shards")
@@ -187,7 +197,7 @@ class Daemon:
             "connections": ingest.connections if ingest else 0,
             "ingest": vars(ingest) if ingest else {},
             "shards": [s.status() for s in self.shards],
-            "metrics": self.metrics(),
+            "metrics": self.metrics_summary(),
         }
 
     def admin_handlers(self) -> dict[str, Any]:
@@ -235,31 +245,52 @@ class Daemon:
             segments += lag.segments_behind
             bundles += lag.bundles_pending
             nbytes += shard.segments.bytes_from(shard.acks.covered_below(name))
-            dropped += shard.gc_stats.dropped_bundles.get(name, 0)
-        return {"lag_segments": segments, "lag_bundles": bundles, "lag_bytes": nbytes,
+        dropped = int(self.metrics.subscriber_dropped.by_label("subscriber").get(name, 0))
+        return {"lag_segments": segments, "lag_bytes": nbytes, "lag_bundles": bundles,
                 "dropped_bundles": dropped}
 
-    def metrics(self) -> dict[str, Any]:
-        """Counters named after the design document (Prometheus export comes later)."""
-        evictions: dict[str, int] = {}
-        dropped: dict[str, int] = {}
-        for s in self.shards:
-            for reason, n in s.gc_stats.evictions.items():
-                evictions[reason] = evictions.get(reason, 0) + n
-            for sub_name, n in s.gc_stats.dropped_bundles.items():
-                dropped[sub_name] = dropped.get(sub_name, 0) + n
+    def metrics_summary(self) -> dict[str, Any]:
+        """The registry's design-document series, summed over shards, for `status --json`."""
+        m = self.metrics
         return {
-            "quiver_gc_evictions_total": evictions,
-            "quiver_ingest_throttle_total": sum(s.gate.throttled for s in self.shards),
-            "quiver_subscriber_dropped_bundles_total": dropped,
-            "quiver_segment_dropped_total": sum(s.gc_stats.segments_dropped
-                                                for s in self.shards),
-            "quiver_wal_corrupt_entries_total": sum(
-                (s.recovered.replay.get("corrupt_entries", 0) if s.recovered else 0)
-                for s in self.shards),
+            "quiver_gc_evictions_total": _ints(m.gc_evictions.by_label("reason")),
+            "quiver_ingest_throttle_total": int(m.ingest_throttle.total()),
+            "quiver_subscriber_dropped_bundles_total":
+                _ints(m.subscriber_dropped.by_label("subscriber")),
+            "quiver_segment_dropped_total": int(m.segments_dropped.total()),
+            "quiver_wal_corrupt_entries_total": int(m.wal_corrupt_entries.total()),
+            "quiver_bundles_acked_total": int(m.bundles_acked.total()),
+            "quiver_acked_bytes_total": int(m.bytes_acked.total()),
+            "quiver_core_bytes": {str(s.index): s.usage_bytes() for s in self.shards},
             "quiver_subscriber_lag": {sub["name"]: {k: v for k, v in sub.items() if k != "name"}
                                       for sub in self.subscribers()},
         }
+
+    def _derive_gauges(self) -> None:
+        """Gauges read from live state when collected (on the event loop)."""
+        m = self.metrics
+        m.derive("quiver_core_bytes", "bytes a shard holds: WAL + segments + ack.log",
+                 ("core_id",), lambda: {(str(s.index),): s.usage_bytes() for s in self.shards})
+        m.derive("quiver_core_cap_fraction", "a shard's bytes over its share of the size cap "
+                 "(0 without a cap)", ("core_id",),
+                 lambda: {(str(s.index),): (s.usage_bytes() / s.gate.cap_bytes
+                                            if s.gate.cap_bytes else 0.0) for s in self.shards})
+        m.derive("quiver_wal_bytes", "live WAL bytes", ("shard",),
+                 lambda: {(str(s.index),): s.status_wal("wal_bytes") for s in self.shards})
+        m.derive("quiver_wal_files", "WAL files", ("shard",),
+                 lambda: {(str(s.index),): s.status_wal("wal_files") for s in self.shards})
+        m.derive("quiver_segments", "finalized segments on disk", ("shard",),
+                 lambda: {(str(s.index),): len(s.segments) for s in self.shards})
+        m.derive("quiver_segment_bytes", "bytes of finalized segments on disk", ("shard",),
+                 lambda: {(str(s.index),): s.segments.total_bytes() for s in self.shards})
+        for key, doc in (("lag_bundles", "bundles a subscriber has not acked"),
+                         ("lag_segments", "segments a subscriber's mark is behind"),
+                         ("lag_bytes", "bytes of the segments a subscriber still needs")):
+            m.derive(f"quiver_subscriber_{key}", doc, ("subscriber",),
+                     functools.partial(self._lag_gauge, key))
+
+    def _lag_gauge(self, key: str) -> dict[tuple[str, ...], float]:
+        return {(sub["name"],): sub[key] for sub in self.subscribers()}
 
     def segments(self) -> list[dict[str, Any]]:
         rows = []
@@ -378,3 +409,8 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
+
+
+def _ints(values: dict[str, float]) -> dict[str, int]:
+    """Counters by label for status, without the ones still at 0."""
+    return {k: int(v) for k, v in values.items() if v}

@@ -37,20 +37,30 @@ from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import Config
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import DataDir
+from quiverd.kernel.metrics import (
+    AckLogMetrics,
+    DispatchMetrics,
+    GcMetrics,
+    Metrics,
+    SegmentMetrics,
+    WalMetrics,
+)
 from quiverd.runtime.recovery import Recovered, recover_shard
 from quiverd.segments.table import SegmentTable, SegmentView
 
 
 class Shard:
-    def __init__(self, index: int, cfg: Config, *, shard_count: int, faults: Hooks) -> None:
+    def __init__(self, index: int, cfg: Config, *, shard_count: int, faults: Hooks,
+                 metrics: Metrics) -> None:
         self.index, self.cfg, self.faults = index, cfg, faults
         self.layout = DataDir(Path(cfg.data_dir)).shard(index)
         self.log = logs.get("shard", shard=index)
-        self.wal_stats = wal_writer.WalStats()
-        self.builder_stats = segment_builder.BuilderStats()
-        self.finalizer_stats = finalizer.FinalizerStats()
-        self.ack_stats = ack_logger.AckLogStats()
-        self.gc_stats = gc_sweeper.GcStats()
+        self.wal_stats = WalMetrics(metrics, index)
+        self.segment_stats = SegmentMetrics(metrics, index)
+        self.ack_stats = AckLogMetrics(metrics, index)
+        self.gc_stats = GcMetrics(metrics, index)
+        self.dispatch_stats = DispatchMetrics(metrics, index)
+        self.corrupt_entries = metrics.wal_corrupt_entries.labels(index)
         self.inbox, self._inbox_rx = anyio.create_memory_object_stream[AppendRequest](64)
         self.ack_tx, self._ack_rx = anyio.create_memory_object_stream[AckLogRequest](256)
         self.recovered: Recovered | None = None
@@ -69,6 +79,7 @@ class Shard:
             recover_shard, self.index, self.layout, self.cfg, self.faults, self.log)
         self._table = SegmentTable(self.recovered.segments)
         self.segments = self._table.view()
+        self.corrupt_entries.inc(self.recovered.replay.get("corrupt_entries", 0))
 
     @property
     def acks(self) -> AckState:
@@ -92,7 +103,8 @@ class Shard:
                 task_status=task_status))
             async with anyio.create_task_group() as services:
                 self.dispatcher = Dispatcher(self.index, rec.acks, self.segments,
-                                             self.ack_tx.clone(), self.changes, reads, self.log)
+                                             self.ack_tx.clone(), self.changes, reads, self.log,
+                                             self.dispatch_stats)
                 await services.start(self.dispatcher.run)
                 await services.start(lambda task_status: gc_sweeper.run(
                     self.ack_tx.clone(), state=rec.acks, segments=self.segments,
@@ -118,12 +130,12 @@ class Shard:
             await tg.start(lambda task_status: finalizer.run(
                 sealed_rx, self.ack_tx.clone(), release_tx, shard=self.layout,
                 max_dictionary_cardinality=self.cfg.segment.max_dictionary_cardinality,
-                limiter=fin, stats=self.finalizer_stats, log=self.log,
+                limiter=fin, stats=self.segment_stats, log=self.log,
                 hook=self.faults.get("finalize"), task_status=task_status))
             await tg.start(lambda task_status: segment_builder.run(
                 durable_rx, sealed_tx, cfg=self.cfg.segment,
                 first_segment_seq=rec.next_segment_seq, recovered=rec.open_bundles,
-                limiter=build, stats=self.builder_stats, log=self.log,
+                limiter=build, stats=self.segment_stats, log=self.log,
                 seal_early=self._seal_early, task_status=task_status))
             rec.open_bundles = []  # now owned by the builder
             await tg.start(lambda task_status: wal_writer.run(
@@ -134,13 +146,13 @@ class Shard:
                 stopping=self.stopping, task_status=task_status))
             task_status.started()
 
-    def progress_mark(self) -> tuple[int, int]:
+    def progress_mark(self) -> tuple[float, float]:
         """Counters that move whenever the WAL makes written appends durable."""
-        return (self.wal_stats.fsyncs, self.wal_stats.acks)
+        return (self.wal_stats.fsyncs.value, self.wal_stats.acks.value)
 
-    def stalled_since(self, mark: tuple[int, int]) -> bool:
+    def stalled_since(self, mark: tuple[float, float]) -> bool:
         """Appends wait for an fdatasync and none completed since ``mark`` was taken."""
-        return self.wal_stats.inflight > 0 and self.progress_mark() == mark
+        return self.wal_stats.inflight.value > 0 and self.progress_mark() == mark
 
     def _seal_early(self) -> bool:
         """Finalize early: the WAL is past half its bound or the shard is at its cap."""
@@ -152,27 +164,28 @@ class Shard:
         """What this shard holds on disk: WAL + segments + ack.log (the size cap's measure)."""
         rec = self.recovered
         wal = rec.wal.live_bytes if rec else 0
-        return wal + self.segments.total_bytes() + self.ack_stats.log_bytes
+        return wal + self.segments.total_bytes() + int(self.ack_stats.log_bytes.value)
+
+    def status_wal(self, key: str) -> int:
+        """One of the WAL files' numbers (``wal_bytes``, ``wal_files``); 0 before recovery."""
+        return self.recovered.wal.stats()[key] if self.recovered else 0
 
     def status(self) -> dict[str, Any]:
+        """This shard's part of `status --json`: the values /metrics exports, by name."""
         rec = self.recovered
         wal = rec.wal.stats() if rec else {}
+        w, seg = self.wal_stats, self.segment_stats
         return {
             "shard": self.index,
             **wal,
-            "last_sequence": self.wal_stats.last_sequence,
-            "appends": self.wal_stats.appends,
-            "fsyncs": self.wal_stats.fsyncs,
-            "acks": self.wal_stats.acks,
-            "in_flight": self.wal_stats.inflight,
-            "capacity_waits": self.wal_stats.capacity_waits,
-            "rejected_at_capacity": self.wal_stats.rejected,
-            "open_bundles": self.builder_stats.open_bundles,
-            "open_bytes": self.builder_stats.open_bytes,
-            "open_streams": self.builder_stats.open_streams,
+            **{key: int(v.value) for key, v in (
+                ("last_sequence", w.last_sequence), ("appends", w.appends),
+                ("fsyncs", w.fsyncs), ("acks", w.acks), ("in_flight", w.inflight),
+                ("capacity_waits", w.capacity_waits), ("rejected_at_capacity", w.rejected),
+                ("open_bundles", seg.open_bundles), ("open_bytes", seg.open_bytes),
+                ("open_streams", seg.open_streams), ("segments_finalized", seg.finalized))},
             "segments": len(self.segments),
             "segment_bytes": self.segments.total_bytes(),
-            "segments_finalized": self.finalizer_stats.segments,
             "replay": rec.replay if rec else {},
             "quarantined_segments": rec.quarantined_segments if rec else [],
             "lost_sequences": rec.lost_sequences if rec else [],

@@ -22,7 +22,9 @@ import errno
 import functools
 import os
 import threading
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,7 @@ class WalFiles:
     end_offset: int = 0
     punch_supported: bool = True
     fault_hook: Hook | None = None  # tests: raises at a step to simulate an I/O error
+    last_sync_seconds: float = 0.0
     _fd: int = -1
     _rotated: list[_Rotated] = field(default_factory=list)
     # (sequence, generation, offset) of every entry not yet released: bounded by
@@ -115,10 +118,26 @@ class WalFiles:
 
     def fits(self, nbytes: int) -> bool:
         """May an entry of ``nbytes`` be appended now (rotating if needed)?"""
-        if self.live_bytes + nbytes > self.max_size_bytes and self._has_entries():
-            return False
-        if self._needs_rotation(nbytes):
-            return self.file_count < self.max_chunks
+        return self.fits_batch([nbytes])
+
+    def fits_batch(self, sizes: Sequence[int]) -> bool:
+        """May entries of these sizes be appended in one ``append`` call?
+
+        Walks them as ``_append`` will, rotation included, so a batch meets both
+        bounds entry by entry. Only the first entry into an empty WAL may pass
+        ``max_size_bytes`` (an entry larger than the bound must still go somewhere).
+        """
+        live, end, files = self.live_bytes, self.end_offset, self.file_count
+        has_entries = self._has_entries()
+        for nbytes in sizes:
+            if live + nbytes > self.max_size_bytes and has_entries:
+                return False
+            if end > walformat.HEADER_LEN and end + nbytes > self.chunk_bytes:
+                if files >= self.max_chunks:
+                    return False
+                files, end = files + 1, walformat.HEADER_LEN
+                live += walformat.HEADER_LEN
+            live, end, has_entries = live + nbytes, end + nbytes, True
         return True
 
     def _has_entries(self) -> bool:
@@ -163,11 +182,16 @@ class WalFiles:
                 write_all(self._fd, [_tail(chunk, done)])
 
     def sync(self) -> None:
-        """fdatasync the active file. A failure is fatal: the caller must not ack."""
+        """fdatasync the active file. A failure is fatal: the caller must not ack.
+
+        ``last_sync_seconds`` holds how long the fdatasync itself took.
+        """
         with self._lock:
             try:
                 self._fault("fdatasync")
+                started = time.perf_counter()
                 os.fdatasync(self._fd)
+                self.last_sync_seconds = time.perf_counter() - started
             except OSError as exc:
                 raise DurabilityLost(
                     f"fdatasync of {layout.active_wal(self.wal_dir)} failed: "

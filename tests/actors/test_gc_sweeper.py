@@ -2,7 +2,7 @@
 
 Real segment files and a real ack.log; the messages the gc sends pass through a
 tap on their way to the ack_logger, so each test compares them, the files left,
-the DELETED marker, ack.log, the RetentionGate and GcStats with what a sweep
+the DELETED marker, ack.log, the RetentionGate and the gc's metrics with what a sweep
 must do: acked segments in one batch, drop_oldest, max_age, backpressure,
 cancellation.
 """
@@ -33,6 +33,7 @@ from quiverd.kernel.bundle import Bundle, make_slot
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import RetentionConfig, SubscriberEntry
 from quiverd.kernel.layout import DataDir, ShardLayout
+from quiverd.kernel.metrics import AckLogMetrics, GcMetrics, Metrics, Series
 from quiverd.kernel.reply import Reply
 from quiverd.segments.files import Deleted, read_marker, segment_info, write_segment
 from quiverd.segments.format import encode_segment
@@ -81,8 +82,13 @@ class Rig:
     ack_rx: MemoryObjectReceiveStream[AckLogRequest]
     usage: Usage
     changes: Changes = field(default_factory=Changes)
-    ack_stats: ack_logger.AckLogStats = field(default_factory=ack_logger.AckLogStats)
-    stats: gc_sweeper.GcStats = field(default_factory=gc_sweeper.GcStats)
+    metrics: Metrics = field(default_factory=Metrics)
+    ack_stats: AckLogMetrics = field(init=False)
+    stats: GcMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ack_stats = AckLogMetrics(self.metrics, 0)
+        self.stats = GcMetrics(self.metrics, 0)
     sent: list[AckLogRequest] = field(default_factory=list)  # what the gc sent, in order
 
     def commit(self, *records: fmt.Record | None) -> None:
@@ -164,13 +170,14 @@ async def test_gc_sweeper_acked_segments_deleted_in_one_batch(tmp_path: Path) ->
         await until(rig.changes, lambda: list(rig.state.live_segments()) == [4])
     assert rig.sent_summary() == [("RetireSegments", (1, 2, 3), "acked"),
                                   ("SegmentsDeleted", (1, 2, 3), "acked")]
-    assert rig.stats.fsync_batches == 1 and rig.stats.evictions == {"acked": 3}
+    assert rig.stats.delete_batches.value == 1
+    assert by_label(rig.metrics.gc_evictions, 'reason') == {"acked": 3}
     assert read_marker(rig.shard.deleted, Deleted) == Deleted(wal_sequence=31)
     assert rig.files() == [4] and rig.table.seqs() == [4]
     # One ack.log commit for the three SEGMENT_DELETED records (the retire wrote none).
-    assert (rig.ack_stats.fsyncs, rig.ack_stats.records) == (1, 3)
-    assert rig.ack_stats.segments_deleted == {"acked": 3}
-    assert rig.stats.dropped_bundles == {} and rig.stats.segments_dropped == 0
+    assert (rig.ack_stats.fsyncs.value, rig.ack_stats.records.value) == (1, 3)
+    assert by_label(rig.metrics.subscriber_dropped, 'subscriber') == {}
+    assert rig.stats.segments_dropped.value == 0
 
 
 @pytest.mark.asyncio
@@ -183,9 +190,9 @@ async def test_gc_sweeper_drop_oldest_deletes_only_what_brings_under_cap(tmp_pat
         assert not gate.closed
     assert rig.sent_summary() == [("RetireSegments", (1, 2), "size_cap"),
                                   ("SegmentsDeleted", (1, 2), "size_cap")]
-    assert rig.stats.dropped_bundles == {"a": 3, "b": 4}
-    assert (rig.stats.segments_dropped, rig.stats.fsync_batches) == (2, 1)
-    assert rig.stats.evictions == {"size_cap": 2}
+    assert by_label(rig.metrics.subscriber_dropped, 'subscriber') == {"a": 3, "b": 4}
+    assert (rig.stats.segments_dropped.value, rig.stats.delete_batches.value) == (2, 1)
+    assert by_label(rig.metrics.gc_evictions, 'reason') == {"size_cap": 2}
     assert rig.files() == [3]
     assert read_marker(rig.shard.deleted, Deleted) == Deleted(wal_sequence=21)
     assert list(rig.state.pending_for("b")) == [(3, 0), (3, 1)]
@@ -200,7 +207,8 @@ async def test_gc_sweeper_max_age_drops_only_older_segments(tmp_path: Path) -> N
         await until(rig.changes, lambda: list(rig.state.live_segments()) == [2, 3])
     assert rig.sent_summary() == [("RetireSegments", (1,), "max_age"),
                                   ("SegmentsDeleted", (1,), "max_age")]
-    assert rig.stats.dropped_bundles == {"a": 2} and rig.stats.evictions == {"max_age": 1}
+    assert by_label(rig.metrics.subscriber_dropped, 'subscriber') == {"a": 2}
+    assert by_label(rig.metrics.gc_evictions, 'reason') == {"max_age": 1}
     assert rig.files() == [2, 3]
     assert rig.state.covered_below("a") == 2  # the dropped outcomes moved the mark
 
@@ -227,7 +235,7 @@ async def test_gc_sweeper_backpressure_keeps_unacked_until_acks_free_space(
     assert not gate.closed
     assert rig.sent_summary() == [("RetireSegments", (1, 2), "acked"),
                                   ("SegmentsDeleted", (1, 2), "acked")]
-    assert rig.files() == [3] and rig.stats.dropped_bundles == {}
+    assert rig.files() == [3] and by_label(rig.metrics.subscriber_dropped, 'subscriber') == {}
 
 
 @pytest.mark.asyncio
@@ -251,4 +259,9 @@ async def test_gc_sweeper_cancelled_waiting_for_retire_ends(tmp_path: Path) -> N
                 gc_rx.receive_nowait()
     rig.ack_rx.close()
     rig.file.close()
-    assert rig.files() == [1, 2] and rig.stats.fsync_batches == 0
+    assert rig.files() == [1, 2] and rig.stats.delete_batches.value == 0
+
+
+def by_label(series: Series, label: str) -> dict[str, int]:
+    """A counter family's values summed per label value, without the zero ones."""
+    return {k: int(v) for k, v in series.by_label(label).items() if v}

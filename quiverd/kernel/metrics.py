@@ -1,0 +1,267 @@
+"""Every number quiverd exports, in one registry: Prometheus text and `status --json` alike.
+
+    Metrics ──(prometheus_client CollectorRegistry)──▶ GET /metrics   (net/metrics_http.py)
+        │                                         └──▶ status --json  (runtime/daemon.py)
+        ├─ counters and gauges: ``Series`` of plain values, one per label set
+        ├─ histograms: prometheus_client ``Histogram`` (ack latency, fdatasync latency)
+        └─ derived state (lag, usage, segments): ``derive`` callbacks read at collect time
+
+Actors hold bound values (``WalMetrics`` etc., one label set each) and change them
+on the event loop with ``inc``/``set``; reads are plain attribute reads, so the
+ingest path pays no lock. Collection runs on the event loop too (the HTTP
+endpoint and the admin socket both serve from it), so a scrape never sees a
+table being changed under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# Seconds: group commit is 25 ms by default, an fdatasync 0.1-1 ms on a good disk.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0)
+
+
+class Value:
+    """One counter or gauge value (one label set)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float = 0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class Series:
+    """A named counter or gauge family; ``labels(...)`` gives one value."""
+
+    def __init__(self, name: str, doc: str, kind: str, labels: tuple[str, ...]) -> None:
+        self.name, self.doc, self.kind, self.label_names = name, doc, kind, labels
+        self.values: dict[tuple[str, ...], Value] = {}
+
+    def labels(self, *values: object) -> Value:
+        key = tuple(str(v) for v in values)
+        assert len(key) == len(self.label_names), (self.name, key)
+        found = self.values.get(key)
+        if found is None:
+            found = self.values[key] = Value()
+        return found
+
+    def total(self) -> float:
+        return sum(v.value for v in self.values.values())
+
+    def by_label(self, label: str) -> dict[str, float]:
+        """Values summed per value of ``label`` (e.g. evictions by reason)."""
+        i = self.label_names.index(label)
+        out: dict[str, float] = {}
+        for key, v in self.values.items():
+            out[key[i]] = out.get(key[i], 0) + v.value
+        return out
+
+    def family(self) -> Metric:
+        cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        fam = cls(self.name, self.doc, labels=list(self.label_names))
+        for key, v in sorted(self.values.items()):
+            fam.add_metric(list(key), v.value)
+        return fam
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A gauge computed when collected: ``read()`` -> {label values: value}."""
+
+    name: str
+    doc: str
+    labels: tuple[str, ...]
+    read: Callable[[], dict[tuple[str, ...], float]]
+
+
+class Metrics:
+    """The daemon's one registry: every series is declared here, nowhere else."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._series: list[Series] = []
+        self._derived: list[Derived] = []
+        c, g, sh = self._counter, self._gauge, ("shard",)
+        # WAL writer (per shard)
+        self.wal_appends = c("quiver_wal_appends_total", "WAL entries written", sh)
+        self.wal_written_bytes = c("quiver_wal_written_bytes_total", "WAL bytes written", sh)
+        self.wal_fsyncs = c("quiver_wal_fsyncs_total", "WAL fdatasync calls that returned", sh)
+        self.bundles_acked = c("quiver_bundles_acked_total",
+                               "bundles acknowledged to producers (after their fdatasync)", sh)
+        self.bytes_acked = c("quiver_acked_bytes_total",
+                             "payload bytes of acknowledged bundles", sh)
+        self.wal_inflight = g("quiver_wal_inflight_bundles",
+                              "bundles written, waiting for the fdatasync that covers them", sh)
+        self.wal_last_sequence = g("quiver_wal_last_sequence", "last WAL sequence written", sh)
+        self.wal_capacity_waits = c("quiver_wal_capacity_waits_total",
+                                    "appends that waited for WAL space", sh)
+        self.ingest_rejected = c("quiver_ingest_rejected_total",
+                                 "bundles refused with AT_CAPACITY", sh)
+        self.ingest_throttle = c("quiver_ingest_throttle_total",
+                                 "appends held back by the retention size cap", sh)
+        # Segment builder and finalizer
+        self.open_bundles = g("quiver_open_segment_bundles", "bundles in the open segment", sh)
+        self.open_bytes = g("quiver_open_segment_bytes", "payload bytes in the open segment", sh)
+        self.open_streams = g("quiver_open_segment_streams", "streams in the open segment", sh)
+        self.segments_sealed = c("quiver_segments_sealed_total", "segments sealed",
+                                 ("shard", "reason"))
+        self.segments_finalized = c("quiver_segments_finalized_total",
+                                    "segment files written durably", sh)
+        self.segment_finalized_bytes = c("quiver_segment_finalized_bytes_total",
+                                         "bytes of segment files written", sh)
+        # ack logger
+        self.ack_log_records = c("quiver_ack_log_records_total", "ack.log records written", sh)
+        self.ack_log_fsyncs = c("quiver_ack_log_fsyncs_total", "ack.log fdatasync calls", sh)
+        self.ack_log_compactions = c("quiver_ack_log_compactions_total",
+                                     "ack.log compactions", sh)
+        self.ack_log_bytes = g("quiver_ack_log_bytes", "size of ack.log", sh)
+        # dispatcher
+        self.delivered = c("quiver_delivered_bundles_total", "bundles sent to subscribers",
+                           ("shard", "subscriber"))
+        self.redelivered = c("quiver_redelivered_bundles_total",
+                             "bundles sent again (nack, reconnect)", ("shard", "subscriber"))
+        self.subscriber_acks = c("quiver_subscriber_acks_total", "acks from subscribers",
+                                 ("shard", "subscriber"))
+        self.subscriber_nacks = c("quiver_subscriber_nacks_total", "nacks from subscribers",
+                                  ("shard", "subscriber"))
+        self.sessions = g("quiver_subscriber_sessions", "attached subscriber connections", sh)
+        # gc sweeper (names from the design document)
+        self.gc_evictions = c("quiver_gc_evictions_total", "segments deleted, by reason",
+                              ("shard", "reason"))
+        self.segments_dropped = c("quiver_segment_dropped_total",
+                                  "segments deleted while some subscriber lacked bundles", sh)
+        self.subscriber_dropped = c("quiver_subscriber_dropped_bundles_total",
+                                    "bundles a subscriber never got (retention)",
+                                    ("shard", "subscriber"))
+        self.gc_sweeps = c("quiver_gc_sweeps_total", "gc sweeps", sh)
+        self.gc_delete_batches = c("quiver_gc_delete_batches_total",
+                                   "deletion batches (one marker write, one dir fsync each)", sh)
+        # recovery
+        self.wal_corrupt_entries = c("quiver_wal_corrupt_entries_total",
+                                     "WAL entries found corrupt at replay", sh)
+        # latencies
+        self.ack_latency = Histogram(
+            "quiver_ack_latency_seconds", "from the WAL writer taking a bundle to its ack "
+            "(write + group-commit wait + fdatasync)", sh, buckets=LATENCY_BUCKETS,
+            registry=self.registry)
+        self.fdatasync_latency = Histogram(
+            "quiver_wal_fdatasync_seconds", "duration of one WAL fdatasync", sh,
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(self)
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...]) -> Series:
+        return self._add(Series(name, doc, "counter", labels))
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...]) -> Series:
+        return self._add(Series(name, doc, "gauge", labels))
+
+    def _add(self, series: Series) -> Series:
+        self._series.append(series)
+        return series
+
+    def derive(self, name: str, doc: str, labels: tuple[str, ...],
+               read: Callable[[], dict[tuple[str, ...], float]]) -> None:
+        """A gauge read from live state at collect time (lag, usage, segment counts)."""
+        self._derived.append(Derived(name, doc, labels, read))
+
+    def collect(self) -> Iterator[Metric]:
+        """prometheus_client's collector protocol (histograms register themselves)."""
+        for series in self._series:
+            yield series.family()
+        for d in self._derived:
+            fam = GaugeMetricFamily(d.name, d.doc, labels=list(d.labels))
+            for key, value in sorted(d.read().items()):
+                fam.add_metric(list(key), value)
+            yield fam
+
+
+class WalMetrics:
+    """The WAL writer's values for one shard."""
+
+    def __init__(self, m: Metrics, shard: int) -> None:
+        self.appends = m.wal_appends.labels(shard)
+        self.bytes_written = m.wal_written_bytes.labels(shard)
+        self.fsyncs = m.wal_fsyncs.labels(shard)
+        self.acks = m.bundles_acked.labels(shard)
+        self.acked_bytes = m.bytes_acked.labels(shard)
+        self.inflight = m.wal_inflight.labels(shard)
+        self.last_sequence = m.wal_last_sequence.labels(shard)
+        self.capacity_waits = m.wal_capacity_waits.labels(shard)
+        self.rejected = m.ingest_rejected.labels(shard)
+        self.throttled = m.ingest_throttle.labels(shard)
+        self.ack_latency = m.ack_latency.labels(shard)
+        self.fdatasync_latency = m.fdatasync_latency.labels(shard)
+
+
+class SegmentMetrics:
+    """The segment builder's and finalizer's values for one shard."""
+
+    def __init__(self, m: Metrics, shard: int) -> None:
+        self._m, self._shard = m, shard
+        self.open_bundles = m.open_bundles.labels(shard)
+        self.open_bytes = m.open_bytes.labels(shard)
+        self.open_streams = m.open_streams.labels(shard)
+        self.finalized = m.segments_finalized.labels(shard)
+        self.finalized_bytes = m.segment_finalized_bytes.labels(shard)
+
+    def sealed(self, reason: str) -> Value:
+        return self._m.segments_sealed.labels(self._shard, reason)
+
+
+class AckLogMetrics:
+    """The ack logger's values for one shard."""
+
+    def __init__(self, m: Metrics, shard: int) -> None:
+        self.records = m.ack_log_records.labels(shard)
+        self.fsyncs = m.ack_log_fsyncs.labels(shard)
+        self.compactions = m.ack_log_compactions.labels(shard)
+        self.log_bytes = m.ack_log_bytes.labels(shard)
+
+
+class DispatchMetrics:
+    """The dispatcher's values for one shard (per subscriber where it says)."""
+
+    def __init__(self, m: Metrics, shard: int) -> None:
+        self._m, self._shard = m, shard
+        self.sessions = m.sessions.labels(shard)
+
+    def delivered(self, subscriber: str) -> Value:
+        return self._m.delivered.labels(self._shard, subscriber)
+
+    def redelivered(self, subscriber: str) -> Value:
+        return self._m.redelivered.labels(self._shard, subscriber)
+
+    def acks(self, subscriber: str) -> Value:
+        return self._m.subscriber_acks.labels(self._shard, subscriber)
+
+    def nacks(self, subscriber: str) -> Value:
+        return self._m.subscriber_nacks.labels(self._shard, subscriber)
+
+
+class GcMetrics:
+    """The gc sweeper's values for one shard."""
+
+    def __init__(self, m: Metrics, shard: int) -> None:
+        self._m, self._shard = m, shard
+        self.segments_dropped = m.segments_dropped.labels(shard)
+        self.sweeps = m.gc_sweeps.labels(shard)
+        self.delete_batches = m.gc_delete_batches.labels(shard)
+        for reason in ("acked", "max_age", "size_cap"):
+            self.evictions(reason)  # exported as 0 from the start, not only once it happens
+
+    def evictions(self, reason: str) -> Value:
+        return self._m.gc_evictions.labels(self._shard, reason)
+
+    def dropped_bundles(self, subscriber: str) -> Value:
+        return self._m.subscriber_dropped.labels(self._shard, subscriber)
