@@ -1,4 +1,9 @@
-"""``data_dir/LOCK``: one flock holder at a time (the daemon, or fsck on a stopped one)."""
+"""``data_dir/LOCK``: one flock holder at a time (the daemon, or fsck on a stopped one).
+
+``lock_data_dir`` creates LOCK when it is absent (a daemon starting on a new data
+directory); a tool that must not create one in an arbitrary directory checks
+``is_data_dir`` first.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,18 @@ import fcntl
 import os
 from pathlib import Path
 
+from quiverd.kernel import layout
 from quiverd.kernel.errors import AlreadyRunning
 from quiverd.kernel.layout import DataDir
+
+
+def is_data_dir(path: Path) -> bool:
+    """A quiverd data directory holds LOCK or at least one ``shard-<n>/`` directory."""
+    if not path.is_dir():
+        return False
+    if DataDir(path).lock.is_file():
+        return True
+    return any(p.is_dir() and layout.shard_index(p.name) is not None for p in path.iterdir())
 
 
 def lock_data_dir(data_dir: Path, *, purpose: str = "", hint: str | None = None,

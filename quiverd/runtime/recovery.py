@@ -7,11 +7,18 @@
     3. open segment = exactly the WAL entries no durable segment (nor the
                    DELETED marker) holds, so nothing is lost or duplicated across
                    a crash at any finalize step
-    4. ack.log     replayed and reconciled with the segment files found
-                   (``acks.recovery``); orphans it already deleted are unlinked
+    4. loss        sequences no segment, WAL entry or DELETED marker holds, and the
+                   gone segments (quarantined, or in ack.log but absent) they were in
+    5. ack.log     reconciled with the segment files found (``acks.recovery``):
+                   gone segments forgotten, orphans it already deleted unlinked
 
 Bundles of a quarantined segment come back from the WAL while it still holds
-them; otherwise their WAL sequences are reported lost (``bundles_lost``).
+them; otherwise they are lost, and so are WAL entries skipped as damage. Every loss
+is reported (``runtime.loss.find_loss``): the lost WAL sequence ranges and, for each
+segment that is gone, its segment_seq and ack.log's bundle count (bundle ids
+``(shard, segment_seq, 0..count-1)``), as ``bundles_lost`` events and in the shard's
+``lost_sequences`` / ``lost_bundles``, before ack.log forgets the segment
+(SEGMENT_DELETED) so that no subscriber waits for it.
 """
 
 from __future__ import annotations
@@ -19,18 +26,22 @@ from __future__ import annotations
 import msgspec
 
 from quiverd.acks.log import AckLogFile
-from quiverd.acks.recovery import recover_acks
+from quiverd.acks.recovery import gone_segments, replay_acks, settle_acks
 from quiverd.acks.state import AckState
 from quiverd.kernel.bundle import Bundle, split_meta
 from quiverd.kernel.config import Config
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
+from quiverd.runtime.loss import Coverage, Loss, LostSegment, find_loss
 from quiverd.segments.files import Deleted, Floor, delete_segments, read_marker, scan_segments
 from quiverd.segments.table import SegmentInfo
 from quiverd.wal import format as walformat
 from quiverd.wal.files import WalFiles
 from quiverd.wal.replay import ReplayedEntry, replay_wal
+
+# Loss is logged one event per lost range or segment; past this many, one summary.
+MAX_LOSS_EVENTS = 1000
 
 
 class Recovered(msgspec.Struct, kw_only=True):
@@ -43,6 +54,8 @@ class Recovered(msgspec.Struct, kw_only=True):
     ack_file: AckLogFile
     quarantined_segments: list[str] = msgspec.field(default_factory=list)
     lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # Gone segments whose bundles (shard, segment_seq, 0..bundle_count-1) are lost.
+    lost_bundles: list[LostSegment] = msgspec.field(default_factory=list)
     replay: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -53,63 +66,66 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
     segments, quarantined = scan_segments(shard, log)
     floor = read_marker(shard.floor, Floor)
     deleted = read_marker(shard.deleted, Deleted)
+    covered = Coverage(segments, deleted.wal_sequence)
     state = replay_wal(shard.wal_dir, shard.quarantine_dir, cfg_hash=walformat.DEFAULT_CFG_HASH,
-                       max_entry_bytes=cfg.wal.max_entry_bytes, log=log)
-    covered = _Coverage(segments, deleted.wal_sequence)
+                       max_entry_bytes=cfg.wal.max_entry_bytes, log=log, covered=covered)
     open_bundles = [_bundle_of(e) for e in state.entries if not covered.holds(e.sequence)]
-    high = max([deleted.wal_sequence, *(s.last_sequence for s in segments)])
-    lost = covered.missing({e.sequence for e in state.entries})
-    for lo, hi in lost:
-        log.error("bundles_lost", shard=index, first_sequence=lo, last_sequence=hi,
-                  hint="their segment was quarantined and the WAL no longer holds them")
+    by_seq = {s.segment_seq: s for s in segments}
+    on_disk = {seq: s.bundle_count for seq, s in by_seq.items()}
+    ack_scan = replay_acks(shard, log)
+    loss = find_loss(segments=segments, deleted_sequence=deleted.wal_sequence,
+                     wal_sequences=(e.sequence for e in state.entries),
+                     gone=gone_segments(ack_scan.state, on_disk, quarantined))
+    # Logged before settle_acks makes ack.log forget the gone segments: a crash in
+    # between reports the loss again rather than never.
+    _report_loss(index, loss, log)
     wal = WalFiles.open(shard.wal_dir, state, cfg_hash=walformat.DEFAULT_CFG_HASH,
                         max_size_bytes=cfg.wal.max_size_bytes,
                         max_chunks=cfg.wal.max_chunks, log=log)
     wal.fault_hook = faults.get("wal")
     next_segment_seq = max([floor.segment_seq, *(s.segment_seq for s in segments),
                             *quarantined]) + 1
-    by_seq = {s.segment_seq: s for s in segments}
-    acks = recover_acks(shard, {seq: s.bundle_count for seq, s in by_seq.items()},
-                        cfg.subscribers, log)
+    acks = settle_acks(shard, ack_scan, on_disk, cfg.subscribers, log)
     orphans = [by_seq.pop(seq) for seq in acks.orphans]
     delete_segments(shard, orphans)
     segments = sorted(by_seq.values(), key=lambda s: s.segment_seq)
     log.info("shard_recovered", segments=len(segments), open_bundles=len(open_bundles),
              wal_entries=len(state.entries), corrupt_entries=state.corrupt_entries,
-             torn_tail_bytes=state.torn_tail_bytes)
+             torn_tail_bytes=state.torn_tail_bytes, lost_bundles=loss.count)
     return Recovered(
-        wal=wal, next_sequence=max(state.next_sequence, high + 1),
+        # Never reuse a sequence the lost bundles had: producers hold acks naming them.
+        wal=wal, next_sequence=max(state.next_sequence, loss.highest_sequence + 1),
         next_segment_seq=next_segment_seq, open_bundles=open_bundles, segments=segments,
         acks=acks.state, ack_file=acks.file,
-        quarantined_segments=[str(q) for q in quarantined], lost_sequences=lost,
+        quarantined_segments=[str(q) for q in quarantined], lost_sequences=loss.sequences,
+        lost_bundles=loss.segments,
         replay={"entries": len(state.entries), "corrupt_entries": state.corrupt_entries,
                 "torn_tail_bytes": state.torn_tail_bytes,
+                "resynced_bytes": state.resynced_bytes, "bundles_lost": loss.count,
                 **{f"ack_log_{k}": v for k, v in acks.counters.items()}})
 
 
-class _Coverage:
-    """Which WAL sequences durable segments (or the DELETED marker) already hold."""
-
-    def __init__(self, segments: list[SegmentInfo], deleted_sequence: int) -> None:
-        self.ranges = sorted((s.first_sequence, s.last_sequence) for s in segments)
-        self.floor = deleted_sequence
-
-    def holds(self, sequence: int) -> bool:
-        if sequence <= self.floor:
-            return True
-        return any(lo <= sequence <= hi for lo, hi in self.ranges)
-
-    def missing(self, in_wal: set[int]) -> list[tuple[int, int]]:
-        """Sequence gaps between durable segments that the WAL cannot fill either."""
-        lost: list[tuple[int, int]] = []
-        prev = self.floor
-        for lo, hi in self.ranges:
-            if lo > prev + 1:
-                gap = [s for s in range(prev + 1, lo) if s not in in_wal]
-                if gap:
-                    lost.append((gap[0], gap[-1]))
-            prev = max(prev, hi)
-        return lost
+def _report_loss(index: int, loss: Loss, log: Logger) -> None:
+    """One ``bundles_lost`` event per lost sequence range and per gone segment."""
+    events = 0
+    for lo, hi in loss.sequences:
+        if events < MAX_LOSS_EVENTS:
+            log.error("bundles_lost", shard=index, first_sequence=lo, last_sequence=hi,
+                      bundles=hi - lo + 1,
+                      hint="no segment and no WAL entry holds these acknowledged sequences; "
+                      "the damaged bytes are in quarantine/")
+        events += 1
+    for seg in loss.segments:
+        if events < MAX_LOSS_EVENTS:
+            n = seg.bundle_count
+            log.error("bundles_lost", shard=index, segment_seq=seg.segment_seq,
+                      bundle_count=n,
+                      bundle_ids=f"({index}, {seg.segment_seq}, 0..{n - 1})" if n else None,
+                      hint="its segment was quarantined and the WAL no longer holds them")
+        events += 1
+    if events > MAX_LOSS_EVENTS:
+        log.error("bundles_lost_unlisted", shard=index, events=events - MAX_LOSS_EVENTS,
+                  bundles=loss.count)
 
 
 def _bundle_of(entry: ReplayedEntry) -> Bundle:

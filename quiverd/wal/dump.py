@@ -2,7 +2,9 @@
 
 Header, then every entry (offset, sequence, ts, slots, rows, CRC ok/bad); the
 prefix already released to segments (per the sidecar) as one row; holes and
-damage as rows of their own, resynchronized the way replay does; a torn tail
+damage as rows of their own, resynchronized the way replay does (a length beyond
+the end of the file is damage too: the listing goes on at the next sound entry);
+only damage with nothing sound after it in the active file is a torn tail, which
 ends the listing. Never modifies the file.
 """
 
@@ -12,15 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from quiverd.kernel import layout
 from quiverd.kernel.bundle import MAX_SLOTS
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.wal import format as wf
-from quiverd.wal.replay import (
-    _NONZERO,
-    _runs_past_eof,
-    find_sound_entry,
-    live_start,
-)
+from quiverd.wal.inventory import live_start
+from quiverd.wal.resync import NONZERO, find_sound_entry
 
 
 def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
@@ -28,8 +27,9 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
 
     Bytes a valid sidecar beside the file releases are one ``released`` row, not
     entries: they may be a punched hole. Damage followed by a sound entry is a
-    ``hole`` row (all zeros) or a ``skipped`` row; only damage with no sound
-    entry after it is a ``torn_tail``, as in replay.
+    ``hole`` row (all zeros) or a ``skipped`` row; damage with no sound entry
+    after it is a ``torn_tail`` in the active file and a ``skipped`` row in a
+    rotated one (fsynced whole before rotation: no torn write), as in replay.
     """
     raw = Path(path).read_bytes()
     try:
@@ -47,20 +47,30 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
         whole = "whole file" if pos == len(raw) else "space reclaimed"
         yield {"kind": "released", "offset": wf.HEADER_LEN, "bytes": pos - wf.HEADER_LEN,
                "message": f"released to segments ({whole})"}
+    last: int | None = None  # sequence of the last sound entry: a successor's is higher
     while pos < len(raw):
         try:
             e = wf.decode_entry(raw, pos, max_entry_bytes=len(raw), path=str(path))
         except CorruptRecord as exc:
-            resync = None if _runs_past_eof(raw, pos) else find_sound_entry(raw, pos + 1, len(raw))
+            resync = find_sound_entry(raw, pos + 1, len(raw), after_sequence=last)
             if resync is None:
-                yield {"kind": "torn_tail", "offset": pos, "bytes": len(raw) - pos,
-                       "message": str(exc)}
+                yield _tail_row(Path(path), pos, len(raw) - pos, str(exc))
                 return
             yield from _skipped_rows(raw, pos, resync, str(exc))
             pos = resync
             continue
         yield _entry_row(e)
+        if e.sound and e.entry_type in wf.KNOWN_ENTRY_TYPES:
+            last = e.sequence
         pos += e.total_len
+
+
+def _tail_row(path: Path, pos: int, nbytes: int, reason: str) -> dict[str, Any]:
+    if layout.rotated_generation(path.name) is None:
+        return {"kind": "torn_tail", "offset": pos, "bytes": nbytes, "message": reason}
+    return {"kind": "skipped", "offset": pos, "bytes": nbytes,
+            "message": f"damaged bytes at the end of a rotated file, which was fsynced "
+                       f"whole (no torn write): {reason}"}
 
 
 def _entry_row(e: wf.DecodedEntry) -> dict[str, Any]:
@@ -78,7 +88,7 @@ def _entry_row(e: wf.DecodedEntry) -> dict[str, Any]:
 def _skipped_rows(raw: bytes, pos: int, resync: int, reason: str) -> Iterator[dict[str, Any]]:
     """A leading zero run is a punched hole; what follows it up to ``resync`` is damage
     (or, right after a hole, the tail of an entry the hole's edge cut)."""
-    match = _NONZERO.search(raw, pos, resync)
+    match = NONZERO.search(raw, pos, resync)
     data_at = resync if match is None else match.start()
     if data_at > pos:
         yield {"kind": "hole", "offset": pos, "bytes": data_at - pos,

@@ -8,16 +8,22 @@ Directory layout (SPEC §2, names from ``quiverd.kernel.layout``)::
                                 byte still needed, in the file of that generation
 
 Replay reads the files in generation order from the sidecar position and applies
-SPEC §3: torn tails are copied to quarantine then cut off; a bad entry with a valid
-successor is quarantined, counted and skipped; unknown entry types are skipped by
+SPEC §3: a bad entry with a valid successor is quarantined, counted and skipped; bytes
+that are no entry at all (a length below the header, above the maximum or beyond the
+end of the file) are skipped up to the next sound entry (``resync``), so every later
+valid entry is kept; only damage with no sound entry after it in the active file is a
+torn tail, copied to quarantine then cut off. Rotated files were fsynced whole before
+rotation: damage at their end is skipped, never cut. Unknown entry types are skipped by
 length. Bytes are never dropped without a copy in ``quarantine_dir``.
+
+Every skip is accounted for: the sequences between the last entry before it and the
+first after it that ``covered`` (durable segments, the DELETED marker) does not hold
+are lost, counted in ``corrupt_entries`` and listed in ``lost_sequences``.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import struct
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,16 +35,27 @@ from quiverd.kernel.durable import atomic_write
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.quarantine import keep_bytes
 from quiverd.wal import format as wf
-
-_NONZERO = re.compile(rb"[^\x00]")
-_ZERO_LEN = bytes(wf.LEN_PREFIX_LEN)
-_U32 = struct.Struct("<I")
+from quiverd.wal.inventory import wal_inventory
+from quiverd.wal.resync import NONZERO, find_sound_entry
 
 
 class Logger(Protocol):
     def info(self, event: str, **kw: Any) -> Any: ...
     def warning(self, event: str, **kw: Any) -> Any: ...
     def error(self, event: str, **kw: Any) -> Any: ...
+
+
+class Coverage(Protocol):
+    """The WAL sequences other files hold: durable segments and the DELETED marker."""
+
+    @property
+    def high(self) -> int:
+        """The highest sequence they hold (0: none); the WAL's live part starts above it."""
+        ...
+
+    def unheld(self, first: int, last: int) -> list[tuple[int, int]]:
+        """The ranges of ``first..last`` none of them holds, ascending."""
+        ...
 
 
 class ReplayedEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +89,8 @@ class WalState(msgspec.Struct, kw_only=True):
     sequence_gaps: int = 0
     resynced_bytes: int = 0  # skipped over damage (or a punched hole) to a later sound entry
     quarantined: list[Path] = msgspec.field(default_factory=list)
+    # Sequences skipped damage held and no segment holds: acknowledged entries now lost.
+    lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 def create_wal_file(path: Path, cfg_hash: bytes) -> None:
@@ -84,14 +103,16 @@ def write_sidecar(wal_dir: Path, truncate_offset: int, rotation_generation: int)
 
 
 def replay_wal(
-    wal_dir: Path, quarantine_dir: Path, *, cfg_hash: bytes, max_entry_bytes: int, log: Logger
+    wal_dir: Path, quarantine_dir: Path, *, cfg_hash: bytes, max_entry_bytes: int, log: Logger,
+    covered: Coverage | None = None,
 ) -> WalState:
     """Recover one shard's WAL; raises CorruptRecord/FormatMismatch on any bad header.
 
     ``next_sequence`` is the last replayed sequence + 1, or 1 when no entry was
     found. When a sidecar exists but nothing follows it, the WAL no longer holds
     the last sequence: ``sequence_known`` is False and the caller must supply
-    the floor from elsewhere.
+    the floor from elsewhere. ``covered`` tells which skipped sequences are not
+    lost (and where the live part starts); without it every skipped one is.
     """
     wal_dir.mkdir(parents=True, exist_ok=True)
     active = layout.active_wal(wal_dir)
@@ -116,14 +137,15 @@ def replay_wal(
         (sidecar.rotation_generation, sidecar.truncate_offset) if sidecar
         else (chain[0][0], wf.HEADER_LEN)
     )
-    scan = _Scan(quarantine_dir, max_entry_bytes, log)
+    scan = _Scan(quarantine_dir, max_entry_bytes, log, covered)
     sizes: dict[int, int] = {}
     for gen, path in chain:
         if gen < start_gen:
             sizes[gen] = path.stat().st_size
         else:
             first = start_off if gen == start_gen else wf.HEADER_LEN
-            sizes[gen] = scan.replay_file(path, gen, first)
+            sizes[gen] = scan.replay_file(path, gen, first, active=gen == active_gen)
+    scan.finish()
     last = scan.last_seq
     state = WalState(
         entries=scan.entries,
@@ -135,11 +157,12 @@ def replay_wal(
         start_generation=start_gen, start_offset=start_off,
         corrupt_entries=scan.corrupt, torn_tail_bytes=scan.torn_bytes,
         sequence_gaps=scan.gaps, resynced_bytes=scan.resynced_bytes, quarantined=scan.quarantined,
+        lost_sequences=scan.lost,
     )
     log.info(
         "wal_replayed", entries=len(state.entries), next_sequence=state.next_sequence,
         active_generation=active_gen, corrupt_entries=scan.corrupt,
-        torn_tail_bytes=scan.torn_bytes,
+        torn_tail_bytes=scan.torn_bytes, resynced_bytes=scan.resynced_bytes,
     )
     return state
 
@@ -147,20 +170,24 @@ def replay_wal(
 class _Scan:
     """Replay state carried across files so sequence checks span rotations."""
 
-    def __init__(self, quarantine_dir: Path, max_entry_bytes: int, log: Logger) -> None:
+    def __init__(self, quarantine_dir: Path, max_entry_bytes: int, log: Logger,
+                 covered: Coverage | None) -> None:
         self.quarantine_dir = quarantine_dir
         self.max_entry_bytes = max_entry_bytes
         self.log = log
+        self.covered = covered
         self.entries: list[ReplayedEntry] = []
         self.last_seq: int | None = None
         self.skipped = 0  # corrupt entries since the last good one: each used one sequence
+        self.damaged = False  # bytes skipped since the last good entry: settled by the next
         self.corrupt = 0
         self.torn_bytes = 0
         self.gaps = 0
         self.resynced_bytes = 0
         self.quarantined: list[Path] = []
+        self.lost: list[tuple[int, int]] = []
 
-    def replay_file(self, path: Path, gen: int, start: int) -> int:
+    def replay_file(self, path: Path, gen: int, start: int, *, active: bool) -> int:
         """Replay one file from ``start``; returns its size after any tail cut."""
         with open(path, "rb") as f:
             f.seek(start)
@@ -172,34 +199,42 @@ class _Scan:
                     data, pos, max_entry_bytes=self.max_entry_bytes, path=str(path)
                 )
             except CorruptRecord as exc:
-                resync = None if _runs_past_eof(data, pos) else self._resync(
-                    path, gen, start, data, pos
-                )
-                if resync is None:
-                    return self._cut_tail(path, gen, start, data, pos, str(exc))
-                pos = resync
-                continue
-            if not entry.sound:
-                if not self._successor_ok(data, pos + entry.total_len):
-                    # Nothing after it: a damaged last entry is a torn tail, no search.
-                    at_end = pos + entry.total_len == len(data)
-                    resync = None if at_end else self._resync(path, gen, start, data, pos)
-                    if resync is None:
-                        return self._cut_tail(path, gen, start, data, pos, _why(entry))
-                    pos = resync
-                    continue
-                self._quarantine_corrupt(path, gen, start + pos, data, entry)
-            elif entry.entry_type in wf.KNOWN_ENTRY_TYPES:
-                self._accept(entry, gen, start)
+                # A length beyond the file is damage like any other: only when no sound
+                # entry follows is it a torn write.
+                nxt, reason = self._resync(path, gen, start, data, pos), str(exc)
             else:
-                self.log.info(
-                    "wal_unknown_entry_skipped", path=str(path), offset=start + pos,
-                    entry_type=entry.entry_type,
-                )
-            pos += entry.total_len
+                nxt, reason = self._take(path, gen, start, data, entry), _why(entry)
+            if nxt is None:
+                if active:
+                    return self._cut_tail(path, gen, start, data, pos, reason)
+                self._skip_tail(path, gen, start, data, pos, reason)
+                break
+            pos = nxt
         return start + len(data)
 
+    def _take(self, path: Path, gen: int, start: int, data: bytes,
+              entry: wf.DecodedEntry) -> int | None:
+        """Offset after ``entry`` (or after the damage it starts); None: nothing sound follows."""
+        pos = entry.offset
+        if not entry.sound:
+            if self._successor_ok(data, pos + entry.total_len):
+                self._quarantine_corrupt(path, gen, start + pos, data, entry)
+            elif pos + entry.total_len == len(data):
+                return None  # Nothing after it: a damaged last entry is a torn tail, no search.
+            else:
+                return self._resync(path, gen, start, data, pos)
+        elif entry.entry_type in wf.KNOWN_ENTRY_TYPES:
+            self._accept(entry, gen, start)
+        else:
+            self.log.info(
+                "wal_unknown_entry_skipped", path=str(path), offset=start + pos,
+                entry_type=entry.entry_type,
+            )
+        return pos + entry.total_len
+
     def _accept(self, entry: wf.DecodedEntry, gen: int, start: int) -> None:
+        if self.damaged:
+            self._settle(entry.sequence, gen, start + entry.offset)
         if self.last_seq is not None and entry.sequence != self.last_seq + 1 + self.skipped:
             self.gaps += 1
             self.log.error(
@@ -216,6 +251,35 @@ class _Scan:
                 ts_ns=entry.ts_ns, slots=slots,
             )
         )
+
+    def _settle(self, sequence: int, gen: int, offset: int) -> None:
+        """Damage was skipped before the entry of ``sequence``: which sequences did it hold?
+
+        They lie between the last sequence before the damage (or, at the start of the
+        live part, the highest one segments hold) and ``sequence``; those no segment
+        holds are lost. Without either bound only the bad entries seen can be counted.
+        """
+        prev = self.last_seq if self.last_seq is not None else (
+            self.covered.high if self.covered is not None else None)
+        self.damaged = False
+        if prev is None or sequence <= prev + 1:
+            self.corrupt += self.skipped if prev is None else 0
+            return
+        first, last = prev + 1, sequence - 1
+        lost = [(first, last)] if self.covered is None else self.covered.unheld(first, last)
+        if not lost:
+            return
+        count = sum(hi - lo + 1 for lo, hi in lost)
+        self.corrupt += count
+        self.lost.extend(lost)
+        self.log.error("wal_entries_lost", generation=gen, resumed_at=offset, entries=count,
+                       first_sequence=lost[0][0], last_sequence=lost[-1][1])
+
+    def finish(self) -> None:
+        """Damage after the last good entry: only the bad entries seen can be counted."""
+        if self.damaged:
+            self.corrupt += self.skipped
+            self.damaged = False
 
     def _successor_ok(self, data: bytes, pos: int) -> bool:
         """Does a sound entry continue the sequence right after a damaged one?"""
@@ -234,18 +298,37 @@ class _Scan:
 
         With the sidecar lost, replay can walk into a punched hole (zeroed 4 KiB
         blocks of released entries) mid-entry; the intact entries after it must
-        survive. Skipped non-zero bytes are quarantined.
+        survive. Skipped non-zero bytes are quarantined before they are skipped.
         """
-        resync = find_sound_entry(data, pos + 1, self.max_entry_bytes)
+        after = self.last_seq if self.last_seq is not None else (
+            self.covered.high if self.covered is not None else None)
+        resync = find_sound_entry(data, pos + 1, self.max_entry_bytes, after_sequence=after)
         if resync is None:
             return None
         skipped = memoryview(data)[pos:resync]
-        if _NONZERO.search(skipped) is not None:
+        if NONZERO.search(skipped) is not None:
             self._quarantine(gen, start + pos, "skipped", skipped)
+        # Zeros too: a punched hole's entries are held by segments (``covered`` says
+        # so); zeroed blocks in the live part are not, and those entries are lost.
+        self.damaged = True
         self.resynced_bytes += resync - pos
         self.log.warning("wal_damage_skipped", path=str(path), offset=start + pos,
                          bytes=resync - pos, resumed_at=start + resync)
         return resync
+
+    def _skip_tail(self, path: Path, gen: int, start: int, data: bytes, pos: int,
+                   reason: str) -> None:
+        """Damage at the end of a rotated file: it was fsynced whole, so no torn write.
+
+        The bytes stay (replay is rerun on them, rewriting the same copy); the
+        next file's first entry tells which sequences they held.
+        """
+        target = self._quarantine(gen, start + pos, "skipped", memoryview(data)[pos:])
+        self.damaged = True
+        self.resynced_bytes += len(data) - pos
+        self.log.error("wal_damage_skipped", path=str(path), offset=start + pos,
+                       bytes=len(data) - pos, resumed_at=None, reason=reason,
+                       quarantine=str(target))
 
     def _quarantine_corrupt(
         self, path: Path, gen: int, offset: int, data: bytes, entry: wf.DecodedEntry
@@ -253,8 +336,8 @@ class _Scan:
         pos = entry.offset
         chunk = memoryview(data)[pos : pos + entry.total_len]
         target = self._quarantine(gen, offset, "corrupt", chunk)
-        self.corrupt += 1
         self.skipped += 1
+        self.damaged = True
         self.log.error(
             "wal_corrupt_entry_skipped", path=str(path), offset=offset, bytes=entry.total_len,
             sequence=entry.sequence, reason=_why(entry), quarantine=str(target),
@@ -289,100 +372,5 @@ class _Scan:
         return target
 
 
-def find_sound_entry(data: bytes, cand: int, max_entry_bytes: int) -> int | None:
-    """First sound RecordBundle entry at or after ``cand``, searched byte by byte.
-
-    The search gives up after ``max_entry_bytes`` offsets past the last zero
-    run: an intact entry must start within one entry length of the damage.
-    Zero runs are jumped over whole (a hole may be far longer than an entry),
-    and cheap checks (type byte, length bounds) reject most offsets before a CRC.
-    """
-    size = len(data)
-    budget_end = cand + max_entry_bytes
-    while cand + wf.ENTRY_OVERHEAD_LEN <= size and cand <= budget_end:
-        if data[cand : cand + wf.LEN_PREFIX_LEN] == _ZERO_LEN:
-            match = _NONZERO.search(data, cand)
-            if match is None:
-                return None
-            # A non-zero length prefix starts at most 3 bytes before its first non-zero byte.
-            cand = max(cand + 1, match.start() - (wf.LEN_PREFIX_LEN - 1))
-            budget_end = cand + max_entry_bytes
-            continue
-        if data[cand + wf.LEN_PREFIX_LEN] == wf.ENTRY_RECORD_BUNDLE:
-            (entry_len,) = _U32.unpack_from(data, cand)
-            if (
-                wf.ENTRY_FIXED_LEN <= entry_len <= max_entry_bytes
-                and cand + entry_len + wf.LEN_PREFIX_LEN + wf.CRC_LEN <= size
-                and wf.decode_entry(data, cand, max_entry_bytes=max_entry_bytes).sound
-            ):
-                return cand
-        cand += 1
-    return None
-
-
-def _runs_past_eof(data: bytes, pos: int) -> bool:
-    """A classic torn write: a plausible length whose entry the file does not finish."""
-    if len(data) - pos < wf.LEN_PREFIX_LEN:
-        return True
-    (entry_len,) = _U32.unpack_from(data, pos)
-    return entry_len > 0 and pos + wf.LEN_PREFIX_LEN + entry_len + wf.CRC_LEN > len(data)
-
-
 def _why(entry: wf.DecodedEntry) -> str:
     return entry.problem or "crc mismatch"
-
-
-class WalInventory(msgspec.Struct, frozen=True, kw_only=True):
-    """The files of one WAL directory and the sidecar, as replay will see them."""
-
-    files: dict[int, Path]  # generation -> path; the active file only if it exists
-    active_generation: int
-    sidecar: wf.Sidecar | None  # None when missing, corrupt or pointing nowhere
-    sidecar_state: str  # ok | missing | corrupt | out_of_range
-    sidecar_problem: str = ""  # why a present sidecar is unusable
-
-    def generation_of(self, path: Path) -> int | None:
-        if layout.is_active_wal(path.name):
-            return self.active_generation
-        return layout.rotated_generation(path.name)
-
-
-def wal_inventory(wal_dir: Path) -> WalInventory:
-    """Read-only: generations and the usable sidecar (same rules as ``replay_wal``)."""
-    rotated = {
-        gen: p for p in wal_dir.iterdir() if (gen := layout.rotated_generation(p.name)) is not None
-    } if wal_dir.is_dir() else {}
-    sidecar: wf.Sidecar | None = None
-    state, problem = "missing", ""
-    sidecar_path = layout.sidecar(wal_dir)
-    if sidecar_path.exists():
-        try:
-            sidecar = wf.decode_sidecar(sidecar_path.read_bytes(), path=str(sidecar_path))
-            state = "ok"
-        except CorruptRecord as exc:
-            state, problem = "corrupt", str(exc)
-    active_gen = max(max(rotated) + 1 if rotated else 0,
-                     sidecar.rotation_generation if sidecar else 0)
-    files = dict(sorted(rotated.items()))
-    if layout.active_wal(wal_dir).exists():
-        files[active_gen] = layout.active_wal(wal_dir)
-    if sidecar is not None:
-        target = files.get(sidecar.rotation_generation)
-        if target is None or not wf.HEADER_LEN <= sidecar.truncate_offset <= target.stat().st_size:
-            problem = (f"sidecar points at generation {sidecar.rotation_generation} offset "
-                       f"{sidecar.truncate_offset}, which no WAL file holds: replay ignores it")
-            state, sidecar = "out_of_range", None
-    return WalInventory(files=files, active_generation=active_gen, sidecar=sidecar,
-                     sidecar_state=state, sidecar_problem=problem)
-
-
-def live_start(path: Path, size: int) -> int:
-    """First byte of ``path`` a valid sidecar beside it still needs (``size``: none)."""
-    inv = wal_inventory(path.parent)
-    gen = inv.generation_of(path)
-    sidecar = inv.sidecar
-    if sidecar is None or gen is None or gen > sidecar.rotation_generation:
-        return wf.HEADER_LEN
-    if gen < sidecar.rotation_generation:
-        return size
-    return min(sidecar.truncate_offset, size)

@@ -24,6 +24,7 @@ from quiverd.segments.format import encode_segment
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.wal import format as wf
 from quiverd.wal import replay as wr
+from quiverd.wal.dump import dump_wal as wr_dump
 from quiverd.wal.files import BLOCK, probe_punch_hole, punch_hole
 
 SEGMENT_NAME = f"{1:016d}.qseg"
@@ -156,8 +157,12 @@ def test_fsck_repair_quarantines_segment_and_cuts_torn_tail(
     rc, out = fsck_json(capsys, data_dir)
     assert rc == 1 and sorted(kinds(out)) == ["segment_corrupt", "segment_temp", "wal_torn_tail"]
 
+    # Segment 1 held sequences 1..3 and the WAL has released them: repair cannot bring
+    # them back, so it says what is lost and exits 1.
     rc, out = fsck_json(capsys, data_dir, repair=True)
-    assert rc == 0 and out["healthy"] is True and out["findings"] == []
+    assert rc == 1 and out["healthy"] is False and out["findings"] == []
+    assert out["lost"] == [{"shard": 0, "count": 3, "sequences": [[1, 3]],
+                            "bundles": [{"segment_seq": 1, "bundle_count": 3}]}]
     events = [r["event"] for r in out["repairs"]]
     assert events.count("file_quarantined") == 2 and "wal_torn_tail" in events
     quarantine = shard / "quarantine"
@@ -166,11 +171,29 @@ def test_fsck_repair_quarantines_segment_and_cuts_torn_tail(
     assert (quarantine / f"quiver.wal.0.{good_end}.torn").read_bytes() == torn
     assert list((shard / "segments").iterdir()) == [] and wal.stat().st_size == good_end
 
+    assert cli.main(["fsck", str(data_dir)]) == 1  # the loss stays visible
+    lines = capsys.readouterr().out.splitlines()
+    assert "LOST  shard 0: WAL sequences 1..3 (3 bundles): no segment and no WAL entry " \
+        "holds them" in lines
+    assert any(line.startswith("LOST  shard 0: segment 1: bundles (0, 1, 0..2);")
+               for line in lines)
+    assert lines[-1].startswith("3 acknowledged bundles lost (LOST above)")
+
+
+def test_fsck_repair_without_loss_exits_0(
+    data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shard = data_dir / "shard-0"
+    (shard / "wal" / "truncate.offset").unlink()  # the WAL still holds 1..5: nothing released
+    flip(shard / "segments" / SEGMENT_NAME, 100)
     rc, out = fsck_json(capsys, data_dir)
-    assert rc == 0 and out["healthy"] is True
+    assert rc == 1 and kinds(out) == ["segment_corrupt"] and out["lost"] == []
+    rc, out = fsck_json(capsys, data_dir, repair=True)
+    assert rc == 0 and out["healthy"] is True and out["lost"] == []
+    assert [r["event"] for r in out["repairs"]] == ["file_quarantined"]
 
 
-def test_fsck_corrupt_wal_entry_repair_leaves_note(
+def test_fsck_corrupt_wal_entry_repair_leaves_note_and_reports_loss(
     data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     wal = data_dir / "shard-0" / "wal" / "quiver.wal"
@@ -181,10 +204,32 @@ def test_fsck_corrupt_wal_entry_repair_leaves_note(
     rc, out = fsck_json(capsys, data_dir)
     assert rc == 1 and kinds(out) == ["wal_corrupt_entry"]
     assert out["findings"][0]["offset"] == sidecar.truncate_offset
+    assert out["lost"] == [{"shard": 0, "count": 1, "sequences": [[4, 4]], "bundles": []}]
     rc, out = fsck_json(capsys, data_dir, repair=True)
-    assert rc == 0 and kinds(out, "notes") == ["wal_corrupt_entry"]
+    assert rc == 1 and kinds(out, "notes") == ["wal_corrupt_entry"] and out["findings"] == []
     assert "already copied to quarantine" in out["notes"][0]["message"]
+    assert out["lost"][0]["sequences"] == [[4, 4]]  # acknowledged, and gone
     assert wal.read_bytes() == raw  # replay skips the entry; it deletes nothing
+
+
+def test_fsck_wal_length_past_eof_is_damage_not_torn_tail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = build_data_dir(tmp_path / "data", wal_entries=20, segment_bundles=3)
+    wal = root / "shard-0" / "wal" / "quiver.wal"
+    rows = [r for r in wr_dump(wal) if r["kind"] == "entry"]
+    at = next(r["offset"] for r in rows if r["sequence"] == 6)
+    raw = bytearray(wal.read_bytes())
+    raw[at : at + 4] = (len(raw) + 1).to_bytes(4, "little")  # entry 6 now ends past EOF
+    wal.write_bytes(raw)
+    rc, out = fsck_json(capsys, root)
+    assert rc == 1 and kinds(out) == ["wal_damage"] and out["findings"][0]["offset"] == at
+    assert out["checked"]["wal_entries"] == 16  # 4, 5 and 7..20 are kept
+    assert out["lost"] == [{"shard": 0, "count": 1, "sequences": [[6, 6]], "bundles": []}]
+    rc, out = fsck_json(capsys, root, repair=True)
+    assert rc == 1 and out["findings"] == [] and kinds(out, "notes") == ["wal_damage"]
+    assert "wal_torn_tail" not in [r["event"] for r in out["repairs"]]
+    assert wal.read_bytes() == raw and out["lost"][0]["sequences"] == [[6, 6]]
 
 
 def test_fsck_corrupt_sidecar_is_finding_and_repair_moves_it(
@@ -246,6 +291,33 @@ def test_fsck_refuses_held_lock(data_dir: Path, capsys: pytest.CaptureFixture[st
     finally:
         os.close(fd)
     assert fsck.run_fsck(data_dir, repair=False, as_json=True) == 0
+
+
+@pytest.mark.parametrize("repair", [False, True])
+def test_fsck_refuses_directory_that_is_not_a_data_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], repair: bool
+) -> None:
+    (tmp_path / "notes.txt").write_text("not quiverd's")
+    (tmp_path / "shard-x").mkdir()  # not shard-<n>
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert cli.main(["fsck", str(tmp_path), *(["--repair"] if repair else [])]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"{tmp_path} is not a quiverd data directory" in captured.err
+    assert "\nhint: pass the daemon's data_dir" in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no LOCK written
+
+
+def test_fsck_accepts_data_dir_with_only_lock_or_only_shards(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    only_lock, only_shard = tmp_path / "a", tmp_path / "b"
+    only_lock.mkdir()
+    (only_lock / "LOCK").write_text("")
+    (only_shard / "shard-3").mkdir(parents=True)
+    for root in (only_lock, only_shard):
+        rc, out = fsck_json(capsys, root)
+        assert rc == 0 and out["healthy"] is True
 
 
 class _Tty(io.StringIO):

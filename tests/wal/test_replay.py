@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
@@ -11,6 +12,7 @@ import pytest
 
 from quiverd.kernel.bundle import MetaCodec, Slot, make_slot
 from quiverd.kernel.errors import CorruptRecord, FormatMismatch
+from quiverd.runtime.loss import Coverage
 from quiverd.wal import dump as waldump
 from quiverd.wal import format as wf
 from quiverd.wal import replay as wr
@@ -56,11 +58,17 @@ def write_wal(path: Path, entries: list[bytes], cfg: bytes = wf.DEFAULT_CFG_HASH
     return offsets
 
 
-def replay(root: Path, log: RecordingLog | None = None, max_entry: int = MAX) -> wr.WalState:
+def replay(root: Path, log: RecordingLog | None = None, max_entry: int = MAX,
+           covered: Coverage | None = None) -> wr.WalState:
     return wr.replay_wal(
         root / "wal", root / "quarantine", cfg_hash=wf.DEFAULT_CFG_HASH,
-        max_entry_bytes=max_entry, log=log or RecordingLog(),
+        max_entry_bytes=max_entry, log=log or RecordingLog(), covered=covered,
     )
+
+
+def segments_holding(first: int, last: int) -> Coverage:
+    """What durable segments holding sequences ``first..last`` tell replay."""
+    return Coverage([SimpleNamespace(segment_seq=1, first_sequence=first, last_sequence=last)], 0)
 
 
 def seqs(state: wr.WalState) -> list[int]:
@@ -171,6 +179,86 @@ def test_replay_crc_flip_without_valid_successor_is_torn_tail(tmp_path: Path) ->
     state = replay(tmp_path)
     assert seqs(state) == [1, 2] and state.corrupt_entries == 0
     assert wal.stat().st_size == offsets[2]
+
+
+def test_replay_interior_length_past_eof_resyncs_and_keeps_later_entries(tmp_path: Path) -> None:
+    wal = tmp_path / "wal" / "quiver.wal"
+    offsets = write_wal(wal, [small_entry(s) for s in range(1, 101)])
+    raw = bytearray(wal.read_bytes())
+    raw[offsets[29] : offsets[29] + 4] = struct.pack("<I", len(raw))  # entry 30 ends past EOF
+    wal.write_bytes(raw)
+    skipped = tmp_path / "quarantine" / f"quiver.wal.0.{offsets[29]}.skipped"
+    for _ in range(2):  # a rerun finds the same, rewrites the same copy
+        log = RecordingLog()
+        state = replay(tmp_path, log)
+        assert seqs(state) == [*range(1, 30), *range(31, 101)] and state.next_sequence == 101
+        assert state.corrupt_entries == 1 and state.lost_sequences == [(30, 30)]
+        assert state.torn_tail_bytes == 0 and wal.read_bytes() == raw
+        assert state.quarantined == [skipped]
+        assert skipped.read_bytes() == raw[offsets[29] : offsets[30]]
+        assert log.named("wal_entries_lost") == [{"generation": 0, "resumed_at": offsets[30],
+                                                  "entries": 1, "first_sequence": 30,
+                                                  "last_sequence": 30}]
+        assert not log.named("wal_torn_tail")
+    assert [p.name for p in (tmp_path / "quarantine").iterdir()] == [skipped.name]
+
+
+def test_replay_sidecar_inside_an_entry_keeps_the_entries_after_it(tmp_path: Path) -> None:
+    wal = tmp_path / "wal" / "quiver.wal"
+    offsets = write_wal(wal, [small_entry(s) for s in range(1, 11)])
+    wr.write_sidecar(tmp_path / "wal", offsets[4] + 7, 0)  # a valid sidecar, inside entry 5
+    raw = wal.read_bytes()
+    state = replay(tmp_path, covered=segments_holding(1, 4))
+    assert seqs(state) == list(range(6, 11)) and state.torn_tail_bytes == 0
+    assert state.lost_sequences == [(5, 5)] and state.corrupt_entries == 1
+    assert wal.read_bytes() == raw
+    state = replay(tmp_path, covered=segments_holding(1, 5))  # a segment holds 5: no loss
+    assert seqs(state) == list(range(6, 11))
+    assert state.lost_sequences == [] and state.corrupt_entries == 0
+
+
+def test_replay_damaged_end_of_rotated_file_is_skipped_not_cut(tmp_path: Path) -> None:
+    wal_dir = tmp_path / "wal"
+    offsets = write_wal(wal_dir / "quiver.wal.0", [small_entry(s) for s in (1, 2, 3)])
+    rotated = wal_dir / "quiver.wal.0"
+    raw = bytearray(rotated.read_bytes())
+    raw[-1] ^= 0xFF  # entry 3's crc: rotation fsynced the file whole, so no torn write
+    rotated.write_bytes(raw)
+    write_wal(wal_dir / "quiver.wal", [small_entry(4), small_entry(5)])
+    log = RecordingLog()
+    state = replay(tmp_path, log)
+    assert seqs(state) == [1, 2, 4, 5] and state.torn_tail_bytes == 0
+    assert state.corrupt_entries == 1 and state.lost_sequences == [(3, 3)]
+    assert rotated.read_bytes() == raw and state.rotated[0].size == len(raw)
+    copy = tmp_path / "quarantine" / f"quiver.wal.0.{offsets[2]}.skipped"
+    assert copy.read_bytes() == raw[offsets[2] :] and not log.named("wal_torn_tail")
+
+
+def test_replay_skipped_sequences_segments_hold_are_not_lost(tmp_path: Path) -> None:
+    wal = tmp_path / "wal" / "quiver.wal"
+    offsets = write_wal(wal, [small_entry(s) for s in range(1, 121)])
+    raw = bytearray(wal.read_bytes())
+    raw[4096:8192] = bytes(4096)  # a punched hole, walked because the sidecar is lost
+    wal.write_bytes(raw)
+    size = len(small_entry(1))
+    last_before = max(i + 1 for i, off in enumerate(offsets) if off + size <= 4096)
+    first_after = next(i + 1 for i, off in enumerate(offsets) if off >= 8192)
+    state = replay(tmp_path, covered=segments_holding(1, first_after - 1))
+    assert state.corrupt_entries == 0 and state.lost_sequences == []
+    assert seqs(state) == [*range(1, last_before + 1), *range(first_after, 121)]
+    state = replay(tmp_path, covered=segments_holding(1, 10))  # the WAL released no more
+    assert state.lost_sequences == [(last_before + 1, first_after - 1)]
+    assert state.corrupt_entries == first_after - 1 - last_before
+
+
+def test_find_sound_entry_skips_stale_entries_below_after_sequence() -> None:
+    garbage = b"\xee" * 50
+    data = garbage + small_entry(3) + garbage + small_entry(9)
+    stale, fresh = len(garbage), 2 * len(garbage) + len(small_entry(3))
+    assert wr.find_sound_entry(data, 0, MAX) == stale
+    assert wr.find_sound_entry(data, 0, MAX, after_sequence=5) == fresh
+    assert wr.find_sound_entry(data, 0, MAX, after_sequence=9) is None
+    assert wr.find_sound_entry(bytes(10_000) + data, 0, MAX, after_sequence=8) == 10_000 + fresh
 
 
 def test_replay_unknown_entry_type_skipped_by_length(tmp_path: Path) -> None:
@@ -441,18 +529,27 @@ def test_dump_wal_hole_without_sidecar_is_not_torn_tail(tmp_path: Path) -> None:
 def test_dump_wal_garbage_before_sound_entry_is_skipped_row(tmp_path: Path) -> None:
     wal = tmp_path / "quiver.wal"
     offsets = write_wal(wal, [small_entry(s) for s in range(1, 4)])
-    raw = bytearray(wal.read_bytes())
-    raw[offsets[1] : offsets[1] + 4] = b"\xff\xff\xff\x7f"  # a length far past EOF
-    raw[offsets[1] + 4 : offsets[1] + 8] = b"\x00\x00\x00\x00"
-    wal.write_bytes(raw)
-    rows = list(waldump.dump_wal(wal))
-    assert [r["kind"] for r in rows] == ["header", "entry", "torn_tail"]
-    raw = bytearray(wal.read_bytes())
-    raw[offsets[1] : offsets[1] + 4] = struct.pack("<I", 2)  # below the fixed header
-    wal.write_bytes(raw)
-    rows = list(waldump.dump_wal(wal))
-    assert [r["kind"] for r in rows] == ["header", "entry", "skipped", "entry"]
-    assert rows[2]["offset"] == offsets[1] and rows[2]["bytes"] == offsets[2] - offsets[1]
+    for length in (b"\xff\xff\xff\x7f", struct.pack("<I", 2)):  # far past EOF; below the header
+        raw = bytearray(wal.read_bytes())
+        raw[offsets[1] : offsets[1] + 4] = length
+        wal.write_bytes(raw)
+        rows = list(waldump.dump_wal(wal))
+        assert [r["kind"] for r in rows] == ["header", "entry", "skipped", "entry"], length
+        assert rows[2]["offset"] == offsets[1] and rows[2]["bytes"] == offsets[2] - offsets[1]
+        assert rows[3]["sequence"] == 3 and wal.read_bytes() == raw
+
+
+def test_dump_wal_damaged_end_of_rotated_file_is_skipped_not_torn(tmp_path: Path) -> None:
+    offsets = write_wal(tmp_path / "quiver.wal.0", [small_entry(1), small_entry(2)])
+    rotated = tmp_path / "quiver.wal.0"
+    rotated.write_bytes(rotated.read_bytes()[:-5])  # rotation fsynced it: damage, not a tear
+    write_wal(tmp_path / "quiver.wal", [small_entry(3)])
+    rows = list(waldump.dump_wal(rotated))
+    assert [r["kind"] for r in rows] == ["header", "entry", "skipped"]
+    assert rows[2]["offset"] == offsets[1] and "rotated" in rows[2]["message"]
+    active = tmp_path / "quiver.wal"
+    active.write_bytes(active.read_bytes()[:-5])
+    assert [r["kind"] for r in waldump.dump_wal(active)] == ["header", "torn_tail"]
 
 
 def test_dump_wal_ignores_sidecar_pointing_past_the_file(tmp_path: Path) -> None:
