@@ -15,6 +15,7 @@ so the producer's slot payloads are stored byte for byte, untouched:
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 
 import msgspec
@@ -104,12 +105,78 @@ def read_ipc_stream(payload: Buffer) -> pa.Table:
 def inspect_ipc_stream(payload: Buffer) -> tuple[bytes, int]:
     """Validate an IPC stream fully; return (schema fingerprint, row count).
 
-    Raises ``pa.ArrowInvalid``/``ValueError`` for anything Arrow rejects,
-    including data buffers that do not match their declared lengths.
+    Raises ``pa.ArrowInvalid``/``OSError``/``ValueError`` for anything Arrow
+    rejects, including data buffers that do not match their declared lengths, and
+    ``ValueError`` for compressed bodies (see ``reject_compressed_bodies``).
     """
+    reject_compressed_bodies(payload)
     table = read_ipc_stream(payload)
     table.validate(full=True)
     return fingerprint(table.schema), table.num_rows
+
+
+def reject_compressed_bodies(payload: Buffer) -> None:
+    """Raise ValueError if a record or dictionary batch of the stream is compressed.
+
+    Decompressing allocates what the batch's metadata declares, not what was sent:
+    12 KiB of zstd decode to 400 MB. Payload bytes bound the daemon's memory only
+    while bodies are stored as sent, so compressed (LZ4/ZSTD) bodies are refused
+    before anything is decoded. Reading messages slices bodies without copying.
+    """
+    for message in pa.ipc.MessageReader.open_stream(pa.py_buffer(payload)):
+        if message.type in ("record batch", "dictionary") and _body_compressed(
+                memoryview(message.metadata)):
+            raise ValueError("compressed IPC bodies (LZ4/ZSTD) are not accepted; write "
+                             "the stream without compression")
+
+
+# Arrow's Message.fbs, as flatbuffer field indexes: Message{version, header_type,
+# header, bodyLength, custom_metadata}, DictionaryBatch{id, data, isDelta},
+# RecordBatch{length, nodes, buffers, compression, variadicBufferCounts}.
+_HEADER_TYPE, _HEADER = 1, 2
+_DICTIONARY_BATCH, _RECORD_BATCH = 2, 3
+_DICTIONARY_DATA = 1
+_BATCH_COMPRESSION = 3
+
+
+def _body_compressed(meta: memoryview) -> bool:
+    root = _table_at(meta, 0)
+    kind_at = _field(meta, root, _HEADER_TYPE)
+    kind = _read("<B", meta, kind_at) if kind_at is not None else 0
+    batch = _table_field(meta, root, _HEADER)
+    if kind == _DICTIONARY_BATCH and batch is not None:
+        batch = _table_field(meta, batch, _DICTIONARY_DATA)
+    if kind not in (_DICTIONARY_BATCH, _RECORD_BATCH) or batch is None:
+        return False
+    return _field(meta, batch, _BATCH_COMPRESSION) is not None
+
+
+def _field(buf: memoryview, table: int, index: int) -> int | None:
+    """Position of a table's field ``index``, or None when absent (flatbuffers vtable)."""
+    vtable = table - _read("<i", buf, table)
+    vtable_len = _read("<H", buf, vtable)
+    slot = 4 + 2 * index
+    if slot + 2 > vtable_len:
+        return None
+    offset = _read("<H", buf, vtable + slot)
+    return table + offset if offset else None
+
+
+def _table_field(buf: memoryview, table: int, index: int) -> int | None:
+    pos = _field(buf, table, index)
+    return None if pos is None else _table_at(buf, pos)
+
+
+def _table_at(buf: memoryview, pos: int) -> int:
+    return pos + _read("<I", buf, pos)
+
+
+def _read(fmt: str, buf: memoryview, pos: int) -> int:
+    size = struct.calcsize(fmt)
+    if not 0 <= pos <= len(buf) - size:
+        raise ValueError("invalid IPC message metadata: offset out of bounds")
+    value: int = struct.unpack_from(fmt, buf, pos)[0]
+    return value
 
 
 def encode_ipc_stream(data: pa.Table | pa.RecordBatch) -> bytes:

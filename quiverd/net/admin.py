@@ -9,7 +9,6 @@ Used by ``quiverd status``, ``quiverd segments list`` and ``quiverd subscribers`
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import msgspec
 
 from quiverd.kernel.errors import DaemonUnreachable, QuiverError
 from quiverd.kernel.logs import Logger
+from quiverd.net.rawsock import bind_unix, unlink_if_ours
 
 MAX_REQUEST_BYTES = 64 * 1024
 
@@ -52,19 +52,16 @@ class AdminServer:
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                     ) -> None:
-        self.path.unlink(missing_ok=True)
-        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        # Born 0600 (no window where others may connect); a live socket at the path
+        # (another daemon's) is refused, never unlinked.
+        sock, identity = bind_unix(self.path, 0o600, key="admin.socket_path")
         try:
-            listener = await anyio.create_unix_listener(self.path)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
-        try:
+            listener = await anyio.abc.SocketListener.from_socket(sock)
             async with listener:
                 task_status.started()
                 await listener.serve(self._handle)
         finally:
-            self.path.unlink(missing_ok=True)
+            unlink_if_ours(self.path, identity)  # never a socket that replaced ours
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         async with stream:

@@ -17,11 +17,11 @@ from quiverd.acks import format as fmt
 from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.logs import Logger
 from quiverd.net.rawsock import RawStream
+from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import Delivery, ErrorCode
 
 MAX_WINDOW = 4096
-RECV_BYTES = 256 * 1024
 
 
 class SubscriberHub:
@@ -35,13 +35,22 @@ class SubscriberHub:
                                               for d in self.dispatchers)
 
 
-async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
-                           decoder: protocol.FrameDecoder, pending: list[protocol.Message],
-                           log: Logger) -> None:
-    """Handle one subscriber connection until it closes; raises ProtocolError on misuse."""
+async def serve_subscriber(hub: SubscriberHub, reader: FrameReader,
+                           pending: list[protocol.Message], log: Logger) -> None:
+    """Handle one subscriber connection until it closes; raises ProtocolError on misuse.
+
+    SUBSCRIBE must arrive within the handshake timeout. Once attached, the
+    connection is never closed for being quiet: it waits for data the daemon owes
+    it, and the protocol gives a subscriber with nothing unacked nothing to send.
+    Only a frame stalled half-way (``ingest.idle_timeout_ms``) or a peer that reads
+    nothing of a DELIVERY for that long ends it.
+    """
     frames = list(pending)
     while not frames:
-        frames = decoder.feed(await stream.receive(RECV_BYTES))
+        got = await reader.receive("handshake", "SUBSCRIBE")
+        if got is None:
+            return
+        frames = got
     first = frames.pop(0)
     if not isinstance(first, protocol.Subscribe):
         raise ProtocolError(ErrorCode.MALFORMED, "a subscriber must send SUBSCRIBE first")
@@ -52,16 +61,22 @@ async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
     window = max(1, min(first.window or 64, MAX_WINDOW))
     deliveries_tx, deliveries_rx = anyio.create_memory_object_stream[Delivery](window)
     session = Session(name=first.name, window=window, deliveries=deliveries_tx)
-    await stream.send(protocol.encode_subscribed(True))
+    await reader.stream.send(protocol.encode_subscribed(True))
     log.info("subscriber_attached", subscriber=first.name, window=window)
     for d in hub.dispatchers:
         d.attach(session)
+    error: ProtocolError | None = None
     try:
         async with anyio.create_task_group() as tg:
             session.scope = tg.cancel_scope
-            tg.start_soon(_write_deliveries, stream, deliveries_rx)
-            await _read_feedback(hub, stream, decoder, session, frames)
+            tg.start_soon(_write_deliveries, reader.stream, deliveries_rx)
+            try:
+                await _read_feedback(hub, reader, session, frames)
+            except ProtocolError as exc:
+                error = exc  # raised below, not wrapped in the task group's ExceptionGroup
             tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
         if session.ended:
             raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER, session.ended)
     finally:
@@ -71,8 +86,7 @@ async def serve_subscriber(hub: SubscriberHub, stream: RawStream,
         log.info("subscriber_detached", subscriber=first.name)
 
 
-async def _read_feedback(hub: SubscriberHub, stream: RawStream,
-                         decoder: protocol.FrameDecoder, session: Session,
+async def _read_feedback(hub: SubscriberHub, reader: FrameReader, session: Session,
                          frames: list[protocol.Message]) -> None:
     while True:
         for frame in frames:
@@ -85,11 +99,10 @@ async def _read_feedback(hub: SubscriberHub, stream: RawStream,
             else:
                 raise ProtocolError(ErrorCode.MALFORMED,
                                     "only ACK_BUNDLE / NACK_BUNDLE may follow SUBSCRIBE")
-        try:
-            data = await stream.receive(RECV_BYTES)
-        except anyio.EndOfStream:
+        got = await reader.receive("busy")
+        if got is None:
             return
-        frames = decoder.feed(data)
+        frames = got
 
 
 async def _write_deliveries(stream: RawStream,

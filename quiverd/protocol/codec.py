@@ -34,13 +34,13 @@ damaged bundle. Error codes and which of them close the connection: see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MappingProxyType
 
 import pyarrow as pa
 
-from quiverd.kernel.bundle import META_SLOT, Slot, inspect_ipc_stream
 from quiverd.kernel.errors import AtCapacity, ProtocolError, QuiverError, ShuttingDown, Unauthorized
-from quiverd.protocol.decode import PAYLOAD_FRAMES, decode_body
+from quiverd.protocol.decode import PAYLOAD_FRAMES, decode_body, validate_bundle
 from quiverd.protocol.frames import (
     CLOSES_CONNECTION,
     ERROR_HEAD,
@@ -74,7 +74,6 @@ from quiverd.protocol.frames import (
     encode_subscribe,
     encode_subscribed,
     max_frame_bytes,
-    nbytes,
 )
 
 # Callers import everything protocol-related from here; protocol_frames is an
@@ -124,11 +123,20 @@ class FrameDecoder:
     Two ways in: ``feed(data)``, or asyncio's BufferedProtocol pair
     ``get_buffer``/``buffer_updated`` which lets large payloads be received
     straight into their frame buffer.
+
+    With ``reserve`` (the server), a BUNDLE header's body length is reserved
+    before its buffer is allocated; a refused reservation pauses the decoder
+    (``awaiting`` says how many bytes), holding the rest of the input, until the
+    caller got the bytes and calls ``resume()``.
     """
 
-    def __init__(self, max_frame_bytes: int, *, from_client: bool = True) -> None:
+    def __init__(self, max_frame_bytes: int, *, from_client: bool = True,
+                 reserve: Callable[[int], bool] | None = None) -> None:
         self._max_frame_bytes = max_frame_bytes
         self._from_client = from_client
+        # Called with a BUNDLE/DELIVERY body length before its buffer is allocated;
+        # False pauses the decoder until ``resume()`` (the server's pending-bytes budget).
+        self._reserve = reserve
         self.role: Role | None = None  # set by the client's HELLO (server side)
         self._head = bytearray(FRAME_HEADER.size)
         self._head_filled = 0
@@ -138,18 +146,56 @@ class FrameDecoder:
         self._scratch: bytearray | None = None
         self._direct = False
         self._failed: ProtocolError | None = None
+        self._awaiting: int | None = None  # body bytes a paused frame waits to reserve
+        self._held: memoryview | None = None  # input after the paused frame's header
 
     @property
     def buffered(self) -> int:
         """Bytes of an unfinished frame held (non-zero at EOF means a cut frame)."""
+        if self._awaiting is not None:
+            return FRAME_HEADER.size + (len(self._held) if self._held is not None else 0)
         if self._body is None:
             return self._head_filled
         return FRAME_HEADER.size + self._body_filled
 
+    @property
+    def awaiting(self) -> int | None:
+        """Body bytes the next frame waits to reserve (``reserve`` said no), else None."""
+        return self._awaiting
+
+    @property
+    def expected(self) -> int:
+        """Length of the frame being received (header included), 0 between frames."""
+        if self._body is not None:
+            return FRAME_HEADER.size + len(self._body)
+        return FRAME_HEADER.size + self._awaiting if self._awaiting is not None else 0
+
     def feed(self, data: Buffer) -> list[Message]:
+        """Decode ``data``; stops early, holding the rest, when a frame must wait for
+        its reservation (``awaiting``); then ``resume()`` goes on."""
         if self._failed is not None:
             raise self._failed
-        view = memoryview(data).cast("B")
+        assert self._awaiting is None, "feed() while a frame awaits its reservation"
+        return self._consume(memoryview(data).cast("B"))
+
+    def resume(self) -> list[Message]:
+        """The paused frame's bytes were reserved: allocate it and decode the held input."""
+        assert self._awaiting is not None, "resume() without a paused frame"
+        empty = self._awaiting == 0
+        self._allocate(self._awaiting)
+        held, self._held = self._held, None
+        out: list[Message] = []
+        try:
+            if empty:  # a zero-length body is complete at once (and fails to decode)
+                out.append(self._finish_frame())
+        except ProtocolError as exc:
+            self._failed = exc
+            raise
+        if held is not None:
+            out += self._consume(held)
+        return out
+
+    def _consume(self, view: memoryview) -> list[Message]:
         out: list[Message] = []
         pos, end = 0, len(view)
         try:
@@ -161,6 +207,11 @@ class FrameDecoder:
                     self._head_filled += take
                     pos += take
                     self._on_header_bytes()
+                    if self._awaiting is not None:
+                        # Nothing is allocated until the reservation is granted; the
+                        # rest of the input waits (a view, not a copy).
+                        self._held = view[pos:] if pos < end else None
+                        break
                 else:
                     body = self._body
                     take = min(len(body) - self._body_filled, end - pos)
@@ -174,8 +225,15 @@ class FrameDecoder:
             raise
         return out
 
+    def close(self) -> None:
+        """Drop every buffer held (the connection is closing); the decoder is spent."""
+        self._failed = self._failed or ProtocolError(ErrorCode.MALFORMED, "decoder closed")
+        self._body = self._held = self._scratch = None
+        self._awaiting = None
+
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Where the next recv_into should write (asyncio.BufferedProtocol)."""
+        assert self._awaiting is None, "get_buffer() while a frame awaits its reservation"
         body = self._body
         if body is not None and len(body) - self._body_filled >= RECV_DIRECT_MIN:
             self._direct = True
@@ -223,7 +281,16 @@ class FrameDecoder:
                 f"{frame_type.name} frame of {frame_len} bytes is longer than any valid one",
             )
         self._frame_type = frame_type
-        self._body = _frame_buffer(frame_len - 1)
+        body_len = frame_len - 1
+        if (frame_type in PAYLOAD_FRAMES and self._reserve is not None
+                and not self._reserve(body_len)):
+            self._awaiting = body_len
+            return
+        self._allocate(body_len)
+
+    def _allocate(self, body_len: int) -> None:
+        self._awaiting = None
+        self._body = _frame_buffer(body_len)
         self._body_filled = 0
         self._head_filled = 0
 
@@ -269,45 +336,6 @@ def _frame_buffer(nbytes: int) -> memoryview:
     zero-filled bytearray would touch fresh pages (slow on these machines, NOTES.md).
     """
     return memoryview(pa.allocate_buffer(nbytes)).cast("B")
-
-
-def validate_bundle(
-    frame: BundleFrame | Delivery, *, max_bundle_bytes: int | None = None
-) -> tuple[Slot, ...]:
-    """Server-side semantic check; returns the slots with fingerprints filled.
-
-    Decodes and fully validates every IPC stream (CPU work at ~9 GB/s: run big
-    bundles in a worker thread) and checks the declared row counts against it.
-    """
-    if not frame.slots:
-        raise ProtocolError(ErrorCode.MALFORMED, "bundle has no slots")
-    payload_bytes = sum(nbytes(s.ipc) for s in frame.slots)
-    if max_bundle_bytes is not None and payload_bytes > max_bundle_bytes:
-        raise ProtocolError(
-            ErrorCode.TOO_LARGE,
-            f"bundle of {payload_bytes} payload bytes exceeds max_bundle_bytes {max_bundle_bytes}",
-        )
-    out: list[Slot] = []
-    for s in frame.slots:
-        if s.slot == META_SLOT:
-            raise ProtocolError(
-                ErrorCode.MALFORMED, f"slot {META_SLOT} is reserved for bundle metadata"
-            )
-        try:
-            fp, rows = inspect_ipc_stream(s.ipc)
-        except (pa.ArrowException, ValueError, TypeError) as exc:
-            raise ProtocolError(
-                ErrorCode.MALFORMED,
-                f"slot {s.slot}: payload is not a valid Arrow IPC stream: {exc}",
-            ) from None
-        if rows != s.row_count:
-            raise ProtocolError(
-                ErrorCode.MALFORMED,
-                f"slot {s.slot}: frame declares {s.row_count} rows but its IPC stream holds "
-                f"{rows} (stream cut short?)",
-            )
-        out.append(Slot(slot=s.slot, fingerprint=fp, row_count=rows, ipc=s.ipc))
-    return tuple(out)
 
 
 def negotiate(hello: Hello, *, min_version: int = 1, max_version: int = PROTOCOL_VERSION) -> int:

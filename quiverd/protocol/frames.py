@@ -97,6 +97,7 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 6
     INTERNAL = 7
     UNKNOWN_SUBSCRIBER = 8
+    TIMEOUT = 9  # no HELLO in time, idle, or a frame stalled mid-body
 
 
 # After these the server closes the connection: the byte stream can no longer be
@@ -105,7 +106,7 @@ class ErrorCode(IntEnum):
 CLOSES_CONNECTION = frozenset(
     {
         ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.UNSUPPORTED_VERSION,
-        ErrorCode.UNAUTHORIZED, ErrorCode.UNKNOWN_SUBSCRIBER,
+        ErrorCode.UNAUTHORIZED, ErrorCode.UNKNOWN_SUBSCRIBER, ErrorCode.TIMEOUT,
     }
 )
 

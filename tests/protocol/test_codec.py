@@ -226,6 +226,66 @@ def test_decoder_buffered_protocol_receives_large_payload_directly() -> None:
     assert d.buffered == 2
 
 
+class Reservations:
+    """A reserve callback that says no to the first ``refusals`` asks."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.asked: list[int] = []
+
+    def __call__(self, nbytes: int) -> bool:
+        self.asked.append(nbytes)
+        if self.refusals:
+            self.refusals -= 1
+            return False
+        return True
+
+
+def test_decoder_pauses_at_a_bundle_header_until_its_bytes_are_reserved() -> None:
+    payload = encode_ipc_stream(table(4))
+    first, second = bundle_wire(1, {0: payload}, {0: 4}), bundle_wire(2, {0: payload}, {0: 4})
+    reserve = Reservations(refusals=1)
+    d = p.FrameDecoder(MAX_FRAME, reserve=reserve)
+    out = d.feed(hello_wire() + first + second)
+    assert [type(m) for m in out] == [p.Hello]  # stopped at the first BUNDLE header
+    body = len(first) - 5
+    assert d.awaiting == body and reserve.asked == [body]
+    assert d.buffered == len(first) + len(second)  # header + the input held back
+    assert d.expected == len(first)
+    with pytest.raises(AssertionError):
+        d.get_buffer()  # nothing may be received while a frame waits
+    out = d.resume()  # the caller got the bytes: the held input is decoded
+    assert [m.request_id for m in out] == [1, 2]  # type: ignore[union-attr]
+    assert reserve.asked == [body, len(second) - 5]  # the second was reserved on the way
+    assert d.awaiting is None and d.buffered == 0
+
+
+def test_decoder_paused_at_every_bundle_decodes_the_same_frames_at_any_split() -> None:
+    wire, count = producer_stream()
+    whole = server_decoder().feed(wire)
+    for cut in range(len(wire) + 1):
+        reserve = Reservations(refusals=count)  # every BUNDLE waits for its reservation
+        d = p.FrameDecoder(MAX_FRAME, reserve=reserve)
+        out = []
+        for part in (wire[:cut], wire[cut:]):
+            out += d.feed(part)
+            while d.awaiting is not None:
+                out += d.resume()
+        assert out == whole and len(reserve.asked) == count - 1
+
+
+def test_decoder_reserves_nothing_for_small_frames_and_closes_its_buffers() -> None:
+    reserve = Reservations(refusals=0)
+    d = p.FrameDecoder(MAX_FRAME, reserve=reserve)
+    d.feed(hello_wire())
+    assert reserve.asked == []
+    d.feed(bundle_wire(1, {0: encode_ipc_stream(table(2))}, {0: 2})[:20])
+    assert reserve.asked and d.buffered == 20
+    d.close()
+    with pytest.raises(ProtocolError):
+        d.feed(b"x")
+
+
 # --- limits and malformed input ---------------------------------------------------------
 
 
@@ -374,6 +434,48 @@ def test_validate_bundle_rejects_invalid_ipc_and_empty_and_too_large() -> None:
     with pytest.raises(ProtocolError, match="exceeds max_bundle_bytes 3") as info:
         p.validate_bundle(frames[1], max_bundle_bytes=3)  # type: ignore[arg-type]
     assert info.value.code == p.ErrorCode.TOO_LARGE
+
+
+def _compressed(t: pa.Table, codec: str) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, t.schema,
+                           options=pa.ipc.IpcWriteOptions(compression=codec)) as writer:
+        writer.write(t)
+    return sink.getvalue().to_pybytes()
+
+
+def _cut_body(payload: bytes) -> bytes:
+    """Schema message, then a record batch whose body is cut after 16 bytes."""
+    schema_end = 8 + struct.unpack_from("<i", payload, 4)[0]
+    meta_end = schema_end + 8 + struct.unpack_from("<i", payload, schema_end + 4)[0]
+    return payload[: meta_end + 16]
+
+
+@pytest.mark.parametrize(("payload", "arrow_says"), [
+    # pyarrow raises plain OSError (not ArrowException) for these two.
+    (struct.pack("<i", -2) + bytes(16), "negative continuation token"),
+    (_cut_body(encode_ipc_stream(table(100))), "Expected to be able to read 800 bytes"),
+    (b"\xff\xff\xff\xff" + struct.pack("<i", -8) + bytes(16), "negative metadata length"),
+    (_compressed(table(100), "zstd"), "compressed IPC bodies (LZ4/ZSTD) are not accepted"),
+    (_compressed(pa.table({"d": pa.array(["a", "b"] * 50).dictionary_encode()}), "lz4"),
+     "compressed IPC bodies"),
+])
+def test_validate_bundle_turns_every_pyarrow_failure_into_malformed(
+        payload: bytes, arrow_says: str) -> None:
+    frame = server_decoder().feed(hello_wire() + bundle_wire(1, {0: payload}, {0: 100}))[1]
+    with pytest.raises(ProtocolError) as info:
+        p.validate_bundle(frame)  # type: ignore[arg-type]
+    assert info.value.code == p.ErrorCode.MALFORMED
+    assert str(info.value).startswith("slot 0: payload is not a valid Arrow IPC stream")
+    assert arrow_says in str(info.value)
+
+
+def test_validate_bundle_accepts_uncompressed_and_empty_compressed_streams() -> None:
+    empty = pa.table({"x": pa.array([], pa.int64())})
+    for payload, rows in ((encode_ipc_stream(table(5)), 5), (_compressed(empty, "zstd"), 0)):
+        frame = server_decoder().feed(hello_wire() + bundle_wire(1, {0: payload}, {0: rows}))[1]
+        (slot,) = p.validate_bundle(frame)  # type: ignore[arg-type]
+        assert slot.row_count == rows
 
 
 def test_encoders_reject_bad_arguments() -> None:

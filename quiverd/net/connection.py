@@ -1,0 +1,243 @@
+"""One accepted ingest connection: HELLO, then a producer's BUNDLEs in and ACKs out.
+
+A subscriber (HELLO role 2) is handed to ``consumers.serve_subscriber``. For a
+producer, two tasks share the connection:
+
+    reader   recv_into → decoder (each BUNDLE header first reserves its length of
+             the pending-bytes budget; none free: stop reading until there is)
+             → validate in a worker thread → window slot → shard inbox
+    replies  shard WAL writer → Ack/Error → release window slot and budget → socket
+
+At most ``max_inflight_per_connection`` bundles are unanswered: a full window stops
+reading, which is the producer's backpressure. A protocol error gets an ERROR
+frame and the socket is shut at once; bundles already handed to a shard are
+still waited for (silently), so their budget comes back only when the WAL writer
+is done with their bytes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import TYPE_CHECKING
+
+import anyio
+
+from actors.messages import AppendRequest, ProducerReply
+from quiverd.kernel.bundle import Bundle, Slot
+from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import ProtocolError
+from quiverd.net.consumers import serve_subscriber
+from quiverd.net.rawsock import RawStream
+from quiverd.net.reader import FrameReader
+from quiverd.protocol import codec as protocol
+from quiverd.protocol.frames import ErrorCode
+
+if TYPE_CHECKING:
+    from quiverd.net.ingest import IngestServer
+
+ERROR_SEND_S = 1.0  # an ERROR frame the peer does not take within this is dropped
+
+
+def shard_of(client: str, shards: int) -> int:
+    """Stable across restarts and Python versions (unlike hash())."""
+    return crc32c(client.encode()) % shards
+
+
+class Connection:
+    def __init__(self, server: IngestServer, stream: RawStream) -> None:
+        self.server, self.stream = server, stream
+        self.decoder = protocol.FrameDecoder(server.max_frame, reserve=self._try_reserve)
+        self.reader = FrameReader(stream, self.decoder, server.cfg)
+        window = server.cfg.max_inflight_per_connection
+        self.window_size = window
+        self.window = anyio.Semaphore(window)
+        self.replies, self.reply_rx = anyio.create_memory_object_stream[ProducerReply](window)
+        self.reserved: deque[int] = deque()  # budget per frame not yet submitted, in order
+        self.inflight: dict[int, int] = {}  # request_id -> its budget bytes, until answered
+        self.held = 0  # all budget this connection holds
+        self.send_lock = anyio.Lock()  # ACK batches and ERROR frames never interleave
+        self.closed = False  # after a closing ERROR or a dead peer: replies are not sent
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write_replies)
+                async with self.replies:
+                    await self._serve()
+        finally:
+            self._release(self.held)
+
+    async def send_error(self, request_id: int, exc: ProtocolError) -> None:
+        """Best effort: a peer that takes nothing for ERROR_SEND_S does not get it."""
+        if self.closed or self.stream.torn:
+            return
+        with anyio.move_on_after(ERROR_SEND_S, shield=True):
+            async with self.send_lock:
+                await self.stream.send(protocol.encode_error(request_id, int(exc.code),
+                                                             str(exc)))
+
+    async def _serve(self) -> None:
+        server = self.server
+        try:
+            await self._read()
+        except ProtocolError as exc:
+            server.stats.errors += 1
+            if exc.code == ErrorCode.TIMEOUT:
+                server.stats.timeouts += 1
+            server.log.info("ingest_protocol_error", code=int(exc.code), error=str(exc))
+            # Frames not handed to a shard are dropped with the decoder: their budget
+            # is free now; bundles in flight keep theirs until the WAL writer answers.
+            self.decoder.close()
+            self.reserved.clear()
+            self._release(self.held - sum(self.inflight.values()))
+            await self.send_error(0, exc)
+            self._hang_up()
+        await self._drain()
+        if server.stopping and not self.closed:
+            text = ("quiverd is shutting down; unacknowledged deliveries are "
+                    "delivered again after the restart"
+                    if self.decoder.role == protocol.Role.SUBSCRIBER else
+                    "quiverd is shutting down; every bundle acked on this connection "
+                    "is durable, resend the rest after restart")
+            await self.send_error(0, ProtocolError(ErrorCode.SHUTTING_DOWN, text))
+
+    async def _read(self) -> None:
+        frames = await self._hello()
+        if frames is None:
+            return
+        if self.decoder.role == protocol.Role.SUBSCRIBER:
+            await serve_subscriber(self.server.hub, self.reader, frames, self.server.log)
+            return
+        while frames is not None:
+            await self._submit_all(frames)
+            frames = await self.reader.receive("busy" if self.inflight else "idle")
+
+    async def _hello(self) -> list[protocol.Message] | None:
+        frames: list[protocol.Message] = []
+        while not frames:
+            got = await self.reader.receive("handshake")
+            if got is None:
+                return None
+            frames = got
+        hello = frames.pop(0)
+        if not isinstance(hello, protocol.Hello):  # the decoder already insists on it
+            raise ProtocolError(ErrorCode.MALFORMED, "the first frame must be HELLO")
+        version = protocol.negotiate(hello)  # raises UNSUPPORTED_VERSION
+        cfg = self.server.cfg
+        async with self.send_lock:
+            await self.stream.send(protocol.encode_hello_ok(
+                version=version, max_bundle_bytes=cfg.max_bundle_bytes,
+                max_inflight=cfg.max_inflight_per_connection))
+        return frames
+
+    async def _submit_all(self, frames: list[protocol.Message]) -> None:
+        """Submit decoded frames; then, if the decoder paused on a frame's budget, wait
+        for it (not reading meanwhile) and go on with what the decoder held back."""
+        while True:
+            bundles = [f for f in frames if isinstance(f, protocol.BundleFrame)]
+            if len(bundles) != len(frames):
+                raise ProtocolError(ErrorCode.MALFORMED, "only BUNDLE frames may follow HELLO "
+                                    "on a producer connection")
+            if bundles:
+                await self._submit(bundles)
+            need = self.decoder.awaiting
+            if need is None:
+                return
+            if not await self.reader.until_stopped(partial(self._reserve, need)):
+                return  # stopping: the next receive ends the loop
+            frames = self.decoder.resume()
+
+    async def _submit(self, frames: list[protocol.BundleFrame]) -> None:
+        server = self.server
+        validated = await anyio.to_thread.run_sync(_validate_all, frames,
+                                                   server.cfg.max_bundle_bytes,
+                                                   limiter=server.limiter)
+        shards = len(server.inboxes)
+        for frame, slots in validated:
+            nbytes = self.reserved.popleft()
+            if isinstance(slots, ProtocolError):
+                raise slots
+            if frame.request_id in self.inflight:
+                raise ProtocolError(ErrorCode.MALFORMED, f"request_id {frame.request_id} is "
+                                    "already in flight on this connection")
+            await self.window.acquire()
+            self.inflight[frame.request_id] = nbytes
+            bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
+            req = AppendRequest(request_id=frame.request_id, bundle=bundle, reply=self.replies)
+            server.stats.bundles += 1
+            await server.inboxes[shard_of(frame.client, shards)].send(req)
+
+    async def _write_replies(self) -> None:
+        """One socket write per group of replies (a group commit acks many at once)."""
+        async with self.reply_rx:
+            async for reply in self.reply_rx:
+                replies = [reply]
+                while True:
+                    try:
+                        replies.append(self.reply_rx.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                for r in replies:
+                    self._release(self.inflight.pop(r.request_id))
+                    self.window.release()
+                if not self.inflight:
+                    self.reader.went_idle()
+                if self.closed:
+                    continue  # answers after a closing ERROR are not sent (docs/protocol.md)
+                frames = b"".join(_encode_reply(r) for r in replies)
+                try:
+                    async with self.send_lock:
+                        await self.stream.send(frames)
+                except anyio.BrokenResourceError:
+                    self._hang_up()  # the reader sees end of stream and finishes up
+
+    async def _drain(self) -> None:
+        """Wait until every bundle handed to a shard is answered."""
+        for _ in range(self.window_size):
+            await self.window.acquire()
+
+    def _hang_up(self) -> None:
+        self.closed = True
+        self.stream.shutdown()
+
+    def _try_reserve(self, nbytes: int) -> bool:
+        budget = self.server.budget
+        if not budget.try_take(nbytes):
+            return False
+        self._took(nbytes)
+        return True
+
+    async def _reserve(self, nbytes: int) -> None:
+        self.server.stats.budget_waits += 1
+        await self.server.budget.take(nbytes)
+        self._took(nbytes)
+
+    def _took(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.reserved.append(nbytes)
+        self.server.stats.pending_bytes = self.server.budget.held
+
+    def _release(self, nbytes: int) -> None:
+        if nbytes:
+            self.held -= nbytes
+            self.server.budget.release(nbytes)
+            self.server.stats.pending_bytes = self.server.budget.held
+
+
+def _encode_reply(reply: ProducerReply) -> bytes:
+    if isinstance(reply, protocol.Ack):
+        return protocol.encode_ack(reply.request_id, reply.shard, reply.sequence)
+    return protocol.encode_error(reply.request_id, reply.code, reply.message)
+
+
+def _validate_all(frames: list[protocol.BundleFrame], max_bundle_bytes: int
+                  ) -> list[tuple[protocol.BundleFrame, tuple[Slot, ...] | ProtocolError]]:
+    out: list[tuple[protocol.BundleFrame, tuple[Slot, ...] | ProtocolError]] = []
+    for frame in frames:
+        try:
+            out.append((frame, protocol.validate_bundle(frame, max_bundle_bytes=max_bundle_bytes)))
+        except ProtocolError as exc:
+            out.append((frame, exc))
+            break
+    return out

@@ -1,0 +1,94 @@
+"""The pending-bytes budget: take before allocating, wait in line, give back on answer."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from quiverd.net.budget import ByteBudget
+
+
+@pytest.mark.asyncio
+async def test_budget_take_waits_until_released_then_grants_in_arrival_order() -> None:
+    budget = ByteBudget(100)
+    assert budget.try_take(80)
+    order: list[str] = []
+
+    async def take(name: str, nbytes: int) -> None:
+        await budget.take(nbytes)
+        order.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take, "big", 90)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(take, "small", 10)
+        await anyio.wait_all_tasks_blocked()
+        # 20 bytes are free, but "small" does not jump the queue ahead of "big".
+        assert order == [] and budget.waiting == 2 and budget.available == 20
+        assert not budget.try_take(5)  # nobody else jumps it either
+        budget.release(80)
+    assert order == ["big", "small"]
+    assert budget.held == 100 and budget.waiting == 0
+
+
+@pytest.mark.asyncio
+async def test_budget_cancelled_waiter_takes_nothing_and_unblocks_the_next() -> None:
+    budget = ByteBudget(100)
+    assert budget.try_take(50)
+    got: list[int] = []
+
+    async def take(nbytes: int) -> None:
+        await budget.take(nbytes)
+        got.append(nbytes)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take, 60)  # cannot fit while 50 are held
+        waiter_scope = anyio.CancelScope()
+
+        async def cancellable() -> None:
+            with waiter_scope:
+                await budget.take(90)
+
+        tg.start_soon(cancellable)
+        await anyio.wait_all_tasks_blocked()
+        assert got == [] and budget.waiting == 2
+        budget.release(50)  # 60 granted; 90 still waits
+        await anyio.wait_all_tasks_blocked()
+        waiter_scope.cancel()
+    assert got == [60]
+    assert budget.held == 60 and budget.waiting == 0
+    budget.release(60)
+    assert budget.available == 100
+
+
+@pytest.mark.asyncio
+async def test_budget_cancelled_head_of_line_lets_smaller_waiters_through() -> None:
+    budget = ByteBudget(100)
+    assert budget.try_take(30)
+    got: list[int] = []
+    head = anyio.CancelScope()
+
+    async def big() -> None:
+        with head:
+            await budget.take(100)
+
+    async def small() -> None:
+        await budget.take(20)
+        got.append(20)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(big)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(small)
+        await anyio.wait_all_tasks_blocked()
+        assert got == []  # queued behind the big one although 70 are free
+        head.cancel()
+    assert got == [20] and budget.held == 50
+
+
+def test_budget_rejects_more_than_it_holds() -> None:
+    budget = ByteBudget(10)
+    with pytest.raises(AssertionError):
+        budget.try_take(11)
+    with pytest.raises(ValueError):
+        ByteBudget(0)
