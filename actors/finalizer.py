@@ -10,25 +10,42 @@ released, so a crash at any step leaves every acknowledged bundle in the WAL,
 in the segment, or both (replay skips WAL entries a durable segment already
 holds). The ack_logger lists the segment once ack.log records it; from then on
 the dispatcher delivers it.
+
+A write that fails before its rename (ENOSPC, EIO, a failed fsync of the temp
+file, or less than ``reserve_bytes`` free) touched only its temp file, which is
+removed: ``segment_write_failed`` is logged and the same bytes are written again
+with backoff (``actors.retry``), while the WAL still holds every bundle. A
+failed FLOOR write is retried on its own, the segment is not written twice.
+A failure after a rename (the directory fsync) leaves the durable state
+unknown: DurabilityLost, the daemon stops (exit 70) and replay sorts it out.
 """
 
 from __future__ import annotations
 
+import errno
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import msgspec
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.messages import SealedSegment, SegmentWritten, WalReleased
-from quiverd.kernel.faults import Hook
+from actors.retry import Retry
+from quiverd.kernel.faults import Hook, prefixed
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import SegmentMetrics
-from quiverd.segments.files import Floor, write_marker, write_segment
-from quiverd.segments.format import encode_segment
+from quiverd.segments.files import Floor, NotWritten, checked_write, write_segment
+from quiverd.segments.format import Piece, encode_segment
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.table import SegmentInfo
+
+# Kept free by segment writes for what drains a full disk: ack.log records (which
+# let the gc delete segments), the FLOOR/DELETED markers and the WAL sidecar.
+METADATA_RESERVE_BYTES = 8 * 1024 * 1024
+MARKER_MODE = 0o644
 
 
 async def run(
@@ -42,17 +59,18 @@ async def run(
     stats: SegmentMetrics,
     log: Logger,
     hook: Hook | None = None,
+    reserve_bytes: int = 0,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Write every sealed segment durably, then release its WAL region and announce it."""
+    retry = Retry(log)
     async with inbox, outbox, releases:
         task_status.started()
         async for sealed in inbox:
-            path = shard.segment(sealed.segment_seq)
             segment = sealed.segment
-            size = await anyio.to_thread.run_sync(
-                _write, shard, path, sealed.segment_seq, segment, max_dictionary_cardinality,
-                hook, limiter=limiter)
+            job = _Finalize(shard, sealed.segment_seq, segment, max_dictionary_cardinality,
+                            hook, reserve_bytes)
+            size = await _until_written(job, limiter, retry, stats)
             stats.finalized.inc()
             stats.finalized_bytes.inc(size)
             log.info("segment_finalized", segment_seq=sealed.segment_seq, bytes=size,
@@ -61,18 +79,63 @@ async def run(
             assert segment.first_sequence is not None and segment.last_sequence is not None
             await releases.send(WalReleased(upto_sequence=segment.last_sequence))
             await outbox.send(SegmentWritten(info=SegmentInfo(
-                segment_seq=sealed.segment_seq, path=path, bundle_count=segment.bundle_count,
-                size_bytes=size, first_sequence=segment.first_sequence,
-                last_sequence=segment.last_sequence, min_ts_ns=segment.min_ts or 0,
-                max_ts_ns=segment.max_ts or 0)))
+                segment_seq=sealed.segment_seq, path=job.path,
+                bundle_count=segment.bundle_count, size_bytes=size,
+                first_sequence=segment.first_sequence, last_sequence=segment.last_sequence,
+                min_ts_ns=segment.min_ts or 0, max_ts_ns=segment.max_ts or 0)))
 
 
-def _write(shard: ShardLayout, path: Path, segment_seq: int, segment: OpenSegment,
-           max_dictionary_cardinality: int, hook: Hook | None) -> int:
-    """Encode and durably write one segment, then raise the floor (worker thread)."""
-    pieces = encode_segment(segment, max_dictionary_cardinality=max_dictionary_cardinality)
-    size = write_segment(path, pieces, hook=hook)
-    write_marker(shard.floor, Floor(segment_seq=segment_seq))
-    if hook is not None:
-        hook("floor_written")
-    return size
+async def _until_written(job: _Finalize, limiter: CapacityLimiter, retry: Retry,
+                         stats: SegmentMetrics) -> int:
+    """One worker hop per attempt; a failure before a rename waits and tries again."""
+    while True:
+        try:
+            size = await anyio.to_thread.run_sync(job.attempt, limiter=limiter)
+        except NotWritten as exc:
+            stats.write_failures.inc()
+            if exc.no_space:
+                stats.no_space.inc()
+            retry.failed("segment_write_failed", repeat=True, segment_seq=job.segment_seq,
+                         error=str(exc), errno=errno.errorcode.get(exc.errno or 0, "?"),
+                         hint=exc.hint)
+            await retry.pause()
+            continue
+        retry.succeeded("segment_write_recovered", segment_seq=job.segment_seq)
+        return size
+
+
+@dataclass
+class _Finalize:
+    """One segment's way to disk; each attempt resumes after the last step that held."""
+
+    shard: ShardLayout
+    segment_seq: int
+    segment: OpenSegment
+    max_dictionary_cardinality: int
+    hook: Hook | None
+    reserve_bytes: int
+    pieces: list[Piece] | None = None  # encoded once, kept until the file is durable
+    size: int | None = None  # set once the segment file is durable
+    floor_raised: bool = False
+
+    @property
+    def path(self) -> Path:
+        return self.shard.segment(self.segment_seq)
+
+    def attempt(self) -> int:
+        """Encode, write the segment, raise the floor (worker thread); returns its size."""
+        if self.size is None:
+            if self.pieces is None:
+                self.pieces = encode_segment(
+                    self.segment, max_dictionary_cardinality=self.max_dictionary_cardinality)
+            self.size = write_segment(self.path, self.pieces, hook=self.hook,
+                                      reserve_bytes=self.reserve_bytes)
+            self.pieces = None  # the encoded copy is no longer needed
+        if not self.floor_raised:
+            floor = msgspec.json.encode(Floor(segment_seq=self.segment_seq))
+            checked_write(self.shard.floor, floor, mode=MARKER_MODE,
+                          hook=prefixed(self.hook, "floor_"))
+            self.floor_raised = True
+            if self.hook is not None:
+                self.hook("floor_written")
+        return self.size

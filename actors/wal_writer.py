@@ -18,10 +18,19 @@ only after the fdatasync that covers the entry returned:
 A failed fdatasync raises DurabilityLost: nothing it covered is acked, the
 shard's task group fails and the daemon exits non-zero (systemd restarts it,
 replay recovers what was durable). It is never retried.
+
+A full disk (ENOSPC, EDQUOT, or less than ``disk_reserve_bytes`` free) is
+backpressure. The entries of a batch that made it are synced and acked; no byte
+of the others is left in the WAL. They keep their sequence numbers and are
+written again after a backoff (``actors.retry``: 50 ms doubling to 2 s) under
+``at_capacity = "wait"`` (the writer reads no more requests meanwhile, so
+producers wait), or get AT_CAPACITY under ``"reject"`` (their numbers go to the
+next bundles: no gap). Events: ``wal_disk_full`` once, ``wal_disk_space_back``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from actors.messages import AppendRequest, DurableBatch, ProducerReply, WalReleased
 from actors.retention_gate import RetentionGate
+from actors.retry import Retry
 from quiverd.kernel.bundle import Bundle, MetaCodec
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import WalConfig
@@ -39,7 +49,7 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import WalMetrics
 from quiverd.protocol.frames import Ack, Error, ErrorCode
 from quiverd.wal import format as walformat
-from quiverd.wal.files import EntryToWrite, WalFiles
+from quiverd.wal.files import EntryToWrite, WalFiles, WalNoSpace
 
 MAX_BATCH_ENTRIES = 256
 MAX_BATCH_BYTES = 16 * 1024 * 1024
@@ -72,14 +82,19 @@ async def run(
     over_cap: Changes | None = None,
     drop_oldest: bool = False,
     stopping: anyio.Event | None = None,
+    disk_reserve_bytes: int = 0,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Append, sync and acknowledge until ``inbox`` ends; then release until ``releases`` ends.
 
     ``gate`` (the shard's RetentionGate) holds producers back while the shard is
     over its size cap; under ``drop_oldest`` it only wakes the gc (``over_cap``).
+    ``disk_reserve_bytes``: free space appends leave on the filesystem, so that
+    segments (which release the WAL) and ack.log can still be written.
     """
+    wal.reserve_bytes = disk_reserve_bytes
     writer = _Writer(shard, wal, cfg, next_sequence, limiter, stats, log, outbox)
+    writer.reserve_bytes = disk_reserve_bytes
     writer.gate, writer.drop_oldest = gate, drop_oldest
     if over_cap is not None:
         writer.over_cap = over_cap
@@ -132,6 +147,10 @@ class _Writer:
         self.drop_oldest = False
         self.idle: Callable[[], bool] = lambda: False  # is the inbox empty right now?
         self.stopping = anyio.Event()  # set by the shard when the daemon stops
+        self.disk_full = Retry(log)  # a disk-full episode: backoff, start and end events
+        self.full_refusals = 0  # bundles refused (reject, stopping) in this episode
+        self.reserve_bytes = 0  # free space appends leave; + 1/8 while the disk is full
+        self.release_retry = Retry(log)  # releases that found no space for the sidecar
 
     async def append(self, batch: list[AppendRequest]) -> None:
         entries: list[EntryToWrite] = []
@@ -222,39 +241,97 @@ class _Writer:
         return False
 
     async def _write(self, entries: list[EntryToWrite], placed: list[_Placed]) -> None:
+        """Write, then sync and acknowledge per policy; hold or refuse what finds no space."""
+        while True:
+            full = await self._write_once(entries, placed)
+            if full is None:
+                if self.disk_full.active:
+                    self.wal.reserve_bytes = self.reserve_bytes
+                    self.stats.disk_full.set(0)
+                    self.disk_full.succeeded("wal_disk_space_back", shard=self.shard,
+                                             refused_bundles=self.full_refusals)
+                return
+            entries, placed = entries[full.written:], placed[full.written:]
+            if not await self._no_space(full, entries, placed):
+                return
+
+    async def _write_once(self, entries: list[EntryToWrite],
+                          placed: list[_Placed]) -> WalNoSpace | None:
+        """Write ``entries``; sync and acknowledge per policy. On a full disk the first
+        ``written`` of them are synced and acked all the same, and the error returned."""
         nbytes = sum(e[2] for e in entries)
         policy = self.cfg.flush_policy
-        early = (policy == "interval" and self.cfg.flush_bytes > 0
-                 and self.pending.nbytes + nbytes >= self.cfg.flush_bytes)
-        if early:
+        if policy == "interval" and 0 < self.cfg.flush_bytes <= self.pending.nbytes + nbytes:
             # flush_bytes reached: write and fdatasync in the same worker hop; the
             # fdatasync also covers every earlier unsynced append (group commit).
             async with self.sync_lock:
-                covered, self.pending = self.pending.items + placed, _Pending()
-                await self._append(entries, nbytes, sync=True)
-                await self._acknowledge(covered)
-            return
-        await self._append(entries, nbytes, sync=policy == "always")
-        if policy == "interval":
-            self.pending.items.extend(placed)
-            self.pending.nbytes += nbytes
+                full = await self._append(entries, sync=True)
+                if full is None:
+                    covered, self.pending = self.pending.items + placed, _Pending()
+                    await self._acknowledge(covered)
+                    return None
+        else:
+            full = await self._append(entries, sync=policy == "always")
+        written = len(entries) if full is None else full.written
+        if policy == "interval" or (full is not None and policy == "always"):
+            self.pending.items.extend(placed[:written])
+            self.pending.nbytes += sum(e[2] for e in entries[:written])
             self.stats.inflight.set(len(self.pending.items))
-            if self.idle():
+            if full is not None:
+                await self.sync_pending()  # before waiting for space: ack what made it
+            elif self.idle():
                 # Nothing more is queued: waiting for the tick would only add latency,
                 # the group is as large as it will get.
                 self.kick.set()
-        else:
-            await self._acknowledge(placed)
+        elif written:
+            await self._acknowledge(placed[:written])  # "always" synced in the write's hop
+        return full
 
-    async def _append(self, entries: list[EntryToWrite], nbytes: int, *,
-                      sync: bool) -> None:
-        await anyio.to_thread.run_sync(lambda: self.wal.append(entries, sync=sync),
-                                       limiter=self.limiter)
-        self.stats.appends.inc(len(entries))
-        self.stats.bytes_written.inc(nbytes)
-        self.stats.last_sequence.set(entries[-1][0])
-        if sync:
+    async def _append(self, entries: list[EntryToWrite], *, sync: bool) -> WalNoSpace | None:
+        """One worker hop; returns the WalNoSpace that stopped it part-way, if any."""
+        full = None
+        try:
+            await anyio.to_thread.run_sync(lambda: self.wal.append(entries, sync=sync),
+                                           limiter=self.limiter)
+        except WalNoSpace as exc:
+            full = exc
+        written = entries if full is None else entries[:full.written]
+        if written:
+            self.stats.appends.inc(len(written))
+            self.stats.bytes_written.inc(sum(e[2] for e in written))
+            self.stats.last_sequence.set(written[-1][0])
+        if sync and full is None:
             self._synced()
+        return full
+
+    async def _no_space(self, full: WalNoSpace, entries: list[EntryToWrite],
+                        placed: list[_Placed]) -> bool:
+        """``entries`` found no space. True: write them again now; False: refused them."""
+        self.stats.no_space.inc()
+        if not self.disk_full.active:
+            self.full_refusals = 0
+            self.stats.disk_full.set(1)
+            # Hysteresis: resume once a margin beyond the reserve is free, not at the
+            # first freed byte (segment writes and releases make free space wobble).
+            self.wal.reserve_bytes = self.reserve_bytes + self.reserve_bytes // 8
+        self.disk_full.failed("wal_disk_full", shard=self.shard, reason=full.reason,
+                              error=str(full), held_bundles=len(placed),
+                              at_capacity=self.cfg.at_capacity, hint=full.hint)
+        self.kick.set()  # what is written gets synced and acked meanwhile
+        reject = self.cfg.at_capacity == "reject"
+        if reject or self.stopping.is_set():
+            # Never acked; their sequence numbers go to the next bundles.
+            self.next_sequence = entries[0][0]
+            self.full_refusals += len(placed)
+            for req, _, _ in placed:
+                if reject:
+                    self._reject(req, f"shard {self.shard} cannot write its WAL: the disk is "
+                                 f"full ({full.reason}); retry later")
+                else:
+                    self._refuse_stopping(req)
+            return False
+        await self.disk_full.pause(self.stopping)
+        return True
 
     async def sync_on_timer(self) -> None:
         """Group commit: one fdatasync per tick covers everything written before it."""
@@ -294,9 +371,32 @@ class _Writer:
         await self.sync_pending()
 
     async def serve_releases(self, releases: MemoryObjectReceiveStream[WalReleased]) -> None:
-        async for msg in releases:
-            freed = await anyio.to_thread.run_sync(self.wal.release, msg.upto_sequence,
-                                                   limiter=self.limiter)
+        """Reclaim WAL space for each release; one that finds no disk space for the
+        sidecar is done later (with the next release, or after a backoff)."""
+        deferred: int | None = None  # highest release not yet done
+        retry = self.release_retry
+        while True:
+            upto = deferred
+            with anyio.move_on_after(math.inf if deferred is None else retry.delay):
+                try:
+                    msg = await releases.receive()
+                except anyio.EndOfStream:
+                    return  # a deferred release stays undone: replay skips those entries
+                upto = max(msg.upto_sequence, deferred or 0)
+            if deferred is not None:
+                retry.backoff()
+            assert upto is not None
+            try:
+                freed = await anyio.to_thread.run_sync(self.wal.release, upto,
+                                                       limiter=self.limiter)
+            except WalNoSpace as exc:
+                self.stats.sidecar_no_space.inc()
+                retry.failed("wal_release_deferred", shard=self.shard, upto_sequence=upto,
+                             error=str(exc), hint=exc.hint)
+                deferred = upto
+                continue
+            deferred = None
+            retry.succeeded("wal_release_done", shard=self.shard, upto_sequence=upto)
             if freed:
                 self.capacity.set()
 

@@ -31,7 +31,8 @@ from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
 from quiverd.kernel import layout
 from quiverd.kernel.durable import atomic_write, write_all
-from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.errors import CorruptRecord, DurabilityLost
+from quiverd.kernel.faults import Hook, StepTracker
 from quiverd.kernel.quarantine import keep_bytes
 
 READ_CHUNK_BYTES = 1024 * 1024
@@ -140,6 +141,8 @@ def _cut_tail(path: Path, quarantine_dir: str | os.PathLike[str], good_end: int,
     try:
         os.ftruncate(fd, good_end)
         os.fsync(fd)
+    except OSError as exc:
+        raise _lost(f"cutting the torn tail of {path}", exc) from exc
     finally:
         os.close(fd)
     log.warning("ack_log_truncated", path=str(path), offset=good_end, bytes=size - good_end)
@@ -152,7 +155,19 @@ def compact(path: str | os.PathLike[str], state: AckState) -> int:
     been synced and applied), or those records are lost with the old file.
     """
     data = fmt.encode_header() + fmt.encode(state.checkpoint_record())
-    return atomic_write(path, data)
+    steps = StepTracker()
+    try:
+        return atomic_write(path, data, hook=steps)
+    except OSError as exc:
+        if steps.reached is None:
+            raise  # nothing synced or renamed yet: an ordinary I/O error
+        raise _lost(f"compacting {path} (after step {steps.reached})", exc) from exc
+
+
+def _lost(what: str, exc: OSError) -> DurabilityLost:
+    """A failed fsync is never retried: after it the page cache may have dropped the
+    dirty pages, and a second fsync could falsely succeed."""
+    return DurabilityLost(f"{what} failed: {exc.strerror or exc}; the shard stops")
 
 
 class AckLogFile:
@@ -163,6 +178,7 @@ class AckLogFile:
         self._fd = fd
         self._size = size
         self._base_size = size  # size right after open/compaction
+        self.fault_hook: Hook | None = None  # tests: "acklog.fdatasync=eio@N"
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> AckLogFile:
@@ -195,8 +211,11 @@ class AckLogFile:
 
     def sync(self) -> None:
         """fdatasync. An OSError propagates: the caller must treat it as fatal for the
-        shard (DurabilityLost), because after a failed fsync the page cache may already
-        have dropped the dirty pages and a retry could falsely succeed."""
+        shard (DurabilityLost, as the ack_logger does), because after a failed fsync the
+        page cache may already have dropped the dirty pages and a retry could falsely
+        succeed."""
+        if self.fault_hook is not None:
+            self.fault_hook("fdatasync")
         os.fdatasync(self._fd)
 
     def compact(self, state: AckState) -> int:

@@ -153,7 +153,11 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: never with --out, 10 with --count)")
     s.set_defaults(func=_subscribe)
 
-    s = sub.add_parser("fsck", help="verify WAL, sidecars and every segment")
+    s = sub.add_parser(
+        "fsck", help="verify WAL, sidecars and every segment",
+        epilog="exit status: 0 healthy, or every finding repaired with nothing lost; "
+        "1 findings remain, acknowledged bundles were lost (LOST lines, also after --repair), "
+        "or the directory was refused (not a data directory, or in use)")
     s.add_argument("data_dir")
     s.add_argument("--repair", action="store_true", help="move damaged files to quarantine/")
     s.add_argument("--json", action="store_true")
@@ -188,7 +192,7 @@ def _positive_float(text: str) -> float:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from quiverd.runtime.daemon import EXIT_CONFIG, serve
+    from quiverd.runtime.serve import EXIT_CONFIG, serve
 
     try:
         cfg = config_mod.load(args.config)

@@ -110,6 +110,14 @@ class Metrics:
                                  "bundles refused with AT_CAPACITY", sh)
         self.ingest_throttle = c("quiver_ingest_throttle_total",
                                  "appends held back by the retention size cap", sh)
+        self.wal_disk_full = g("quiver_wal_disk_full",
+                               "1 while the WAL writer holds or refuses bundles because the "
+                               "disk is full", sh)
+        # Writes refused for lack of space (ENOSPC, EDQUOT, or the free-space reserve):
+        # file is "wal" (appends), "segment" (segment files, FLOOR) or "sidecar" (releases).
+        self.disk_full = c("quiver_disk_full_total",
+                           "writes that found no disk space (each is retried or refused, "
+                           "never lost)", ("shard", "file"))
         # Segment builder and finalizer
         self.open_bundles = g("quiver_open_segment_bundles", "bundles in the open segment", sh)
         self.open_bytes = g("quiver_open_segment_bytes", "payload bytes in the open segment", sh)
@@ -120,6 +128,10 @@ class Metrics:
                                     "segment files written durably", sh)
         self.segment_finalized_bytes = c("quiver_segment_finalized_bytes_total",
                                          "bytes of segment files written", sh)
+        self.segment_write_failures = c("quiver_segment_write_failures_total",
+                                        "segment or FLOOR writes that failed before their "
+                                        "rename and are retried (the WAL still holds the data)",
+                                        sh)
         # ack logger
         self.ack_log_records = c("quiver_ack_log_records_total", "ack.log records written", sh)
         self.ack_log_fsyncs = c("quiver_ack_log_fsyncs_total", "ack.log fdatasync calls", sh)
@@ -150,6 +162,24 @@ class Metrics:
         # recovery
         self.wal_corrupt_entries = c("quiver_wal_corrupt_entries_total",
                                      "WAL entries found corrupt at replay", sh)
+        self.bundles_lost = c("quiver_bundles_lost_total", "acknowledged bundles recovery "
+                              "found neither in a segment nor in the WAL", sh)
+        # ingest listener (daemon-wide)
+        self.connections = g("quiver_ingest_connections", "open connections", ())
+        self.connections_total = c("quiver_ingest_connections_total", "connections accepted", ())
+        self.ingest_bundles = c("quiver_ingest_bundles_total", "bundles received and valid", ())
+        self.ingest_errors = c("quiver_ingest_protocol_errors_total",
+                               "connections ended by a protocol error", ())
+        self.ingest_unauthorized = c("quiver_ingest_unauthorized_total",
+                                     "peers refused by the uid/gid allowlist", ())
+        self.ingest_refused = c("quiver_ingest_refused_total",
+                                "connections refused at max_connections(_per_uid)", ())
+        self.ingest_timeouts = c("quiver_ingest_timeouts_total",
+                                 "handshake, idle or stalled-frame timeouts", ())
+        self.pending_bytes = g("quiver_ingest_pending_bytes",
+                               "bundle bytes received, not yet durable (budget in use)", ())
+        self.budget_waits = c("quiver_ingest_budget_waits_total",
+                              "times a connection stopped reading to wait for budget", ())
         # latencies
         self.ack_latency = Histogram(
             "quiver_ack_latency_seconds", "from the WAL writer taking a bundle to its ack "
@@ -200,6 +230,9 @@ class WalMetrics:
         self.capacity_waits = m.wal_capacity_waits.labels(shard)
         self.rejected = m.ingest_rejected.labels(shard)
         self.throttled = m.ingest_throttle.labels(shard)
+        self.disk_full = m.wal_disk_full.labels(shard)
+        self.no_space = m.disk_full.labels(shard, "wal")
+        self.sidecar_no_space = m.disk_full.labels(shard, "sidecar")
         self.ack_latency = m.ack_latency.labels(shard)
         self.fdatasync_latency = m.fdatasync_latency.labels(shard)
 
@@ -214,6 +247,8 @@ class SegmentMetrics:
         self.open_streams = m.open_streams.labels(shard)
         self.finalized = m.segments_finalized.labels(shard)
         self.finalized_bytes = m.segment_finalized_bytes.labels(shard)
+        self.write_failures = m.segment_write_failures.labels(shard)
+        self.no_space = m.disk_full.labels(shard, "segment")
 
     def sealed(self, reason: str) -> Value:
         return self._m.segments_sealed.labels(self._shard, reason)
@@ -265,3 +300,22 @@ class GcMetrics:
 
     def dropped_bundles(self, subscriber: str) -> Value:
         return self._m.subscriber_dropped.labels(self._shard, subscriber)
+
+
+class IngestMetrics:
+    """The ingest listener's values (one set for the daemon)."""
+
+    def __init__(self, m: Metrics) -> None:
+        self.connections = m.connections.labels()
+        self.connections_total = m.connections_total.labels()
+        self.bundles = m.ingest_bundles.labels()
+        self.errors = m.ingest_errors.labels()
+        self.unauthorized = m.ingest_unauthorized.labels()
+        self.refused = m.ingest_refused.labels()
+        self.timeouts = m.ingest_timeouts.labels()
+        self.pending_bytes = m.pending_bytes.labels()
+        self.budget_waits = m.budget_waits.labels()
+
+    def as_dict(self) -> dict[str, int]:
+        """For `status --json` (the same values /metrics exports)."""
+        return {name: int(v.value) for name, v in vars(self).items()}

@@ -82,9 +82,9 @@ class Connection:
         try:
             await self._read()
         except ProtocolError as exc:
-            server.stats.errors += 1
+            server.stats.errors.inc()
             if exc.code == ErrorCode.TIMEOUT:
-                server.stats.timeouts += 1
+                server.stats.timeouts.inc()
             server.log.info("ingest_protocol_error", code=int(exc.code), error=str(exc))
             # Frames not handed to a shard are dropped with the decoder: their budget
             # is free now; bundles in flight keep theirs until the WAL writer answers.
@@ -165,7 +165,7 @@ class Connection:
             self.inflight[frame.request_id] = nbytes
             bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
             req = AppendRequest(request_id=frame.request_id, bundle=bundle, reply=self.replies)
-            server.stats.bundles += 1
+            server.stats.bundles.inc()
             await server.inboxes[shard_of(frame.client, shards)].send(req)
 
     async def _write_replies(self) -> None:
@@ -199,6 +199,7 @@ class Connection:
 
     def _hang_up(self) -> None:
         self.closed = True
+        self.server.release_slot(self)
         self.stream.shutdown()
 
     def _try_reserve(self, nbytes: int) -> bool:
@@ -209,20 +210,20 @@ class Connection:
         return True
 
     async def _reserve(self, nbytes: int) -> None:
-        self.server.stats.budget_waits += 1
+        self.server.stats.budget_waits.inc()
         await self.server.budget.take(nbytes)
         self._took(nbytes)
 
     def _took(self, nbytes: int) -> None:
         self.held += nbytes
         self.reserved.append(nbytes)
-        self.server.stats.pending_bytes = self.server.budget.held
+        self.server.stats.pending_bytes.set(self.server.budget.held)
 
     def _release(self, nbytes: int) -> None:
         if nbytes:
             self.held -= nbytes
             self.server.budget.release(nbytes)
-            self.server.stats.pending_bytes = self.server.budget.held
+            self.server.stats.pending_bytes.set(self.server.budget.held)
 
 
 def _encode_reply(reply: ProducerReply) -> bytes:

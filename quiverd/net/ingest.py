@@ -24,7 +24,6 @@ import os
 import socket
 import struct
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -35,6 +34,7 @@ from actors.messages import AppendRequest
 from quiverd.kernel.config import IngestConfig
 from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import IngestMetrics, Metrics
 from quiverd.net.budget import ByteBudget
 from quiverd.net.connection import Connection, shard_of
 from quiverd.net.consumers import SubscriberHub
@@ -52,28 +52,16 @@ ACCEPT_RETRY_S = 0.1  # out of file descriptors: accept again after this
 LOG_REFUSALS_EVERY_S = 1.0  # a flood of refused connections logs one line per second
 
 
-@dataclass
-class IngestStats:
-    connections: int = 0
-    connections_total: int = 0
-    bundles: int = 0
-    errors: int = 0
-    unauthorized: int = 0
-    refused: int = 0  # over max_connections or max_connections_per_uid
-    timeouts: int = 0  # handshake, idle or stalled-frame timeouts
-    pending_bytes: int = 0  # pending-bytes budget in use
-    budget_waits: int = 0  # times a connection stopped reading to wait for budget
-
-
 class IngestServer:
     """Owns the shards' inbox send ends; closes them when the last connection ends."""
 
     def __init__(self, cfg: IngestConfig, socket_path: Path,
                  inboxes: list[MemoryObjectSendStream[AppendRequest]], *,
-                 limiter: CapacityLimiter, log: Logger) -> None:
+                 limiter: CapacityLimiter, log: Logger,
+                 metrics: IngestMetrics | None = None) -> None:
         self.cfg, self.path, self.inboxes = cfg, socket_path, inboxes
         self.limiter, self.log = limiter, log
-        self.stats = IngestStats()
+        self.stats = metrics if metrics is not None else IngestMetrics(Metrics())
         self.max_frame = protocol.max_frame_bytes(cfg.max_bundle_bytes)
         # At least one largest frame must fit, or it could never be received.
         self.budget = ByteBudget(max(cfg.max_pending_bytes, self.max_frame))
@@ -81,6 +69,7 @@ class IngestServer:
         self.own_uid, self.own_gid = os.getuid(), os.getgid()
         self.connections: set[Connection] = set()
         self.per_uid: dict[int, int] = {}
+        self.conn_uid: dict[Connection, int] = {}  # holds a slot until release_slot
         self.refusing = 0
         self.last_refusal_log = -LOG_REFUSALS_EVERY_S
         self.hub = SubscriberHub()
@@ -141,8 +130,8 @@ class IngestServer:
         refusal = self._refusal(pid, uid, gid)
         if refusal is None:
             self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
-            self.stats.connections += 1
-            self.stats.connections_total += 1
+            self.stats.connections.inc()
+            self.stats.connections_total.inc()
             conns.start_soon(self._connection, stream, uid)
         elif self.refusing < self.cfg.max_connections:
             self.refusing += 1
@@ -154,20 +143,20 @@ class IngestServer:
         who = f"pid {pid} uid {uid} gid {gid}"
         cfg = self.cfg
         if not self.authorized(uid, gid):
-            self.stats.unauthorized += 1
+            self.stats.unauthorized.inc()
             refusal = ProtocolError(ErrorCode.UNAUTHORIZED,
                                     f"{who} is not in ingest.allowed_uids/allowed_gids")
             self._log_refusal("ingest_unauthorized", who, refusal)
             return refusal
-        if self.stats.connections >= cfg.max_connections:
-            text = (f"quiverd has {self.stats.connections} connections, its maximum "
+        if self.stats.connections.value >= cfg.max_connections:
+            text = (f"quiverd has {int(self.stats.connections.value)} connections, its maximum "
                     "(ingest.max_connections); retry later")
         elif self.per_uid.get(uid, 0) >= cfg.max_connections_per_uid:
             text = (f"uid {uid} already has {self.per_uid[uid]} connections, the maximum per "
                     "peer uid (ingest.max_connections_per_uid); close some or retry later")
         else:
             return None
-        self.stats.refused += 1
+        self.stats.refused.inc()
         refusal = ProtocolError(ErrorCode.AT_CAPACITY, text)
         self._log_refusal("ingest_connection_refused", who, refusal)
         return refusal
@@ -178,8 +167,8 @@ class IngestServer:
         if now - self.last_refusal_log >= LOG_REFUSALS_EVERY_S:
             self.last_refusal_log = now
             self.log.warning(event, peer=who, reason=str(refusal),
-                             refused_total=self.stats.refused,
-                             unauthorized_total=self.stats.unauthorized)
+                             refused_total=int(self.stats.refused.value),
+                             unauthorized_total=int(self.stats.unauthorized.value))
 
     async def _refuse(self, stream: RawStream, exc: ProtocolError) -> None:
         try:
@@ -201,30 +190,38 @@ class IngestServer:
             stream.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
         conn = Connection(self, stream)
         self.connections.add(conn)
+        self.conn_uid[conn] = uid
         if self.stopping:
             conn.reader.stop()
-        try:
-            async with stream:
-                try:
-                    await conn.run()
-                except Exception as exc:
-                    if _peer_gone(exc):
-                        return  # its acked data is durable, the rest was never acked
-                    # A bug in one connection's handling must not take the daemon down;
-                    # nothing unacked was promised, so closing this connection is safe.
-                    self.stats.errors += 1
-                    self.log.exception("ingest_connection_failed")
-                    await conn.send_error(0, ProtocolError(
-                        ErrorCode.INTERNAL, "internal error on this connection (the daemon "
-                        "log has it); resend what was not acked"))
-        finally:
-            self.connections.discard(conn)
-            self.stats.connections -= 1
-            left = self.per_uid[uid] - 1
-            if left:
-                self.per_uid[uid] = left
-            else:
-                del self.per_uid[uid]
+        async with stream:
+            try:
+                await conn.run()
+            except Exception as exc:
+                if _peer_gone(exc):
+                    return  # its acked data is durable, the rest was never acked
+                # A bug in one connection's handling must not take the daemon down;
+                # nothing unacked was promised, so closing this connection is safe.
+                self.stats.errors.inc()
+                self.log.exception("ingest_connection_failed")
+                await conn.send_error(0, ProtocolError(
+                    ErrorCode.INTERNAL, "internal error on this connection (the daemon "
+                    "log has it); resend what was not acked"))
+            finally:
+                self.release_slot(conn)
+
+    def release_slot(self, conn: Connection) -> None:
+        """Give back a connection's slot (once): before its socket closes or shuts down,
+        so a peer that sees the close may connect again at once and find room."""
+        uid = self.conn_uid.pop(conn, None)
+        if uid is None:
+            return
+        self.connections.discard(conn)
+        self.stats.connections.inc(-1)
+        left = self.per_uid[uid] - 1
+        if left:
+            self.per_uid[uid] = left
+        else:
+            del self.per_uid[uid]
 
 
 def _peer_gone(exc: BaseException) -> bool:
@@ -234,4 +231,4 @@ def _peer_gone(exc: BaseException) -> bool:
     return isinstance(exc, PEER_GONE)
 
 
-__all__ = ["IngestServer", "IngestStats", "shard_of"]
+__all__ = ["IngestServer", "shard_of"]

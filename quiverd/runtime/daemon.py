@@ -21,26 +21,24 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import anyio
 
 from actors.messages import ChangeSubscriber
-from quiverd.kernel import faults, logs
+from quiverd.kernel import logs
 from quiverd.kernel.config import Config
-from quiverd.kernel.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
+from quiverd.kernel.errors import ConfigError
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import DataDir, shard_index
 from quiverd.kernel.logs import Logger
-from quiverd.kernel.metrics import Metrics
+from quiverd.kernel.metrics import IngestMetrics, Metrics
 from quiverd.kernel.names import validate_subscriber_name
 from quiverd.kernel.reply import Reply
 from quiverd.net.admin import AdminServer
 from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
-from quiverd.runtime.lockfile import lock_data_dir
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 
@@ -48,8 +46,6 @@ SubscriberOp = Literal["add", "remove"]
 SubscriberStart = Literal["earliest", "latest"]
 EXTEND_EVERY_S = 5.0  # while replaying, every 5 s ask systemd for 15 s more
 EXTEND_USEC = 15_000_000
-EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
-EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=78 stops a restart loop
 
 
 class Daemon:
@@ -99,16 +95,17 @@ class Daemon:
                 self.ingest = IngestServer(cfg.ingest, cfg.ingest_socket,
                                            [s.inbox for s in self.shards],
                                            limiter=anyio.CapacityLimiter(2),
-                                           log=logs.get("ingest"))
+                                           log=logs.get("ingest"),
+                                           metrics=IngestMetrics(self.metrics))
                 admin = AdminServer(cfg.admin_socket, self, log=logs.get("admin"))
                 self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards
                                                if s.dispatcher is not None]
                 await pipelines.start(self.ingest.serve)
-                await root.start(admin.serve)
-                if cfg.metrics.listen:
+                if cfg.metrics.listen:  # before the admin socket: ready means scrapeable
                     self.metrics_server = MetricsServer(cfg.metrics.listen, self.metrics,
                                                         log=logs.get("metrics"))
                     await root.start(self.metrics_server.serve)
+                await root.start(admin.serve)
                 self.log.info("quiverd_ready", shards=count, data_dir=cfg.data_dir,
                               ingest_socket=str(cfg.ingest_socket))
                 self.notifier.ready(f"{count} shards")
@@ -194,8 +191,8 @@ class Daemon:
             "pid": os.getpid(),
             "data_dir": self.cfg.data_dir,
             "stopping": self.stopping,
-            "connections": ingest.connections if ingest else 0,
-            "ingest": vars(ingest) if ingest else {},
+            "connections": int(ingest.connections.value) if ingest else 0,
+            "ingest": ingest.as_dict() if ingest else {},
             "shards": [s.status() for s in self.shards],
             "metrics": self.metrics_summary(),
         }
@@ -259,6 +256,7 @@ class Daemon:
                 _ints(m.subscriber_dropped.by_label("subscriber")),
             "quiver_segment_dropped_total": int(m.segments_dropped.total()),
             "quiver_wal_corrupt_entries_total": int(m.wal_corrupt_entries.total()),
+            "quiver_bundles_lost_total": int(m.bundles_lost.total()),
             "quiver_bundles_acked_total": int(m.bundles_acked.total()),
             "quiver_acked_bytes_total": int(m.bytes_acked.total()),
             "quiver_core_bytes": {str(s.index): s.usage_bytes() for s in self.shards},
@@ -322,93 +320,6 @@ def shards_to_serve(cfg: Config, log: Logger) -> int:
                     f"being served. Set shards = {count} to silence this; to shrink, let "
                     "subscribers drain the extra shards first, then move the directory away")
     return count
-
-
-def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
-    """Run the daemon until shut down; return the process exit code."""
-    logs.configure(cfg.log.format, cfg.log.level)
-    log = logs.get("daemon")
-    if fault_hooks is None:
-        fault_hooks = faults.from_env()
-    if fault_hooks:
-        log.warning("quiverd_fault_injection_active", rules=faults.describe(fault_hooks))
-    if cfg.wal.flush_policy == "never":
-        log.warning("wal_flush_policy_never", hint="acks do not mean durable: tests only")
-    daemon = Daemon(cfg, faults=fault_hooks)
-    lock_fd = -1
-    try:
-        data_dir = open_data_dir(Path(cfg.data_dir))
-        lock_fd = lock_data_dir(data_dir)  # before the loop: a second instance stops here
-        anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
-    except BaseExceptionGroup as group:
-        return _report_fatal(group, log)
-    except QuiverError as exc:
-        return _report_fatal(BaseExceptionGroup("quiverd", [exc]), log)
-    finally:
-        if lock_fd >= 0:
-            os.close(lock_fd)
-    if daemon.stopping and _timed_out(daemon):
-        return EXIT_FATAL
-    return 0
-
-
-def open_data_dir(data_dir: Path) -> Path:
-    """Create ``data_dir`` if its parent exists; refuse what would hide a typo.
-
-    A missing parent is a config error, not something to create: a mistyped path
-    would otherwise become a new, empty store while the real one waits elsewhere.
-    """
-    parent = data_dir.parent
-    if not parent.is_dir():
-        what = "is a file, not a directory" if parent.exists() else "does not exist"
-        raise ConfigError("data_dir", f"{data_dir}: its parent {parent} {what}",
-                          hint="fix a typo in data_dir, or create the parent directory "
-                          "(the systemd unit's StateDirectory= does it for /var/lib/quiverd)")
-    try:
-        data_dir.mkdir(exist_ok=True)
-    except FileExistsError:
-        raise ConfigError("data_dir", f"{data_dir} exists and is not a directory") from None
-    except PermissionError as exc:
-        raise ConfigError("data_dir", f"permission denied creating {data_dir}",
-                          hint="run quiverd as the user that owns data_dir's parent, or create "
-                          "data_dir for it (systemd: User=quiverd, StateDirectory=quiverd)") \
-            from exc
-    if not os.access(data_dir, os.R_OK | os.W_OK | os.X_OK):
-        raise ConfigError("data_dir", f"permission denied on {data_dir}",
-                          hint="run quiverd as the user that owns data_dir (systemd: User=quiverd)")
-    return data_dir
-
-
-def _timed_out(daemon: Daemon) -> bool:
-    return any(s.unfinished for s in daemon.shards)
-
-
-def _report_fatal(group: BaseExceptionGroup[BaseException], log: Any) -> int:
-    """Log the first fatal error with its hint; re-raise anything that is a bug."""
-    durability, rest = group.split(DurabilityLost)
-    if durability is not None:
-        exc: BaseException = _first(durability)
-        log.critical("quiverd_fatal_durability", error=str(exc), hint=getattr(exc, "hint", ""))
-        return EXIT_FATAL
-    known, bugs = group.split(QuiverError)
-    if known is None:
-        raise group
-    exc = _first(known)
-    hint = getattr(exc, "hint", "")
-    log.error("quiverd_failed", error=str(exc), hint=hint)
-    print(f"quiverd: {exc}", file=sys.stderr)
-    if hint:
-        print(f"hint: {hint}", file=sys.stderr)
-    if isinstance(exc, AlreadyRunning):
-        return 2
-    return EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FATAL
-
-
-def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _ints(values: dict[str, float]) -> dict[str, int]:

@@ -53,6 +53,7 @@ class Shard:
     def __init__(self, index: int, cfg: Config, *, shard_count: int, faults: Hooks,
                  metrics: Metrics) -> None:
         self.index, self.cfg, self.faults = index, cfg, faults
+        self.disk_reserve_bytes = wal_disk_reserve_bytes(cfg, shard_count)
         self.layout = DataDir(Path(cfg.data_dir)).shard(index)
         self.log = logs.get("shard", shard=index)
         self.wal_stats = WalMetrics(metrics, index)
@@ -61,6 +62,7 @@ class Shard:
         self.gc_stats = GcMetrics(metrics, index)
         self.dispatch_stats = DispatchMetrics(metrics, index)
         self.corrupt_entries = metrics.wal_corrupt_entries.labels(index)
+        self.bundles_lost = metrics.bundles_lost.labels(index)
         self.inbox, self._inbox_rx = anyio.create_memory_object_stream[AppendRequest](64)
         self.ack_tx, self._ack_rx = anyio.create_memory_object_stream[AckLogRequest](256)
         self.recovered: Recovered | None = None
@@ -77,9 +79,11 @@ class Shard:
     async def recover(self) -> None:
         self.recovered = await anyio.to_thread.run_sync(
             recover_shard, self.index, self.layout, self.cfg, self.faults, self.log)
+        self.recovered.ack_file.fault_hook = self.faults.get("acklog")
         self._table = SegmentTable(self.recovered.segments)
         self.segments = self._table.view()
         self.corrupt_entries.inc(self.recovered.replay.get("corrupt_entries", 0))
+        self.bundles_lost.inc(self.recovered.replay.get("bundles_lost", 0))
 
     @property
     def acks(self) -> AckState:
@@ -131,7 +135,8 @@ class Shard:
                 sealed_rx, self.ack_tx.clone(), release_tx, shard=self.layout,
                 max_dictionary_cardinality=self.cfg.segment.max_dictionary_cardinality,
                 limiter=fin, stats=self.segment_stats, log=self.log,
-                hook=self.faults.get("finalize"), task_status=task_status))
+                hook=self.faults.get("finalize"),
+                reserve_bytes=finalizer.METADATA_RESERVE_BYTES, task_status=task_status))
             await tg.start(lambda task_status: segment_builder.run(
                 durable_rx, sealed_tx, cfg=self.cfg.segment,
                 first_segment_seq=rec.next_segment_seq, recovered=rec.open_bundles,
@@ -143,7 +148,8 @@ class Shard:
                 cfg=self.cfg.wal, next_sequence=rec.next_sequence, limiter=io,
                 stats=self.wal_stats, log=self.log, gate=self.gate, over_cap=self.over_cap,
                 drop_oldest=self.cfg.retention.size_cap_policy == "drop_oldest",
-                stopping=self.stopping, task_status=task_status))
+                stopping=self.stopping, disk_reserve_bytes=self.disk_reserve_bytes,
+                task_status=task_status))
             task_status.started()
 
     def progress_mark(self) -> tuple[float, float]:
@@ -184,9 +190,24 @@ class Shard:
                 ("capacity_waits", w.capacity_waits), ("rejected_at_capacity", w.rejected),
                 ("open_bundles", seg.open_bundles), ("open_bytes", seg.open_bytes),
                 ("open_streams", seg.open_streams), ("segments_finalized", seg.finalized))},
+            "disk_full": bool(w.disk_full.value),  # the WAL holds or refuses bundles: no space
             "segments": len(self.segments),
             "segment_bytes": self.segments.total_bytes(),
             "replay": rec.replay if rec else {},
             "quarantined_segments": rec.quarantined_segments if rec else [],
             "lost_sequences": rec.lost_sequences if rec else [],
+            "lost_bundles": rec.lost_bundles if rec else [],
         }
+
+
+def wal_disk_reserve_bytes(cfg: Config, shard_count: int) -> int:
+    """Free space WAL appends leave on the filesystem, so that a full disk drains itself.
+
+    Segments release the WAL and ack.log records let the gc delete segments, so both
+    must still fit when the WAL has filled the disk: room for one segment per shard
+    being finalized (the target size, overshot by at most one group commit of
+    ``flush_bytes`` plus one write batch) and the finalizer's own metadata reserve.
+    """
+    segment = (cfg.segment.target_size_bytes + cfg.wal.flush_bytes
+               + wal_writer.MAX_BATCH_BYTES)
+    return finalizer.METADATA_RESERVE_BYTES + shard_count * segment

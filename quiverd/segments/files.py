@@ -13,6 +13,7 @@ worker thread.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,7 +23,8 @@ import msgspec
 
 from quiverd.kernel import layout
 from quiverd.kernel.durable import atomic_write, fsync_dir
-from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.errors import CorruptRecord, DurabilityLost, QuiverError
+from quiverd.kernel.faults import StepTracker
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.quarantine import move_file
 from quiverd.segments.format import SEGMENT_MODE, Piece
@@ -44,9 +46,58 @@ MARKER_TYPES: dict[str, type[Floor] | type[Deleted]] = {layout.FLOOR: Floor,
                                                         layout.DELETED: Deleted}
 
 
-def write_segment(path: Path, pieces: list[Piece], *, hook: object = None) -> int:
-    """Write ``pieces`` durably as ``path``, read-only (0440); returns bytes written."""
-    return atomic_write(path, pieces, mode=SEGMENT_MODE, hook=hook)
+class NotWritten(QuiverError):
+    """A crash-safe write failed before its rename: only its temp file was touched,
+    and that is removed. Nothing changed on disk; the same write may be tried again."""
+
+    retryable = True
+    hint = ("the WAL still holds every bundle of the segment: it is written again with "
+            "backoff; free disk space or check the disk (dmesg)")
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        self.errno = exc.errno
+        self.no_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        super().__init__(f"writing {path} failed: {exc.strerror or exc}")
+
+
+def write_segment(path: Path, pieces: list[Piece], *, hook: object = None,
+                  reserve_bytes: int = 0) -> int:
+    """Write ``pieces`` durably as ``path``, read-only (0440); returns bytes written.
+
+    Refuses (ENOSPC) to leave less than ``reserve_bytes`` free on the filesystem.
+    Raises NotWritten for a failure before the rename (the temp file is removed: try
+    again), DurabilityLost for one after it (the directory fsync: state unknown).
+    """
+    return checked_write(path, pieces, mode=SEGMENT_MODE, hook=hook,
+                         reserve_bytes=reserve_bytes)
+
+
+def checked_write(path: Path, chunks: list[Piece] | bytes, *, mode: int, hook: object = None,
+                  reserve_bytes: int = 0) -> int:
+    """``atomic_write`` whose failures say whether a retry is safe (``write_segment``)."""
+    steps = StepTracker(hook)  # type: ignore[arg-type]
+    try:
+        if reserve_bytes > 0:
+            parts = [chunks] if isinstance(chunks, bytes) else chunks
+            size = sum(memoryview(p).nbytes for p in parts)
+            st = os.statvfs(path.parent)
+            if st.f_bavail * st.f_frsize - size < reserve_bytes:
+                raise OSError(errno.ENOSPC, f"writing {size} bytes would leave less than the "
+                              f"{reserve_bytes} kept free for the WAL's metadata and ack.log")
+        return atomic_write(path, chunks, mode=mode, hook=steps)
+    except OSError as exc:
+        if steps.renamed:
+            raise DurabilityLost(f"{path} was renamed into place but the fsync of "
+                                 f"{path.parent} failed: {exc.strerror or exc}; whether it "
+                                 "is durable is unknown, the shard stops") from exc
+        try:
+            os.unlink(layout.tmp_path(path))
+        except FileNotFoundError:
+            pass
+        except OSError as cleanup:
+            raise DurabilityLost(f"removing {layout.tmp_path(path)} after a failed write "
+                                 f"failed: {cleanup.strerror or cleanup}") from exc
+        raise NotWritten(path, exc) from exc
 
 
 def read_marker(path: Path, kind: type[T]) -> T:

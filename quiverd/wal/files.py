@@ -12,14 +12,16 @@ Capacity: ``max_size_bytes`` bounds the live bytes of all files and
 ``max_chunks`` the file count (active included). The active file rotates when
 an append would take it past ``max_size_bytes / max_chunks``. When a bound is
 hit the caller waits or refuses (``at_capacity``): nothing is ever dropped.
+
+Disk full: an append that would leave less than ``reserve_bytes`` free on the
+filesystem, or whose write fails with ENOSPC/EDQUOT, raises ``WalNoSpace``
+naming how many of its entries made it; the file is cut back (ftruncate) to
+where the others would have started, so no torn entry sits in front of later
+appends. Any other I/O failure, and any failed fsync, raises DurabilityLost.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
-import functools
 import os
 import threading
 import time
@@ -31,16 +33,28 @@ from typing import Any
 
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import Buffer, Slot
-from quiverd.kernel.durable import atomic_write, fsync_dir, write_all
+from quiverd.kernel.durable import fsync_dir, write_all
 from quiverd.kernel.errors import DurabilityLost
 from quiverd.kernel.faults import Hook
 from quiverd.wal import format as walformat
+from quiverd.wal.disk import (
+    BLOCK,
+    NO_SPACE,
+    PUNCH_UNSUPPORTED,
+    WalNoSpace,
+    copy_live_tail,
+    create_fresh,
+    free_bytes,
+    probe_punch_hole,
+    punch_hole,
+    reason_of,
+    write_sidecar,
+)
+
+__all__ = ["BLOCK", "EntryToWrite", "WalFiles", "WalNoSpace", "probe_punch_hole", "punch_hole"]
 
 # (sequence, (ingestion_ts_ns, slots), encoded size): encoded in the write's worker hop
 EntryToWrite = tuple[int, tuple[int, tuple[Slot, ...]], int]
-BLOCK = 4096
-FALLOC_FL_KEEP_SIZE = 0x01
-FALLOC_FL_PUNCH_HOLE = 0x02
 IOV_MAX = 512
 
 
@@ -62,6 +76,7 @@ class WalFiles:
     generation: int = 0
     end_offset: int = 0
     punch_supported: bool = True
+    reserve_bytes: int = 0  # free space an append must leave on the filesystem
     fault_hook: Hook | None = None  # tests: raises at a step to simulate an I/O error
     last_sync_seconds: float = 0.0
     _fd: int = -1
@@ -152,27 +167,76 @@ class WalFiles:
         """Encode and write ``(sequence, (ts_ns, slots), size)`` entries in order.
 
         fdatasync too if ``sync``. The caller checked ``fits`` for each entry. One
-        call is one thread hop; the CRC over the payloads is computed here.
+        call is one thread hop; the CRC over the payloads is computed here. On a
+        full disk raises WalNoSpace: its first ``written`` entries are in the file,
+        not synced even if ``sync`` was asked, and nothing of the others is.
         """
         with self._mutex:
+            self._check_space(sum(e[2] for e in entries))
             self._append(entries)
         if sync:
             self.sync()
 
+    def _check_space(self, nbytes: int) -> None:
+        """Leave ``reserve_bytes`` free: segments and ack.log need room to drain the WAL."""
+        if self.reserve_bytes <= 0:
+            return
+        try:
+            free = free_bytes(self.wal_dir)
+        except OSError as exc:
+            raise self._lost("statvfs of", exc) from exc
+        if free - nbytes < self.reserve_bytes:
+            raise WalNoSpace(f"{free} bytes free on the filesystem of {self.wal_dir}: "
+                             f"appending {nbytes} would leave less than the "
+                             f"{self.reserve_bytes} kept free for segments and ack.log",
+                             written=0, reason="reserve")
+
     def _append(self, entries: list[EntryToWrite]) -> None:
         pieces: list[Buffer] = []
-        for sequence, (ts_ns, slots), size in entries:
+        part_start, part_first = self.end_offset, 0  # this file's part of the batch
+        for i, (sequence, (ts_ns, slots), size) in enumerate(entries):
             entry_pieces = walformat.encode_entry(ts_ns=ts_ns, sequence=sequence, slots=slots)
             if self._needs_rotation(size):
-                self._write(pieces)
+                self._write_part(pieces, part_start, i - part_first, done=part_first)
                 pieces = []
-                self._rotate()
+                self._rotate(done=i)
+                part_start, part_first = self.end_offset, i
             self._index.append((sequence, self.generation, self.end_offset))
             self.end_offset += size
             pieces.extend(entry_pieces)
-        self._write(pieces)
+        self._write_part(pieces, part_start, len(entries) - part_first, done=part_first)
+
+    def _write_part(self, pieces: list[Buffer], start: int, count: int, *, done: int) -> None:
+        """Write ``count`` entries from ``start``; ``done`` earlier ones of the batch made it."""
+        try:
+            self._write(pieces)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise self._lost("write to", exc) from exc
+            self._cut_back(start, count, exc)
+            raise WalNoSpace(f"no space left writing {layout.active_wal(self.wal_dir)} at "
+                             f"offset {start}: {exc.strerror or exc}", written=done,
+                             reason=reason_of(exc)) from exc
+
+    def _cut_back(self, start: int, count: int, cause: OSError) -> None:
+        """A write failed part-way: drop its bytes and its entries from the index."""
+        try:
+            os.ftruncate(self._fd, start)
+            os.lseek(self._fd, start, os.SEEK_SET)
+        except OSError as exc:
+            raise DurabilityLost(
+                f"a write to {layout.active_wal(self.wal_dir)} failed "
+                f"({cause.strerror or cause}) and cutting it back to offset {start} failed "
+                f"too: {exc.strerror or exc}; a torn entry may follow the last good one",
+                hint="check the disk (dmesg); replay cuts the torn tail into quarantine/ "
+                "and recovers every acknowledged entry") from exc
+        for _ in range(count):
+            self._index.pop()
+        self.end_offset = start
 
     def _write(self, pieces: list[Buffer]) -> None:
+        if not pieces:
+            return
         self._fault("write")
         for start in range(0, len(pieces), IOV_MAX):
             chunk = pieces[start:start + IOV_MAX]
@@ -203,16 +267,36 @@ class WalFiles:
         if self.fault_hook is not None:
             self.fault_hook(step)
 
-    def _rotate(self) -> None:
-        """Retire the active file as ``quiver.wal.<gen>`` and start a fresh one."""
+    def _lost(self, what: str, exc: OSError) -> DurabilityLost:
+        return DurabilityLost(f"{what} {layout.active_wal(self.wal_dir)} failed: "
+                              f"{exc.strerror or exc}; the shard stops without acknowledging "
+                              "what it had not synced")
+
+    def _rotate(self, *, done: int) -> None:
+        """Retire the active file as ``quiver.wal.<gen>`` and start a fresh one.
+
+        The fresh file is made first under a temp name (header, fdatasync), so a full
+        disk leaves the active file as it was (WalNoSpace, ``done`` entries written);
+        two renames then swap it in. A crash between them leaves no active file, and
+        replay creates one.
+        """
         self.sync()
+        active = layout.active_wal(self.wal_dir)
+        fd = create_fresh(layout.tmp_path(active), self.cfg_hash, done=done)
         with self._lock:
-            os.rename(layout.active_wal(self.wal_dir),
-                      layout.rotated_wal(self.wal_dir, self.generation))
+            try:
+                os.rename(active, layout.rotated_wal(self.wal_dir, self.generation))
+                os.rename(layout.tmp_path(active), active)
+                fsync_dir(self.wal_dir)
+                self._fault("rotate_dir_fsync")
+            except OSError as exc:
+                os.close(fd)
+                raise DurabilityLost(f"rotating {active} failed: {exc.strerror or exc}; the "
+                                     "shard stops, replay finds every synced entry") from exc
             self._rotated.append(_Rotated(self.generation, self.end_offset - self._released_offset))
             os.close(self._fd)
             self.generation += 1
-            self._fd = create_active(self.wal_dir, self.cfg_hash)
+            self._fd = fd
             self.end_offset = walformat.HEADER_LEN
             self._released_offset = 0
         self.log.info("wal_rotated", generation=self.generation, files=self.file_count)
@@ -236,15 +320,19 @@ class WalFiles:
             _, gen, offset = self._index[0]
         else:
             gen, offset = self.generation, self.end_offset
-        atomic_write(layout.sidecar(self.wal_dir), walformat.encode_sidecar(offset, gen))
+        write_sidecar(self.wal_dir, offset, gen, hook=self.fault_hook)
         self._fault("sidecar_written")
         freed = False
-        for r in [r for r in self._rotated if r.generation < gen]:
-            os.unlink(layout.rotated_wal(self.wal_dir, r.generation))
-            self._rotated.remove(r)
-            freed = True
-        if freed:
-            fsync_dir(self.wal_dir)
+        try:
+            for r in [r for r in self._rotated if r.generation < gen]:
+                os.unlink(layout.rotated_wal(self.wal_dir, r.generation))
+                self._rotated.remove(r)
+                freed = True
+            if freed:
+                fsync_dir(self.wal_dir)
+                self._fault("unlink_dir_fsync")
+        except OSError as exc:
+            raise self._lost("deleting released files beside", exc) from exc
         if gen == self.generation and offset > self._released_offset + walformat.HEADER_LEN:
             freed = self._reclaim_active(offset) or freed
         return freed
@@ -252,46 +340,49 @@ class WalFiles:
     def _reclaim_active(self, offset: int) -> bool:
         start = walformat.HEADER_LEN
         if self.punch_supported:
-            begin = _round_up(start, BLOCK)
+            begin = -(-start // BLOCK) * BLOCK  # rounded up
             end = offset // BLOCK * BLOCK
-            if end > begin:
-                punch_hole(self._fd, begin, end - begin)
-            self._released_offset = offset - start
-            return True
+            try:
+                if end > begin:
+                    punch_hole(self._fd, begin, end - begin)
+                self._released_offset = offset - start
+                return True
+            except OSError as exc:
+                if exc.errno in NO_SPACE:  # splitting an extent can need a block
+                    self.log.warning("wal_reclaim_deferred", error=exc.strerror or str(exc))
+                    return False
+                if exc.errno not in PUNCH_UNSUPPORTED:
+                    raise self._lost("punching released bytes out of", exc) from exc
+                self.punch_supported = False
         if offset - start >= max(self.chunk_bytes // 2, BLOCK):
-            self._rewrite_active(offset)
-            return True
+            return self._rewrite_active(offset)
         return False
 
-    def _rewrite_active(self, offset: int) -> None:
+    def _rewrite_active(self, offset: int) -> bool:
         """No hole punching here: copy the live tail into a fresh file (doc 000).
 
         The sidecar is first pointed at the header end: valid in the old file
-        (replay then skips released entries by sequence) and in the new one.
+        (replay then skips released entries by sequence) and in the new one. No
+        space for the copy: the old file stays as it is (returns False).
         """
         start = walformat.HEADER_LEN
-        atomic_write(layout.sidecar(self.wal_dir), walformat.encode_sidecar(start, self.generation))
+        write_sidecar(self.wal_dir, start, self.generation, hook=self.fault_hook)
         new_path = layout.tmp_path(layout.active_wal(self.wal_dir))
-        fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
         try:
-            write_all(fd, [walformat.encode_header(self.cfg_hash)])
-            src = os.open(layout.active_wal(self.wal_dir), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                remaining, pos = self.end_offset - offset, offset
-                while remaining > 0:
-                    n = os.copy_file_range(src, fd, remaining, pos)
-                    if n == 0:
-                        raise OSError(errno.EIO, "WAL shrank during rewrite")
-                    pos, remaining = pos + n, remaining - n
-            finally:
-                os.close(src)
-            os.fdatasync(fd)
-        except BaseException:
-            os.close(fd)
-            raise
+            fd = copy_live_tail(layout.active_wal(self.wal_dir), new_path, self.cfg_hash,
+                                offset, self.end_offset)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise self._lost("rewriting", exc) from exc
+            self.log.warning("wal_rewrite_deferred", error=exc.strerror or str(exc))
+            return False
         with self._lock:
-            os.rename(new_path, layout.active_wal(self.wal_dir))
-            fsync_dir(self.wal_dir)
+            try:
+                os.rename(new_path, layout.active_wal(self.wal_dir))
+                fsync_dir(self.wal_dir)
+            except OSError as exc:
+                os.close(fd)
+                raise self._lost("replacing", exc) from exc
             os.close(self._fd)
             self._fd = fd
             shift = offset - start
@@ -300,6 +391,7 @@ class WalFiles:
             self.end_offset -= shift
             self._released_offset = 0
         self.log.info("wal_rewritten", reclaimed_bytes=shift)
+        return True
 
     def stats(self) -> dict[str, int]:
         return {"wal_bytes": self.live_bytes, "wal_files": self.file_count,
@@ -308,51 +400,3 @@ class WalFiles:
 
 def _tail(chunk: list[Buffer], done: int) -> bytes:
     return b"".join(bytes(p) for p in chunk)[done:]
-
-
-def _round_up(n: int, block: int) -> int:
-    return (n + block - 1) // block * block
-
-
-def create_active(wal_dir: Path, cfg_hash: bytes) -> int:
-    """Create ``quiver.wal`` holding just the header, durably; return its fd."""
-    path = layout.active_wal(wal_dir)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-    write_all(fd, [walformat.encode_header(cfg_hash)])
-    os.fdatasync(fd)
-    fsync_dir(wal_dir)
-    return fd
-
-
-@functools.cache
-def _fallocate() -> Any:
-    """libc's fallocate, looked up once (find_library forks ldconfig)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn = libc.fallocate
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    return fn
-
-
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    """fallocate(PUNCH_HOLE | KEEP_SIZE) via libc; raises OSError."""
-    mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-    if _fallocate()(fd, mode, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def probe_punch_hole(directory: Path) -> bool:
-    """Startup probe: can this filesystem punch holes? (doc 000)"""
-    probe = directory / ".punch-probe"
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        write_all(fd, [b"\xff" * (2 * BLOCK)])
-        punch_hole(fd, 0, BLOCK)
-        return os.pread(fd, 8, 0) == b"\0" * 8
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return False
-        raise
-    finally:
-        os.close(fd)
-        os.unlink(probe)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 from actors import finalizer
 from actors.messages import SealedSegment, SealReason, SegmentWritten, WalReleased
 from quiverd.kernel.bundle import Bundle, make_slot, read_ipc_stream
+from quiverd.kernel.errors import DurabilityLost
 from quiverd.kernel.layout import DataDir, ShardLayout
 from quiverd.kernel.metrics import Metrics, SegmentMetrics
 from quiverd.segments.files import Floor, read_marker, segment_info
@@ -197,7 +199,8 @@ async def test_finalizer_releases_nothing_when_directory_fsync_fails(make):
             async with anyio.create_task_group() as tg:
                 await tg.start(functools.partial(h.run, hook=hook))
                 await h.inbox.send(sealed(2, range(1, 3)))
-    assert failed.value.subgroup(OSError) is not None
+    lost = failed.value.subgroup(DurabilityLost)  # renamed, durability unknown: fatal
+    assert lost is not None and isinstance(lost.exceptions[0].__cause__, OSError)
     with pytest.raises(anyio.EndOfStream):
         h.releases.receive_nowait()
     with pytest.raises(anyio.EndOfStream):
@@ -226,3 +229,127 @@ async def test_finalizer_cancel_with_full_outbox_ends_promptly(make):
             closed.receive_nowait()
     assert (h.floor(), h.files()) == (
         2, ["0000000000000001.qseg", "0000000000000002.qseg", "FLOOR"])
+
+
+# ---- failed segment writes (issue 8 item 6) ------------------------------------------
+
+
+def failing(step: str, code: int, times: int, calls: list[str] | None = None
+            ) -> Callable[[str], None]:
+    """A hook failing ``step`` its first ``times`` times (and recording every step)."""
+    seen = {"n": 0}
+
+    def hook(at: str) -> None:
+        if calls is not None:
+            calls.append(at)
+        if at == step:
+            seen["n"] += 1
+            if seen["n"] <= times:
+                raise OSError(code, f"injected at {at}")
+    return hook
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("step,code", [("tmp_written", errno.ENOSPC),
+                                       ("tmp_written", errno.EIO),
+                                       ("tmp_fsynced", errno.EIO),
+                                       ("renamed", errno.EIO)])
+async def test_finalizer_retries_segment_write_failed_before_rename(make, step, code):
+    h = make()
+    calls: list[str] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(functools.partial(h.run, hook=failing(step, code, 2, calls)))
+            await h.inbox.send(sealed(4, range(1, 4)))
+            released = await h.releases.receive()
+            written = await h.out.receive()
+            h.inbox.close()
+    assert released == WalReleased(upto_sequence=3)
+    assert written.info.segment_seq == 4 and h.floor() == 4
+    assert h.files() == ["0000000000000004.qseg", "FLOOR"]  # no temp file left behind
+    with SegmentReader.open(h.shard.segment(4)) as reader:
+        assert [b.sequence for b in reader.bundles()] == [1, 2, 3]
+    assert calls.count("tmp_written") == 3  # written three times, encoded once
+    events = [e for e, _ in h.log.events]
+    assert events == ["segment_write_failed", "segment_write_failed",
+                      "segment_write_recovered", "segment_finalized"]
+    failed = h.log.events[0][1]
+    assert failed["errno"] == errno.errorcode[code] and failed["segment_seq"] == 4
+    assert (h.stats.write_failures.value, h.stats.no_space.value) == (
+        2, 2 if code == errno.ENOSPC else 0)
+
+
+@pytest.mark.asyncio
+async def test_finalizer_holds_release_while_segment_write_fails(make):
+    h = make()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(functools.partial(h.run, hook=failing("tmp_written", errno.ENOSPC,
+                                                                 1_000_000)))
+            await h.inbox.send(sealed(1, range(1, 3)))
+            await anyio.sleep(0.5)
+            with pytest.raises(anyio.WouldBlock):
+                h.releases.receive_nowait()  # nothing durable: the WAL keeps everything
+            assert h.files() == [] and h.stats.write_failures.value >= 3
+            tg.cancel_scope.cancel()
+    assert h.outcome == ["cancelled"]
+
+
+@pytest.mark.asyncio
+async def test_finalizer_retries_floor_without_writing_the_segment_again(make):
+    h = make()
+    calls: list[str] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(functools.partial(
+                h.run, hook=failing("floor_tmp_written", errno.ENOSPC, 1, calls)))
+            await h.inbox.send(sealed(7, range(1, 3)))
+            released = await h.releases.receive()
+            h.inbox.close()
+    assert released == WalReleased(upto_sequence=2) and h.floor() == 7
+    assert calls.count("tmp_written") == 1 and calls.count("floor_tmp_written") == 2
+    assert h.files() == ["0000000000000007.qseg", "FLOOR"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("step", ["dir_fsynced", "floor_dir_fsynced"])
+async def test_finalizer_stops_when_fsync_after_rename_fails(make, step):
+    h = make()
+    with pytest.raises(ExceptionGroup) as failed:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                await tg.start(functools.partial(h.run, hook=failing(step, errno.EIO, 1)))
+                await h.inbox.send(sealed(2, range(1, 3)))
+    assert failed.value.subgroup(DurabilityLost) is not None
+    assert h.stats.write_failures.value == 0  # never retried
+    with pytest.raises(anyio.EndOfStream):
+        h.releases.receive_nowait()
+
+
+@pytest.mark.asyncio
+async def test_finalizer_retries_after_real_enospc_and_finalizes_when_space_returns(tmp_path):
+    from tests.daemon.mounts import fill, mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "fs", 1 << 20) as fs:
+        h = Harness(fs, outbox_size=4, releases_size=4)
+        try:
+            st = os.statvfs(fs)
+            ballast = fs / "ballast"
+            fill(ballast, st.f_bavail * st.f_frsize - 8192)
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    await tg.start(h.run)
+                    await h.inbox.send(sealed(3, range(1, 40)))  # ~30 KiB: does not fit
+                    for _ in range(500):  # the counter has nothing to await
+                        if h.stats.no_space.value >= 2:
+                            break
+                        await anyio.sleep(0.01)
+                    assert not list(h.shard.segments_dir.glob("*.tmp"))  # removed each time
+                    ballast.unlink()
+                    released = await h.releases.receive()
+                    h.inbox.close()
+        finally:
+            h.close()
+    assert released == WalReleased(upto_sequence=39)
+    assert ("segment_write_failed" in [e for e, _ in h.log.events])
+    assert "No space left" in dict(h.log.events)["segment_write_failed"]["error"]

@@ -8,7 +8,9 @@ every fdatasync, so each Ack is checked against the sync that must precede it.
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -29,7 +31,7 @@ from quiverd.kernel.layout import DataDir, ShardLayout
 from quiverd.kernel.metrics import Metrics, WalMetrics
 from quiverd.protocol.frames import Ack, Error, ErrorCode
 from quiverd.wal import format as walformat
-from quiverd.wal.files import EntryToWrite, WalFiles
+from quiverd.wal.files import EntryToWrite, WalFiles, WalNoSpace
 from quiverd.wal.replay import ReplayedEntry, WalState, replay_wal
 
 HASH = walformat.DEFAULT_CFG_HASH
@@ -41,6 +43,19 @@ SHARD = 3
 class Log:
     def __getattr__(self, level: str) -> Callable[..., None]:  # info/warning/error
         return lambda *a, **k: None
+
+
+class RecLog:
+    """Records (event, fields) of every level."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Callable[..., None]:
+        return lambda event, **kw: self.events.append((event, kw))
+
+    def names(self) -> list[str]:
+        return [e for e, _ in self.events]
 
 
 def bundle(tag: int) -> Bundle:
@@ -77,7 +92,12 @@ class SyncProbe:
         self.appending = entries[-1][0]
         self._notify()
         assert self.writes.wait(5), "the held write was never let go"
-        self._append(entries, sync=False)
+        try:
+            self._append(entries, sync=False)
+        except WalNoSpace as full:  # the first `written` entries made it
+            if full.written:
+                self.written = entries[full.written - 1][0]
+            raise
         self.written = entries[-1][0]
         self._notify()
         if sync:
@@ -119,6 +139,7 @@ class Harness:
         self.stats = WalMetrics(Metrics(), 3)
         self.outcome: list[str] = []
         self.durable: list[Bundle] = []  # from the DurableBatches, once the outbox ended
+        self.log: Any = Log()
 
     async def run(self, cfg: WalConfig, *, next_sequence: int = 1, task_status: Any,
                   **deps: Any) -> None:
@@ -126,7 +147,7 @@ class Harness:
             await wal_writer.run(
                 self._inbox_rx, self._out_tx, self._releases_rx, shard=SHARD, wal=self.wal,
                 cfg=cfg, next_sequence=next_sequence, limiter=anyio.CapacityLimiter(2),
-                stats=self.stats, log=Log(), task_status=task_status, **deps)
+                stats=self.stats, log=self.log, task_status=task_status, **deps)
         except anyio.get_cancelled_exc_class():
             self.outcome.append("cancelled")
             raise
@@ -155,8 +176,9 @@ class Harness:
 def make(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
     made: list[Harness] = []
 
-    def factory(*, max_size: int = 1 << 30, outbox_size: int = 16) -> Harness:
-        made.append(Harness(tmp_path, max_size=max_size, outbox_size=outbox_size))
+    def factory(*, max_size: int = 1 << 30, outbox_size: int = 16,
+                root: Path | None = None) -> Harness:
+        made.append(Harness(root or tmp_path, max_size=max_size, outbox_size=outbox_size))
         return made[-1]
 
     yield factory
@@ -370,3 +392,125 @@ async def test_wal_writer_cancel_with_full_outbox_acks_nothing_unsynced(make):
     assert sequences(h.out.receive_nowait().bundles) == [1]
     with pytest.raises(anyio.EndOfStream):
         h.out.receive_nowait()
+
+
+# ---- disk full (issue 8 item 5): a real tmpfs where one can be mounted ----------------
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (request it before ``make`` so the WAL is closed before unmounting)."""
+    from tests.daemon.mounts import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "fs", 1 << 20) as where:
+        yield where
+
+
+def leave_free(fs: Path, nbytes: int) -> Path:
+    """A ballast file taking all of ``fs`` but about ``nbytes``."""
+    from tests.daemon.mounts import fill
+
+    st = os.statvfs(fs)
+    ballast = fs / "ballast"
+    fill(ballast, st.f_bavail * st.f_frsize - nbytes)
+    return ballast
+
+
+async def until(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Tests only: the writer's counters are read, they have nothing to await."""
+    for _ in range(int(timeout_s / 0.01)):
+        if done():
+            return
+        await anyio.sleep(0.01)
+    pytest.fail("timed out")
+
+
+def drain_replies(h: Harness) -> list[ProducerReply]:
+    out: list[ProducerReply] = []
+    while True:
+        try:
+            out.append(h.replies.receive_nowait())
+        except anyio.WouldBlock:
+            return out
+
+
+@pytest.mark.asyncio
+async def test_wal_writer_holds_bundles_while_disk_full_and_resumes_without_gaps(small_fs, make):
+    h = make(root=small_fs)
+    h.log = RecLog()
+    ballast = leave_free(small_fs, 6 * ENTRY_BYTES)
+    async with running(h, WalConfig(flush_policy="interval", flush_interval_ms=5)):
+        async with anyio.create_task_group() as tg:
+            async def produce() -> None:
+                for rid in range(1, 25):
+                    await h.append(rid, tag=rid)
+            tg.start_soon(produce)
+            await until(lambda: h.stats.disk_full.value == 1)
+            await anyio.sleep(0.3)  # held, retried with backoff: no ack, no error
+            before = drain_replies(h)
+            assert all(isinstance(r, Ack) for r in before)
+            assert 0 < len(before) < 24
+            assert h.stats.no_space.value >= 2  # retried, still full
+            ballast.unlink()
+            after = [await h.ack() for _ in range(24 - len(before))]
+    acks = [r for r in before if isinstance(r, Ack)] + after
+    assert [(a.request_id, a.sequence) for a in acks] == [(i, i) for i in range(1, 25)]
+    assert sequences(h.durable) == list(range(1, 25))
+    assert h.stats.disk_full.value == 0
+    names = h.log.names()
+    assert names.count("wal_disk_full") == 1 and names.count("wal_disk_space_back") == 1
+    full = dict(h.log.events)["wal_disk_full"]
+    assert full["reason"] == "enospc" and full["hint"]
+    state = replay(h.layout)
+    assert sequences(state.entries) == list(range(1, 25))
+    assert (state.torn_tail_bytes, state.corrupt_entries) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_wal_writer_rejects_at_capacity_while_disk_full_without_burning_sequences(
+        small_fs, make):
+    h = make(root=small_fs)
+    ballast = leave_free(small_fs, 4 * ENTRY_BYTES)
+    async with running(h, WalConfig(flush_policy="always", at_capacity="reject")):
+        replies = []
+        for rid in range(1, 11):
+            await h.append(rid)
+            replies.append(await h.replies.receive())
+        ballast.unlink()
+        for rid in range(11, 14):
+            await h.append(rid)
+            replies.append(await h.replies.receive())
+    acked = [r for r in replies if isinstance(r, Ack)]
+    refused = [r for r in replies if isinstance(r, Error)]
+    assert refused and all(r.code == ErrorCode.AT_CAPACITY and "disk is full" in r.message
+                           for r in refused)
+    assert [r.request_id for r in refused] == list(range(len(acked) - 2, 11))
+    # Refused bundles used no sequence: the acked ones are 1..n without a gap.
+    assert [a.sequence for a in acked] == list(range(1, len(acked) + 1))
+    assert [a.request_id for a in acked][-3:] == [11, 12, 13]
+    assert h.stats.rejected.value == len(refused)
+    state = replay(h.layout)
+    assert sequences(state.entries) == [a.sequence for a in acked]
+    assert (state.torn_tail_bytes, state.corrupt_entries) == (0, 0)
+
+
+@pytest.mark.asyncio
+async def test_wal_writer_acks_the_part_of_a_batch_written_before_the_disk_filled(make):
+    """Space ends after a rotation: the entries before it are acked, the rest held."""
+    h = make(max_size=2 * (walformat.HEADER_LEN + 5 * ENTRY_BYTES // 2))
+    writes = {"n": 0}
+
+    def hook(step: str) -> None:
+        if step == "write":
+            writes["n"] += 1
+            if writes["n"] == 2:  # the second file's part of the first batch
+                raise OSError(errno.ENOSPC, "injected: no space")
+    h.wal.fault_hook = hook
+    for rid in range(1, 5):  # queued before the writer starts: drained as one batch
+        await h.append(rid)
+    async with running(h, WalConfig(flush_policy="always")):
+        acks = [await h.ack() for _ in range(4)]
+    assert [(a.request_id, a.sequence) for a in acks] == [(i, i) for i in range(1, 5)]
+    assert (h.stats.no_space.value, writes["n"]) == (1, 3)
+    assert h.wal.file_count == 2
+    assert sequences(replay(h.layout).entries) == [1, 2, 3, 4]

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from quiverd.kernel.errors import ConfigError
-from quiverd.runtime.daemon import open_data_dir
+from quiverd.runtime.serve import open_data_dir
 
 EX_CONFIG = 78
 

@@ -1,0 +1,137 @@
+"""The process around the daemon: logging, the data directory and its LOCK, the event
+loop, and the exit code systemd acts on.
+
+    0   clean stop
+    2   another quiverd holds the data directory or listens on the socket path
+    70  a durability error (fdatasync/fsync/I/O): systemd restarts, replay recovers
+    78  a configuration error: not restarted until the config is fixed
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from quiverd.kernel import faults, logs
+from quiverd.kernel.config import Config
+from quiverd.kernel.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
+from quiverd.kernel.faults import Hooks
+from quiverd.runtime.daemon import Daemon
+from quiverd.runtime.lockfile import lock_data_dir
+
+EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
+EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=78 stops a restart loop
+
+
+def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
+    """Run the daemon until shut down; return the process exit code."""
+    logs.configure(cfg.log.format, cfg.log.level)
+    log = logs.get("daemon")
+    if fault_hooks is None:
+        fault_hooks = faults.from_env()
+    if fault_hooks:
+        log.warning("quiverd_fault_injection_active", rules=faults.describe(fault_hooks))
+    if cfg.wal.flush_policy == "never":
+        log.warning("wal_flush_policy_never", hint="acks do not mean durable: tests only")
+    daemon = Daemon(cfg, faults=fault_hooks)
+    lock_fd = -1
+    try:
+        data_dir = open_data_dir(Path(cfg.data_dir))
+        lock_fd = lock_data_dir(data_dir)  # before the loop: a second instance stops here
+        anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
+    except BaseExceptionGroup as group:
+        return _report_fatal(group, log)
+    except (QuiverError, OSError) as exc:  # raised outside any task group
+        return _report_fatal(BaseExceptionGroup("quiverd", [exc]), log)
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+    if daemon.stopping and _timed_out(daemon):
+        return EXIT_FATAL
+    return 0
+
+
+def open_data_dir(data_dir: Path) -> Path:
+    """Create ``data_dir`` if its parent exists; refuse what would hide a typo.
+
+    A missing parent is a config error, not something to create: a mistyped path
+    would otherwise become a new, empty store while the real one waits elsewhere.
+    """
+    parent = data_dir.parent
+    if not parent.is_dir():
+        what = "is a file, not a directory" if parent.exists() else "does not exist"
+        raise ConfigError("data_dir", f"{data_dir}: its parent {parent} {what}",
+                          hint="fix a typo in data_dir, or create the parent directory "
+                          "(the systemd unit's StateDirectory= does it for /var/lib/quiverd)")
+    try:
+        data_dir.mkdir(exist_ok=True)
+    except FileExistsError:
+        raise ConfigError("data_dir", f"{data_dir} exists and is not a directory") from None
+    except PermissionError as exc:
+        raise ConfigError("data_dir", f"permission denied creating {data_dir}",
+                          hint="run quiverd as the user that owns data_dir's parent, or create "
+                          "data_dir for it (systemd: User=quiverd, StateDirectory=quiverd)") \
+            from exc
+    if not os.access(data_dir, os.R_OK | os.W_OK | os.X_OK):
+        raise ConfigError("data_dir", f"permission denied on {data_dir}",
+                          hint="run quiverd as the user that owns data_dir (systemd: User=quiverd)")
+    return data_dir
+
+
+def _timed_out(daemon: Daemon) -> bool:
+    return any(s.unfinished for s in daemon.shards)
+
+
+def _report_fatal(group: BaseExceptionGroup[BaseException], log: Any) -> int:
+    """Log the first fatal error with its hint (one event); re-raise anything that is a bug.
+
+    A durability loss, and any I/O error nothing handled (the state on disk is then
+    unknown), is ``quiverd_fatal_durability`` and exit 70: systemd restarts quiverd
+    and replay recovers what was durable. Never a bare traceback.
+    """
+    durability: BaseExceptionGroup[BaseException] | None
+    durability, rest = group.split(DurabilityLost)
+    if durability is None and rest is not None:
+        durability, rest = rest.split(OSError)
+    if durability is not None:
+        exc: BaseException = _first(durability)
+        log.critical("quiverd_fatal_durability", error=str(exc), **_io_fields(exc),
+                     hint=getattr(exc, "hint", "") or DurabilityLost.hint)
+        return EXIT_FATAL
+    known, bugs = group.split(QuiverError)
+    if known is None:
+        raise group
+    exc = _first(known)
+    hint = getattr(exc, "hint", "")
+    log.error("quiverd_failed", error=str(exc), hint=hint)
+    print(f"quiverd: {exc}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+    if isinstance(exc, AlreadyRunning):
+        return 2
+    return EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FATAL
+
+
+def _io_fields(exc: BaseException) -> dict[str, Any]:
+    """errno and file of the OSError behind ``exc`` (itself or its cause), if any."""
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    if not isinstance(cause, OSError):
+        return {}
+    fields: dict[str, Any] = {"errno": errno.errorcode.get(cause.errno or 0, cause.errno)}
+    if cause.filename is not None:
+        fields["path"] = str(cause.filename)
+    if isinstance(exc, OSError):
+        fields["unexpected"] = True  # no code path mapped it: a gap worth reporting
+    return fields
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
