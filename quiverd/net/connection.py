@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from actors.messages import AppendRequest, ProducerReply
 from quiverd.kernel.bundle import Bundle, Slot
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ProtocolError
@@ -32,6 +31,7 @@ from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
+from quiverd_actors.messages import AppendRequest, ProducerReply
 
 if TYPE_CHECKING:
     from quiverd.net.ingest import IngestServer

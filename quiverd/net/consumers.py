@@ -12,7 +12,6 @@ from __future__ import annotations
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from actors.dispatcher import Dispatcher, Session
 from quiverd.acks import format as fmt
 from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.logs import Logger
@@ -20,6 +19,7 @@ from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import Delivery, ErrorCode
+from quiverd_actors.dispatcher import Dispatcher, Session
 
 MAX_WINDOW = 4096
 

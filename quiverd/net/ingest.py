@@ -30,7 +30,6 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.messages import AppendRequest
 from quiverd.kernel.config import IngestConfig
 from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.logs import Logger
@@ -41,6 +40,7 @@ from quiverd.net.consumers import SubscriberHub
 from quiverd.net.rawsock import RawListener, RawStream
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
+from quiverd_actors.messages import AppendRequest
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 # Kernel memory (not our RSS): lets a big frame stream in while we validate the last.

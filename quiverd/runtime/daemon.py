@@ -26,7 +26,6 @@ from typing import Any, Literal, cast
 
 import anyio
 
-from actors.messages import ChangeSubscriber
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import ConfigError
@@ -41,6 +40,7 @@ from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
+from quiverd_actors.messages import ChangeSubscriber
 
 SubscriberOp = Literal["add", "remove"]
 SubscriberStart = Literal["earliest", "latest"]

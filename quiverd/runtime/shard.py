@@ -21,16 +21,6 @@ from typing import Any
 
 import anyio
 
-from actors import ack_logger, finalizer, gc_sweeper, segment_builder, wal_writer
-from actors.dispatcher import Dispatcher
-from actors.messages import (
-    AckLogRequest,
-    AppendRequest,
-    DurableBatch,
-    SealedSegment,
-    WalReleased,
-)
-from actors.retention_gate import RetentionGate
 from quiverd.acks.state import AckState
 from quiverd.kernel import logs
 from quiverd.kernel.changes import Changes
@@ -47,6 +37,16 @@ from quiverd.kernel.metrics import (
 )
 from quiverd.runtime.recovery import Recovered, recover_shard
 from quiverd.segments.table import SegmentTable, SegmentView
+from quiverd_actors import ack_logger, finalizer, gc_sweeper, segment_builder, wal_writer
+from quiverd_actors.dispatcher import Dispatcher
+from quiverd_actors.messages import (
+    AckLogRequest,
+    AppendRequest,
+    DurableBatch,
+    SealedSegment,
+    WalReleased,
+)
+from quiverd_actors.retention_gate import RetentionGate
 
 
 class Shard:

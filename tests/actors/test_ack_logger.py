@@ -1,4 +1,4 @@
-"""The ack_logger actor (actors/ack_logger.py) in process: real streams, a real ack.log.
+"""The ack_logger actor (quiverd_actors.ack_logger) in process: real streams, a real ack.log.
 
 Each request kind is sent through a memory stream; the records that reach ack.log
 (read back frame by frame and replayed), the AckState, the segment table, the
@@ -19,17 +19,6 @@ import pyarrow as pa
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors import ack_logger
-from actors.messages import (
-    AckLogRequest,
-    ChangeSubscriber,
-    RecordOutcome,
-    Retired,
-    RetireReason,
-    RetireSegments,
-    SegmentsDeleted,
-    SegmentWritten,
-)
 from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile, replay_ack_log
 from quiverd.acks.recovery import recover_acks
@@ -47,6 +36,17 @@ from quiverd.segments.format import encode_segment
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentInfo, SegmentTable
+from quiverd_actors import ack_logger
+from quiverd_actors.messages import (
+    AckLogRequest,
+    ChangeSubscriber,
+    RecordOutcome,
+    Retired,
+    RetireReason,
+    RetireSegments,
+    SegmentsDeleted,
+    SegmentWritten,
+)
 
 LOG = logs.get("test")
 ACK, DROPPED = fmt.ACK, fmt.DROPPED

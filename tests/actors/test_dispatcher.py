@@ -1,4 +1,4 @@
-"""The dispatcher actor (actors/dispatcher.py) in process, against the real ack_logger.
+"""The dispatcher actor (quiverd_actors.dispatcher) in process, against the real ack_logger.
 
 Real segment files, a real ack.log; sessions get their ``Delivery`` values on
 memory streams and the RecordOutcome requests pass through a tap on their way to
@@ -21,9 +21,6 @@ import pyarrow as pa
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors import ack_logger
-from actors.dispatcher import BACKOFF_BASE_S, Dispatcher, Session
-from actors.messages import AckLogRequest, ChangeSubscriber, RecordOutcome
 from quiverd.acks import format as fmt
 from quiverd.acks.recovery import recover_acks
 from quiverd.acks.state import AckState
@@ -40,6 +37,9 @@ from quiverd.segments.format import encode_segment
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentTable
+from quiverd_actors import ack_logger
+from quiverd_actors.dispatcher import BACKOFF_BASE_S, Dispatcher, Session
+from quiverd_actors.messages import AckLogRequest, ChangeSubscriber, RecordOutcome
 
 LOG = logs.get("test")
 SEGMENTS = {1: 3, 2: 2}  # segment_seq -> bundles

@@ -21,8 +21,6 @@ import anyio
 import pyarrow as pa
 import pytest
 
-from actors import finalizer
-from actors.messages import SealedSegment, SealReason, SegmentWritten, WalReleased
 from quiverd.kernel.bundle import Bundle, make_slot, read_ipc_stream
 from quiverd.kernel.errors import DurabilityLost
 from quiverd.kernel.layout import DataDir, ShardLayout
@@ -30,6 +28,8 @@ from quiverd.kernel.metrics import Metrics, SegmentMetrics
 from quiverd.segments.files import Floor, read_marker, segment_info
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.reader import SegmentReader
+from quiverd_actors import finalizer
+from quiverd_actors.messages import SealedSegment, SealReason, SegmentWritten, WalReleased
 
 
 class Log:

@@ -1,4 +1,4 @@
-"""The gc_sweeper actor (actors/gc_sweeper.py) in process, against the real ack_logger.
+"""The gc_sweeper actor (quiverd_actors.gc_sweeper) in process, against the real ack_logger.
 
 Real segment files and a real ack.log; the messages the gc sends pass through a
 tap on their way to the ack_logger, so each test compares them, the files left,
@@ -21,9 +21,6 @@ import pyarrow as pa
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors import ack_logger, gc_sweeper
-from actors.messages import AckLogRequest, RecordOutcome, RetireSegments, SegmentsDeleted
-from actors.retention_gate import RetentionGate
 from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.recovery import recover_acks
@@ -40,6 +37,9 @@ from quiverd.segments.format import encode_segment
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentInfo, SegmentTable
+from quiverd_actors import ack_logger, gc_sweeper
+from quiverd_actors.messages import AckLogRequest, RecordOutcome, RetireSegments, SegmentsDeleted
+from quiverd_actors.retention_gate import RetentionGate
 
 LOG = logs.get("test")
 HOUR_NS = 3600 * 1_000_000_000

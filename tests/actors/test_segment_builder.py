@@ -17,12 +17,12 @@ import anyio
 import pyarrow as pa
 import pytest
 
-from actors import segment_builder
-from actors.messages import DurableBatch, SealedSegment
 from quiverd.kernel.bundle import Bundle, make_slot
 from quiverd.kernel.config import SegmentConfig
 from quiverd.kernel.metrics import Metrics, SegmentMetrics
 from quiverd.segments.open_segment import OpenSegment
+from quiverd_actors import segment_builder
+from quiverd_actors.messages import DurableBatch, SealedSegment
 
 NEVER_MS = 60_000  # an age limit no test reaches
 

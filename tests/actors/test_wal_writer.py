@@ -21,9 +21,6 @@ import anyio
 import pyarrow as pa
 import pytest
 
-from actors import wal_writer
-from actors.messages import AppendRequest, DurableBatch, ProducerReply, WalReleased
-from actors.retention_gate import RetentionGate
 from quiverd.kernel.bundle import Bundle, MetaCodec, make_slot
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import WalConfig
@@ -33,6 +30,9 @@ from quiverd.protocol.frames import Ack, Error, ErrorCode
 from quiverd.wal import format as walformat
 from quiverd.wal.files import EntryToWrite, WalFiles, WalNoSpace
 from quiverd.wal.replay import ReplayedEntry, WalState, replay_wal
+from quiverd_actors import wal_writer
+from quiverd_actors.messages import AppendRequest, DurableBatch, ProducerReply, WalReleased
+from quiverd_actors.retention_gate import RetentionGate
 
 HASH = walformat.DEFAULT_CFG_HASH
 MAX_ENTRY = 1 << 20

@@ -34,6 +34,9 @@ def test_systemd_install_into_a_root_then_unit_verifies(tmp_path: Path) -> None:
     assert re.search(r"^quiverd:x:\d+:\d+:", (root / "etc/passwd").read_text(), re.M)
     config_dir = root / "etc/quiverd"
     assert config_dir.stat().st_mode & 0o777 == 0o750
+    site = next((root / "opt/quiverd/lib").glob("python3*/site-packages"))
+    assert (site / "quiverd_actors" / "wal_writer.py").exists()
+    assert not (site / "actors").exists()  # no top-level name that could clash
     version = subprocess.run([str(root / "opt/quiverd/bin/quiverd"), "--version"],
                              capture_output=True, text=True, timeout=60)
     assert version.stdout.startswith("quiverd "), version

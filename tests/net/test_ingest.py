@@ -18,7 +18,6 @@ import anyio.abc
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from actors.messages import AppendRequest
 from quiverd.kernel import logs
 from quiverd.kernel.bundle import encode_ipc_stream
 from quiverd.kernel.config import IngestConfig
@@ -26,6 +25,7 @@ from quiverd.net.budget import ByteBudget
 from quiverd.net.ingest import IngestServer
 from quiverd.net.rawsock import RawStream
 from quiverd.protocol import codec as p
+from quiverd_actors.messages import AppendRequest
 
 KiB = 1024
 

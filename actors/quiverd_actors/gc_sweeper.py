@@ -26,8 +26,6 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.messages import AckLogRequest, Retired, RetireReason, RetireSegments, SegmentsDeleted
-from actors.retention_gate import RetentionGate
 from quiverd.acks.state import AckState
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import RetentionConfig
@@ -37,6 +35,14 @@ from quiverd.kernel.metrics import GcMetrics
 from quiverd.kernel.reply import Reply
 from quiverd.segments.files import delete_segments
 from quiverd.segments.table import SegmentView
+from quiverd_actors.messages import (
+    AckLogRequest,
+    Retired,
+    RetireReason,
+    RetireSegments,
+    SegmentsDeleted,
+)
+from quiverd_actors.retention_gate import RetentionGate
 
 SWEEP_INTERVAL_S = 1.0
 

@@ -29,7 +29,6 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from actors.messages import AckLogRequest, RecordOutcome
 from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
 from quiverd.kernel.bundle import make_slot
@@ -41,6 +40,7 @@ from quiverd.kernel.reply import Reply
 from quiverd.protocol.frames import Delivery
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentView
+from quiverd_actors.messages import AckLogRequest, RecordOutcome
 
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 30.0

@@ -19,12 +19,12 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.messages import DurableBatch, SealedSegment, SealReason
 from quiverd.kernel.bundle import Bundle
 from quiverd.kernel.config import SegmentConfig
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import SegmentMetrics
 from quiverd.segments.open_segment import OpenSegment
+from quiverd_actors.messages import DurableBatch, SealedSegment, SealReason
 
 
 async def run(

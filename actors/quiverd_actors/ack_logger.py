@@ -27,14 +27,6 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from actors.messages import (
-    AckLogRequest,
-    ChangeSubscriber,
-    RecordOutcome,
-    Retired,
-    RetireSegments,
-    SegmentWritten,
-)
 from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.state import AckState
@@ -44,6 +36,14 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import AckLogMetrics
 from quiverd.kernel.reply import Reply
 from quiverd.segments.table import SegmentTable
+from quiverd_actors.messages import (
+    AckLogRequest,
+    ChangeSubscriber,
+    RecordOutcome,
+    Retired,
+    RetireSegments,
+    SegmentWritten,
+)
 
 MAX_BATCH = 1024
 COMPACT_THRESHOLD_BYTES = 4 * 1024 * 1024

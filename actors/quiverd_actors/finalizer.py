@@ -31,8 +31,6 @@ import msgspec
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.messages import SealedSegment, SegmentWritten, WalReleased
-from actors.retry import Retry
 from quiverd.kernel.faults import Hook, prefixed
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
@@ -41,6 +39,8 @@ from quiverd.segments.files import Floor, NotWritten, checked_write, write_segme
 from quiverd.segments.format import Piece, encode_segment
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.table import SegmentInfo
+from quiverd_actors.messages import SealedSegment, SegmentWritten, WalReleased
+from quiverd_actors.retry import Retry
 
 # Kept free by segment writes for what drains a full disk: ack.log records (which
 # let the gc delete segments), the FLOOR/DELETED markers and the WAL sidecar.

@@ -39,9 +39,6 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from actors.messages import AppendRequest, DurableBatch, ProducerReply, WalReleased
-from actors.retention_gate import RetentionGate
-from actors.retry import Retry
 from quiverd.kernel.bundle import Bundle, MetaCodec
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import WalConfig
@@ -50,6 +47,9 @@ from quiverd.kernel.metrics import WalMetrics
 from quiverd.protocol.frames import Ack, Error, ErrorCode
 from quiverd.wal import format as walformat
 from quiverd.wal.files import EntryToWrite, WalFiles, WalNoSpace
+from quiverd_actors.messages import AppendRequest, DurableBatch, ProducerReply, WalReleased
+from quiverd_actors.retention_gate import RetentionGate
+from quiverd_actors.retry import Retry
 
 MAX_BATCH_ENTRIES = 256
 MAX_BATCH_BYTES = 16 * 1024 * 1024
