@@ -7,14 +7,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
-
-from quiverd.client import Client, subscribe
+from quiverd.client import Client
 from quiverd.net.admin import request
 from quiverd.segments.reader import SegmentReader
 from quiverd.wal import format as wf
 from quiverd.wal.dump import dump_wal
 from tests.daemon.helpers import stored_bundles, tagged_table
+from tests.daemon.test_subscribers import consume
 
 
 def wait_for(predicate: Any, timeout: float = 10.0) -> None:
@@ -39,25 +38,6 @@ def flip(path: Path, offset: int) -> None:
     raw = bytearray(path.read_bytes())
     raw[offset] ^= 0x40
     path.write_bytes(raw)
-
-
-def consume(d: Any, name: str, *, want: int, idle_s: float = 2.0) -> list[Any]:
-    """Receive and ack until ``want`` bundles arrived or none came for ``idle_s``."""
-    got: list[Any] = []
-
-    async def run() -> None:
-        async with subscribe(d.socket, name, window=64) as deliveries:
-            while len(got) < want:
-                with anyio.move_on_after(idle_s) as scope:
-                    b = await anext(deliveries)
-                if scope.cancelled_caught:
-                    return
-                got.append(b)
-                await b.ack()
-            await anyio.sleep(0.2)  # let the last acks reach the daemon
-
-    anyio.run(run)
-    return got
 
 
 def test_wal_entry_length_past_eof_loses_only_that_entry_and_reports_it(daemon_factory):
