@@ -16,6 +16,7 @@ producers are gone, then dispatcher and gc stop, and the ack_logger drains last.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,8 @@ class Shard:
     def __init__(self, index: int, cfg: Config, *, shard_count: int, faults: Hooks,
                  metrics: Metrics) -> None:
         self.index, self.cfg, self.faults = index, cfg, faults
-        self.disk_reserve_bytes = wal_disk_reserve_bytes(cfg, shard_count)
+        self.shard_count = shard_count
+        self.disk_reserve_bytes = 0  # set by recover(): it needs the filesystem's size
         self.layout = DataDir(Path(cfg.data_dir)).shard(index)
         self.log = logs.get("shard", shard=index)
         self.wal_stats = WalMetrics(metrics, index)
@@ -83,6 +85,8 @@ class Shard:
         self._table = SegmentTable(self.recovered.segments)
         self.segments = self._table.view()
         self.corrupt_entries.inc(self.recovered.replay.get("corrupt_entries", 0))
+        fs_bytes = await anyio.to_thread.run_sync(_filesystem_bytes, self.layout.dir)
+        self.disk_reserve_bytes = wal_disk_reserve_bytes(self.cfg, self.shard_count, fs_bytes)
         self.bundles_lost.inc(self.recovered.replay.get("bundles_lost", 0))
 
     @property
@@ -200,14 +204,25 @@ class Shard:
         }
 
 
-def wal_disk_reserve_bytes(cfg: Config, shard_count: int) -> int:
+def wal_disk_reserve_bytes(cfg: Config, shard_count: int, fs_bytes: int | None = None) -> int:
     """Free space WAL appends leave on the filesystem, so that a full disk drains itself.
 
     Segments release the WAL and ack.log records let the gc delete segments, so both
     must still fit when the WAL has filled the disk: room for one segment per shard
     being finalized (the target size, overshot by at most one group commit of
     ``flush_bytes`` plus one write batch) and the finalizer's own metadata reserve.
+    A segment never holds more than the WAL does, and the reserve never takes more
+    than a tenth of the filesystem (``fs_bytes``): a large segment target on a small
+    disk must not stop ingest before it starts.
     """
-    segment = (cfg.segment.target_size_bytes + cfg.wal.flush_bytes
-               + wal_writer.MAX_BATCH_BYTES)
-    return finalizer.METADATA_RESERVE_BYTES + shard_count * segment
+    segment = (min(cfg.segment.target_size_bytes, cfg.wal.max_size_bytes)
+               + cfg.wal.flush_bytes + wal_writer.MAX_BATCH_BYTES)
+    reserve = finalizer.METADATA_RESERVE_BYTES + shard_count * segment
+    if fs_bytes is not None:
+        reserve = min(reserve, max(fs_bytes // 10, 2 * finalizer.METADATA_RESERVE_BYTES))
+    return reserve
+
+
+def _filesystem_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize
