@@ -27,11 +27,21 @@ class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_ts_ns: int
 
 
+class _Rows:
+    """What the table and its views share: the rows and their byte total."""
+
+    def __init__(self, rows: Iterable[SegmentInfo]) -> None:
+        self.by_seq = {s.segment_seq: s for s in rows}
+        # Kept as rows come and go: the size cap reads it on every append.
+        self.total_bytes = sum(s.size_bytes for s in self.by_seq.values())
+
+
 class SegmentView:
     """Read-only: the live segments by sequence number, oldest first."""
 
-    def __init__(self, rows: dict[int, SegmentInfo]) -> None:
-        self._rows = rows
+    def __init__(self, shared: _Rows) -> None:
+        self._shared = shared
+        self._rows = shared.by_seq
 
     def __contains__(self, segment_seq: object) -> bool:
         return segment_seq in self._rows
@@ -52,7 +62,7 @@ class SegmentView:
         return sorted(self._rows)
 
     def total_bytes(self) -> int:
-        return sum(s.size_bytes for s in self._rows.values())
+        return self._shared.total_bytes
 
     def bytes_from(self, segment_seq: int) -> int:
         """Bytes of the segments at or above ``segment_seq`` (a subscriber's lag)."""
@@ -63,13 +73,18 @@ class SegmentTable(SegmentView):
     """The owner's handle (the ack_logger's): adds and removes rows."""
 
     def __init__(self, rows: Iterable[SegmentInfo] = ()) -> None:
-        super().__init__({s.segment_seq: s for s in rows})
+        super().__init__(_Rows(rows))
 
     def view(self) -> SegmentView:
-        return SegmentView(self._rows)
+        return SegmentView(self._shared)
 
     def add(self, info: SegmentInfo) -> None:
+        old = self._rows.get(info.segment_seq)
+        self._shared.total_bytes += info.size_bytes - (old.size_bytes if old else 0)
         self._rows[info.segment_seq] = info
 
     def remove(self, segment_seq: int) -> SegmentInfo | None:
-        return self._rows.pop(segment_seq, None)
+        info = self._rows.pop(segment_seq, None)
+        if info is not None:
+            self._shared.total_bytes -= info.size_bytes
+        return info
