@@ -20,6 +20,10 @@ from quiverd.net.admin import request
 
 START_TIMEOUT_S = 20.0
 
+# Real services for the storage tier, started once per run and stopped at its end:
+# PostgreSQL (initdb/pg_ctl under runuser) and moto's S3 server on loopback.
+pytest_plugins = ["tests.services.postgres", "tests.services.s3"]
+
 
 class DaemonProcess:
     """One `quiverd serve` subprocess with its config, sockets and log."""

@@ -5,6 +5,7 @@ never one above, lazy imports (inside functions) included:
 
     kernel                         shared by everything, imports nothing else
     wal, segments, acks, protocol  formats and their files
+    lake                           Parquet, object store, catalog (the storage tier)
     client                         talks to a running daemon over the socket
     quiverd_actors (actors/)       the daemon's actors and their messages
     net                            servers that feed the actors
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RANKS = {
     "quiverd.kernel": 0,
     "quiverd.wal": 1, "quiverd.segments": 1, "quiverd.acks": 1, "quiverd.protocol": 1,
+    "quiverd.lake": 1,
     "quiverd.client": 2,
     "quiverd_actors": 3,
     "quiverd.net": 4,
@@ -34,7 +36,7 @@ RANKS = {
 # Format packages may use each other only where one format embeds another's type.
 FORMAT_PEERS: dict[str, set[str]] = {
     "quiverd.wal": set(), "quiverd.segments": set(), "quiverd.acks": set(),
-    "quiverd.protocol": set(),
+    "quiverd.protocol": set(), "quiverd.lake": set(),
 }
 
 

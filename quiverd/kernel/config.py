@@ -87,6 +87,72 @@ class LogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """[lake.store]: any OpenDAL service; ``fs`` under <data_dir>/objects by default."""
+
+    scheme: str = "fs"  # OpenDAL service name: "fs", "s3", "gcs", "azblob", "memory", ...
+    root: str = ""  # fs: "" = <data_dir>/objects; s3: prefix inside the bucket
+    # Service options, all strings (bucket, region, endpoint, access_key_id, ...).
+    options: dict[str, str] = msgspec.field(default_factory=dict)
+    max_concurrency: int = 4  # uploads (and deletes) in flight
+    max_attempts: int = 8  # per operation, first try included
+    retry_base_ms: int = 100  # backoff: base * 2**n, full jitter, capped below
+    retry_max_ms: int = 10_000
+    timeout_ms: int = 120_000  # one attempt of one operation
+
+
+class IndexConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """[lake.index]: what the built-in indexer records per file."""
+
+    zone_map_columns: list[str] = msgspec.field(default_factory=list)  # + the time column
+    bloom_filter_columns: list[str] = msgspec.field(default_factory=list)
+    bloom_filter_fpp: float = 0.05
+
+
+class JanitorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    interval_s: int = 3600  # 0 = only `quiverd janitor`
+    grace_s: int = 86_400  # an object without a row is an orphan only when older than this
+
+
+class CompactionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    interval_s: int = 3600  # 0 = only `quiverd compact`
+    min_files: int = 4  # fewer small files than this: nothing to do
+    max_files: int = 32  # per task
+    small_file_bytes: int = 32 * MiB  # files below this are candidates
+    parallelism: int = 1  # tasks at once
+    memory_limit_bytes: int = 512 * MiB  # Arrow bytes one task may hold
+    delete_grace_s: int = 600  # replaced objects stay this long for readers in flight
+
+
+class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """[lake]: the uploader (finalized bundles -> Parquet -> object store -> catalog)."""
+
+    enabled: bool = True
+    node_id: str = ""  # "" = the host name; part of every object key
+    time_column: str = ""  # "" = _quiver_ingested_at (the bundle's ingestion time)
+    compression_level: int = 3  # zstd
+    row_group_bytes: int = 64 * MiB  # Arrow bytes buffered per file before a row group
+    file_size_bytes: int = 128 * MiB  # rotate Active -> Stable at this Parquet size
+    file_duration_ms: int = 300_000  # ... or this long after the file's first bundle
+    max_buffer_bytes: int = 256 * MiB  # Arrow bytes buffered across all files
+    window_bundles: int = 4096  # bundles held unacked; reaching it rotates the oldest file
+    parallelism: int = 2  # Parquet encoders at once (threads; zstd releases the GIL)
+    delete_after_upload: bool = True  # evict the local copy once registered and indexed
+    local_retention_s: int = 0  # when not deleting right away: keep local copies this long
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    index: IndexConfig = msgspec.field(default_factory=IndexConfig)
+    janitor: JanitorConfig = msgspec.field(default_factory=JanitorConfig)
+    compaction: CompactionConfig = msgspec.field(default_factory=CompactionConfig)
+
+
+class CatalogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """[catalog]: PostgreSQL when ``dsn`` is set, else SQLite in <data_dir>/catalog.sqlite."""
+
+    dsn: str = ""  # postgresql://user@host:port/db (libpq URI); "" = embedded
+    connect_timeout_ms: int = 5_000
+    pool_size: int = 4
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     data_dir: str = "/var/lib/quiverd"
     shards: int = 0  # 0 → number of cores
@@ -99,6 +165,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     subscribers: list[SubscriberEntry] = msgspec.field(default_factory=list)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    lake: LakeConfig = msgspec.field(default_factory=LakeConfig)
+    catalog: CatalogConfig = msgspec.field(default_factory=CatalogConfig)
 
     @property
     def shard_count(self) -> int:

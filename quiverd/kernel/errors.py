@@ -116,3 +116,41 @@ class DurabilityLost(QuiverError):
     """fsync/fdatasync failed: the shard stops; restart lets replay recover."""
 
     hint = "check the disk (dmesg); systemd restarts quiverd and replay recovers what was durable"
+
+
+class LakeError(QuiverError):
+    """Base of the storage tier's errors (object store, catalog)."""
+
+
+class StoreUnavailable(LakeError):
+    """The object store failed after every retry (throttling, 5xx, timeouts, resets)."""
+
+    retryable = True
+    hint = ("the uploader keeps the local files and retries; check the store's endpoint "
+            "and health (lake.store)")
+
+
+class StoreDenied(LakeError):
+    """The object store refused our credentials or permissions: retrying cannot help."""
+
+    hint = ("fix lake.store credentials / bucket policy; local Parquet files are kept and "
+            "uploaded once access works")
+
+
+class ObjectExists(LakeError):
+    """A conditional create found the key taken: an object is never overwritten."""
+
+
+class VerifyFailed(LakeError):
+    """An uploaded object's size or CRC-32C differs from the local file (it was deleted)."""
+
+    retryable = True
+    hint = "the upload is retried from the local file"
+
+
+class CatalogUnavailable(LakeError):
+    """The catalog database cannot be reached or failed a statement; retry later."""
+
+    retryable = True
+    hint = ("check catalog.dsn and that the database is up; the uploader retries and the "
+            "WAL and segments keep the data meanwhile")

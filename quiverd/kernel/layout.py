@@ -13,6 +13,11 @@
         segments/DELETED                highest WAL sequence of a deleted segment
         ack.log                         subscriber outcomes + checkpoints
         quarantine/                     bytes cut out during recovery
+      lake.id                           this data directory's incarnation (a ULID)
+      staging/active/                   Parquet files being appended (Active)
+      staging/stable/                   closed Parquet files awaiting upload / eviction
+      objects/                          the default object store (OpenDAL fs)
+      catalog.sqlite                    the embedded catalog (when catalog.dsn is "")
 
 Other modules ask this one for a path; none spells a file or directory name of
 the layout itself, so a layout change touches this file only.
@@ -38,6 +43,12 @@ FLOOR = "FLOOR"
 DELETED = "DELETED"
 ACK_LOG = "ack.log"
 QUARANTINE_DIR = "quarantine"
+LAKE_ID = "lake.id"
+STAGING_DIR = "staging"
+ACTIVE_DIR = "active"
+STABLE_DIR = "stable"
+OBJECTS_DIR = "objects"
+CATALOG_DB = "catalog.sqlite"
 
 _SHARD = re.compile(re.escape(SHARD_PREFIX) + r"(\d+)")
 _ROTATED = re.compile(re.escape(ACTIVE_WAL) + r"\.(\d+)")
@@ -65,6 +76,26 @@ class DataDir:
 
     def shard(self, index: int) -> ShardLayout:
         return ShardLayout(self.root / f"{SHARD_PREFIX}{index}")
+
+    @property
+    def lake_id(self) -> Path:
+        return self.root / LAKE_ID
+
+    @property
+    def staging_active(self) -> Path:
+        return self.root / STAGING_DIR / ACTIVE_DIR
+
+    @property
+    def staging_stable(self) -> Path:
+        return self.root / STAGING_DIR / STABLE_DIR
+
+    @property
+    def objects(self) -> Path:
+        return self.root / OBJECTS_DIR
+
+    @property
+    def catalog_db(self) -> Path:
+        return self.root / CATALOG_DB
 
 
 @dataclass(frozen=True)
