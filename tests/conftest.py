@@ -152,7 +152,12 @@ def daemon_factory(short_dir: Path) -> Iterator[Any]:
              name: str = "d") -> DaemonProcess:
         root = short_dir / name
         root.mkdir(exist_ok=True)
-        d = DaemonProcess(root, {"shards": 2, **(settings or {})}, env or {})
+        settings = dict(settings or {})
+        if not any(k.startswith(("lake.", "catalog.")) for k in settings):
+            # The lake has its own tests (tests/daemon/test_lake*.py); elsewhere it would
+            # hold segments back as a second subscriber.
+            settings["lake.enabled"] = False
+        d = DaemonProcess(root, {"shards": 2, **settings}, env or {})
         made.append(d)
         return d
 

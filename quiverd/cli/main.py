@@ -12,6 +12,9 @@
     quiverd subscribers list [--json]      subscribers and their lag (admin socket)
     quiverd subscribe NAME (--out DIR | --count N)   console consumer (ingest socket)
     quiverd fsck DATA_DIR [--repair]       verify WAL, sidecars, segments
+    quiverd files list|show ...            lake files in the catalog (cli/lake.py)
+    quiverd janitor [--dry-run]            reconcile objects and catalog rows
+    quiverd compact [--client C]           merge small lake files
 
 Errors print the message and a ``hint:`` line; the exit code is non-zero.
 """
@@ -19,13 +22,13 @@ Errors print the message and a ``hint:`` line; the exit code is non-zero.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from quiverd import __version__
+from quiverd.cli.output import table, utc
 from quiverd.kernel import config as config_mod
 from quiverd.kernel.errors import ConfigError, QuiverError
 
@@ -162,6 +165,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--repair", action="store_true", help="move damaged files to quarantine/")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_fsck)
+
+    from quiverd.cli.lake import add_parsers as add_lake_parsers
+
+    add_lake_parsers(sub, DEFAULT_CONFIG)
     return p
 
 
@@ -225,7 +232,15 @@ def _status(args: argparse.Namespace) -> int:
           f"connections {result['connections']}  stopping {result['stopping']}")
     cols = ["shard", "wal_bytes", "wal_files", "last_sequence", "fsyncs", "acks", "in_flight",
             "open_bundles", "segments"]
-    _table(cols, result["shards"])
+    table(cols, result["shards"])
+    lake = result.get("lake") or {}
+    if lake.get("enabled"):
+        print(f"lake {lake['state']}  store {lake['store']}  catalog {lake['catalog']}  "
+              f"files_uploaded {lake['files_uploaded']}  pending_files {lake['pending_files']}  "
+              f"open_files {lake['open_files']}  unacked_bundles {lake['unacked_bundles']}"
+              + ("  STORE DENIED (check lake.store credentials)" if lake["store_denied"] else ""))
+    else:
+        print("lake off (lake.enabled = false)")
     return 0
 
 
@@ -236,9 +251,9 @@ def _segments_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    human = [{**r, "first_ingested": _utc(r["min_ts_ns"]), "last_ingested": _utc(r["max_ts_ns"])}
+    human = [{**r, "first_ingested": utc(r["min_ts_ns"]), "last_ingested": utc(r["max_ts_ns"])}
              for r in rows]
-    _table(["shard", "segment_seq", "bundles", "bytes", "first_ingested", "last_ingested"],
+    table(["shard", "segment_seq", "bundles", "bytes", "first_ingested", "last_ingested"],
            human)
     return 0
 
@@ -278,7 +293,7 @@ def _subscribers_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    _table(["name", "lag_segments", "lag_bundles", "lag_bytes", "dropped_bundles"], rows)
+    table(["name", "lag_segments", "lag_bundles", "lag_bytes", "dropped_bundles"], rows)
     if not rows:
         print("(no subscribers; add one with `quiverd subscribers add NAME`)")
     return 0
@@ -315,20 +330,6 @@ def _fsck(args: argparse.Namespace) -> int:
     from quiverd.cli.fsck import run_fsck
 
     return run_fsck(Path(args.data_dir), repair=args.repair, as_json=args.json)
-
-
-def _utc(ts_ns: int) -> str:
-    """Nanoseconds since the epoch as an ISO-8601 UTC time, to the millisecond."""
-    when = datetime.datetime.fromtimestamp(ts_ns / 1e9, tz=datetime.UTC)
-    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _table(cols: list[str], rows: list[dict[str, Any]]) -> None:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c)
-              for c in cols]
-    print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
-    for r in rows:
-        print("  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(cols, widths, strict=True)))
 
 
 if __name__ == "__main__":

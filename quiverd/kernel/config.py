@@ -20,7 +20,7 @@ import msgspec
 
 from quiverd.kernel.errors import ConfigError
 from quiverd.kernel.layout import DataDir
-from quiverd.kernel.names import subscriber_name_problem
+from quiverd.kernel.names import node_id_problem, subscriber_name_problem
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -285,6 +285,7 @@ def validate(cfg: Config) -> None:
         (cfg.retention.size_cap_bytes >= 0, "retention.size_cap_bytes", "must be >= 0"),
         (cfg.retention.max_age_s >= 0, "retention.max_age_s", "must be >= 0"),
     ]
+    checks += _lake_checks(cfg)
     if cfg.metrics.listen:
         parse_listen(cfg.metrics.listen)
     for ok, path, message in checks:
@@ -304,6 +305,46 @@ def validate(cfg: Config) -> None:
         if sub.name in seen:
             raise ConfigError(f"subscribers[{i}].name", f"{sub.name!r} is listed twice")
         seen.add(sub.name)
+
+
+def _lake_checks(cfg: Config) -> list[tuple[bool, str, str]]:
+    lake, store, comp = cfg.lake, cfg.lake.store, cfg.lake.compaction
+    dsn = cfg.catalog.dsn
+    return [
+        (not lake.node_id or node_id_problem(lake.node_id) is None, "lake.node_id",
+         node_id_problem(lake.node_id) or ""),
+        (1 <= lake.compression_level <= 22, "lake.compression_level", "must be 1..22 (zstd)"),
+        (lake.row_group_bytes >= 64 * KiB, "lake.row_group_bytes", "must be >= 65536"),
+        (lake.file_size_bytes >= 64 * KiB, "lake.file_size_bytes", "must be >= 65536"),
+        (lake.file_duration_ms >= 10, "lake.file_duration_ms", "must be >= 10"),
+        (lake.max_buffer_bytes >= lake.row_group_bytes, "lake.max_buffer_bytes",
+         "must be >= lake.row_group_bytes"),
+        (16 <= lake.window_bundles <= 65536, "lake.window_bundles", "must be 16..65536"),
+        (1 <= lake.parallelism <= 64, "lake.parallelism", "must be 1..64"),
+        (lake.local_retention_s >= 0, "lake.local_retention_s", "must be >= 0"),
+        (store.scheme.isidentifier(), "lake.store.scheme",
+         f"{store.scheme!r} is not an OpenDAL service name (fs, s3, gcs, azblob, ...)"),
+        (1 <= store.max_concurrency <= 256, "lake.store.max_concurrency", "must be 1..256"),
+        (1 <= store.max_attempts <= 100, "lake.store.max_attempts", "must be 1..100"),
+        (1 <= store.retry_base_ms <= store.retry_max_ms, "lake.store.retry_base_ms",
+         "must be >= 1 and <= lake.store.retry_max_ms"),
+        (store.timeout_ms >= 100, "lake.store.timeout_ms", "must be >= 100"),
+        (0 < lake.index.bloom_filter_fpp < 1, "lake.index.bloom_filter_fpp",
+         "must be between 0 and 1"),
+        (lake.janitor.interval_s >= 0, "lake.janitor.interval_s", "must be >= 0 (0 = off)"),
+        (lake.janitor.grace_s >= 0, "lake.janitor.grace_s", "must be >= 0"),
+        (comp.interval_s >= 0, "lake.compaction.interval_s", "must be >= 0 (0 = off)"),
+        (2 <= comp.min_files <= comp.max_files, "lake.compaction.min_files",
+         "must be >= 2 and <= lake.compaction.max_files"),
+        (1 <= comp.parallelism <= 64, "lake.compaction.parallelism", "must be 1..64"),
+        (comp.memory_limit_bytes >= 1 * MiB, "lake.compaction.memory_limit_bytes",
+         "must be >= 1048576"),
+        (comp.delete_grace_s >= 0, "lake.compaction.delete_grace_s", "must be >= 0"),
+        (not dsn or dsn.startswith(("postgresql://", "postgres://")), "catalog.dsn",
+         "must be a PostgreSQL URI (postgresql://user@host:5432/db) or \"\" (embedded)"),
+        (cfg.catalog.connect_timeout_ms >= 1, "catalog.connect_timeout_ms", "must be >= 1"),
+        (1 <= cfg.catalog.pool_size <= 100, "catalog.pool_size", "must be 1..100"),
+    ]
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

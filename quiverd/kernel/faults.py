@@ -22,6 +22,9 @@ Points (component.step):
     finalize   tmp_written, tmp_fsynced, renamed, dir_fsynced (the segment file),
                floor_tmp_written ... floor_dir_fsynced, floor_written
     acklog     fdatasync
+    lake       received, appended, rotated, object_written, uploaded, registered, acked,
+               indexed, evicted (after that lifecycle step of a lake file; e.g.
+               ``lake=kill:registered``)
 
 Hooks run in worker threads, never on the event loop. The daemon logs a
 warning at startup when any rule is active.

@@ -188,6 +188,35 @@ class Metrics:
         self.fdatasync_latency = Histogram(
             "quiver_wal_fdatasync_seconds", "duration of one WAL fdatasync", sh,
             buckets=LATENCY_BUCKETS, registry=self.registry)
+        # lake (uploader, indexer, janitor, compaction; daemon-wide)
+        self.lake_transitions = c("quiver_lake_file_transitions_total",
+                                  "lake files entering a lifecycle state", ("state",))
+        self.lake_files_uploaded = c("quiver_lake_files_uploaded_total",
+                                     "Parquet files uploaded and verified", ())
+        self.lake_upload_bytes = c("quiver_lake_upload_bytes_total",
+                                   "Parquet bytes uploaded and verified", ())
+        self.lake_rotations = c("quiver_lake_rotations_total",
+                                "Active files closed to Stable, by reason", ("reason",))
+        self.lake_rows = c("quiver_lake_rows_total", "rows appended to Parquet files", ())
+        self.lake_errors = c("quiver_lake_errors_total", "storage tier errors, by kind",
+                             ("kind",))
+        self.lake_bundles_skipped = c("quiver_lake_bundles_already_registered_total",
+                                      "redelivered bundles acked without a second upload "
+                                      "(a registered file holds them)", ())
+        self.lake_buffered_bytes = g("quiver_lake_buffered_bytes",
+                                     "Arrow bytes waiting for their row group", ())
+        self.lake_unacked = g("quiver_lake_unacked_bundles",
+                              "bundles the uploader holds until their files are registered", ())
+        self.lake_pending_uploads = g("quiver_lake_pending_files",
+                                      "Stable files not yet registered", ())
+        self.lake_denied = g("quiver_lake_store_denied",
+                             "1 while the object store refuses our credentials", ())
+        self.lake_upload_latency = Histogram(
+            "quiver_lake_upload_seconds", "upload + verify of one Parquet file", (),
+            buckets=LATENCY_BUCKETS + (30.0, 60.0), registry=self.registry)
+        self.lake_append_latency = Histogram(
+            "quiver_lake_append_seconds", "one row-group append (conform + Parquet encode)", (),
+            buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(self)
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...]) -> Series:

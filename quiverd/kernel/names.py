@@ -45,3 +45,14 @@ def client_name_problem(name: str) -> str | None:
     if CLIENT_NAME_BYTES.fullmatch(name.encode("ascii", "replace")) is not None:
         return None
     return f"client name {name!r} must match {CLIENT_NAME_RULE}"
+
+
+NODE_ID_RULE = "[A-Za-z0-9._-]{1,64}, not '.' or '..'"
+NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def node_id_problem(node_id: str) -> str | None:
+    """Why ``node_id`` cannot name a node in object keys, or None when it can."""
+    if NODE_ID.fullmatch(node_id) and node_id not in (".", ".."):
+        return None
+    return f"node id {node_id!r} must match {NODE_ID_RULE} (it is part of every object key)"

@@ -38,9 +38,11 @@ from quiverd.kernel.reply import Reply
 from quiverd.net.admin import AdminServer
 from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
+from quiverd.runtime.lake import Lake, lake_disabled_warning
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 from quiverd_actors.messages import ChangeSubscriber
+from quiverd_actors.uploader import SUBSCRIBER
 
 SubscriberOp = Literal["add", "remove"]
 SubscriberStart = Literal["earliest", "latest"]
@@ -64,6 +66,7 @@ class Daemon:
         self.handle_signals = handle_signals
         self.shards: list[Shard] = []
         self.ingest: IngestServer | None = None
+        self.lake: Lake | None = None
         self.stopping = False
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -92,6 +95,7 @@ class Daemon:
             async with anyio.create_task_group() as pipelines:
                 for shard in self.shards:
                     await pipelines.start(shard.run)
+                await self._start_lake(pipelines)
                 self.ingest = IngestServer(cfg.ingest, cfg.ingest_socket,
                                            [s.inbox for s in self.shards],
                                            limiter=anyio.CapacityLimiter(2),
@@ -123,10 +127,21 @@ class Daemon:
         self.stopping = True
         self.notifier.stopping()
         self.log.info("quiverd_stopping")
+        if self.lake is not None:
+            self.lake.stop()  # first: its acks need the shards' ack loggers
         for shard in self.shards:
             shard.stopping.set()
         if self.ingest is not None:
             self.ingest.stop()
+
+    async def _start_lake(self, group: anyio.abc.TaskGroup) -> None:
+        if not self.cfg.lake.enabled:
+            registered = any(SUBSCRIBER in s.acks.registry for s in self.shards)
+            if (warning := lake_disabled_warning(self.cfg, registered)) is not None:
+                self.log.warning("lake_disabled_subscriber_registered", **warning)
+            return
+        self.lake = Lake(self, metrics=self.metrics, faults=self.faults)
+        await group.start(self.lake.run)
 
     async def _signals(self, root_scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -194,6 +209,7 @@ class Daemon:
             "connections": int(ingest.connections.value) if ingest else 0,
             "ingest": ingest.as_dict() if ingest else {},
             "shards": [s.status() for s in self.shards],
+            "lake": self.lake.status() if self.lake else {"enabled": False},
             "metrics": self.metrics_summary(),
         }
 

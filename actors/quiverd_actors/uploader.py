@@ -1,0 +1,541 @@
+"""Uploader: the built-in subscriber ``uploader``. Finalized bundles in, Parquet in the lake out.
+
+    dispatcher[n] ──Delivery──▶ uploader ──▶ Active Parquet file per (shard, client, slot)
+         ▲                        │ rotate on size, time, schema change or window pressure
+         │                        ▼
+         │                Stable file ──▶ publish workers: upload + verify ──▶ register (catalog)
+         └──── ack (dispatcher.feedback) once every slot's file of the bundle is registered
+
+It is a subscriber like any other, so the shared ack.log decides when a segment may
+be deleted: a bundle stays on local disk until the files holding it are in the
+catalog. Exactly once into the lake (SPEC §6): before a delivered bundle is used, the
+catalog is asked which of its slots a registered file already holds (a crash between
+registering and acking redelivers it); those slots are skipped, and a bundle with
+nothing left is acked at once. The catalog refuses a registration that would cover a
+bundle twice (``DuplicateCoverage``); the file is then abandoned and its bundles
+nacked, to be redelivered and found covered.
+
+Every row gets four columns so the slots of a bundle can be rejoined:
+``_quiver_ingested_at`` (timestamp ns UTC, the bundle's ingestion time),
+``_quiver_shard``, ``_quiver_segment``, ``_quiver_bundle``. Parquet encoding runs in
+worker threads (``limiter``), one hop per row group; files of different clients
+encode in parallel.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import anyio
+import pyarrow as pa
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from ulid import ULID
+
+from quiverd.acks import format as ackfmt
+from quiverd.kernel.durable import fsync_dir
+from quiverd.kernel.errors import (
+    CatalogUnavailable,
+    ObjectExists,
+    StoreDenied,
+    StoreUnavailable,
+    VerifyFailed,
+)
+from quiverd.kernel.faults import Hook
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import Metrics
+from quiverd.lake.catalog import DuplicateCoverage
+from quiverd.lake.drift import conform, normalize, unify
+from quiverd.lake.model import Coverage, FileRow, FileState
+from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, file_name
+from quiverd.lake.tier import Tier
+from quiverd.protocol.frames import Delivery
+from quiverd_actors.dispatcher import Dispatcher, Session
+
+P = ParamSpec("P")
+T = TypeVar("T")
+SUBSCRIBER = "uploader"
+INGESTED_AT = "_quiver_ingested_at"
+EXTRA_FIELDS = (pa.field(INGESTED_AT, pa.timestamp("ns", tz="UTC")),
+                pa.field("_quiver_shard", pa.uint16()),
+                pa.field("_quiver_segment", pa.uint64()),
+                pa.field("_quiver_bundle", pa.uint32()))
+MAX_OPEN_FILES = 128
+COVERAGE_CACHE = 1024
+RETRY_BASE_S = 0.5
+RETRY_MAX_S = 30.0
+DENIED_RETRY_S = 60.0
+PUBLISH_QUEUE = 8
+
+BundleKey = tuple[int, int, int]  # (shard, segment_seq, bundle_index)
+FileKey = tuple[int, str, int]  # (shard, client, slot)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One slot of one bundle, waiting for its row group."""
+
+    ipc: bytes | bytearray | memoryview
+    segment_seq: int
+    bundle_index: int
+    ingestion_ts_ns: int
+
+
+@dataclass(eq=False)
+class OpenFile:
+    """A lake file being filled: buffered parts, then an Active Parquet file."""
+
+    key: FileKey
+    file_id: str
+    path: Path
+    schema: pa.Schema
+    opened_at: float  # monotonic
+    created_ns: int
+    parts: list[Part] = field(default_factory=list)
+    buffered_bytes: int = 0
+    bundles: list[tuple[int, int]] = field(default_factory=list)  # (segment_seq, index)
+    active: ActiveFile | None = None
+    frozen: bool = False  # schema fixed: the first row group is being written
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+    @property
+    def shard(self) -> int:
+        return self.key[0]
+
+    @property
+    def client(self) -> str:
+        return self.key[1]
+
+    @property
+    def slot(self) -> int:
+        return self.key[2]
+
+
+@dataclass(frozen=True)
+class Sealed:
+    file: OpenFile
+    facts: FileFacts
+    path: Path  # the Stable file
+
+
+class Uploader:
+    def __init__(self, tier: Tier, dispatchers: list[Dispatcher], session: Session, *,
+                 limiter: anyio.CapacityLimiter, log: Logger, metrics: Metrics,
+                 hook: Hook | None = None) -> None:
+        lake = tier.cfg.lake
+        self.tier, self.lake, self.dispatchers, self.session = tier, lake, dispatchers, session
+        self.limiter, self.log, self.m, self.hook = limiter, log, metrics, hook
+        self.settings = ParquetSettings(
+            compression_level=lake.compression_level,
+            bloom_filter_columns=tuple(lake.index.bloom_filter_columns),
+            bloom_filter_fpp=lake.index.bloom_filter_fpp)
+        self.files: dict[FileKey, OpenFile] = {}
+        self.live: set[OpenFile] = set()  # files with a writer open (aborted at exit)
+        self.outstanding: dict[BundleKey, int] = {}  # slot files not yet registered
+        self.covered_cache: OrderedDict[tuple[int, int], dict[int, set[int]]] = OrderedDict()
+        self.buffered = 0
+        self.buffer_freed = anyio.Event()
+        send, recv = anyio.create_memory_object_stream[Sealed](PUBLISH_QUEUE)
+        self.publish_tx: MemoryObjectSendStream[Sealed] = send
+        self.publish_rx: MemoryObjectReceiveStream[Sealed] = recv
+
+    async def run(self, inbox: MemoryObjectReceiveStream[Delivery], *,
+                  task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Consume deliveries until the stream ends or the task is cancelled."""
+        try:
+            async with inbox, anyio.create_task_group() as tg:
+                self.tg = tg
+                for _ in range(self.lake.store.max_concurrency):
+                    tg.start_soon(self._publisher)
+                tg.start_soon(self._timer)
+                task_status.started()
+                async for delivery in inbox:
+                    await self._take(delivery)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._abort_all()
+
+    # ---- intake -------------------------------------------------------------------
+    async def _take(self, d: Delivery) -> None:
+        covered = await self._covered(d.shard, d.segment_seq)
+        todo = [s for s in d.slots if d.bundle_index not in covered.get(s.slot, ())]
+        if len(todo) < len(d.slots):
+            self.m.lake_bundles_skipped.labels().inc()
+        key = (d.shard, d.segment_seq, d.bundle_index)
+        if not todo:
+            await self._feedback(key, ackfmt.ACK)
+            return
+        self.outstanding[key] = len(todo)
+        self.m.lake_unacked.labels().set(len(self.outstanding))
+        for slot in todo:
+            await self._add(d, slot.slot, slot.ipc)
+        await self._relieve_pressure()
+
+    async def _add(self, d: Delivery, slot: int, ipc: bytes | bytearray | memoryview) -> None:
+        incoming = _with_extras(pa.ipc.open_stream(ipc).schema)
+        fkey = (d.shard, d.client, slot)
+        f = self.files.get(fkey)
+        if f is not None:
+            rep = unify(f.schema, incoming)
+            if rep is None or (f.frozen and rep != f.schema):
+                self._start_rotation(f, "schema")
+                f = await self._open(fkey, normalize(incoming) if rep is None else rep)
+            else:
+                f.schema = rep
+        else:
+            f = await self._open(fkey, normalize(incoming))
+        f.parts.append(Part(ipc=ipc, segment_seq=d.segment_seq, bundle_index=d.bundle_index,
+                            ingestion_ts_ns=d.ingestion_ts_ns))
+        f.bundles.append((d.segment_seq, d.bundle_index))
+        f.buffered_bytes += len(ipc)
+        self._buffer(len(ipc))
+        if f.buffered_bytes >= self.lake.row_group_bytes:
+            self.tg.start_soon(self._flush_then_check, f)
+
+    async def _open(self, fkey: FileKey, schema: pa.Schema) -> OpenFile:
+        file_id = str(ULID())
+        now_ns = time.time_ns()
+        name = file_name(fkey[1], now_ns, file_id, "active")
+        f = OpenFile(key=fkey, file_id=file_id, path=self.tier.data.staging_active / name,
+                     schema=schema, opened_at=anyio.current_time(), created_ns=now_ns)
+        self.files[fkey] = f
+        await self._catalog(self.tier.catalog.insert_file, FileRow(
+            file_id=file_id, client_name=fkey[1], node_id=self.tier.node_id,
+            source_id=self.tier.source_id, shard=fkey[0], slot=fkey[2],
+            state=FileState.RECEIVED, local_path=str(f.path), created_at=now_ns,
+            updated_at=now_ns))
+        self._event(f, FileState.RECEIVED, 0.0)
+        await self._fault("received")
+        return f
+
+    async def _relieve_pressure(self) -> None:
+        """Bound memory (buffered bytes), open files and bundles held unacked."""
+        while self.buffered >= self.lake.max_buffer_bytes:
+            biggest = max((f for f in self.files.values() if f.parts),
+                          key=lambda f: f.buffered_bytes, default=None)
+            if biggest is not None:
+                self.tg.start_soon(self._flush_then_check, biggest)
+            event = self.buffer_freed
+            await event.wait()
+        held = sum(len(f.bundles) for f in self.files.values())
+        if held >= self.lake.window_bundles // 2 or len(self.files) > MAX_OPEN_FILES:
+            oldest = min(self.files.values(), key=lambda f: f.opened_at)
+            self._start_rotation(oldest, "window")
+
+    async def _timer(self) -> None:
+        tick = min(1.0, self.lake.file_duration_ms / 4000)
+        while True:
+            await anyio.sleep(tick)
+            now = anyio.current_time()
+            for f in list(self.files.values()):
+                if (now - f.opened_at) * 1000 >= self.lake.file_duration_ms:
+                    self._start_rotation(f, "time")
+
+    # ---- Parquet ------------------------------------------------------------------
+    def _buffer(self, delta: int) -> None:
+        self.buffered += delta
+        self.m.lake_buffered_bytes.labels().set(self.buffered)
+        if delta < 0:
+            self.buffer_freed.set()
+            self.buffer_freed = anyio.Event()
+
+    async def _flush_then_check(self, f: OpenFile) -> None:
+        await self._flush(f)
+        if (f.active is not None and self.files.get(f.key) is f
+                and f.active.bytes_written >= self.lake.file_size_bytes):
+            self._start_rotation(f, "size")
+
+    async def _flush(self, f: OpenFile) -> None:
+        async with f.lock:
+            parts, f.parts = f.parts, []
+            nbytes, f.buffered_bytes = f.buffered_bytes, 0
+            if not parts:
+                return
+            first = f.active is None
+            f.frozen = True
+            started = anyio.current_time()
+            try:
+                await anyio.to_thread.run_sync(self._encode, f, parts, f.schema,
+                                               limiter=self.limiter)
+            finally:
+                self._buffer(-nbytes)
+            took = anyio.current_time() - started
+            self.m.lake_append_latency.observe(took)
+            if first:
+                await self._transition(f, FileState.APPENDED, took)
+
+    def _encode(self, f: OpenFile, parts: list[Part], schema: pa.Schema) -> None:
+        """Decode, add the bundle columns, conform and append one row group (worker thread)."""
+        tables = [conform(_read_part(p, f.shard), schema) for p in parts]
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        if f.active is None:
+            time_column = self.lake.time_column or INGESTED_AT
+            if schema.get_field_index(time_column) < 0:
+                time_column = INGESTED_AT
+            f.active = ActiveFile.create(f.path, schema, self.settings, metadata={
+                "quiver.file_id": f.file_id, "quiver.client": f.client,
+                "quiver.slot": str(f.slot), "quiver.node_id": self.tier.node_id,
+                "quiver.source_id": self.tier.source_id, "quiver.shard": str(f.shard)},
+                time_column=time_column)
+            self.live.add(f)
+        f.active.append(table)
+
+    def _start_rotation(self, f: OpenFile, reason: str) -> None:
+        if self.files.get(f.key) is f:
+            del self.files[f.key]
+            f.frozen = True
+            self.tg.start_soon(self._rotate, f, reason)
+
+    async def _rotate(self, f: OpenFile, reason: str) -> None:
+        await self._flush(f)
+        async with f.lock:
+            assert f.active is not None, "a file is opened for a part, flushed before rotating"
+            started = anyio.current_time()
+            stable = self.tier.data.staging_stable / file_name(f.client, f.created_ns,
+                                                               f.file_id, "stable")
+            facts = await anyio.to_thread.run_sync(_close_to_stable, f.active, f.path, stable,
+                                                   limiter=self.limiter)
+            self.live.discard(f)
+        self.m.lake_rotations.labels(reason).inc()
+        self.m.lake_rows.labels().inc(facts.rows)
+        await self._transition(f, FileState.ROTATED, anyio.current_time() - started,
+                               local_path=str(stable), row_count=facts.rows,
+                               uncompressed_size=facts.uncompressed_size,
+                               compressed_size=facts.compressed_size, crc32c=facts.crc32c,
+                               start_ts=facts.start_ts, end_ts=facts.end_ts,
+                               schema_hash=facts.schema_hash, reason=reason)
+        self.m.lake_pending_uploads.labels().inc()
+        await self.publish_tx.send(Sealed(file=f, facts=facts, path=stable))
+
+    # ---- upload, register, ack -------------------------------------------------------
+    async def _publisher(self) -> None:
+        async for sealed in self.publish_rx:
+            try:
+                await self._publish(sealed)
+            finally:
+                self.m.lake_pending_uploads.labels().inc(-1)
+
+    async def _publish(self, s: Sealed) -> None:
+        f, facts = s.file, s.facts
+        key = self.tier.object_key(f.client, f.slot, s.path.name)
+        took = await self._upload(f, key, s.path, facts)
+        if took is None:
+            return
+        uri = self.tier.store.uri(key)
+        uploaded_at = time.time_ns()
+        await self._transition(f, FileState.UPLOADED, took, uri=uri, object_key=key,
+                               uploaded_at=uploaded_at)
+        row = _row(self.tier, f, facts, uri=uri, key=key, local=s.path,
+                   uploaded_at=uploaded_at)
+        started = anyio.current_time()
+        try:
+            await self._catalog(self.tier.catalog.register, row, _coverage(f.bundles))
+        except DuplicateCoverage as exc:
+            self.m.lake_errors.labels("duplicate").inc()
+            await self.tier.abandon(row, reason=f"duplicate coverage: {exc}")
+            await self._settle(f, ackfmt.NACK)
+            return
+        self._event(f, FileState.META_REGISTERED, anyio.current_time() - started, uri=uri,
+                    rows=facts.rows, bytes=facts.compressed_size)
+        self._remember(f)
+        await self._fault("registered")
+        await self._settle(f, ackfmt.ACK)
+        await self._fault("acked")
+
+    async def _upload(self, f: OpenFile, key: str, path: Path, facts: FileFacts
+                      ) -> float | None:
+        """Upload until it works; None if the file had to be abandoned."""
+        attempt = 0
+        while True:
+            started = anyio.current_time()
+            try:
+                await self.tier.store.put_file(key, path, size=facts.compressed_size,
+                                               crc32c=facts.crc32c)
+            except StoreDenied as exc:
+                self.m.lake_denied.labels().set(1)
+                self.m.lake_errors.labels("denied").inc()
+                self.log.error("lake_upload_denied", file_id=f.file_id, key=key,
+                               error=str(exc), local_path=str(path), hint=exc.hint)
+                await anyio.sleep(DENIED_RETRY_S)
+                continue
+            except (StoreUnavailable, VerifyFailed) as exc:
+                attempt += 1
+                kind = "verify" if isinstance(exc, VerifyFailed) else "unavailable"
+                self.m.lake_errors.labels(kind).inc()
+                delay = _backoff(attempt)
+                self.log.warning("lake_upload_failed", file_id=f.file_id, key=key,
+                                 error=str(exc), retry_in_s=round(delay, 2))
+                await anyio.sleep(delay)
+                continue
+            except ObjectExists as exc:
+                self.m.lake_errors.labels("exists").inc()
+                await self._give_up(f, facts, path, f"object exists: {exc}")
+                return None
+            took = anyio.current_time() - started
+            self.m.lake_denied.labels().set(0)
+            self.m.lake_upload_latency.observe(took)
+            self.m.lake_files_uploaded.labels().inc()
+            self.m.lake_upload_bytes.labels().inc(facts.compressed_size)
+            await self._fault("object_written")
+            return took
+
+    async def _give_up(self, f: OpenFile, facts: FileFacts, path: Path, reason: str) -> None:
+        row = _row(self.tier, f, facts, uri="", key="", local=path, uploaded_at=0)
+        await self.tier.abandon(row, reason=reason)
+        await self._settle(f, ackfmt.NACK)
+
+    async def _settle(self, f: OpenFile, outcome: int) -> None:
+        """The file's bundles: ack those whose every slot file is registered; nack all
+        of them when the file was abandoned (redelivery finds the registered slots)."""
+        for seg, idx in f.bundles:
+            key = (f.shard, seg, idx)
+            left = self.outstanding.get(key)
+            if left is None:
+                continue  # already nacked through another slot's file
+            if outcome == ackfmt.NACK:
+                del self.outstanding[key]
+                await self._feedback(key, ackfmt.NACK)
+            elif left <= 1:
+                del self.outstanding[key]
+                await self._feedback(key, ackfmt.ACK)
+            else:
+                self.outstanding[key] = left - 1
+        self.m.lake_unacked.labels().set(len(self.outstanding))
+
+    async def _feedback(self, key: BundleKey, outcome: int) -> None:
+        shard, seg, idx = key
+        try:
+            await self.dispatchers[shard].feedback(self.session, seg, idx, outcome)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # shutting down: the bundle is delivered again after the restart
+
+    # ---- catalog ------------------------------------------------------------------
+    async def _covered(self, shard: int, segment_seq: int) -> dict[int, set[int]]:
+        ck = (shard, segment_seq)
+        found = self.covered_cache.get(ck)
+        if found is None:
+            found = await self._catalog(self.tier.catalog.covered, self.tier.source_id,
+                                        shard, segment_seq)
+            self.covered_cache[ck] = found
+            while len(self.covered_cache) > COVERAGE_CACHE:
+                self.covered_cache.popitem(last=False)
+        self.covered_cache.move_to_end(ck)
+        return found
+
+    def _remember(self, f: OpenFile) -> None:
+        """Keep cached coverage true after a registration (a redelivery may follow)."""
+        for seg, idx in f.bundles:
+            cached = self.covered_cache.get((f.shard, seg))
+            if cached is not None:
+                cached.setdefault(f.slot, set()).add(idx)
+
+    async def _catalog(self, fn: Callable[P, Awaitable[T]], *args: P.args,
+                       **kwargs: P.kwargs) -> T:
+        """Call the catalog until it answers: an outage stalls the lake, never ingest."""
+        attempt = 0
+        while True:
+            try:
+                return await fn(*args, **kwargs)
+            except CatalogUnavailable as exc:
+                attempt += 1
+                self.m.lake_errors.labels("catalog").inc()
+                delay = _backoff(attempt)
+                self.log.warning("lake_catalog_unavailable", error=str(exc),
+                                 retry_in_s=round(delay, 2), hint=exc.hint)
+                await anyio.sleep(delay)
+
+    async def _transition(self, f: OpenFile, state: FileState, took_s: float,
+                          reason: str | None = None, **fields: object) -> None:
+        await self._catalog(self._set_state, f.file_id, state, fields)
+        self._event(f, state, took_s, reason=reason, uri=fields.get("uri"),
+                    rows=fields.get("row_count"), bytes=fields.get("compressed_size"))
+        await self._fault(state.value.lower())
+
+    async def _set_state(self, file_id: str, state: FileState, fields: dict[str, object]
+                         ) -> None:
+        await self.tier.catalog.set_state(file_id, state, **fields)
+
+    def _event(self, f: OpenFile, state: FileState, took_s: float, **fields: object) -> None:
+        self.m.lake_transitions.labels(state.value).inc()
+        self.log.info("lake_file_" + state.value.lower(), file_id=f.file_id, client=f.client,
+                      slot=f.slot, shard=f.shard, duration_ms=round(took_s * 1000, 2),
+                      **{k: v for k, v in fields.items() if v is not None})
+
+    async def _fault(self, step: str) -> None:
+        if self.hook is not None:
+            await anyio.to_thread.run_sync(self.hook, step)
+
+    async def _abort_all(self) -> None:
+        for f in list(self.live):
+            if f.active is not None:
+                await anyio.to_thread.run_sync(f.active.abort)
+        self.live.clear()
+
+
+def _with_extras(schema: pa.Schema) -> pa.Schema:
+    names = set(schema.names)
+    return pa.schema([*schema, *(x for x in EXTRA_FIELDS if x.name not in names)])
+
+
+def _read_part(p: Part, shard: int) -> pa.Table:
+    table = pa.ipc.open_stream(p.ipc).read_all()
+    n = table.num_rows
+    columns = {
+        INGESTED_AT: _constant(p.ingestion_ts_ns, n, pa.timestamp("ns", tz="UTC")),
+        "_quiver_shard": _constant(shard, n, pa.uint16()),
+        "_quiver_segment": _constant(p.segment_seq, n, pa.uint64()),
+        "_quiver_bundle": _constant(p.bundle_index, n, pa.uint32()),
+    }
+    for name, column in columns.items():
+        if table.schema.get_field_index(name) < 0:
+            table = table.append_column(name, column)
+    return table
+
+
+def _constant(value: int, n: int, type_: pa.DataType) -> pa.Array:
+    return pa.nulls(n, pa.int64()).fill_null(value).cast(type_)
+
+
+def _close_to_stable(active: ActiveFile, active_path: Path, stable: Path) -> FileFacts:
+    """Footer, fsync, rename Active -> Stable, fsync the directories (worker thread)."""
+    facts = active.close()
+    active_path.rename(stable)
+    fsync_dir(stable.parent)
+    fsync_dir(active_path.parent)
+    return facts
+
+
+def _row(tier: Tier, f: OpenFile, facts: FileFacts, *, uri: str, key: str, local: Path,
+         uploaded_at: int) -> FileRow:
+    first, last = min(f.bundles), max(f.bundles)
+    return FileRow(
+        file_id=f.file_id, client_name=f.client, uri=uri, start_ts=facts.start_ts,
+        end_ts=facts.end_ts, row_count=facts.rows, uncompressed_size=facts.uncompressed_size,
+        compressed_size=facts.compressed_size, schema_hash=facts.schema_hash,
+        indexes=list(facts.indexes), uploaded_at=uploaded_at, node_id=tier.node_id,
+        source_id=tier.source_id, shard=f.shard, slot=f.slot, object_key=key,
+        first_segment=first[0], first_bundle=first[1], last_segment=last[0],
+        last_bundle=last[1], bundle_count=len(f.bundles), crc32c=facts.crc32c,
+        state=FileState.META_REGISTERED, local_path=str(local), created_at=f.created_ns,
+        updated_at=time.time_ns())
+
+
+def _coverage(bundles: list[tuple[int, int]]) -> list[Coverage]:
+    by_segment: dict[int, set[int]] = {}
+    for seg, idx in bundles:
+        by_segment.setdefault(seg, set()).add(idx)
+    return [Coverage(segment_seq=seg, bundle_indexes=tuple(sorted(idxs)))
+            for seg, idxs in sorted(by_segment.items())]
+
+
+def _backoff(attempt: int) -> float:
+    return random.uniform(0.5, 1.0) * min(RETRY_MAX_S, RETRY_BASE_S * 2 ** min(attempt, 10))
+
+
+__all__ = ["EXTRA_FIELDS", "INGESTED_AT", "SUBSCRIBER", "Uploader"]

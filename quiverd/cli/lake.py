@@ -1,0 +1,173 @@
+"""Lake commands: they open the catalog and the store named by the config directly,
+so they work whether or not the daemon runs.
+
+    quiverd files list [--client C] [--since T] [--until T] [--state S] [--json]
+    quiverd files show FILE_ID [--json]
+    quiverd janitor [--dry-run] [--json]
+    quiverd compact [--client C] [--dry-run] [--json]
+
+Times are ISO-8601 (``2026-11-24T10:00:00Z``; no zone means UTC) or integer
+nanoseconds since the epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+
+from quiverd.cli.output import table, utc
+from quiverd.kernel import config as config_mod
+from quiverd.kernel import logs
+from quiverd.kernel.config import Config
+from quiverd.kernel.errors import ConfigError
+from quiverd.lake.model import FileRow, FileState
+from quiverd.lake.tier import Tier, open_tier
+
+T = TypeVar("T")
+LIST_COLUMNS = ["file_id", "client_name", "slot", "state", "rows", "bytes", "start", "end"]
+
+
+def add_parsers(sub: Any, default_config: str) -> None:
+    files = sub.add_parser("files", help="lake files registered in the catalog"
+                           ).add_subparsers(metavar="CMD")
+    s = files.add_parser("list", help="registered files, oldest first")
+    s.add_argument("--client")
+    s.add_argument("--since", type=parse_time, help="files ending at or after this time")
+    s.add_argument("--until", type=parse_time, help="files starting before this time")
+    s.add_argument("--state", action="append", choices=[st.value for st in FileState],
+                   help="only these states (repeatable; default: the registered ones)")
+    s.add_argument("--limit", type=int, default=None)
+    _common(s, default_config)
+    s.set_defaults(func=files_list)
+    s = files.add_parser("show", help="one file's row and zone maps")
+    s.add_argument("file_id")
+    _common(s, default_config)
+    s.set_defaults(func=files_show)
+
+    s = sub.add_parser("janitor", help="reconcile the object store with the catalog: "
+                       "orphan objects, rows without objects, replaced and stale files")
+    s.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    _common(s, default_config)
+    s.set_defaults(func=janitor)
+    s = sub.add_parser("compact", help="merge small registered files of a client")
+    s.add_argument("--client")
+    s.add_argument("--dry-run", action="store_true", help="show the plan, write nothing")
+    _common(s, default_config)
+    s.set_defaults(func=compact)
+
+
+def _common(s: argparse.ArgumentParser, default_config: str) -> None:
+    s.add_argument("--config", default=default_config)
+    s.add_argument("--json", action="store_true")
+
+
+def parse_time(text: str) -> int:
+    """ISO-8601 (UTC when no zone is given) or integer ns -> ns since the epoch."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither ISO-8601 (2026-11-24T10:00:00Z) nor integer ns") from exc
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return int(when.timestamp() * 1_000_000_000)
+
+
+def files_list(args: argparse.Namespace) -> int:
+    states = ([FileState(s) for s in args.state] if args.state
+              else [FileState.META_REGISTERED, FileState.INDEXED, FileState.EVICTED])
+
+    async def go(tier: Tier) -> list[FileRow]:
+        return await tier.catalog.list_files(client=args.client, since_ns=args.since,
+                                             until_ns=args.until, states=states,
+                                             limit=args.limit)
+
+    rows = _with_tier(args, go)
+    if args.json:
+        print(json.dumps([msgspec.to_builtins(r) for r in rows], indent=2))
+        return 0
+    table(LIST_COLUMNS, [_summary(r) for r in rows], left=True)
+    if not rows:
+        print("(no files)")
+    return 0
+
+
+def files_show(args: argparse.Namespace) -> int:
+    async def go(tier: Tier) -> dict[str, Any] | None:
+        row = await tier.catalog.get(args.file_id)
+        if row is None:
+            return None
+        maps = (await tier.catalog.zone_maps([row.file_id])).get(row.file_id, [])
+        return {**msgspec.to_builtins(row), "zone_maps": msgspec.to_builtins(maps)}
+
+    found = _with_tier(args, go)
+    if found is None:
+        raise ConfigError("file_id", f"no lake file {args.file_id!r} in the catalog",
+                          hint="`quiverd files list` shows the registered files")
+    print(json.dumps(found, indent=None if args.json else 2))
+    return 0
+
+
+def janitor(args: argparse.Namespace) -> int:
+    from quiverd.lake.janitor import sweep
+
+    async def go(tier: Tier) -> Any:
+        return await sweep(tier, dry_run=args.dry_run)
+
+    report = msgspec.to_builtins(_with_tier(args, go))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            shown = len(value) if isinstance(value, list) else value
+            print(f"{key}: {shown}")
+            if isinstance(value, list):
+                for item in value[:20]:
+                    print(f"  {item}")
+    missing = report.get("rows_missing_objects") or []
+    return 1 if missing else 0
+
+
+def compact(args: argparse.Namespace) -> int:
+    from quiverd.lake.compaction import compact as run_compact
+
+    async def go(tier: Tier) -> Any:
+        return await run_compact(tier, client=args.client, dry_run=args.dry_run,
+                                 limiter=anyio.CapacityLimiter(
+                                     tier.cfg.lake.compaction.parallelism),
+                                 log=tier.log)
+
+    results = msgspec.to_builtins(_with_tier(args, go))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            print("  ".join(f"{k}={v}" for k, v in r.items()))
+        if not results:
+            print("(nothing to compact)")
+    return 0
+
+
+def _with_tier(args: argparse.Namespace, fn: Callable[[Tier], Awaitable[T]]) -> T:
+    cfg: Config = config_mod.load(args.config)
+    logs.configure("console", "warning")
+
+    async def main() -> T:
+        async with open_tier(cfg, logs.get("cli")) as tier:
+            return await fn(tier)
+
+    return anyio.run(main)
+
+
+def _summary(r: FileRow) -> dict[str, Any]:
+    return {"file_id": r.file_id, "client_name": r.client_name, "slot": r.slot,
+            "state": r.state.value, "rows": r.row_count, "bytes": r.compressed_size,
+            "start": utc(r.start_ts), "end": utc(r.end_ts)}

@@ -1,0 +1,223 @@
+"""One representative schema per lake file, out of the drifting schemas of its bundles.
+
+Producers drift (design doc 003): an optional column appears in some batches only, a
+string column arrives as dictionary<uint8, utf8>, then dictionary<uint16, utf8> once
+its cardinality grows, then as plain utf8 past a threshold. A Parquet file has one
+schema, so the uploader folds the schema of every table it appends into the file's
+*representative* schema with ``unify`` and lays each table out as that schema with
+``conform``. When ``unify`` returns None the file is rotated and a new one starts with
+``normalize(incoming)``.
+
+Rules, applied recursively to struct fields and list values:
+
+    columns            union by name; order = first seen, new ones appended at the end
+    nullability        every field nullable (a column missing from a table is null there)
+    dictionary<I, V>   represented by V: Parquet dictionary-encodes on its own, so
+                       dictionary<uint8, utf8>, dictionary<uint16, utf8> and utf8 are one type
+    null + T           T
+    int + int          int8 < int16 < int32 < int64, uint8 < uint16 < uint32 < uint64;
+                       signed + unsigned: the smallest signed int holding both
+                       (uint64 + any signed: not unifiable)
+    float + float      float16 < float32 < float64
+    int + float        float64
+    utf8 + large_utf8  large_utf8;  binary + large_binary: large_binary
+    timestamps         same time zone (compared as written): the finest unit, s < ms < us < ns
+    struct + struct    union of fields by name, unified
+    list + list        list of unified values (list + large_list: large_list)
+    anything else      equal, or not unifiable (utf8 vs int64, timestamps of different tz)
+
+Metadata (schema and field level) is dropped: quiverd puts its own key-value metadata in
+the Parquet footer, and ``schema_hash`` must not depend on what a producer attached.
+A schema naming a column twice cannot be laid out by name: ``normalize`` and ``unify``
+raise ValueError for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+
+import pyarrow as pa
+
+_SIGNED = {8: pa.int8(), 16: pa.int16(), 32: pa.int32(), 64: pa.int64()}
+_UNIT_RANK = {"s": 0, "ms": 1, "us": 2, "ns": 3}
+# Bumped if the canonical form below ever changes, so old and new hashes never collide.
+_HASH_VERSION = "quiverd.schema.v1"
+
+TypePredicate = Callable[[pa.DataType], bool]
+
+
+def unify(current: pa.Schema | None, incoming: pa.Schema) -> pa.Schema | None:
+    """The representative schema covering ``current`` and ``incoming``, or None when
+    they cannot be unified (the rules in the module doc)."""
+    new = normalize(incoming)
+    if current is None:
+        return new
+    fields = {f.name: f.type for f in normalize(current)}
+    for f in new:
+        seen = fields.get(f.name)
+        unified = f.type if seen is None else _unify_type(seen, f.type)
+        if unified is None:
+            return None
+        fields[f.name] = unified
+    return pa.schema([pa.field(name, t) for name, t in fields.items()])
+
+
+def normalize(schema: pa.Schema) -> pa.Schema:
+    """``schema`` under the rules of one file: dictionaries as their value types, every
+    field nullable, no metadata."""
+    _check_unique(schema.names, "column")
+    return pa.schema([pa.field(f.name, _normalize_type(f.type)) for f in schema])
+
+
+def conform(table: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.Table:
+    """``table`` laid out as ``schema`` (a ``unify`` result covering it): columns
+    reordered, dictionaries decoded, types widened by safe casts, missing columns null."""
+    if isinstance(table, pa.RecordBatch):
+        table = pa.Table.from_batches([table])
+    names = table.schema.names
+    extra = set(names) - set(schema.names)
+    assert not extra, f"columns {sorted(extra)} are not in the file schema: unify() first"
+    columns: list[pa.ChunkedArray | pa.Array] = []
+    for f in schema:
+        if f.name not in names:
+            columns.append(pa.nulls(table.num_rows, f.type))
+            continue
+        column = table.column(f.name)
+        # Arrow's cast decodes dictionaries (nested ones too), matches struct fields by
+        # name and fills the missing ones with nulls; ``safe`` refuses any lossy value.
+        columns.append(column if column.type == f.type else column.cast(f.type, safe=True))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def schema_hash(schema: pa.Schema) -> str:
+    """Hex SHA-256 of ``schema``'s canonical form: names, types, nullability and order,
+    no metadata. Equal schemas hash alike in every process."""
+    canonical = [_HASH_VERSION, [_canonical_field(f) for f in schema]]
+    text = json.dumps(canonical, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _normalize_type(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_dictionary(t):
+        return _normalize_type(t.value_type)
+    if pa.types.is_struct(t):
+        children = [t.field(i) for i in range(t.num_fields)]
+        _check_unique([c.name for c in children], "struct field")
+        return pa.struct([pa.field(c.name, _normalize_type(c.type)) for c in children])
+    if pa.types.is_map(t):
+        # A map's keys are never null: only its items become nullable.
+        key = pa.field(t.key_field.name, _normalize_type(t.key_type), nullable=False)
+        item = pa.field(t.item_field.name, _normalize_type(t.item_type))
+        return pa.map_(key, item, keys_sorted=t.keys_sorted)
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(_normalize_value_field(t.value_field), t.list_size)
+    if pa.types.is_large_list(t):
+        return pa.large_list(_normalize_value_field(t.value_field))
+    if pa.types.is_list(t):
+        return pa.list_(_normalize_value_field(t.value_field))
+    return t
+
+
+def _normalize_value_field(value: pa.Field) -> pa.Field:
+    return pa.field(value.name, _normalize_type(value.type))
+
+
+def _unify_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The type holding values of both normalized types ``a`` and ``b``, or None."""
+    if a == b:
+        return a
+    if pa.types.is_null(a) or pa.types.is_null(b):
+        return b if pa.types.is_null(a) else a
+    if pa.types.is_integer(a) and pa.types.is_integer(b):
+        return _unify_int(a, b)
+    if _is_number(a) and _is_number(b):
+        if pa.types.is_floating(a) and pa.types.is_floating(b):
+            return a if a.bit_width >= b.bit_width else b
+        return pa.float64()
+    if _both(a, b, pa.types.is_string, pa.types.is_large_string):
+        return pa.large_string()
+    if _both(a, b, pa.types.is_binary, pa.types.is_large_binary):
+        return pa.large_binary()
+    if pa.types.is_timestamp(a) and pa.types.is_timestamp(b):
+        if a.tz != b.tz:
+            return None
+        return a if _UNIT_RANK[a.unit] >= _UNIT_RANK[b.unit] else b
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        return _unify_struct(a, b)
+    if _both(a, b, pa.types.is_list, pa.types.is_large_list):
+        return _unify_list(a, b)
+    return None
+
+
+def _unify_int(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    a_signed, b_signed = pa.types.is_signed_integer(a), pa.types.is_signed_integer(b)
+    if a_signed == b_signed:
+        return a if a.bit_width >= b.bit_width else b
+    signed, unsigned = (a, b) if a_signed else (b, a)
+    # An unsigned int of n bits needs a signed int of 2n bits; uint64 fits none.
+    width = max(signed.bit_width, unsigned.bit_width * 2)
+    return _SIGNED.get(width)
+
+
+def _unify_struct(a: pa.StructType, b: pa.StructType) -> pa.DataType | None:
+    fields = {a.field(i).name: a.field(i).type for i in range(a.num_fields)}
+    for i in range(b.num_fields):
+        child = b.field(i)
+        seen = fields.get(child.name)
+        unified = child.type if seen is None else _unify_type(seen, child.type)
+        if unified is None:
+            return None
+        fields[child.name] = unified
+    return pa.struct([pa.field(name, t) for name, t in fields.items()])
+
+
+def _unify_list(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    values = _unify_type(a.value_type, b.value_type)
+    if values is None:
+        return None
+    # The first seen list's value field name is kept ("item", "element", ...).
+    value = pa.field(a.value_field.name, values)
+    if pa.types.is_large_list(a) or pa.types.is_large_list(b):
+        return pa.large_list(value)
+    return pa.list_(value)
+
+
+def _both(a: pa.DataType, b: pa.DataType, small: TypePredicate, large: TypePredicate) -> bool:
+    """Both types are of the family made of the ``small`` and ``large`` predicates."""
+    return bool((small(a) or large(a)) and (small(b) or large(b)))
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t))
+
+
+def _check_unique(names: list[str], what: str) -> None:
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"{what} names repeat: {dupes}; a lake file needs unique names")
+
+
+def _canonical_field(f: pa.Field) -> list[object]:
+    return [f.name, _canonical_type(f.type), f.nullable]
+
+
+def _canonical_type(t: pa.DataType) -> object:
+    """A JSON-able description of ``t``. Leaves use Arrow's own spelling
+    (``timestamp[ns, tz=UTC]``); list and map child names are left out because Arrow
+    does not compare them either."""
+    if pa.types.is_struct(t):
+        return ["struct", [_canonical_field(t.field(i)) for i in range(t.num_fields)]]
+    if pa.types.is_dictionary(t):
+        return ["dictionary", str(t.index_type), _canonical_type(t.value_type), t.ordered]
+    if pa.types.is_map(t):
+        return ["map", _canonical_type(t.key_type), _canonical_type(t.item_type),
+                t.item_field.nullable, t.keys_sorted]
+    if pa.types.is_fixed_size_list(t):
+        return ["fixed_size_list", t.list_size, _canonical_type(t.value_type),
+                t.value_field.nullable]
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        kind = "large_list" if pa.types.is_large_list(t) else "list"
+        return [kind, _canonical_type(t.value_type), t.value_field.nullable]
+    return str(t)

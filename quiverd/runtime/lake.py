@@ -1,0 +1,144 @@
+"""The lake inside the daemon: the uploader, the indexer, the janitor and compaction.
+
+    dispatcher[n] ──Delivery──▶ uploader ──▶ object store + catalog ──NOTIFY──▶ indexer
+                                         janitor, compactor (timers)
+
+Readiness never waits for the lake: ingest and delivery go on while the catalog or
+the store is down (the WAL and segments hold the data, within retention), and the
+lake connects, recovers and starts once the catalog answers, retrying with backoff.
+The built-in subscriber ``uploader`` is registered on every shard the first time
+the lake runs (start "earliest": everything still retained goes to the lake).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import anyio
+
+from quiverd.kernel import logs
+from quiverd.kernel.config import Config
+from quiverd.kernel.errors import CatalogUnavailable, LakeError
+from quiverd.kernel.faults import Hooks
+from quiverd.kernel.metrics import Metrics
+from quiverd.lake.tier import Tier, open_tier
+from quiverd.protocol.frames import Delivery
+from quiverd_actors.dispatcher import Session
+from quiverd_actors.indexer import Indexer
+from quiverd_actors.janitor import Janitor
+from quiverd_actors.uploader import INGESTED_AT, SUBSCRIBER, Uploader
+
+if TYPE_CHECKING:
+    from quiverd.runtime.daemon import Daemon
+
+RETRY_MAX_S = 30.0
+
+
+class Lake:
+    def __init__(self, daemon: Daemon, *, metrics: Metrics, faults: Hooks) -> None:
+        self.daemon, self.cfg, self.m, self.faults = daemon, daemon.cfg, metrics, faults
+        self.log = logs.get("lake")
+        self.tier: Tier | None = None
+        self.uploader: Uploader | None = None
+        self.janitor: Janitor | None = None
+        self.scope = anyio.CancelScope()
+        self.state = "starting"
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Register the subscriber, then run the lake until cancelled (``stop``)."""
+        await self._ensure_subscriber()
+        task_status.started()
+        with self.scope:
+            attempt = 0
+            while True:
+                try:
+                    await self._serve()
+                except (CatalogUnavailable, LakeError, OSError) as exc:
+                    attempt += 1
+                    delay = random.uniform(0.5, 1.0) * min(RETRY_MAX_S, 0.5 * 2 ** attempt)
+                    self.state = f"waiting: {exc}"
+                    self.m.lake_errors.labels("start").inc()
+                    self.log.error("lake_unavailable", error=str(exc), retry_in_s=round(delay, 1),
+                                   hint=getattr(exc, "hint", ""))
+                    await anyio.sleep(delay)
+
+    def stop(self) -> None:
+        self.scope.cancel()
+
+    async def _serve(self) -> None:
+        cfg = self.cfg
+        async with open_tier(cfg, self.log) as tier:
+            self.tier = tier
+            try:
+                await tier.recover()
+                await self._run_actors(tier)
+            finally:
+                self.tier = None
+                self.uploader = None
+
+    async def _run_actors(self, tier: Tier) -> None:
+        cfg = self.cfg.lake
+        dispatchers = [s.dispatcher for s in self.daemon.shards if s.dispatcher is not None]
+        tx, rx = anyio.create_memory_object_stream[Delivery](cfg.window_bundles)
+        session = Session(name=SUBSCRIBER, window=cfg.window_bundles, deliveries=tx)
+        encoders = anyio.CapacityLimiter(cfg.parallelism)
+        self.uploader = Uploader(tier, dispatchers, session, limiter=encoders,
+                                 log=self.log, metrics=self.m, hook=self.faults.get("lake"))
+        indexer = Indexer(tier, limiter=encoders, log=self.log, metrics=self.m,
+                          time_column=cfg.time_column or INGESTED_AT,
+                          hook=self.faults.get("lake"))
+        self.janitor = Janitor(tier, log=self.log, metrics=self.m)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.uploader.run, rx)
+                for d in dispatchers:
+                    d.attach(session)
+                await tg.start(indexer.run)
+                await tg.start(self.janitor.run)
+                self.state = "running"
+                self.log.info("lake_started", node_id=tier.node_id, source_id=tier.source_id,
+                              store=tier.store.uri(""), catalog=tier.catalog.backend)
+        finally:
+            for d in dispatchers:
+                d.detach(session)
+            tx.close()
+
+    async def _ensure_subscriber(self) -> None:
+        shards = self.daemon.shards
+        if all(SUBSCRIBER in s.acks.registry for s in shards):
+            return
+        await self.daemon.subscriber_op("add", SUBSCRIBER, "earliest")
+
+    def status(self) -> dict[str, object]:
+        m = self.m
+        tier = self.tier
+        return {
+            "enabled": True,
+            "state": self.state,
+            "node_id": tier.node_id if tier else None,
+            "source_id": tier.source_id if tier else None,
+            "store": tier.store.uri("") if tier else None,
+            "catalog": tier.catalog.backend if tier else None,
+            "files_uploaded": int(m.lake_files_uploaded.total()),
+            "bytes_uploaded": int(m.lake_upload_bytes.total()),
+            "rows": int(m.lake_rows.total()),
+            "bundles_already_registered": int(m.lake_bundles_skipped.total()),
+            "open_files": len(self.uploader.files) if self.uploader else 0,
+            "buffered_bytes": int(m.lake_buffered_bytes.total()),
+            "unacked_bundles": int(m.lake_unacked.total()),
+            "pending_files": int(m.lake_pending_uploads.total()),
+            "store_denied": bool(m.lake_denied.total()),
+            "errors": {k: int(v) for k, v in m.lake_errors.by_label("kind").items() if v},
+            "transitions": {k: int(v) for k, v in m.lake_transitions.by_label("state").items()},
+        }
+
+
+def lake_disabled_warning(cfg: Config, registered: bool) -> dict[str, str] | None:
+    """What to say when the lake is off but its subscriber still holds data back."""
+    if cfg.lake.enabled or not registered:
+        return None
+    return {"hint": f"lake.enabled = false but the subscriber {SUBSCRIBER!r} is registered: "
+            "segments are kept until it acks them. Remove it with `quiverd subscribers remove "
+            f"{SUBSCRIBER}` if the lake is off for good"}

@@ -1,0 +1,120 @@
+"""Helpers for the lake's daemon tests: send known rows, read back what the lake holds."""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from quiverd.client import Client
+from quiverd.kernel.config import load
+from quiverd.kernel.logs import get as get_logger
+from quiverd.lake.model import REGISTERED, FileRow
+from quiverd.lake.tier import open_tier
+from tests.conftest import DaemonProcess
+
+BUNDLE_KEY = ("_quiver_shard", "_quiver_segment", "_quiver_bundle")
+FAST_LAKE = {
+    "segment.max_open_duration_ms": 100,
+    "lake.file_duration_ms": 400,
+    "lake.janitor.interval_s": 0,
+    "lake.compaction.interval_s": 0,
+}
+
+
+def logs_table(client: int, batch: int, rows: int = 50) -> pa.Table:
+    """Rows that say where they came from: (client, batch, i) is unique."""
+    return pa.table({
+        "client_no": pa.array([client] * rows, pa.int32()),
+        "batch": pa.array([batch] * rows, pa.int64()),
+        "i": pa.array(range(rows), pa.int64()),
+        "msg": pa.array([f"c{client} b{batch} row {i}" for i in range(rows)]),
+    })
+
+
+def send_logs(d: DaemonProcess, clients: int, batches: int, *, two_slots_every: int = 3,
+              start: int = 0) -> Counter[tuple[str, int]]:
+    """Send ``batches`` bundles per client; every ``two_slots_every``-th also has slot 1.
+    Returns rows sent per (client, slot)."""
+    sent: Counter[tuple[str, int]] = Counter()
+    with Client.connect(d.socket) as c:
+        for b in range(start, start + batches):
+            for k in range(clients):
+                data: dict[int, pa.Table] = {0: logs_table(k, b)}
+                if two_slots_every and b % two_slots_every == 0:
+                    data[1] = pa.table({"batch": [b], "note": [f"side {k}/{b}"]})
+                c.send(data, client=f"client-{k}")
+                for slot, t in data.items():
+                    sent[(f"client-{k}", slot)] += t.num_rows
+    return sent
+
+
+async def _rows(config_path: Path) -> list[FileRow]:
+    cfg = load(config_path)
+    async with open_tier(cfg, get_logger("test")) as tier:
+        return await tier.catalog.list_files(states=REGISTERED)
+
+
+def registered_rows(d: DaemonProcess) -> list[FileRow]:
+    return anyio.run(_rows, d.config_path)
+
+
+def read_object(row: FileRow, s3: Any = None) -> pa.Table:
+    """A registered file's object, read with plain pyarrow (fs path or S3 through boto3)."""
+    if row.uri.startswith("file://"):
+        return pq.read_table(uri_path(row.uri))
+    assert s3 is not None, row.uri
+    body = s3["client"].get_object(Bucket=s3["bucket"], Key=s3["key_prefix"] + row.object_key)
+    return pq.read_table(pa.BufferReader(body["Body"].read()))
+
+
+def uri_path(uri: str) -> str:
+    """The local path of a file:// URI (percent-decoded: keys hold ``client=``)."""
+    parsed = urllib.parse.urlparse(uri)
+    assert parsed.scheme == "file", uri
+    return urllib.parse.unquote(parsed.path)
+
+
+def lake_contents(d: DaemonProcess, s3: Any = None) -> tuple[list[FileRow], dict[str, pa.Table]]:
+    rows = registered_rows(d)
+    return rows, {r.file_id: read_object(r, s3) for r in rows}
+
+
+def assert_exactly_once(rows: list[FileRow], tables: dict[str, pa.Table],
+                        sent: Counter[tuple[str, int]]) -> None:
+    """Every (bundle, slot) in exactly one registered file; row counts as sent."""
+    got: Counter[tuple[str, int]] = Counter()
+    seen: set[tuple[int, ...]] = set()
+    for row in rows:
+        t = tables[row.file_id]
+        assert t.num_rows == row.row_count, row
+        got[(row.client_name, row.slot)] += t.num_rows
+        keys = set(zip(*(t.column(k).to_pylist() for k in BUNDLE_KEY), strict=True))
+        for key in keys:
+            assert (*key, row.slot) not in seen, f"bundle {key} slot {row.slot} in two files"
+            seen.add((*key, row.slot))
+    assert got == sent
+
+
+def wait_for_lake(d: DaemonProcess, sent: Counter[tuple[str, int]], timeout: float = 60,
+                  ) -> list[FileRow]:
+    """Until the registered files hold as many rows as were sent (per client and slot)."""
+    deadline = time.monotonic() + timeout
+    rows: list[FileRow] = []
+    while time.monotonic() < deadline:
+        rows = registered_rows(d)
+        got: Counter[tuple[str, int]] = Counter()
+        for r in rows:
+            got[(r.client_name, r.slot)] += r.row_count
+        if got == sent:
+            return rows
+        assert all(got[k] <= sent[k] for k in got), f"more rows than sent: {got} vs {sent}"
+        time.sleep(0.2)
+    raise AssertionError(f"lake holds {sum(r.row_count for r in rows)} rows, "
+                         f"sent {sum(sent.values())}:\n{d.log()[-4000:]}")
