@@ -25,10 +25,9 @@ from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
-from quiverd.lake.model import FileRow, FileState
+from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import zone_maps
 from quiverd.lake.tier import Tier
-from quiverd_actors.uploader import INGESTED_AT
 
 SCAN_INTERVAL_S = 30.0
 SCAN_LIMIT = 1000

@@ -51,7 +51,15 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.catalog import DuplicateCoverage
 from quiverd.lake.drift import conform, normalize, unify
-from quiverd.lake.model import Coverage, FileRow, FileState
+from quiverd.lake.model import (
+    BUNDLE_COLUMN,
+    INGESTED_AT,
+    SEGMENT_COLUMN,
+    SHARD_COLUMN,
+    Coverage,
+    FileRow,
+    FileState,
+)
 from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, file_name
 from quiverd.lake.tier import Tier
 from quiverd.protocol.frames import Delivery
@@ -60,11 +68,10 @@ from quiverd_actors.dispatcher import Dispatcher, Session
 P = ParamSpec("P")
 T = TypeVar("T")
 SUBSCRIBER = "uploader"
-INGESTED_AT = "_quiver_ingested_at"
 EXTRA_FIELDS = (pa.field(INGESTED_AT, pa.timestamp("ns", tz="UTC")),
-                pa.field("_quiver_shard", pa.uint16()),
-                pa.field("_quiver_segment", pa.uint64()),
-                pa.field("_quiver_bundle", pa.uint32()))
+                pa.field(SHARD_COLUMN, pa.uint16()),
+                pa.field(SEGMENT_COLUMN, pa.uint64()),
+                pa.field(BUNDLE_COLUMN, pa.uint32()))
 MAX_OPEN_FILES = 128
 COVERAGE_CACHE = 1024
 RETRY_BASE_S = 0.5
@@ -488,9 +495,9 @@ def _read_part(p: Part, shard: int) -> pa.Table:
     n = table.num_rows
     columns = {
         INGESTED_AT: _constant(p.ingestion_ts_ns, n, pa.timestamp("ns", tz="UTC")),
-        "_quiver_shard": _constant(shard, n, pa.uint16()),
-        "_quiver_segment": _constant(p.segment_seq, n, pa.uint64()),
-        "_quiver_bundle": _constant(p.bundle_index, n, pa.uint32()),
+        SHARD_COLUMN: _constant(shard, n, pa.uint16()),
+        SEGMENT_COLUMN: _constant(p.segment_seq, n, pa.uint64()),
+        BUNDLE_COLUMN: _constant(p.bundle_index, n, pa.uint32()),
     }
     for name, column in columns.items():
         if table.schema.get_field_index(name) < 0:

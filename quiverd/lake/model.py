@@ -19,6 +19,13 @@ import enum
 
 import msgspec
 
+# Columns the uploader adds to every row: the bundle's ingestion time (timestamp ns UTC)
+# and its id, on which the slots of one bundle (one file each) rejoin.
+INGESTED_AT = "_quiver_ingested_at"
+SHARD_COLUMN = "_quiver_shard"
+SEGMENT_COLUMN = "_quiver_segment"
+BUNDLE_COLUMN = "_quiver_bundle"
+
 
 class FileState(enum.StrEnum):
     RECEIVED = "Received"  # file opened for its first bundle

@@ -1,0 +1,394 @@
+"""lake.janitor.sweep on real Parquet files, a real catalog and a real object store.
+
+Files are written with the uploader's parts (ActiveFile, put_file, register), so each
+test checks what a sweep deletes, keeps and reports against the store's listing, the
+catalog's rows and the staging directory: orphans past the grace (and not before),
+another node's objects, dry runs, rows without objects, replaced files after the
+delete grace, abandoned rows, stale staging files. One test runs on PostgreSQL + S3.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pyarrow as pa
+import pytest
+from ulid import ULID
+
+from quiverd.kernel import logs
+from quiverd.kernel.config import (
+    CatalogConfig,
+    CompactionConfig,
+    Config,
+    JanitorConfig,
+    LakeConfig,
+    StoreConfig,
+)
+from quiverd.kernel.errors import CatalogUnavailable
+from quiverd.kernel.layout import DataDir
+from quiverd.kernel.metrics import Metrics
+from quiverd.lake.catalog import open_catalog
+from quiverd.lake.compaction import compact
+from quiverd.lake.drift import conform, normalize
+from quiverd.lake.janitor import JanitorReport, sweep
+from quiverd.lake.model import Coverage, FileRow, FileState, ObjectInfo
+from quiverd.lake.objects import ObjectStore
+from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, crc32c_file, file_name
+from quiverd.lake.tier import Tier
+from quiverd_actors.janitor import Janitor
+from quiverd_actors.uploader import EXTRA_FIELDS, INGESTED_AT
+
+LOG = logs.get("test")
+NS = 1_000_000_000
+GRACE_S = 3600
+DELETE_GRACE_S = 600
+
+
+@asynccontextmanager
+async def open_test_tier(root: Path, *, store: StoreConfig | None = None, dsn: str = "",
+                         node_id: str = "n1", source_id: str | None = None,
+                         **lake: object) -> AsyncIterator[Tier]:
+    """A Tier as open_tier builds it, on ``root``, with lake settings overridden."""
+    settings: dict[str, object] = {
+        "janitor": JanitorConfig(grace_s=GRACE_S),
+        "compaction": CompactionConfig(delete_grace_s=DELETE_GRACE_S, min_files=2),
+        "store": store or StoreConfig(), **lake}
+    cfg = Config(data_dir=str(root), lake=LakeConfig(**settings),  # type: ignore[arg-type]
+                 catalog=CatalogConfig(dsn=dsn))
+    data = DataDir(root)
+    for d in (data.staging_active, data.staging_stable):
+        d.mkdir(parents=True, exist_ok=True)
+    catalog = open_catalog(cfg.catalog, data.catalog_db, log=LOG)
+    object_store = ObjectStore(cfg.lake.store, data_dir=root, log=LOG)
+    await catalog.start()
+    try:
+        yield Tier(cfg=cfg, data=data, store=object_store, catalog=catalog, node_id=node_id,
+                   source_id=source_id or str(ULID()), log=LOG)
+    finally:
+        await catalog.close()
+        await object_store.close()
+
+
+def with_extras(table: pa.Table, *, ts_ns: int, segment: int, bundle: int) -> pa.Table:
+    """``table`` plus the uploader's four bundle columns (one bundle per file)."""
+    n = table.num_rows
+    values = {INGESTED_AT: [ts_ns] * n, "_quiver_shard": [0] * n,
+              "_quiver_segment": [segment] * n, "_quiver_bundle": [bundle] * n}
+    for f in EXTRA_FIELDS:
+        table = table.append_column(f, pa.array(values[f.name], f.type))
+    return table
+
+
+async def add_file(tier: Tier, table: pa.Table, *, client: str = "app", slot: int = 0,
+                   segment: int, bundle: int = 0, ts_ns: int | None = None,
+                   keep_local: bool = True) -> FileRow:
+    """Write, upload and register one lake file as the uploader would; its row."""
+    ts_ns = time.time_ns() if ts_ns is None else ts_ns
+    file_id = str(ULID())
+    full = with_extras(table, ts_ns=ts_ns, segment=segment, bundle=bundle)
+    schema = normalize(full.schema)
+    active = tier.data.staging_active / file_name(client, ts_ns, file_id, "active")
+    stable = tier.data.staging_stable / file_name(client, ts_ns, file_id, "stable")
+
+    def write() -> FileFacts:
+        f = ActiveFile.create(active, schema, ParquetSettings(), metadata={
+            "quiver.file_id": file_id}, time_column=INGESTED_AT)
+        f.append(conform(full, schema))
+        facts = f.close()
+        active.rename(stable)
+        return facts
+
+    facts = await anyio.to_thread.run_sync(write)
+    key = tier.object_key(client, slot, stable.name)
+    await tier.store.put_file(key, stable, size=facts.compressed_size,
+                              crc32c=facts.crc32c)
+    if not keep_local:
+        stable.unlink()
+    row = FileRow(
+        file_id=file_id, client_name=client, uri=tier.store.uri(key), start_ts=facts.start_ts,
+        end_ts=facts.end_ts, row_count=facts.rows,
+        uncompressed_size=facts.uncompressed_size,
+        compressed_size=facts.compressed_size, schema_hash=facts.schema_hash,
+        uploaded_at=time.time_ns(), node_id=tier.node_id, source_id=tier.source_id, shard=0,
+        slot=slot, object_key=key, first_segment=segment, first_bundle=bundle,
+        last_segment=segment, last_bundle=bundle, bundle_count=1,
+        crc32c=facts.crc32c, state=FileState.META_REGISTERED,
+        local_path=str(stable) if keep_local else "", created_at=ts_ns, updated_at=ts_ns)
+    await tier.catalog.register(row, [Coverage(segment_seq=segment, bundle_indexes=(bundle,))])
+    return row
+
+
+async def put_object(tier: Tier, tmp: Path, key: str) -> None:
+    src = tmp / f"blob-{ULID()}"
+    src.write_bytes(b"not parquet, but an object all the same")
+    await tier.store.put_file(key, src, size=src.stat().st_size, crc32c=crc32c_file(src))
+
+
+def orphan_key(tier: Tier, *, node_id: str | None = None, ts_ns: int | None = None) -> str:
+    name = file_name("app", ts_ns or time.time_ns(), str(ULID()), "stable")
+    return f"client=app/slot=0/{node_id or tier.node_id}/{name}"
+
+
+def age(path: Path, seconds: int) -> None:
+    """Set ``path``'s mtime ``seconds`` into the past."""
+    when = time.time() - seconds
+    os.utime(path, (when, when))
+
+
+async def keys(tier: Tier) -> set[str]:
+    return {o.key for o in await tier.store.list("")}
+
+
+def table(n: int = 3, start: int = 0) -> pa.Table:
+    return pa.table({"v": pa.array(range(start, start + n), pa.int64())})
+
+
+# ---- orphans ---------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_sweep_orphans_old_deleted_young_kept_other_node_untouched(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path / "d") as tier:
+        live = await add_file(tier, table(), segment=1)
+        old, young = orphan_key(tier), orphan_key(tier)
+        theirs = orphan_key(tier, node_id="n2")
+        for key in (old, young, theirs):
+            await put_object(tier, tmp_path, key)
+        objects = tier.data.objects
+        for key in (old, theirs):
+            age(objects / key, 2 * GRACE_S)
+        age(objects / live.object_key, 2 * GRACE_S)
+
+        report = await sweep(tier)
+
+        assert report.orphan_objects == [old]
+        assert report.young_objects == [young]
+        assert await keys(tier) == {live.object_key, young, theirs}
+        assert not report.rows_missing_objects and not report.failures
+        assert report.objects_seen == 3  # this node's: live, old, young
+        got = await tier.catalog.get(live.file_id)
+        assert got is not None and got.state is FileState.META_REGISTERED
+
+
+@pytest.mark.asyncio
+async def test_sweep_dry_run_deletes_nothing(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path / "d") as tier:
+        old = orphan_key(tier)
+        await put_object(tier, tmp_path, old)
+        age(tier.data.objects / old, 2 * GRACE_S)
+        stale = tier.data.staging_stable / file_name("app", 1, str(ULID()), "stable")
+        stale.write_bytes(b"x")
+        age(stale, 2 * GRACE_S)
+        abandoned = FileRow(file_id=str(ULID()), client_name="app", node_id=tier.node_id,
+                            source_id=tier.source_id, state=FileState.RECEIVED)
+        await tier.catalog.insert_file(abandoned)
+        await tier.catalog.set_state(abandoned.file_id, FileState.ABANDONED)
+
+        report = await sweep(tier, dry_run=True, now_ns=time.time_ns() + GRACE_S * NS)
+
+        assert report.dry_run
+        assert report.orphan_objects == [old]
+        assert report.stale_staging_files == [str(stale)]
+        assert report.abandoned_removed == [abandoned.file_id]
+        assert await keys(tier) == {old}
+        assert stale.exists()
+        assert await tier.catalog.get(abandoned.file_id) is not None
+
+
+@pytest.mark.asyncio
+async def test_sweep_orphan_without_store_time_aged_by_its_ulid(tmp_path: Path) -> None:
+    from quiverd.lake.janitor import _born_ns
+
+    ulid = ULID.from_timestamp(1_700_000_000.5)
+    name = file_name("app", 5, str(ulid), "stable")
+    assert _born_ns(ObjectInfo(key=f"client=app/slot=0/n1/{name}", size=1)) == \
+        1_700_000_000_500_000_000
+    assert _born_ns(ObjectInfo(key="client=app/slot=0/n1/x", size=1, last_modified_ns=7)) == 7
+    assert _born_ns(ObjectInfo(key="client=app/slot=0/n1/x", size=1)) is None
+
+
+# ---- rows -------------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_sweep_row_without_object_reported_never_deleted(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path / "d") as tier:
+        lost = await add_file(tier, table(), segment=1, keep_local=False)
+        kept = await add_file(tier, table(), segment=2)
+        await tier.store.delete(lost.object_key)
+
+        metrics = Metrics()
+        janitor = Janitor(tier, log=LOG, metrics=metrics)
+        report = await janitor.sweep_once()
+
+        assert report.rows_missing_objects == [lost.file_id]
+        assert janitor.last_report is report
+        assert metrics.lake_errors.by_label("kind") == {"missing_object": 1}
+        got = await tier.catalog.get(lost.file_id)
+        assert got is not None and got.state is FileState.META_REGISTERED
+        assert await keys(tier) == {kept.object_key}
+
+
+@pytest.mark.asyncio
+async def test_sweep_compacted_objects_deleted_after_delete_grace(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path / "d") as tier:
+        inputs = [await add_file(tier, table(2, 10 * i), segment=i) for i in range(3)]
+        [result] = await compact(tier, limiter=anyio.CapacityLimiter(1), log=LOG)
+        assert result.outcome == "compacted"
+        new = await tier.catalog.get(result.output)
+        assert new is not None
+
+        within = await sweep(tier, now_ns=time.time_ns() + (DELETE_GRACE_S - 60) * NS)
+        assert within.compacted_removed == [] and within.orphan_objects == []
+        assert await keys(tier) == {new.object_key, *(r.object_key for r in inputs)}
+
+        after = await sweep(tier, now_ns=time.time_ns() + (DELETE_GRACE_S + 1) * NS)
+        assert sorted(after.compacted_removed) == sorted(r.file_id for r in inputs)
+        assert await keys(tier) == {new.object_key}
+        for r in inputs:
+            assert await tier.catalog.get(r.file_id) is None
+            assert not await anyio.Path(r.local_path).exists()
+        assert await tier.catalog.covered(tier.source_id, 0, 1) == {0: {0}}
+        assert not after.rows_missing_objects and not after.failures
+
+
+@pytest.mark.asyncio
+async def test_sweep_abandoned_row_dropped_with_its_object_after_grace(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path / "d") as tier:
+        key = orphan_key(tier)
+        await put_object(tier, tmp_path, key)
+        row = FileRow(file_id=str(ULID()), client_name="app", node_id=tier.node_id,
+                      source_id=tier.source_id, object_key=key, state=FileState.RECEIVED)
+        await tier.catalog.insert_file(row)
+        await tier.catalog.set_state(row.file_id, FileState.UPLOADED)
+
+        unfinished = await sweep(tier, now_ns=time.time_ns() + 2 * GRACE_S * NS)
+        assert unfinished.orphan_objects == [] and await keys(tier) == {key}
+
+        await tier.catalog.set_state(row.file_id, FileState.ABANDONED)
+        young = await sweep(tier)
+        assert young.abandoned_removed == [] and await keys(tier) == {key}
+
+        old = await sweep(tier, now_ns=time.time_ns() + GRACE_S * NS)
+        assert old.abandoned_removed == [row.file_id]
+        assert old.orphan_objects == []  # handled as the row's object, not twice
+        assert await keys(tier) == set()
+        assert await tier.catalog.get(row.file_id) is None
+
+
+# ---- staging ----------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_sweep_stale_staging_file_removed_live_ones_kept(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path / "d") as tier:
+        live = await add_file(tier, table(), segment=1)
+        receiving = FileRow(file_id=str(ULID()), client_name="app", node_id=tier.node_id,
+                            source_id=tier.source_id, state=FileState.RECEIVED)
+        await tier.catalog.insert_file(receiving)
+        data = tier.data
+        open_active = data.staging_active / file_name("app", 1, receiving.file_id, "active")
+        stale_active = data.staging_active / file_name("app", 1, str(ULID()), "active")
+        stale_stable = data.staging_stable / file_name("app", 1, str(ULID()), "stable")
+        junk = data.staging_stable / "leftover.tmp"
+        fresh = data.staging_stable / file_name("app", 1, str(ULID()), "stable")
+        for path in (open_active, stale_active, stale_stable, junk, fresh):
+            path.write_bytes(b"x")
+        for path in (open_active, stale_active, stale_stable, junk, Path(live.local_path)):
+            age(path, 2 * GRACE_S)
+
+        report = await sweep(tier)
+
+        assert sorted(report.stale_staging_files) == sorted(
+            str(p) for p in (stale_active, stale_stable, junk))
+        assert {p.name for p in data.staging_active.iterdir()} == {open_active.name}
+        assert {p.name for p in data.staging_stable.iterdir()} == {
+            Path(live.local_path).name, fresh.name}
+
+
+# ---- the actor --------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_janitor_actor_sweeps_on_its_timer_and_counts_failures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with open_test_tier(tmp_path / "d", janitor=JanitorConfig(interval_s=1, grace_s=0),
+                              compaction=CompactionConfig(interval_s=0)) as tier:
+        old = orphan_key(tier)
+        await put_object(tier, tmp_path, old)
+        metrics = Metrics()
+        janitor = Janitor(tier, log=LOG, metrics=metrics)
+        swept = anyio.Event()
+        real_sweep = janitor.sweep_once
+
+        async def observed() -> JanitorReport:
+            try:
+                return await real_sweep()
+            finally:
+                swept.set()
+
+        monkeypatch.setattr(janitor, "sweep_once", observed)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(janitor.run)
+                await swept.wait()
+                tg.cancel_scope.cancel()
+        assert isinstance(janitor.last_report, JanitorReport)
+        assert janitor.last_report.orphan_objects == [old]
+        assert not metrics.lake_errors.by_label("kind")
+
+        async def down(**_: object) -> list[FileRow]:
+            raise CatalogUnavailable("catalog down (test)")
+
+        monkeypatch.setattr(tier.catalog, "list_files", down)
+        swept = anyio.Event()
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(janitor.run)
+                await swept.wait()  # the sweep failed; the timer counted it and goes on
+                assert metrics.lake_errors.by_label("kind") == {"janitor": 1}
+                tg.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_janitor_actor_returns_when_both_timers_are_off(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path / "d", janitor=JanitorConfig(interval_s=0),
+                              compaction=CompactionConfig(interval_s=0)) as tier:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                await tg.start(Janitor(tier, log=LOG, metrics=Metrics()).run)
+
+
+# ---- PostgreSQL + S3 --------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_sweep_postgres_s3_orphans_missing_rows_and_compacted(
+        tmp_path: Path, pg_catalog_dsn: str, s3_bucket: dict[str, str]) -> None:
+    store = StoreConfig(scheme="s3", root="/lake", options=s3_bucket, max_attempts=2)
+    async with open_test_tier(tmp_path / "d", store=store, dsn=pg_catalog_dsn) as tier:
+        rows = [await add_file(tier, table(2, 10 * i), segment=i) for i in range(2)]
+        lost = await add_file(tier, table(), slot=1, segment=9, keep_local=False)
+        await tier.store.delete(lost.object_key)
+        orphan, theirs = orphan_key(tier), orphan_key(tier, node_id="n2")
+        for key in (orphan, theirs):
+            await put_object(tier, tmp_path, key)
+        [result] = await compact(tier, limiter=anyio.CapacityLimiter(1), log=LOG)
+        new = await tier.catalog.get(result.output)
+        assert new is not None and new.uri.startswith("s3://")
+
+        within = await sweep(tier)
+        assert within.young_objects == [orphan] and within.orphan_objects == []
+        assert within.rows_missing_objects == [lost.file_id]
+
+        later = time.time_ns() + (GRACE_S + 1) * NS
+        dry = await sweep(tier, now_ns=later, dry_run=True)
+        assert dry.orphan_objects == [orphan]
+        assert await keys(tier) == {orphan, theirs, new.object_key,
+                                    *(r.object_key for r in rows)}
+
+        done = await sweep(tier, now_ns=later)
+        assert done.orphan_objects == [orphan]
+        assert sorted(done.compacted_removed) == sorted(r.file_id for r in rows)
+        assert done.rows_missing_objects == [lost.file_id]
+        assert await keys(tier) == {theirs, new.object_key}
