@@ -76,7 +76,6 @@ MAX_OPEN_FILES = 128
 COVERAGE_CACHE = 1024
 RETRY_BASE_S = 0.5
 RETRY_MAX_S = 30.0
-DENIED_RETRY_S = 60.0
 PUBLISH_QUEUE = 8
 
 BundleKey = tuple[int, int, int]  # (shard, segment_seq, bundle_index)
@@ -369,7 +368,9 @@ class Uploader:
                 self.m.lake_errors.labels("denied").inc()
                 self.log.error("lake_upload_denied", file_id=f.file_id, key=key,
                                error=str(exc), local_path=str(path), hint=exc.hint)
-                await anyio.sleep(DENIED_RETRY_S)
+                # Nothing to back off from: check again at the store's slowest retry pace,
+                # so fixed credentials are noticed without a restart.
+                await anyio.sleep(max(1.0, self.lake.store.retry_max_ms / 1000))
                 continue
             except (StoreUnavailable, VerifyFailed) as exc:
                 attempt += 1

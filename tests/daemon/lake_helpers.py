@@ -66,11 +66,13 @@ def registered_rows(d: DaemonProcess) -> list[FileRow]:
 
 
 def read_object(row: FileRow, s3: Any = None) -> pa.Table:
-    """A registered file's object, read with plain pyarrow (fs path or S3 through boto3)."""
+    """A registered file's object, read with plain pyarrow: a file:// path, or an
+    s3://bucket/key URI through a boto3 client ``s3`` (not through quiverd's code)."""
     if row.uri.startswith("file://"):
         return pq.read_table(uri_path(row.uri))
-    assert s3 is not None, row.uri
-    body = s3["client"].get_object(Bucket=s3["bucket"], Key=s3["key_prefix"] + row.object_key)
+    parsed = urllib.parse.urlparse(row.uri)
+    assert parsed.scheme == "s3" and s3 is not None, row.uri
+    body = s3.get_object(Bucket=parsed.netloc, Key=urllib.parse.unquote(parsed.path[1:]))
     return pq.read_table(pa.BufferReader(body["Body"].read()))
 
 
