@@ -25,6 +25,7 @@ from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
+from quiverd.lake.catalog import StateConflict
 from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import zone_maps
 from quiverd.lake.tier import Tier
@@ -87,7 +88,11 @@ class Indexer:
             return
         maps = await anyio.to_thread.run_sync(zone_maps, path, self.columns,
                                               limiter=self.limiter)
-        await self.tier.catalog.record_index(row.file_id, maps, sorted(set(row.indexes)))
+        try:
+            await self.tier.catalog.record_index(row.file_id, maps, sorted(set(row.indexes)))
+        except StateConflict:
+            return  # replaced by compaction since it was listed: nothing to index
+
         self.m.lake_transitions.labels(FileState.INDEXED.value).inc()
         self.log.info("lake_file_indexed", file_id=row.file_id, client=row.client_name,
                       uri=row.uri, rows=row.row_count, bytes=row.compressed_size,
@@ -110,10 +115,18 @@ class Indexer:
                 await self.evict(row)
 
     async def evict(self, row: FileRow) -> None:
+        """Local copy gone, row Evicted: only while the row is still registered as
+        indexed (compaction may have replaced it meanwhile; then the row stays
+        Compacted and the janitor removes the copy as a stale staging file)."""
         started = anyio.current_time()
+        moved = await self.tier.catalog.set_state_if(
+            row.file_id, FileState.EVICTED, (FileState.META_REGISTERED, FileState.INDEXED),
+            local_path="")
+        if not moved:
+            self.log.info("lake_evict_skipped", file_id=row.file_id, reason="no longer live")
+            return
         if row.local_path:
             await anyio.to_thread.run_sync(_unlink, Path(row.local_path))
-        await self.tier.catalog.set_state(row.file_id, FileState.EVICTED, local_path="")
         self.m.lake_transitions.labels(FileState.EVICTED.value).inc()
         self.log.info("lake_file_evicted", file_id=row.file_id, client=row.client_name,
                       uri=row.uri, rows=row.row_count, bytes=row.compressed_size,

@@ -15,9 +15,8 @@ nothing left is acked at once. The catalog refuses a registration that would cov
 bundle twice (``DuplicateCoverage``); the file is then abandoned and its bundles
 nacked, to be redelivered and found covered.
 
-Every row gets four columns so the slots of a bundle can be rejoined:
-``_quiver_ingested_at`` (timestamp ns UTC, the bundle's ingestion time),
-``_quiver_shard``, ``_quiver_segment``, ``_quiver_bundle``. Parquet encoding runs in
+Every row gets the bundle's ingestion time and id (``lake.bundles``), so the slots
+of a bundle rejoin across their files. Parquet encoding runs in
 worker threads (``limiter``), one hop per row group; files of different clients
 encode in parallel.
 """
@@ -38,7 +37,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ulid import ULID
 
 from quiverd.acks import format as ackfmt
-from quiverd.kernel.durable import fsync_dir
 from quiverd.kernel.errors import (
     CatalogUnavailable,
     ObjectExists,
@@ -49,14 +47,11 @@ from quiverd.kernel.errors import (
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
+from quiverd.lake.bundles import EXTRA_FIELDS, close_to_stable, coverage, slot_table, with_extras
 from quiverd.lake.catalog import DuplicateCoverage
 from quiverd.lake.drift import conform, normalize, unify
 from quiverd.lake.model import (
-    BUNDLE_COLUMN,
     INGESTED_AT,
-    SEGMENT_COLUMN,
-    SHARD_COLUMN,
-    Coverage,
     FileRow,
     FileState,
 )
@@ -68,10 +63,6 @@ from quiverd_actors.dispatcher import Dispatcher, Session
 P = ParamSpec("P")
 T = TypeVar("T")
 SUBSCRIBER = "uploader"
-EXTRA_FIELDS = (pa.field(INGESTED_AT, pa.timestamp("ns", tz="UTC")),
-                pa.field(SHARD_COLUMN, pa.uint16()),
-                pa.field(SEGMENT_COLUMN, pa.uint64()),
-                pa.field(BUNDLE_COLUMN, pa.uint32()))
 MAX_OPEN_FILES = 128
 COVERAGE_CACHE = 1024
 RETRY_BASE_S = 0.5
@@ -184,7 +175,7 @@ class Uploader:
         await self._relieve_pressure()
 
     async def _add(self, d: Delivery, slot: int, ipc: bytes | bytearray | memoryview) -> None:
-        incoming = _with_extras(pa.ipc.open_stream(ipc).schema)
+        incoming = with_extras(pa.ipc.open_stream(ipc).schema)
         fkey = (d.shard, d.client, slot)
         f = self.files.get(fkey)
         if f is not None:
@@ -278,7 +269,10 @@ class Uploader:
 
     def _encode(self, f: OpenFile, parts: list[Part], schema: pa.Schema) -> None:
         """Decode, add the bundle columns, conform and append one row group (worker thread)."""
-        tables = [conform(_read_part(p, f.shard), schema) for p in parts]
+        tables = [conform(slot_table(p.ipc, shard=f.shard, segment_seq=p.segment_seq,
+                                      bundle_index=p.bundle_index,
+                                      ingestion_ts_ns=p.ingestion_ts_ns), schema)
+                  for p in parts]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         if f.active is None:
             time_column = self.lake.time_column or INGESTED_AT
@@ -305,7 +299,7 @@ class Uploader:
             started = anyio.current_time()
             stable = self.tier.data.staging_stable / file_name(f.client, f.created_ns,
                                                                f.file_id, "stable")
-            facts = await anyio.to_thread.run_sync(_close_to_stable, f.active, f.path, stable,
+            facts = await anyio.to_thread.run_sync(close_to_stable, f.active, f.path, stable,
                                                    limiter=self.limiter)
             self.live.discard(f)
         self.m.lake_rotations.labels(reason).inc()
@@ -341,7 +335,7 @@ class Uploader:
                    uploaded_at=uploaded_at)
         started = anyio.current_time()
         try:
-            await self._catalog(self.tier.catalog.register, row, _coverage(f.bundles))
+            await self._catalog(self.tier.catalog.register, row, coverage(f.bundles))
         except DuplicateCoverage as exc:
             self.m.lake_errors.labels("duplicate").inc()
             await self.tier.abandon(row, reason=f"duplicate coverage: {exc}")
@@ -486,39 +480,6 @@ class Uploader:
         self.live.clear()
 
 
-def _with_extras(schema: pa.Schema) -> pa.Schema:
-    names = set(schema.names)
-    return pa.schema([*schema, *(x for x in EXTRA_FIELDS if x.name not in names)])
-
-
-def _read_part(p: Part, shard: int) -> pa.Table:
-    table = pa.ipc.open_stream(p.ipc).read_all()
-    n = table.num_rows
-    columns = {
-        INGESTED_AT: _constant(p.ingestion_ts_ns, n, pa.timestamp("ns", tz="UTC")),
-        SHARD_COLUMN: _constant(shard, n, pa.uint16()),
-        SEGMENT_COLUMN: _constant(p.segment_seq, n, pa.uint64()),
-        BUNDLE_COLUMN: _constant(p.bundle_index, n, pa.uint32()),
-    }
-    for name, column in columns.items():
-        if table.schema.get_field_index(name) < 0:
-            table = table.append_column(name, column)
-    return table
-
-
-def _constant(value: int, n: int, type_: pa.DataType) -> pa.Array:
-    return pa.nulls(n, pa.int64()).fill_null(value).cast(type_)
-
-
-def _close_to_stable(active: ActiveFile, active_path: Path, stable: Path) -> FileFacts:
-    """Footer, fsync, rename Active -> Stable, fsync the directories (worker thread)."""
-    facts = active.close()
-    active_path.rename(stable)
-    fsync_dir(stable.parent)
-    fsync_dir(active_path.parent)
-    return facts
-
-
 def _row(tier: Tier, f: OpenFile, facts: FileFacts, *, uri: str, key: str, local: Path,
          uploaded_at: int) -> FileRow:
     first, last = min(f.bundles), max(f.bundles)
@@ -532,14 +493,6 @@ def _row(tier: Tier, f: OpenFile, facts: FileFacts, *, uri: str, key: str, local
         last_bundle=last[1], bundle_count=len(f.bundles), crc32c=facts.crc32c,
         state=FileState.META_REGISTERED, local_path=str(local), created_at=f.created_ns,
         updated_at=time.time_ns())
-
-
-def _coverage(bundles: list[tuple[int, int]]) -> list[Coverage]:
-    by_segment: dict[int, set[int]] = {}
-    for seg, idx in bundles:
-        by_segment.setdefault(seg, set()).add(idx)
-    return [Coverage(segment_seq=seg, bundle_indexes=tuple(sorted(idxs)))
-            for seg, idxs in sorted(by_segment.items())]
 
 
 def _backoff(attempt: int) -> float:
