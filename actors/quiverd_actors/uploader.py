@@ -155,6 +155,8 @@ class Uploader:
                     await self._take(delivery)
                 tg.cancel_scope.cancel()
         finally:
+            self.publish_tx.close()
+            self.publish_rx.close()
             with anyio.CancelScope(shield=True):
                 await self._abort_all()
 

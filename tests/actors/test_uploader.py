@@ -1,0 +1,149 @@
+"""The uploader actor in process: real deliveries, real Parquet files, the fs store and
+the SQLite catalog; a recording stand-in for the dispatchers' ack path."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from quiverd.acks import format as ackfmt
+from quiverd.kernel.bundle import make_slot
+from quiverd.kernel.metrics import Metrics
+from quiverd.lake.model import REGISTERED, Coverage, FileRow, FileState
+from quiverd.lake.tier import Tier
+from quiverd.protocol.frames import Delivery
+from quiverd_actors.dispatcher import Session
+from quiverd_actors.uploader import Uploader
+from tests.daemon.lake_helpers import uri_path
+from tests.lake.test_janitor import LOG, open_test_tier
+
+
+class Acks:
+    """Stands in for the dispatchers: records (segment_seq, bundle_index, outcome)."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[tuple[int, int, int]] = []
+        self.changed = anyio.Event()
+
+    async def feedback(self, session: Session, segment_seq: int, bundle_index: int,
+                       outcome: int) -> None:
+        self.outcomes.append((segment_seq, bundle_index, outcome))
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    async def until(self, done: Callable[[list[tuple[int, int, int]]], bool]) -> None:
+        with anyio.fail_after(20):
+            while not done(self.outcomes):
+                await self.changed.wait()
+
+
+def delivery(seg: int, idx: int, slots: dict[int, pa.Table], client: str = "app") -> Delivery:
+    return Delivery(shard=0, segment_seq=seg, bundle_index=idx, client=client, txn=None,
+                    ingestion_ts_ns=1_700_000_000_000_000_000 + idx,
+                    slots=tuple(make_slot(k, t) for k, t in sorted(slots.items())))
+
+
+def rows(n: int, start: int = 0) -> pa.Table:
+    return pa.table({"v": pa.array(range(start, start + n), pa.int64())})
+
+
+@asynccontextmanager
+async def running(tier: Tier) -> AsyncIterator[tuple[Acks, Uploader, Any]]:
+    acks = Acks()
+    tx, rx = anyio.create_memory_object_stream[Delivery](256)
+    unused_tx, unused_rx = anyio.create_memory_object_stream[Delivery](1)
+    session = Session(name="uploader", window=256, deliveries=unused_tx)
+    uploader = Uploader(tier, [acks], session,  # type: ignore[list-item]
+                        limiter=anyio.CapacityLimiter(2), log=LOG, metrics=Metrics())
+    async with anyio.create_task_group() as tg:
+        await tg.start(uploader.run, rx)
+        try:
+            yield acks, uploader, tx
+        finally:
+            tg.cancel_scope.cancel()
+    for stream in (tx, unused_tx, unused_rx):
+        stream.close()
+
+
+async def registered(tier: Tier) -> list[FileRow]:
+    return await tier.catalog.list_files(states=REGISTERED)
+
+
+@pytest.mark.asyncio
+async def test_uploader_acks_two_slot_bundle_once_both_files_registered(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path, file_duration_ms=100) as tier, \
+            running(tier) as (acks, uploader, tx):
+        await tx.send(delivery(1, 0, {0: rows(5), 1: pa.table({"note": ["x"]})}))
+        await tx.send(delivery(1, 1, {0: rows(5, 5)}))
+        await acks.until(lambda o: len(o) == 2)
+        files = await registered(tier)
+        assert sorted(acks.outcomes) == [(1, 0, ackfmt.ACK), (1, 1, ackfmt.ACK)]
+        assert sorted((f.slot, f.row_count, f.bundle_count) for f in files) == [(0, 10, 2),
+                                                                                 (1, 1, 1)]
+        slot0 = next(f for f in files if f.slot == 0)
+        back = pq.read_table(uri_path(slot0.uri))
+        assert back["v"].to_pylist() == list(range(10))
+        assert back["_quiver_bundle"].to_pylist() == [0] * 5 + [1] * 5
+        assert (slot0.first_segment, slot0.first_bundle, slot0.last_bundle) == (1, 0, 1)
+
+
+@pytest.mark.asyncio
+async def test_uploader_skips_slots_a_registered_file_holds(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path, file_duration_ms=100) as tier:
+        held = FileRow(file_id="01HOLD0000000000000000000A", client_name="app",
+                       source_id=tier.source_id, shard=0, slot=0, node_id=tier.node_id)
+        await tier.catalog.register(held, [Coverage(segment_seq=5, bundle_indexes=(0,))])
+        async with running(tier) as (acks, uploader, tx):
+            await tx.send(delivery(5, 0, {0: rows(3), 1: pa.table({"note": ["y"]})}))
+            await acks.until(lambda o: len(o) == 1)
+            assert acks.outcomes == [(5, 0, ackfmt.ACK)]
+            files = await registered(tier)
+            assert sorted(f.slot for f in files) == [0, 1]  # only slot 1 was new
+            assert uploader.m.lake_bundles_skipped.total() == 1
+            await tx.send(delivery(5, 0, {0: rows(3)}))  # fully held: acked at once
+            await acks.until(lambda o: len(o) == 2)
+            assert len(await registered(tier)) == 2
+
+
+@pytest.mark.asyncio
+async def test_uploader_abandons_file_and_nacks_on_duplicate_coverage(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path, file_duration_ms=300) as tier, \
+            running(tier) as (acks, uploader, tx):
+        await tx.send(delivery(7, 0, {0: rows(2)}))  # caches "nothing held" for segment 7
+        with anyio.fail_after(10):
+            while not uploader.files:
+                await anyio.sleep(0.01)
+        # Another writer registers bundle (7, 1) behind the uploader's back.
+        other = FileRow(file_id="01OTHER000000000000000000A", client_name="app",
+                        source_id=tier.source_id, shard=0, slot=0)
+        await tier.catalog.register(other, [Coverage(segment_seq=7, bundle_indexes=(1,))])
+        await tx.send(delivery(7, 1, {0: rows(2)}))
+        await acks.until(lambda o: len(o) == 2)
+        assert sorted(acks.outcomes) == [(7, 0, ackfmt.NACK), (7, 1, ackfmt.NACK)]
+        mine = await tier.catalog.list_files(states=[FileState.ABANDONED])
+        assert len(mine) == 1
+        assert not list(tier.data.objects.rglob("*.parquet"))  # its object was deleted
+
+
+@pytest.mark.asyncio
+async def test_uploader_rotates_on_schema_change_and_window_pressure(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path, file_duration_ms=60_000, window_bundles=16) as tier, \
+            running(tier) as (acks, uploader, tx):
+        await tx.send(delivery(1, 0, {0: pa.table({"v": pa.array([1], pa.int64())})}))
+        await tx.send(delivery(1, 1, {0: pa.table({"v": pa.array(["one"])})}))  # utf8 vs int
+        for i in range(2, 9):  # the second file now holds 8: half the window (16)
+            await tx.send(delivery(1, i, {0: pa.table({"v": pa.array([str(i)])})}))
+        await acks.until(lambda o: len(o) == 9)
+        assert {o for _, _, o in acks.outcomes} == {ackfmt.ACK}
+        reasons = uploader.m.lake_rotations.by_label("reason")
+        assert reasons.get("schema") == 1 and reasons.get("window", 0) >= 1
+        files = await registered(tier)
+        assert sum(f.row_count for f in files) == 9
+        assert len({f.schema_hash for f in files}) == 2
