@@ -118,7 +118,7 @@ async def test_uploader_abandons_file_and_nacks_on_duplicate_coverage(tmp_path: 
             running(tier) as (acks, uploader, tx):
         await tx.send(delivery(7, 0, {0: rows(2)}))  # caches "nothing held" for segment 7
         with anyio.fail_after(10):
-            while not uploader.files:
+            while not uploader.files:  # noqa: ASYNC110 - the actor exposes no event for this
                 await anyio.sleep(0.01)
         # Another writer registers bundle (7, 1) behind the uploader's back.
         other = FileRow(file_id="01OTHER000000000000000000A", client_name="app",
