@@ -22,7 +22,7 @@ from quiverd.protocol.frames import Delivery
 from quiverd_actors.dispatcher import Session
 from quiverd_actors.uploader import Uploader
 from tests.daemon.lake_helpers import uri_path
-from tests.lake.test_janitor import LOG, open_test_tier
+from tests.lake.helpers import LOG, open_test_tier
 
 
 class Acks:

@@ -24,7 +24,8 @@ from quiverd.lake.compaction import CompactionResult, compact, plan
 from quiverd.lake.model import FileRow, FileState
 from quiverd.lake.tier import Tier
 from quiverd_actors import uploader
-from tests.lake.test_janitor import LOG, add_file, keys, open_test_tier
+from tests.lake.helpers import LOG, add_file, open_test_tier
+from tests.lake.test_janitor import keys
 
 EXTRA = [f.name for f in uploader.EXTRA_FIELDS]
 
