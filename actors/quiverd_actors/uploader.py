@@ -3,7 +3,7 @@
     dispatcher[n] ──Delivery──▶ uploader ──▶ Active Parquet file per (shard, client, slot)
          ▲                        │ rotate on size, time, schema change or window pressure
          │                        ▼
-         │                Stable file ──▶ publish workers: upload + verify ──▶ register (catalog)
+         │                Stable file ──▶ publisher: upload + verify ──▶ register (catalog)
          └──── ack (dispatcher.feedback) once every slot's file of the bundle is registered
 
 It is a subscriber like any other, so the shared ack.log decides when a segment may
@@ -23,13 +23,8 @@ encode in parallel.
 
 from __future__ import annotations
 
-import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import ParamSpec, TypeVar
 
 import anyio
 import pyarrow as pa
@@ -37,87 +32,29 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ulid import ULID
 
 from quiverd.acks import format as ackfmt
-from quiverd.kernel.errors import (
-    CatalogUnavailable,
-    ObjectExists,
-    StoreDenied,
-    StoreUnavailable,
-    VerifyFailed,
-)
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
-from quiverd.lake.bundles import EXTRA_FIELDS, close_to_stable, coverage, slot_table, with_extras
-from quiverd.lake.catalog import DuplicateCoverage
+from quiverd.lake.bundles import EXTRA_FIELDS, close_to_stable, slot_table, with_extras
 from quiverd.lake.drift import conform, normalize, unify
 from quiverd.lake.model import (
     INGESTED_AT,
     FileRow,
     FileState,
 )
-from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, file_name
+from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
 from quiverd.lake.tier import Tier
 from quiverd.protocol.frames import Delivery
 from quiverd_actors.dispatcher import Dispatcher, Session
+from quiverd_actors.lake_files import FileKey, OpenFile, Part, Sealed, Steps
+from quiverd_actors.publisher import Publisher
 
-P = ParamSpec("P")
-T = TypeVar("T")
 SUBSCRIBER = "uploader"
 MAX_OPEN_FILES = 128
 COVERAGE_CACHE = 1024
-RETRY_BASE_S = 0.5
-RETRY_MAX_S = 30.0
 PUBLISH_QUEUE = 8
 
 BundleKey = tuple[int, int, int]  # (shard, segment_seq, bundle_index)
-FileKey = tuple[int, str, int]  # (shard, client, slot)
-
-
-@dataclass(frozen=True)
-class Part:
-    """One slot of one bundle, waiting for its row group."""
-
-    ipc: bytes | bytearray | memoryview
-    segment_seq: int
-    bundle_index: int
-    ingestion_ts_ns: int
-
-
-@dataclass(eq=False)
-class OpenFile:
-    """A lake file being filled: buffered parts, then an Active Parquet file."""
-
-    key: FileKey
-    file_id: str
-    path: Path
-    schema: pa.Schema
-    opened_at: float  # monotonic
-    created_ns: int
-    parts: list[Part] = field(default_factory=list)
-    buffered_bytes: int = 0
-    bundles: list[tuple[int, int]] = field(default_factory=list)  # (segment_seq, index)
-    active: ActiveFile | None = None
-    frozen: bool = False  # schema fixed: the first row group is being written
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
-
-    @property
-    def shard(self) -> int:
-        return self.key[0]
-
-    @property
-    def client(self) -> str:
-        return self.key[1]
-
-    @property
-    def slot(self) -> int:
-        return self.key[2]
-
-
-@dataclass(frozen=True)
-class Sealed:
-    file: OpenFile
-    facts: FileFacts
-    path: Path  # the Stable file
 
 
 class Uploader:
@@ -126,7 +63,9 @@ class Uploader:
                  hook: Hook | None = None) -> None:
         lake = tier.cfg.lake
         self.tier, self.lake, self.dispatchers, self.session = tier, lake, dispatchers, session
-        self.limiter, self.log, self.m, self.hook = limiter, log, metrics, hook
+        self.limiter, self.log, self.m = limiter, log, metrics
+        self.steps = Steps(tier, log=log, metrics=metrics, hook=hook)
+        self.publisher = Publisher(tier, self.steps, log=log, metrics=metrics)
         self.settings = ParquetSettings(
             compression_level=lake.compression_level,
             bloom_filter_columns=tuple(lake.index.bloom_filter_columns),
@@ -204,13 +143,13 @@ class Uploader:
         f = OpenFile(key=fkey, file_id=file_id, path=self.tier.data.staging_active / name,
                      schema=schema, opened_at=anyio.current_time(), created_ns=now_ns)
         self.files[fkey] = f
-        await self._catalog(self.tier.catalog.insert_file, FileRow(
+        await self.steps.catalog(self.tier.catalog.insert_file, FileRow(
             file_id=file_id, client_name=fkey[1], node_id=self.tier.node_id,
             source_id=self.tier.source_id, shard=fkey[0], slot=fkey[2],
             state=FileState.RECEIVED, local_path=str(f.path), created_at=now_ns,
             updated_at=now_ns))
-        self._event(f, FileState.RECEIVED, 0.0)
-        await self._fault("received")
+        self.steps.event(f, FileState.RECEIVED, 0.0)
+        await self.steps.fault("received")
         return f
 
     async def _relieve_pressure(self) -> None:
@@ -267,7 +206,7 @@ class Uploader:
             took = anyio.current_time() - started
             self.m.lake_append_latency.observe(took)
             if first:
-                await self._transition(f, FileState.APPENDED, took)
+                await self.steps.transition(f, FileState.APPENDED, took)
 
     def _encode(self, f: OpenFile, parts: list[Part], schema: pa.Schema) -> None:
         """Decode, add the bundle columns, conform and append one row group (worker thread)."""
@@ -306,7 +245,7 @@ class Uploader:
             self.live.discard(f)
         self.m.lake_rotations.labels(reason).inc()
         self.m.lake_rows.labels().inc(facts.rows)
-        await self._transition(f, FileState.ROTATED, anyio.current_time() - started,
+        await self.steps.transition(f, FileState.ROTATED, anyio.current_time() - started,
                                local_path=str(stable), row_count=facts.rows,
                                uncompressed_size=facts.uncompressed_size,
                                compressed_size=facts.compressed_size, crc32c=facts.crc32c,
@@ -319,80 +258,16 @@ class Uploader:
     async def _publisher(self) -> None:
         async for sealed in self.publish_rx:
             try:
-                await self._publish(sealed)
+                registered = await self.publisher.publish(sealed)
             finally:
                 self.m.lake_pending_uploads.labels().inc(-1)
-
-    async def _publish(self, s: Sealed) -> None:
-        f, facts = s.file, s.facts
-        key = self.tier.object_key(f.client, f.slot, s.path.name)
-        took = await self._upload(f, key, s.path, facts)
-        if took is None:
-            return
-        uri = self.tier.store.uri(key)
-        uploaded_at = time.time_ns()
-        await self._transition(f, FileState.UPLOADED, took, uri=uri, object_key=key,
-                               uploaded_at=uploaded_at)
-        row = _row(self.tier, f, facts, uri=uri, key=key, local=s.path,
-                   uploaded_at=uploaded_at)
-        started = anyio.current_time()
-        try:
-            await self._catalog(self.tier.catalog.register, row, coverage(f.bundles))
-        except DuplicateCoverage as exc:
-            self.m.lake_errors.labels("duplicate").inc()
-            await self.tier.abandon(row, reason=f"duplicate coverage: {exc}")
-            await self._settle(f, ackfmt.NACK)
-            return
-        self._event(f, FileState.META_REGISTERED, anyio.current_time() - started, uri=uri,
-                    rows=facts.rows, bytes=facts.compressed_size)
-        self._remember(f)
-        await self._fault("registered")
-        await self._settle(f, ackfmt.ACK)
-        await self._fault("acked")
-
-    async def _upload(self, f: OpenFile, key: str, path: Path, facts: FileFacts
-                      ) -> float | None:
-        """Upload until it works; None if the file had to be abandoned."""
-        attempt = 0
-        while True:
-            started = anyio.current_time()
-            try:
-                await self.tier.store.put_file(key, path, size=facts.compressed_size,
-                                               crc32c=facts.crc32c)
-            except StoreDenied as exc:
-                self.m.lake_denied.labels().set(1)
-                self.m.lake_errors.labels("denied").inc()
-                self.log.error("lake_upload_denied", file_id=f.file_id, key=key,
-                               error=str(exc), local_path=str(path), hint=exc.hint)
-                # Nothing to back off from: check again at the store's slowest retry pace,
-                # so fixed credentials are noticed without a restart.
-                await anyio.sleep(max(1.0, self.lake.store.retry_max_ms / 1000))
-                continue
-            except (StoreUnavailable, VerifyFailed) as exc:
-                attempt += 1
-                kind = "verify" if isinstance(exc, VerifyFailed) else "unavailable"
-                self.m.lake_errors.labels(kind).inc()
-                delay = _backoff(attempt)
-                self.log.warning("lake_upload_failed", file_id=f.file_id, key=key,
-                                 error=str(exc), retry_in_s=round(delay, 2))
-                await anyio.sleep(delay)
-                continue
-            except ObjectExists as exc:
-                self.m.lake_errors.labels("exists").inc()
-                await self._give_up(f, facts, path, f"object exists: {exc}")
-                return None
-            took = anyio.current_time() - started
-            self.m.lake_denied.labels().set(0)
-            self.m.lake_upload_latency.observe(took)
-            self.m.lake_files_uploaded.labels().inc()
-            self.m.lake_upload_bytes.labels().inc(facts.compressed_size)
-            await self._fault("object_written")
-            return took
-
-    async def _give_up(self, f: OpenFile, facts: FileFacts, path: Path, reason: str) -> None:
-        row = _row(self.tier, f, facts, uri="", key="", local=path, uploaded_at=0)
-        await self.tier.abandon(row, reason=reason)
-        await self._settle(f, ackfmt.NACK)
+            if registered:
+                self._remember(sealed.file)
+                await self.steps.fault("registered")
+                await self._settle(sealed.file, ackfmt.ACK)
+                await self.steps.fault("acked")
+            else:
+                await self._settle(sealed.file, ackfmt.NACK)
 
     async def _settle(self, f: OpenFile, outcome: int) -> None:
         """The file's bundles: ack those whose every slot file is registered; nack all
@@ -424,7 +299,7 @@ class Uploader:
         ck = (shard, segment_seq)
         found = self.covered_cache.get(ck)
         if found is None:
-            found = await self._catalog(self.tier.catalog.covered, self.tier.source_id,
+            found = await self.steps.catalog(self.tier.catalog.covered, self.tier.source_id,
                                         shard, segment_seq)
             self.covered_cache[ck] = found
             while len(self.covered_cache) > COVERAGE_CACHE:
@@ -439,66 +314,11 @@ class Uploader:
             if cached is not None:
                 cached.setdefault(f.slot, set()).add(idx)
 
-    async def _catalog(self, fn: Callable[P, Awaitable[T]], *args: P.args,
-                       **kwargs: P.kwargs) -> T:
-        """Call the catalog until it answers: an outage stalls the lake, never ingest."""
-        attempt = 0
-        while True:
-            try:
-                return await fn(*args, **kwargs)
-            except CatalogUnavailable as exc:
-                attempt += 1
-                self.m.lake_errors.labels("catalog").inc()
-                delay = _backoff(attempt)
-                self.log.warning("lake_catalog_unavailable", error=str(exc),
-                                 retry_in_s=round(delay, 2), hint=exc.hint)
-                await anyio.sleep(delay)
-
-    async def _transition(self, f: OpenFile, state: FileState, took_s: float,
-                          reason: str | None = None, **fields: object) -> None:
-        await self._catalog(self._set_state, f.file_id, state, fields)
-        self._event(f, state, took_s, reason=reason, uri=fields.get("uri"),
-                    rows=fields.get("row_count"), bytes=fields.get("compressed_size"))
-        await self._fault(state.value.lower())
-
-    async def _set_state(self, file_id: str, state: FileState, fields: dict[str, object]
-                         ) -> None:
-        await self.tier.catalog.set_state(file_id, state, **fields)
-
-    def _event(self, f: OpenFile, state: FileState, took_s: float, **fields: object) -> None:
-        self.m.lake_transitions.labels(state.value).inc()
-        self.log.info("lake_file_" + state.value.lower(), file_id=f.file_id, client=f.client,
-                      slot=f.slot, shard=f.shard, duration_ms=round(took_s * 1000, 2),
-                      **{k: v for k, v in fields.items() if v is not None})
-
-    async def _fault(self, step: str) -> None:
-        if self.hook is not None:
-            await anyio.to_thread.run_sync(self.hook, step)
-
     async def _abort_all(self) -> None:
         for f in list(self.live):
             if f.active is not None:
                 await anyio.to_thread.run_sync(f.active.abort)
         self.live.clear()
-
-
-def _row(tier: Tier, f: OpenFile, facts: FileFacts, *, uri: str, key: str, local: Path,
-         uploaded_at: int) -> FileRow:
-    first, last = min(f.bundles), max(f.bundles)
-    return FileRow(
-        file_id=f.file_id, client_name=f.client, uri=uri, start_ts=facts.start_ts,
-        end_ts=facts.end_ts, row_count=facts.rows, uncompressed_size=facts.uncompressed_size,
-        compressed_size=facts.compressed_size, schema_hash=facts.schema_hash,
-        indexes=list(facts.indexes), uploaded_at=uploaded_at, node_id=tier.node_id,
-        source_id=tier.source_id, shard=f.shard, slot=f.slot, object_key=key,
-        first_segment=first[0], first_bundle=first[1], last_segment=last[0],
-        last_bundle=last[1], bundle_count=len(f.bundles), crc32c=facts.crc32c,
-        state=FileState.META_REGISTERED, local_path=str(local), created_at=f.created_ns,
-        updated_at=time.time_ns())
-
-
-def _backoff(attempt: int) -> float:
-    return random.uniform(0.5, 1.0) * min(RETRY_MAX_S, RETRY_BASE_S * 2 ** min(attempt, 10))
 
 
 __all__ = ["EXTRA_FIELDS", "INGESTED_AT", "SUBSCRIBER", "Uploader"]

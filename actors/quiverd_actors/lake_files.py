@@ -1,0 +1,148 @@
+"""What the uploader and its publisher share: the lake file being built, and ``Steps``,
+which moves a file through its lifecycle states.
+
+A step is one catalog transition (retried until the catalog answers: an outage stalls
+the lake, never ingest), one log event ``lake_file_<state>`` with the file's id,
+client, slot, shard, URI, rows, bytes and the step's duration, one count in
+``quiver_lake_file_transitions_total{state}``, and the ``lake`` fault hook (crash
+tests stop the process right after a step).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+import anyio
+import pyarrow as pa
+
+from quiverd.kernel.errors import CatalogUnavailable
+from quiverd.kernel.faults import Hook
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import Metrics
+from quiverd.lake.model import FileRow, FileState
+from quiverd.lake.parquet import ActiveFile, FileFacts
+from quiverd.lake.tier import Tier
+
+P = ParamSpec("P")
+T = TypeVar("T")
+RETRY_BASE_S = 0.5
+RETRY_MAX_S = 30.0
+
+FileKey = tuple[int, str, int]  # (shard, client, slot)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One slot of one bundle, waiting for its row group."""
+
+    ipc: bytes | bytearray | memoryview
+    segment_seq: int
+    bundle_index: int
+    ingestion_ts_ns: int
+
+
+@dataclass(eq=False)
+class OpenFile:
+    """A lake file being filled: buffered parts, then an Active Parquet file."""
+
+    key: FileKey
+    file_id: str
+    path: Path
+    schema: pa.Schema
+    opened_at: float  # monotonic
+    created_ns: int
+    parts: list[Part] = field(default_factory=list)
+    buffered_bytes: int = 0
+    bundles: list[tuple[int, int]] = field(default_factory=list)  # (segment_seq, index)
+    active: ActiveFile | None = None
+    frozen: bool = False  # schema fixed: the first row group is being written
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+    @property
+    def shard(self) -> int:
+        return self.key[0]
+
+    @property
+    def client(self) -> str:
+        return self.key[1]
+
+    @property
+    def slot(self) -> int:
+        return self.key[2]
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A rotated file, on its way to the store and the catalog."""
+
+    file: OpenFile
+    facts: FileFacts
+    path: Path  # the Stable file
+
+
+class Steps:
+    def __init__(self, tier: Tier, *, log: Logger, metrics: Metrics, hook: Hook | None
+                 ) -> None:
+        self.tier, self.log, self.m, self.hook = tier, log, metrics, hook
+
+    async def catalog(self, fn: Callable[P, Awaitable[T]], *args: P.args,
+                      **kwargs: P.kwargs) -> T:
+        """Call the catalog until it answers."""
+        attempt = 0
+        while True:
+            try:
+                return await fn(*args, **kwargs)
+            except CatalogUnavailable as exc:
+                attempt += 1
+                self.m.lake_errors.labels("catalog").inc()
+                delay = backoff(attempt)
+                self.log.warning("lake_catalog_unavailable", error=str(exc),
+                                 retry_in_s=round(delay, 2), hint=exc.hint)
+                await anyio.sleep(delay)
+
+    async def transition(self, f: OpenFile, state: FileState, took_s: float,
+                         reason: str | None = None, **fields: object) -> None:
+        await self.catalog(self._set_state, f.file_id, state, fields)
+        self.event(f, state, took_s, reason=reason, uri=fields.get("uri"),
+                   rows=fields.get("row_count"), bytes=fields.get("compressed_size"))
+        await self.fault(state.value.lower())
+
+    async def _set_state(self, file_id: str, state: FileState, fields: dict[str, object]
+                         ) -> None:
+        await self.tier.catalog.set_state(file_id, state, **fields)
+
+    def event(self, f: OpenFile, state: FileState, took_s: float, **fields: object) -> None:
+        self.m.lake_transitions.labels(state.value).inc()
+        self.log.info("lake_file_" + state.value.lower(), file_id=f.file_id, client=f.client,
+                      slot=f.slot, shard=f.shard, duration_ms=round(took_s * 1000, 2),
+                      **{k: v for k, v in fields.items() if v is not None})
+
+    async def fault(self, step: str) -> None:
+        if self.hook is not None:
+            await anyio.to_thread.run_sync(self.hook, step)
+
+
+def file_row(tier: Tier, f: OpenFile, facts: FileFacts, *, uri: str, key: str, local: Path,
+             uploaded_at: int) -> FileRow:
+    """The complete catalog row of a sealed file (registered as MetaRegistered)."""
+    first, last = min(f.bundles), max(f.bundles)
+    return FileRow(
+        file_id=f.file_id, client_name=f.client, uri=uri, start_ts=facts.start_ts,
+        end_ts=facts.end_ts, row_count=facts.rows, uncompressed_size=facts.uncompressed_size,
+        compressed_size=facts.compressed_size, schema_hash=facts.schema_hash,
+        indexes=list(facts.indexes), uploaded_at=uploaded_at, node_id=tier.node_id,
+        source_id=tier.source_id, shard=f.shard, slot=f.slot, object_key=key,
+        first_segment=first[0], first_bundle=first[1], last_segment=last[0],
+        last_bundle=last[1], bundle_count=len(f.bundles), crc32c=facts.crc32c,
+        state=FileState.META_REGISTERED, local_path=str(local), created_at=f.created_ns,
+        updated_at=time.time_ns())
+
+
+def backoff(attempt: int) -> float:
+    """Exponential backoff with jitter: 0.5 s doubling to 30 s, times 0.5..1."""
+    return random.uniform(0.5, 1.0) * min(RETRY_MAX_S, RETRY_BASE_S * 2 ** min(attempt, 10))

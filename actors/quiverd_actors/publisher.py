@@ -1,0 +1,97 @@
+"""Publisher: a sealed Stable file in, an uploaded, verified, registered lake file out.
+
+    Sealed ──▶ put_file (conditional create, CRC32C in metadata, verify) ──▶ Uploaded
+           ──▶ catalog.register (row + coverage, one transaction, NOTIFY) ──▶ MetaRegistered
+
+``publish`` returns True once the file is registered (its bundles may be acked) and
+False when it had to be abandoned (its bundles are nacked and delivered again). The
+store's own retries cover throttling, 5xx, timeouts and resets; after them the upload
+is tried again with a longer backoff, forever: the local file and the WAL/segments keep
+the data. An authorization error is not retried by the store: it is logged and counted
+(``quiver_lake_store_denied`` = 1) and checked again at the store's slowest retry
+pace, so fixed credentials are noticed without a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+
+from quiverd.kernel.errors import ObjectExists, StoreDenied, StoreUnavailable, VerifyFailed
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import Metrics
+from quiverd.lake.bundles import coverage
+from quiverd.lake.catalog import DuplicateCoverage
+from quiverd.lake.model import FileState
+from quiverd.lake.parquet import FileFacts
+from quiverd.lake.tier import Tier
+from quiverd_actors.lake_files import OpenFile, Sealed, Steps, backoff, file_row
+
+
+class Publisher:
+    def __init__(self, tier: Tier, steps: Steps, *, log: Logger, metrics: Metrics) -> None:
+        self.tier, self.steps, self.log, self.m = tier, steps, log, metrics
+        self.denied_retry_s = max(1.0, tier.cfg.lake.store.retry_max_ms / 1000)
+
+    async def publish(self, s: Sealed) -> bool:
+        f, facts = s.file, s.facts
+        key = self.tier.object_key(f.client, f.slot, s.path.name)
+        took = await self._upload(f, key, s.path, facts)
+        if took is None:
+            return False
+        uri = self.tier.store.uri(key)
+        uploaded_at = time.time_ns()
+        await self.steps.transition(f, FileState.UPLOADED, took, uri=uri, object_key=key,
+                                    uploaded_at=uploaded_at)
+        row = file_row(self.tier, f, facts, uri=uri, key=key, local=s.path,
+                       uploaded_at=uploaded_at)
+        started = anyio.current_time()
+        try:
+            await self.steps.catalog(self.tier.catalog.register, row, coverage(f.bundles))
+        except DuplicateCoverage as exc:
+            self.m.lake_errors.labels("duplicate").inc()
+            await self.tier.abandon(row, reason=f"duplicate coverage: {exc}")
+            return False
+        self.steps.event(f, FileState.META_REGISTERED, anyio.current_time() - started,
+                         uri=uri, rows=facts.rows, bytes=facts.compressed_size)
+        return True
+
+    async def _upload(self, f: OpenFile, key: str, path: Path, facts: FileFacts
+                      ) -> float | None:
+        """Upload until it works; the seconds it took, or None if the file was abandoned."""
+        attempt = 0
+        while True:
+            started = anyio.current_time()
+            try:
+                await self.tier.store.put_file(key, path, size=facts.compressed_size,
+                                               crc32c=facts.crc32c)
+            except StoreDenied as exc:
+                self.m.lake_denied.labels().set(1)
+                self.m.lake_errors.labels("denied").inc()
+                self.log.error("lake_upload_denied", file_id=f.file_id, key=key,
+                               error=str(exc), local_path=str(path), hint=exc.hint)
+                await anyio.sleep(self.denied_retry_s)
+                continue
+            except (StoreUnavailable, VerifyFailed) as exc:
+                attempt += 1
+                kind = "verify" if isinstance(exc, VerifyFailed) else "unavailable"
+                self.m.lake_errors.labels(kind).inc()
+                delay = backoff(attempt)
+                self.log.warning("lake_upload_failed", file_id=f.file_id, key=key,
+                                 error=str(exc), retry_in_s=round(delay, 2))
+                await anyio.sleep(delay)
+                continue
+            except ObjectExists as exc:
+                self.m.lake_errors.labels("exists").inc()
+                row = file_row(self.tier, f, facts, uri="", key="", local=path, uploaded_at=0)
+                await self.tier.abandon(row, reason=f"object exists: {exc}")
+                return None
+            took = anyio.current_time() - started
+            self.m.lake_denied.labels().set(0)
+            self.m.lake_upload_latency.observe(took)
+            self.m.lake_files_uploaded.labels().inc()
+            self.m.lake_upload_bytes.labels().inc(facts.compressed_size)
+            await self.steps.fault("object_written")
+            return took
