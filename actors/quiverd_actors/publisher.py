@@ -19,7 +19,13 @@ from pathlib import Path
 
 import anyio
 
-from quiverd.kernel.errors import ObjectExists, StoreDenied, StoreUnavailable, VerifyFailed
+from quiverd.kernel.errors import (
+    CorruptRecord,
+    ObjectExists,
+    StoreDenied,
+    StoreUnavailable,
+    VerifyFailed,
+)
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.bundles import coverage
@@ -83,10 +89,16 @@ class Publisher:
                                  error=str(exc), retry_in_s=round(delay, 2))
                 await anyio.sleep(delay)
                 continue
-            except ObjectExists as exc:
-                self.m.lake_errors.labels("exists").inc()
+            except (ObjectExists, CorruptRecord, OSError) as exc:
+                # A key taken by a different object, or a local file that no longer
+                # matches what was sealed (or cannot be read): build the file again from
+                # the bundles, which are nacked and delivered again.
+                kind = "exists" if isinstance(exc, ObjectExists) else "local_file"
+                self.m.lake_errors.labels(kind).inc()
+                self.log.error("lake_upload_refused", file_id=f.file_id, key=key,
+                               error=str(exc), local_path=str(path))
                 row = file_row(self.tier, f, facts, uri="", key="", local=path, uploaded_at=0)
-                await self.tier.abandon(row, reason=f"object exists: {exc}")
+                await self.tier.abandon(row, reason=f"{kind}: {exc}")
                 return None
             took = anyio.current_time() - started
             self.m.lake_denied.labels().set(0)

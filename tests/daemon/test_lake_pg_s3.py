@@ -107,3 +107,24 @@ def test_lake_s3_server_errors_retried_then_uploaded(
     rows, tables = lake_contents(d, s3_server.client())
     assert_exactly_once(rows, tables, sent)
     assert d.stop() == 0
+
+
+def test_lake_two_nodes_share_bucket_and_catalog(
+        daemon_factory: Any, pg_catalog_dsn: str, s3_bucket: dict[str, str],
+        s3_server: Any) -> None:
+    shared = {**FAST_LAKE, "catalog.dsn": pg_catalog_dsn, **_s3_settings(s3_bucket)}
+    a = daemon_factory({**shared, "lake.node_id": "node-a"}, name="a").start()
+    b = daemon_factory({**shared, "lake.node_id": "node-b"}, name="b").start()
+    sent_a = send_logs(a, clients=2, batches=4)
+    sent_b = send_logs(b, clients=2, batches=4)  # the same client names on both nodes
+    total = Counter(sent_a)
+    total.update(sent_b)
+    rows = wait_for_lake(a, total)  # one catalog: either daemon sees every file
+    assert {r.node_id for r in rows} == {"node-a", "node-b"}
+    assert {r.object_key.split("/")[2] for r in rows} == {"node-a", "node-b"}
+    assert len({r.source_id for r in rows}) == 2
+    for d, sent in ((a, sent_a), (b, sent_b)):
+        mine = [r for r in rows if r.node_id == ("node-a" if d is a else "node-b")]
+        _, tables = lake_contents(d, s3_server.client())
+        assert_exactly_once(mine, {r.file_id: tables[r.file_id] for r in mine}, sent)
+    assert a.stop() == 0 and b.stop() == 0
