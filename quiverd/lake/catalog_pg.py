@@ -31,7 +31,7 @@ import asyncpg
 from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.logs import Logger
-from quiverd.lake import catalog as sql
+from quiverd.lake import catalog_sql as sql
 from quiverd.lake.catalog import (
     NOTIFY_CHANNEL,
     Catalog,

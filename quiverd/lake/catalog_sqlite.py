@@ -26,7 +26,7 @@ import anyio
 
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.logs import Logger
-from quiverd.lake import catalog as sql
+from quiverd.lake import catalog_sql as sql
 from quiverd.lake.catalog import (
     Catalog,
     DuplicateCoverage,

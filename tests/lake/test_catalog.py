@@ -23,16 +23,15 @@ import pytest_asyncio
 from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import CatalogUnavailable
 from quiverd.lake.catalog import (
-    FILE_COLUMNS,
     NOTIFY_BUFFER,
     Catalog,
     DuplicateCoverage,
     NotificationHub,
     ReplaceConflict,
     StateConflict,
-    numbered,
     open_catalog,
 )
+from quiverd.lake.catalog_sql import FILE_COLUMNS, numbered
 from quiverd.lake.model import REGISTERED, Coverage, FileRow, FileState, ZoneMap
 from tests.services.postgres import PostgresServer
 
