@@ -71,7 +71,8 @@ async def test_daemon_run_in_process_status_and_subscriber_ops(tmp_path: Path) -
     async with _running(_config(tmp_path)) as daemon:
         result = await daemon.subscriber_op("add", "exporter")
         assert result == {"name": "exporter", "op": "add", "shards": 2}
-        assert [s["name"] for s in daemon.subscribers()] == ["exporter"]
+        # The lake is on by default: its built-in subscriber is registered at start.
+        assert [s["name"] for s in daemon.subscribers()] == ["exporter", "uploader"]
         with pytest.raises(ValueError, match="invalid subscriber name"):
             await daemon.subscriber_op("add", "Not Valid")
         assert [s["shard"] for s in daemon.status()["shards"]] == [0, 1]
