@@ -61,6 +61,7 @@ class OpenFile:
     bundles: list[tuple[int, int]] = field(default_factory=list)  # (segment_seq, index)
     active: ActiveFile | None = None
     frozen: bool = False  # schema fixed: the first row group is being written
+    failed: bool = False  # abandoned: its bundles were nacked
     lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     @property

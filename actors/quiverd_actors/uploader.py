@@ -112,7 +112,18 @@ class Uploader:
         self.outstanding[key] = len(todo)
         self.m.lake_unacked.labels().set(len(self.outstanding))
         for slot in todo:
-            await self._add(d, slot.slot, slot.ipc)
+            try:
+                await self._add(d, slot.slot, slot.ipc)
+            except (pa.ArrowException, ValueError) as exc:
+                # A schema no Parquet file here can take (e.g. a column named twice):
+                # nack it; it comes back after a backoff and is reported each time.
+                self.m.lake_errors.labels("schema").inc()
+                self.log.error("lake_bundle_refused", shard=d.shard, segment_seq=d.segment_seq,
+                               bundle_index=d.bundle_index, client=d.client, slot=slot.slot,
+                               error=f"{type(exc).__name__}: {exc}")
+                if self.outstanding.pop(key, None) is not None:
+                    await self._feedback(key, ackfmt.NACK)
+                break
         await self._relieve_pressure()
 
     async def _add(self, d: Delivery, slot: int, ipc: bytes | bytearray | memoryview) -> None:
@@ -193,7 +204,8 @@ class Uploader:
         async with f.lock:
             parts, f.parts = f.parts, []
             nbytes, f.buffered_bytes = f.buffered_bytes, 0
-            if not parts:
+            if not parts or f.failed:
+                self._buffer(-nbytes)
                 return
             first = f.active is None
             f.frozen = True
@@ -201,6 +213,9 @@ class Uploader:
             try:
                 await anyio.to_thread.run_sync(self._encode, f, parts, f.schema,
                                                limiter=self.limiter)
+            except (pa.ArrowException, ValueError, TypeError, OSError) as exc:
+                await self._fail(f, exc, "append")
+                return
             finally:
                 self._buffer(-nbytes)
             took = anyio.current_time() - started
@@ -217,8 +232,10 @@ class Uploader:
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         if f.active is None:
             time_column = self.lake.time_column or INGESTED_AT
-            if schema.get_field_index(time_column) < 0:
-                time_column = INGESTED_AT
+            i = schema.get_field_index(time_column)
+            kind = schema.field(i).type if i >= 0 else None
+            if kind is None or not (pa.types.is_timestamp(kind) or pa.types.is_integer(kind)):
+                time_column = INGESTED_AT  # absent here, or not a time: ingestion time
             f.active = ActiveFile.create(f.path, schema, self.settings, metadata={
                 "quiver.file_id": f.file_id, "quiver.client": f.client,
                 "quiver.slot": str(f.slot), "quiver.node_id": self.tier.node_id,
@@ -236,12 +253,18 @@ class Uploader:
     async def _rotate(self, f: OpenFile, reason: str) -> None:
         await self._flush(f)
         async with f.lock:
+            if f.failed:
+                return
             assert f.active is not None, "a file is opened for a part, flushed before rotating"
             started = anyio.current_time()
             stable = self.tier.data.staging_stable / file_name(f.client, f.created_ns,
                                                                f.file_id, "stable")
-            facts = await anyio.to_thread.run_sync(close_to_stable, f.active, f.path, stable,
-                                                   limiter=self.limiter)
+            try:
+                facts = await anyio.to_thread.run_sync(close_to_stable, f.active, f.path,
+                                                       stable, limiter=self.limiter)
+            except (pa.ArrowException, ValueError, OSError) as exc:
+                await self._fail(f, exc, "rotate")
+                return
             self.live.discard(f)
         self.m.lake_rotations.labels(reason).inc()
         self.m.lake_rows.labels().inc(facts.rows)
@@ -253,6 +276,28 @@ class Uploader:
                                schema_hash=facts.schema_hash, reason=reason)
         self.m.lake_pending_uploads.labels().inc()
         await self.publish_tx.send(Sealed(file=f, facts=facts, path=stable))
+
+    async def _fail(self, f: OpenFile, exc: BaseException, step: str) -> None:
+        """One file's data could not be written (a value no cast can hold, a full or
+        failing disk): abandon that file and nack its bundles, which are delivered
+        again after a backoff. Other files go on; nothing is acked that is not in the
+        lake. A bundle that fails every time shows up here again and again."""
+        f.failed = True
+        if self.files.get(f.key) is f:
+            del self.files[f.key]
+        self.m.lake_errors.labels("write").inc()
+        self.log.error("lake_file_failed", file_id=f.file_id, client=f.client, slot=f.slot,
+                       shard=f.shard, step=step, error=f"{type(exc).__name__}: {exc}",
+                       bundles=[list(b) for b in f.bundles[:16]],
+                       hint="its bundles are nacked and retried; check free space on the "
+                       "data directory, and the log for the same bundles failing again")
+        if f.active is not None:
+            await anyio.to_thread.run_sync(f.active.abort)
+        self.live.discard(f)
+        row = FileRow(file_id=f.file_id, client_name=f.client, slot=f.slot, shard=f.shard,
+                      local_path=str(f.path))
+        await self.steps.catalog(self.tier.abandon, row, reason=f"{step} failed: {exc}")
+        await self._settle(f, ackfmt.NACK)
 
     # ---- upload, register, ack -------------------------------------------------------
     async def _publisher(self) -> None:

@@ -86,8 +86,12 @@ def conform(table: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.Table:
             continue
         column = table.column(f.name)
         # Arrow's cast decodes dictionaries (nested ones too), matches struct fields by
-        # name and fills the missing ones with nulls; ``safe`` refuses any lossy value.
-        columns.append(column if column.type == f.type else column.cast(f.type, safe=True))
+        # name and fills the missing ones with nulls; ``safe`` refuses any lossy value,
+        # except integers into float64: unify chose float64 for ints mixed with floats,
+        # and rounding past 2**53 is what a float64 column means (refusing would leave
+        # the rows nowhere).
+        safe = not (pa.types.is_integer(column.type) and pa.types.is_floating(f.type))
+        columns.append(column if column.type == f.type else column.cast(f.type, safe=safe))
     return pa.Table.from_arrays(columns, schema=schema)
 
 

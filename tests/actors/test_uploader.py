@@ -147,3 +147,42 @@ async def test_uploader_rotates_on_schema_change_and_window_pressure(tmp_path: P
         files = await registered(tier)
         assert sum(f.row_count for f in files) == 9
         assert len({f.schema_hash for f in files}) == 2
+
+
+@pytest.mark.asyncio
+async def test_uploader_nacks_file_whose_values_no_cast_can_hold(tmp_path: Path) -> None:
+    far = pa.array([253_402_300_000], pa.timestamp("s"))  # year 9999: overflows ns
+    async with open_test_tier(tmp_path, file_duration_ms=100) as tier, \
+            running(tier) as (acks, uploader, tx):
+        await tx.send(delivery(1, 0, {0: pa.table({"t": far})}))
+        await tx.send(delivery(1, 1, {0: pa.table({"t": pa.array([1], pa.timestamp("ns"))})}))
+        await acks.until(lambda o: len(o) == 2)
+        assert sorted(acks.outcomes) == [(1, 0, ackfmt.NACK), (1, 1, ackfmt.NACK)]
+        assert uploader.m.lake_errors.by_label("kind").get("write") == 1
+        assert [r.state for r in await tier.catalog.list_files()] == [FileState.ABANDONED]
+        # The uploader goes on: the next bundle of another client is uploaded.
+        await tx.send(delivery(2, 0, {0: rows(3)}, client="other"))
+        await acks.until(lambda o: len(o) == 3)
+        assert acks.outcomes[-1] == (2, 0, ackfmt.ACK)
+
+
+@pytest.mark.asyncio
+async def test_uploader_refuses_bundle_with_a_column_named_twice(tmp_path: Path) -> None:
+    twice = pa.Table.from_arrays([pa.array([1]), pa.array([2])], names=["a", "a"])
+    async with open_test_tier(tmp_path, file_duration_ms=100) as tier, \
+            running(tier) as (acks, uploader, tx):
+        await tx.send(delivery(1, 0, {0: twice}))
+        await tx.send(delivery(1, 1, {0: rows(2)}))
+        await acks.until(lambda o: len(o) == 2)
+        assert sorted(acks.outcomes) == [(1, 0, ackfmt.NACK), (1, 1, ackfmt.ACK)]
+        assert uploader.m.lake_errors.by_label("kind").get("schema") == 1
+
+
+@pytest.mark.asyncio
+async def test_uploader_time_column_falls_back_when_not_a_time(tmp_path: Path) -> None:
+    async with open_test_tier(tmp_path, file_duration_ms=100, time_column="msg") as tier, \
+            running(tier) as (acks, uploader, tx):
+        await tx.send(delivery(1, 0, {0: pa.table({"msg": ["hello"]})}))
+        await acks.until(lambda o: len(o) == 1)
+        [f] = await registered(tier)
+        assert f.start_ts == f.end_ts == 1_700_000_000_000_000_000  # the ingestion time

@@ -149,6 +149,14 @@ def test_conform_raises_when_value_does_not_fit() -> None:
         conform(pa.table({"a": pa.array([300], pa.int32())}), pa.schema([("a", pa.int8())]))
 
 
+def test_conform_rounds_large_ints_into_float64_when_unified_with_floats() -> None:
+    big = 2**53 + 1  # not representable in float64: a safe cast would refuse it
+    schema = unify(pa.schema([("a", pa.float64())]), pa.schema([("a", pa.int64())]))
+    assert schema is not None and schema.field("a").type == pa.float64()
+    out = conform(pa.table({"a": pa.array([big, 1], pa.int64())}), schema)
+    assert out["a"].to_pylist() == [float(big), 1.0]
+
+
 GOLDEN_HASH = "0af2df0f82c5b820c5bec50e96a68dcbee4a64ae6beecbb205241e171a88c743"
 
 
