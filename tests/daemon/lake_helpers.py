@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import urllib.parse
 from collections import Counter
@@ -26,6 +28,12 @@ FAST_LAKE = {
     "lake.janitor.interval_s": 0,
     "lake.compaction.interval_s": 0,
 }
+
+
+def quiverd_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m quiverd ARGS`` (the lake commands read the daemon's config)."""
+    return subprocess.run([sys.executable, "-m", "quiverd", *args], capture_output=True,
+                          text=True, timeout=60)
 
 
 def logs_table(client: int, batch: int, rows: int = 50) -> pa.Table:

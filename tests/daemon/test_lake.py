@@ -5,8 +5,6 @@ SQLite) and with PostgreSQL + S3 (moto), through crashes and a catalog outage.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,6 +20,7 @@ from tests.daemon.lake_helpers import (
     assert_exactly_once,
     lake_contents,
     logs_table,
+    quiverd_cli,
     registered_rows,
     send_logs,
     uri_path,
@@ -29,11 +28,6 @@ from tests.daemon.lake_helpers import (
 )
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _quiverd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "quiverd", *args], capture_output=True,
-                          text=True, timeout=60)
 
 
 def _wait_lag_zero(d: Any, timeout: float = 30) -> None:
@@ -74,10 +68,10 @@ def test_lake_embedded_defaults_upload_register_index_evict(daemon_factory: Any)
     assert not list((d.data_dir / "staging" / "stable").iterdir())
     assert (d.data_dir / "catalog.sqlite").exists()
     # The CLI sees the same files, and status shows the lake.
-    listed = json.loads(_quiverd("files", "list", "--config", str(d.config_path),
+    listed = json.loads(quiverd_cli("files", "list", "--config", str(d.config_path),
                                  "--json").stdout)
     assert {f["file_id"] for f in listed} == {r.file_id for r in rows}
-    shown = json.loads(_quiverd("files", "show", rows[0].file_id, "--config",
+    shown = json.loads(quiverd_cli("files", "show", rows[0].file_id, "--config",
                                 str(d.config_path), "--json").stdout)
     assert {z["column"] for z in shown["zone_maps"]} >= {"_quiver_ingested_at"}
     lake = d.status()["lake"]
@@ -136,7 +130,7 @@ def test_lake_kill9_at_each_step_exactly_once(daemon_factory: Any, step: str) ->
         assert d.status()["lake"]["bundles_already_registered"] > 0
     # Whatever the crash left behind (an object without a registered row) is an orphan
     # the janitor removes; afterwards every object belongs to a live row.
-    out = _quiverd("janitor", "--config", str(d.config_path), "--json")
+    out = quiverd_cli("janitor", "--config", str(d.config_path), "--json")
     assert out.returncode == 0, out.stderr
     objects = {str(p) for p in (d.data_dir / "objects").rglob("*.parquet")}
     assert objects == {uri_path(r.uri) for r in registered_rows(d)}

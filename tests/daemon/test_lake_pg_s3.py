@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections import Counter
 from typing import Any
@@ -18,17 +16,13 @@ from tests.daemon.lake_helpers import (
     assert_exactly_once,
     lake_contents,
     logs_table,
+    quiverd_cli,
     registered_rows,
     send_logs,
     wait_for_lake,
 )
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _quiverd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "quiverd", *args], capture_output=True,
-                          text=True, timeout=60)
 
 
 def _s3_settings(options: dict[str, str], root: str = "lake") -> dict[str, Any]:
@@ -64,7 +58,7 @@ def test_lake_postgres_s3_exactly_once_indexed_via_notify(
 def test_lake_postgres_outage_ingest_goes_on_no_duplicates(
         daemon_factory: Any, postgres_server: Any, pg_catalog_dsn: str) -> None:
     d = daemon_factory({**FAST_LAKE, "catalog.dsn": pg_catalog_dsn}).start()
-    assert _quiverd("subscribers", "add", "ext", "--socket", str(d.admin_socket)).returncode == 0
+    assert quiverd_cli("subscribers", "add", "ext", "--socket", str(d.admin_socket)).returncode == 0
     sent = send_logs(d, clients=2, batches=4)
     wait_for_lake(d, sent)
     postgres_server.stop("immediate")
@@ -79,7 +73,7 @@ def test_lake_postgres_outage_ingest_goes_on_no_duplicates(
         assert status["metrics"]["quiver_subscriber_lag"]["uploader"]["lag_bundles"] > 0
         assert d.events("lake_catalog_unavailable")
         # Delivery goes on too: another subscriber gets every bundle meanwhile.
-        got = _quiverd("subscribe", "ext", "--socket", str(d.socket), "--count", "20",
+        got = quiverd_cli("subscribe", "ext", "--socket", str(d.socket), "--count", "20",
                        "--timeout", "20")
         assert got.returncode == 0, got.stderr
     finally:
