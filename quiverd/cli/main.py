@@ -210,7 +210,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    from quiverd.lake.tier import check_config as check_lake_config
+
     cfg = config_mod.load(args.path)
+    check_lake_config(cfg)
     print(f"{args.path}: ok ({cfg.shard_count} shards, data_dir {cfg.data_dir})")
     return 0
 

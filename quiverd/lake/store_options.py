@@ -114,11 +114,19 @@ def service_keys(scheme: str) -> tuple[set[str], set[str]] | None:
         import opendal.config as typed
     except ImportError:  # older bindings: only our own checks apply
         return None
+    schemes: list[str] = []
     for name in getattr(typed, "__all__", ()):
         hints = getattr(getattr(typed, name), "__annotations__", {})
         # Annotations are postponed (strings or ForwardRefs): read their text.
         fields = {k: str(getattr(v, "__forward_arg__", v)) for k, v in hints.items()}
-        if re.search(rf"""Literal\[['"]{re.escape(scheme)}['"]\]""", fields.get("scheme", "")):
+        found = re.findall(r"""Literal\[['"]([\w-]+)['"]\]""", fields.get("scheme", ""))
+        schemes += found
+        if scheme in found:
             fields.pop("scheme")
             return set(fields), {k for k, v in fields.items() if v.startswith("Required[")}
+    if schemes:  # OpenDAL told us its services, and this is not one of them
+        close = difflib.get_close_matches(scheme, schemes, n=1)
+        raise ConfigError("lake.store.scheme", f"{scheme!r} is not an OpenDAL service",
+                          hint=f"did you mean {close[0]!r}?" if close
+                          else f"services: {', '.join(sorted(schemes))}")
     return None

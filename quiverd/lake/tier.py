@@ -42,6 +42,7 @@ from quiverd.kernel.names import node_id_problem
 from quiverd.lake.catalog import Catalog, open_catalog
 from quiverd.lake.model import REGISTERED, UNFINISHED, FileRow, FileState
 from quiverd.lake.objects import ObjectStore
+from quiverd.lake.store_options import service_options
 
 
 @dataclass
@@ -103,6 +104,17 @@ async def open_tier(cfg: Config, log: Logger) -> AsyncIterator[Tier]:
         with anyio.CancelScope(shield=True):
             await catalog.close()
             await store.close()
+
+
+def check_config(cfg: Config) -> None:
+    """What config validation cannot see from the kernel: the store's options (OpenDAL
+    accepts unknown keys silently) and the node id. Raises ConfigError; no I/O."""
+    if not cfg.lake.enabled:
+        return
+    validate_node_id(cfg.lake.node_id or socket.gethostname())
+    root = cfg.lake.store.root or (str(DataDir(Path(cfg.data_dir)).objects)
+                                   if cfg.lake.store.scheme == "fs" else "")
+    service_options(cfg.lake.store, root)
 
 
 def validate_node_id(node_id: str) -> None:

@@ -90,6 +90,21 @@ def test_errors_config_lists_allowed_values_and_keys(tmp_path: Path) -> None:
     assert_clean_error(quiverd("check-config", str(cfg)), "wal.flushpolicy", "flush_policy")
 
 
+@pytest.mark.parametrize(("store", "expected"), [
+    ('scheme = "s3"\noptions = { bucket = "b" }', "region is missing"),
+    ('scheme = "s3"\noptions = { bucket = "b", region = "r", bukket = "x" }',
+     "lake.store.options.bukket"),
+    ('scheme = "nosuchservice"', "lake.store.scheme"),
+])
+def test_errors_lake_store_options_refused_before_start(tmp_path: Path, store: str,
+                                                       expected: str) -> None:
+    cfg = write_config(tmp_path / "c.toml", f"[lake.store]\n{store}\n")
+    assert_clean_error(quiverd("check-config", str(cfg)), expected)
+    proc = quiverd("serve", "--config", str(cfg))
+    assert proc.returncode == EX_CONFIG, proc.stderr  # never "ready", then failing
+    assert_clean_error(proc, expected)
+
+
 def test_errors_relative_data_dir_is_a_config_error(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.toml", 'data_dir = "var/quiverd"\n')
     proc = quiverd("serve", "--config", str(cfg))

@@ -231,7 +231,7 @@ def test_objects_config_errors_name_the_key(tmp_path: Path) -> None:
         make(scheme="s3", options={"bucket": "b", "region": "r", "root": "/x"})
     with pytest.raises(ConfigError, match="go together"):
         make(scheme="s3", options={"bucket": "b", "region": "r", "access_key_id": "k"})
-    with pytest.raises(ConfigError, match="not registered") as err:
+    with pytest.raises(ConfigError, match="not an OpenDAL service") as err:
         make(scheme="nosuch")
     assert err.value.path == "lake.store.scheme"
     opts = store_options.service_options(StoreConfig(scheme="s3", options={
