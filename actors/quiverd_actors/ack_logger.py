@@ -10,7 +10,8 @@ Each batch of requests becomes ack.log records that are appended and covered by
 one fdatasync (group commit); only then are they applied to the AckState and
 the segment table, and only then are the requests' replies given, so a
 high-water mark is never ahead of the durable acks. A failed fdatasync raises
-DurabilityLost (fatal for the shard, never retried). The log is compacted into
+DurabilityLost (fatal for the shard, never retried); a write that finds no space is
+cut back and retried once space returns. The log is compacted into
 one checkpoint once ``compact_threshold_bytes`` of records accumulated, which
 bounds replay.
 
@@ -31,7 +32,7 @@ from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.state import AckState
 from quiverd.kernel.changes import Changes
-from quiverd.kernel.errors import DurabilityLost, QuiverError
+from quiverd.kernel.errors import DurabilityLost, NoSpace, QuiverError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import AckLogMetrics
 from quiverd.kernel.reply import Reply
@@ -47,6 +48,8 @@ from quiverd_actors.messages import (
 
 MAX_BATCH = 1024
 COMPACT_THRESHOLD_BYTES = 4 * 1024 * 1024
+NO_SPACE_RETRY_S = 0.05  # doubling to 2 s while ack.log finds no space
+NO_SPACE_RETRY_MAX_S = 2.0
 
 
 async def run(
@@ -184,12 +187,28 @@ class _Committer:
 
     async def _append(self, records: list[fmt.Record]) -> None:
         encoded = [fmt.encode(r) for r in records]
-        try:
-            await anyio.to_thread.run_sync(_append_sync, self.file, encoded,
-                                           limiter=self.limiter)
-        except OSError as exc:
-            raise DurabilityLost(f"ack.log write/fdatasync failed at {self.file.path}: "
-                                 f"{exc.strerror or exc}; the shard stops") from exc
+        delay = NO_SPACE_RETRY_S
+        waited = False
+        while True:
+            try:
+                await anyio.to_thread.run_sync(_append_sync, self.file, encoded,
+                                               limiter=self.limiter)
+                break
+            except NoSpace as exc:
+                # The write was cut back before any fdatasync: retrying it is safe, and
+                # the requesters wait meanwhile (a full disk is backpressure).
+                self.stats.no_space.inc()
+                if not waited:
+                    self.log.warning("acklog_disk_full", path=str(self.file.path),
+                                     error=str(exc), hint=exc.hint)
+                waited = True
+                await anyio.sleep(delay)
+                delay = min(delay * 2, NO_SPACE_RETRY_MAX_S)
+            except OSError as exc:
+                raise DurabilityLost(f"ack.log write/fdatasync failed at {self.file.path}: "
+                                     f"{exc.strerror or exc}; the shard stops") from exc
+        if waited:
+            self.log.info("acklog_disk_space_back", path=str(self.file.path))
         self.stats.fsyncs.inc()
         self.stats.records.inc(len(records))
         self.stats.log_bytes.set(self.file.size)

@@ -113,7 +113,11 @@ class Dispatcher:
             while True:
                 version = self.changes.version
                 self._settle()
-                await self._fill()
+                if await self._fill():
+                    # A full read batch went out and windows may have room for more:
+                    # go on now (a wake-up would only come with the next ack or segment).
+                    await anyio.lowlevel.checkpoint()
+                    continue
                 with anyio.move_on_after(self._next_backoff_s()):
                     await self.changes.wait_beyond(version)
         finally:
@@ -182,7 +186,9 @@ class Dispatcher:
         ahead = [t for t in self.backoff.values() if t > now]
         return min(ahead) - now + 0.001 if ahead else float("inf")
 
-    async def _fill(self) -> None:
+    async def _fill(self) -> bool:
+        """Deliver one read batch per session with room; True if any batch was full."""
+        more = False
         for session in list(self.sessions):
             if session.name not in self.state.registry:
                 session.end(f"subscriber {session.name!r} was removed")
@@ -193,6 +199,8 @@ class Dispatcher:
             picks = self._pick(session)
             if picks:
                 await self._deliver(session, picks)
+                more = more or len(picks) == READ_BATCH
+        return more
 
     def _forget(self, name: str) -> None:
         """A removed subscriber's backoff timers go with it."""

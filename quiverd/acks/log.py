@@ -20,6 +20,7 @@ what replay had to apply beyond the checkpoint so tests and metrics can check it
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
 from quiverd.kernel import layout
 from quiverd.kernel.durable import atomic_write, write_all
-from quiverd.kernel.errors import CorruptRecord, DurabilityLost
+from quiverd.kernel.errors import CorruptRecord, DurabilityLost, NoSpace
 from quiverd.kernel.faults import Hook, StepTracker
 from quiverd.kernel.quarantine import keep_bytes
 
@@ -204,8 +205,19 @@ class AckLogFile:
         return self.bytes_since_compaction >= threshold_bytes
 
     def append(self, records: list[bytes]) -> int:
-        """Write encoded records (not yet durable: call ``sync``); returns bytes written."""
-        n = write_all(self._fd, records)
+        """Write encoded records (not yet durable: call ``sync``); returns bytes written.
+
+        A write that finds no space is cut back to the last whole record (ftruncate) and
+        raises NoSpace: the file is as before, and the same records may be written
+        again later. A failed cut-back leaves the file unknown: that OSError is fatal.
+        """
+        try:
+            n = write_all(self._fd, records)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            os.ftruncate(self._fd, self._size)
+            raise NoSpace(f"{self.path}: {exc.strerror}") from exc
         self._size += n
         return n
 

@@ -57,6 +57,15 @@ class AtCapacity(QuiverError):
     hint = "producers should retry with backoff; raise the cap or let consumers catch up"
 
 
+class NoSpace(QuiverError):
+    """A write found no space (ENOSPC, EDQUOT) and was cut back: nothing of it is in the
+    file, so the same write may be tried again once space returns (an fsync failure is
+    never this: it stays fatal)."""
+
+    retryable = True
+    hint = "free space on the data directory's filesystem; the write is retried"
+
+
 class ShuttingDown(QuiverError):
     """The daemon is stopping; retry against the restarted daemon."""
 

@@ -114,7 +114,8 @@ class Metrics:
                                "1 while the WAL writer holds or refuses bundles because the "
                                "disk is full", sh)
         # Writes refused for lack of space (ENOSPC, EDQUOT, or the free-space reserve):
-        # file is "wal" (appends), "segment" (segment files, FLOOR) or "sidecar" (releases).
+        # file is "wal" (appends), "segment" (segment files, FLOOR), "sidecar" (releases) or
+        # "acklog" (outcome records, retried once space returns).
         self.disk_full = c("quiver_disk_full_total",
                            "writes that found no disk space (each is retried or refused, "
                            "never lost)", ("shard", "file"))
@@ -291,6 +292,7 @@ class AckLogMetrics:
         self.fsyncs = m.ack_log_fsyncs.labels(shard)
         self.compactions = m.ack_log_compactions.labels(shard)
         self.log_bytes = m.ack_log_bytes.labels(shard)
+        self.no_space = m.disk_full.labels(shard, "acklog")
 
 
 class DispatchMetrics:

@@ -205,7 +205,10 @@ class ActiveFile:
             # Disarm the writer: its __del__ would otherwise write a footer into the
             # closed handle. The C++ writer is dropped with the Python object.
             self._writer.is_open = False
-            self._file.close()
+            try:
+                self._file.close()  # flushes buffered bytes: may find the disk full
+            except OSError:
+                pass  # the file is being thrown away; its bytes do not matter
         self.path.unlink(missing_ok=True)
 
 

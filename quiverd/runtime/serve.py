@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,13 @@ def _io_fields(exc: BaseException) -> dict[str, Any]:
         fields["path"] = str(cause.filename)
     if isinstance(exc, OSError):
         fields["unexpected"] = True  # no code path mapped it: a gap worth reporting
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:  # where, so the report can name the code path (no full traceback)
+            last = frames[-1]
+            fields["at"] = f"{Path(last.filename).name}:{last.lineno} in {last.name}"
+            inner = [f for f in frames if "quiverd" in f.filename]
+            if inner and inner[-1] is not last:
+                fields["from"] = f"{Path(inner[-1].filename).name}:{inner[-1].lineno}"
     return fields
 
 

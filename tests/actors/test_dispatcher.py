@@ -38,6 +38,7 @@ from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentTable
 from quiverd_actors import ack_logger
+from quiverd_actors import dispatcher as dispatcher_mod
 from quiverd_actors.dispatcher import BACKOFF_BASE_S, Dispatcher, Session
 from quiverd_actors.messages import AckLogRequest, ChangeSubscriber, RecordOutcome
 
@@ -159,6 +160,18 @@ async def test_dispatcher_delivers_oldest_first_up_to_window(tmp_path: Path) -> 
         assert [s.slot for s in d.slots] == [0]
         assert read_ipc_stream(d.slots[0].ipc).equals(table(d.segment_seq, d.bundle_index))
     assert (session.unacked, _total(rig.dispatcher.stats, 'delivered')) == (4, 4)
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_fills_a_wide_window_past_one_read_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A window wider than one read batch is filled at once, not one batch per wake-up
+    # (an uploader holding its bundles until a file is registered starved on that).
+    monkeypatch.setattr(dispatcher_mod, "READ_BATCH", 2)
+    rig = make_rig(tmp_path)
+    async with running(rig):
+        with attached(rig, 5) as (_, rx):
+            assert await take(rx, 5) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
 
 
 @pytest.mark.asyncio

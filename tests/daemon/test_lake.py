@@ -5,6 +5,7 @@ SQLite) and with PostgreSQL + S3 (moto), through crashes and a catalog outage.""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -199,3 +200,39 @@ def test_lake_kill9_under_load_exactly_once(daemon_factory: Any) -> None:
                                 strict=True)}
     assert batches0 == batches1  # both slots of every bundle, rejoinable
     assert d.stop() == 0
+
+
+def test_lake_full_disk_fails_the_file_then_catches_up(daemon_factory: Any,
+                                                       short_dir: Path) -> None:
+    """The data directory's disk fills up while the uploader has a file to write: the
+    file is abandoned and its bundles nacked, nothing acknowledged is lost, and the lake
+    catches up, exactly once, when space returns."""
+    from quiverd.client import Client
+    from tests.daemon.mounts import fill, mounted_tmpfs
+
+    d = daemon_factory({**FAST_LAKE, "shards": 1, "lake.file_duration_ms": 1500,
+                        "lake.compression_level": 1})
+    with mounted_tmpfs(d.data_dir, 96 * 1024 * 1024):
+        d.start()
+        sent: Counter[tuple[str, int]] = Counter()
+        with Client.connect(d.socket) as c:
+            for b in range(8):  # ~1 MiB of hard-to-compress text per bundle
+                t = pa.table({"batch": [b] * 4000,
+                              "msg": [os.urandom(120).hex() for _ in range(4000)]})
+                c.send(t, client="big")
+                sent[("big", 0)] += t.num_rows
+        time.sleep(0.3)  # sealed into a segment; the uploader rotates at 1.5 s
+        filler = d.data_dir / "filler"
+        fill(filler)  # every byte left: the Parquet write (or the catalog) finds none
+        deadline = time.monotonic() + 30
+        while not (d.events("lake_file_failed") or d.events("lake_catalog_unavailable")):
+            assert time.monotonic() < deadline, d.log()[-3000:]
+            time.sleep(0.1)
+        assert d.proc is not None and d.proc.poll() is None, "the daemon exited"
+        assert registered_rows(d) == []
+        filler.unlink()
+        wait_for_lake(d, sent, timeout=90)
+        _wait_lag_zero(d)
+        rows, tables = lake_contents(d)
+        assert_exactly_once(rows, tables, sent)
+        assert d.stop() == 0
