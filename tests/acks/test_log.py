@@ -257,3 +257,29 @@ def test_sync_error_propagates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setattr(os, "fdatasync", fail)
         with pytest.raises(OSError):
             f.sync()
+
+
+def test_append_no_space_cut_back_then_retried(short_dir: Path) -> None:
+    """A write that finds the disk full leaves ack.log as it was (NoSpace, retryable);
+    the same records go in once space returns, and replay sees each once."""
+    from quiverd.kernel.errors import NoSpace
+    from tests.daemon.mounts import fill, mounted_tmpfs
+
+    mnt = short_dir / "m"
+    mnt.mkdir()
+    with mounted_tmpfs(mnt, 1024 * 1024):
+        path = mnt / "ack.log"
+        state, _ = build_log(path)
+        before = path.read_bytes()
+        ballast = mnt / "ballast"
+        fill(ballast)
+        big = [fmt.encode(state.record_outcome("b", 3, 1, fmt.ACK) or pytest.fail())] * 2000
+        with AckLogFile.open(path) as f:
+            with pytest.raises(NoSpace):
+                f.append(big)
+            assert f.size == len(before) and path.read_bytes() == before
+            ballast.unlink()
+            f.append(big[:1])
+            f.sync()
+        assert replay(path).nack_count("b", 1, 1) == 1  # the old history, intact
+        assert path.read_bytes()[:len(before)] == before
