@@ -40,7 +40,7 @@ from quiverd.kernel.reply import Reply
 from quiverd.protocol.frames import Delivery
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentView
-from quiverd_actors.messages import AckLogRequest, RecordOutcome
+from quiverd_actors.messages import AckLogRequest, LocalDelivery, RecordOutcome
 
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 30.0
@@ -54,7 +54,10 @@ class Session:
 
     name: str
     window: int
-    deliveries: MemoryObjectSendStream[Delivery]  # buffer == window: send_nowait never blocks
+    # buffer == window: send_nowait never blocks. A socket session gets protocol
+    # Delivery frames; an in-process one (``local``, the uploader) LocalDelivery tables.
+    deliveries: MemoryObjectSendStream[Delivery] | MemoryObjectSendStream[LocalDelivery]
+    local: bool = False
     unacked: int = 0
     closed: bool = False
     ended: str = ""  # why the daemon ended this session (e.g. the subscriber was removed)
@@ -225,7 +228,7 @@ class Dispatcher:
         paths = {seg: self.segments[seg].path for seg, _ in picks}
         live = set(self.segments.seqs())
         frames = await anyio.to_thread.run_sync(self._read, picks, paths, live,
-                                                limiter=self.limiter)
+                                                session.local, limiter=self.limiter)
         for (seg, idx), frame in zip(picks, frames, strict=True):
             key = (session.name, seg, idx)
             if session.closed:
@@ -238,7 +241,7 @@ class Dispatcher:
                                    hint="run `quiverd fsck` on the data directory")
                 continue
             try:
-                session.deliveries.send_nowait(frame)
+                session.deliveries.send_nowait(frame)  # type: ignore[arg-type]
             except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return
             self.inflight[key] = session
@@ -252,17 +255,23 @@ class Dispatcher:
                 if len(self.delivered_once) > 1_000_000:
                     self.delivered_once.clear()  # only feeds the redelivery counter
 
-    def _read(self, picks: list[tuple[int, int]], paths: dict[int, Path],
-              live: set[int]) -> list[Delivery | None]:
-        """Read and encode the picked bundles (worker thread; owns the reader cache)."""
+    def _read(self, picks: list[tuple[int, int]], paths: dict[int, Path], live: set[int],
+              local: bool) -> list[Delivery | LocalDelivery | None]:
+        """Read (and for a socket, encode) the picked bundles (worker thread; owns the
+        reader cache)."""
         for seg in [s for s in self.readers if s not in live]:
             self.readers.pop(seg).close()  # deleted by the gc: release the mapping
-        out: list[Delivery | None] = []
+        out: list[Delivery | LocalDelivery | None] = []
         for seg, idx in picks:
             try:
                 b = self._reader(seg, paths[seg]).bundle(idx)
             except (OSError, CorruptRecord):
                 out.append(None)
+                continue
+            if local:
+                out.append(LocalDelivery(
+                    shard=self.shard, segment_seq=seg, bundle_index=idx, client=b.client,
+                    txn=b.txn, ingestion_ts_ns=b.ingestion_ts_ns, tables=b.slots))
                 continue
             slots = tuple(make_slot(slot, table) for slot, table in sorted(b.slots.items()))
             out.append(Delivery(shard=self.shard, segment_seq=seg, bundle_index=idx,

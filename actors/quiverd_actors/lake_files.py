@@ -38,9 +38,9 @@ FileKey = tuple[int, str, int]  # (shard, client, slot)
 
 @dataclass(frozen=True)
 class Part:
-    """One slot of one bundle, waiting for its row group."""
+    """One slot of one bundle, waiting for its row group (the segment's own table)."""
 
-    ipc: bytes | bytearray | memoryview
+    table: pa.Table
     segment_seq: int
     bundle_index: int
     ingestion_ts_ns: int

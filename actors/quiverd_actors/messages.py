@@ -6,6 +6,7 @@
     dispatcher ──RecordOutcome──────────────┤
     admin ──ChangeSubscriber────────────────┼──▶ ack_logger (one inbox: AckLogRequest)
     gc_sweeper ──RetireSegments, SegmentsDeleted┘
+    dispatcher ──LocalDelivery──▶ uploader (in process; sockets get protocol Delivery)
 
 Requests that need an answer carry a ``Reply`` (``quiverd.kernel.reply``), given
 once by the actor that handles them; nothing inside a message is code to run.
@@ -19,9 +20,10 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+import pyarrow as pa
 from anyio.streams.memory import MemoryObjectSendStream
 
-from quiverd.kernel.bundle import Bundle
+from quiverd.kernel.bundle import Bundle, TxnTag
 from quiverd.kernel.reply import Reply
 from quiverd.protocol.frames import Ack, Error
 from quiverd.segments.open_segment import OpenSegment
@@ -114,6 +116,19 @@ class SegmentsDeleted(msgspec.Struct, frozen=True, kw_only=True):
 
     segment_seqs: tuple[int, ...]
     reason: RetireReason
+
+
+class LocalDelivery(msgspec.Struct, frozen=True, kw_only=True):
+    """A bundle handed to an in-process subscriber (the uploader) as the tables the
+    segment holds: no IPC encode for a socket it never crosses, no decode on arrival."""
+
+    shard: int
+    segment_seq: int
+    bundle_index: int
+    client: str
+    txn: TxnTag | None
+    ingestion_ts_ns: int
+    tables: dict[int, pa.Table]  # slot -> table
 
 
 AckLogRequest = (SegmentWritten | RecordOutcome | ChangeSubscriber | RetireSegments

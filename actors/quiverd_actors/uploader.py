@@ -1,6 +1,6 @@
 """Uploader: the built-in subscriber ``uploader``. Finalized bundles in, Parquet in the lake out.
 
-    dispatcher[n] ──Delivery──▶ uploader ──▶ Active Parquet file per (shard, client, slot)
+    dispatcher[n] ──LocalDelivery──▶ uploader ──▶ Active Parquet file per (shard, client, slot)
          ▲                        │ rotate on size, time, schema change or window pressure
          │                        ▼
          │                Stable file ──▶ publisher: upload + verify ──▶ register (catalog)
@@ -44,9 +44,9 @@ from quiverd.lake.model import (
 )
 from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
 from quiverd.lake.tier import Tier
-from quiverd.protocol.frames import Delivery
 from quiverd_actors.dispatcher import Dispatcher, Session
 from quiverd_actors.lake_files import FileKey, OpenFile, Part, Sealed, Steps
+from quiverd_actors.messages import LocalDelivery
 from quiverd_actors.publisher import Publisher
 
 SUBSCRIBER = "uploader"
@@ -80,7 +80,7 @@ class Uploader:
         self.publish_tx: MemoryObjectSendStream[Sealed] = send
         self.publish_rx: MemoryObjectReceiveStream[Sealed] = recv
 
-    async def run(self, inbox: MemoryObjectReceiveStream[Delivery], *,
+    async def run(self, inbox: MemoryObjectReceiveStream[LocalDelivery], *,
                   task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Consume deliveries until the stream ends or the task is cancelled."""
         try:
@@ -100,10 +100,10 @@ class Uploader:
                 await self._abort_all()
 
     # ---- intake -------------------------------------------------------------------
-    async def _take(self, d: Delivery) -> None:
+    async def _take(self, d: LocalDelivery) -> None:
         covered = await self._covered(d.shard, d.segment_seq)
-        todo = [s for s in d.slots if d.bundle_index not in covered.get(s.slot, ())]
-        if len(todo) < len(d.slots):
+        todo = sorted(s for s in d.tables if d.bundle_index not in covered.get(s, ()))
+        if len(todo) < len(d.tables):
             self.m.lake_bundles_skipped.labels().inc()
         key = (d.shard, d.segment_seq, d.bundle_index)
         if not todo:
@@ -113,21 +113,21 @@ class Uploader:
         self.m.lake_unacked.labels().set(len(self.outstanding))
         for slot in todo:
             try:
-                await self._add(d, slot.slot, slot.ipc)
+                await self._add(d, slot, d.tables[slot])
             except (pa.ArrowException, ValueError) as exc:
                 # A schema no Parquet file here can take (e.g. a column named twice):
                 # nack it; it comes back after a backoff and is reported each time.
                 self.m.lake_errors.labels("schema").inc()
                 self.log.error("lake_bundle_refused", shard=d.shard, segment_seq=d.segment_seq,
-                               bundle_index=d.bundle_index, client=d.client, slot=slot.slot,
+                               bundle_index=d.bundle_index, client=d.client, slot=slot,
                                error=f"{type(exc).__name__}: {exc}")
                 if self.outstanding.pop(key, None) is not None:
                     await self._feedback(key, ackfmt.NACK)
                 break
         await self._relieve_pressure()
 
-    async def _add(self, d: Delivery, slot: int, ipc: bytes | bytearray | memoryview) -> None:
-        incoming = with_extras(pa.ipc.open_stream(ipc).schema)
+    async def _add(self, d: LocalDelivery, slot: int, table: pa.Table) -> None:
+        incoming = with_extras(table.schema)
         fkey = (d.shard, d.client, slot)
         f = self.files.get(fkey)
         if f is not None:
@@ -139,11 +139,11 @@ class Uploader:
                 f.schema = rep
         else:
             f = await self._open(fkey, normalize(incoming))
-        f.parts.append(Part(ipc=ipc, segment_seq=d.segment_seq, bundle_index=d.bundle_index,
-                            ingestion_ts_ns=d.ingestion_ts_ns))
+        f.parts.append(Part(table=table, segment_seq=d.segment_seq,
+                            bundle_index=d.bundle_index, ingestion_ts_ns=d.ingestion_ts_ns))
         f.bundles.append((d.segment_seq, d.bundle_index))
-        f.buffered_bytes += len(ipc)
-        self._buffer(len(ipc))
+        f.buffered_bytes += table.nbytes
+        self._buffer(table.nbytes)
         if f.buffered_bytes >= self.lake.row_group_bytes:
             self.tg.start_soon(self._flush_then_check, f)
 
@@ -225,7 +225,7 @@ class Uploader:
 
     def _encode(self, f: OpenFile, parts: list[Part], schema: pa.Schema) -> None:
         """Decode, add the bundle columns, conform and append one row group (worker thread)."""
-        tables = [conform(slot_table(p.ipc, shard=f.shard, segment_seq=p.segment_seq,
+        tables = [conform(slot_table(p.table, shard=f.shard, segment_seq=p.segment_seq,
                                       bundle_index=p.bundle_index,
                                       ingestion_ts_ns=p.ingestion_ts_ns), schema)
                   for p in parts]

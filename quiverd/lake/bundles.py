@@ -38,10 +38,9 @@ def with_extras(schema: pa.Schema) -> pa.Schema:
     return pa.schema([*schema, *(x for x in EXTRA_FIELDS if x.name not in names)])
 
 
-def slot_table(ipc: bytes | bytearray | memoryview, *, shard: int, segment_seq: int,
-               bundle_index: int, ingestion_ts_ns: int) -> pa.Table:
-    """Decode one slot's IPC stream and add the bundle columns (worker thread)."""
-    table = pa.ipc.open_stream(ipc).read_all()
+def slot_table(table: pa.Table, *, shard: int, segment_seq: int, bundle_index: int,
+               ingestion_ts_ns: int) -> pa.Table:
+    """One slot's table with the bundle columns added (worker thread)."""
     n = table.num_rows
     columns = {
         INGESTED_AT: _constant(ingestion_ts_ns, n, pa.timestamp("ns", tz="UTC")),

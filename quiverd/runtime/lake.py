@@ -23,10 +23,10 @@ from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.tier import Tier, open_tier
-from quiverd.protocol.frames import Delivery
 from quiverd_actors.dispatcher import Session
 from quiverd_actors.indexer import Indexer
 from quiverd_actors.janitor import Janitor
+from quiverd_actors.messages import LocalDelivery
 from quiverd_actors.uploader import INGESTED_AT, SUBSCRIBER, Uploader
 
 if TYPE_CHECKING:
@@ -81,8 +81,8 @@ class Lake:
     async def _run_actors(self, tier: Tier) -> None:
         cfg = self.cfg.lake
         dispatchers = [s.dispatcher for s in self.daemon.shards if s.dispatcher is not None]
-        tx, rx = anyio.create_memory_object_stream[Delivery](cfg.window_bundles)
-        session = Session(name=SUBSCRIBER, window=cfg.window_bundles, deliveries=tx)
+        tx, rx = anyio.create_memory_object_stream[LocalDelivery](cfg.window_bundles)
+        session = Session(name=SUBSCRIBER, window=cfg.window_bundles, deliveries=tx, local=True)
         encoders = anyio.CapacityLimiter(cfg.parallelism)
         self.uploader = Uploader(tier, dispatchers, session, limiter=encoders,
                                  log=self.log, metrics=self.m, hook=self.faults.get("lake"))

@@ -40,7 +40,12 @@ from quiverd.segments.table import SegmentTable
 from quiverd_actors import ack_logger
 from quiverd_actors import dispatcher as dispatcher_mod
 from quiverd_actors.dispatcher import BACKOFF_BASE_S, Dispatcher, Session
-from quiverd_actors.messages import AckLogRequest, ChangeSubscriber, RecordOutcome
+from quiverd_actors.messages import (
+    AckLogRequest,
+    ChangeSubscriber,
+    LocalDelivery,
+    RecordOutcome,
+)
 
 LOG = logs.get("test")
 SEGMENTS = {1: 3, 2: 2}  # segment_seq -> bundles
@@ -172,6 +177,20 @@ async def test_dispatcher_fills_a_wide_window_past_one_read_batch(
     async with running(rig):
         with attached(rig, 5) as (_, rx):
             assert await take(rx, 5) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_local_session_gets_the_segments_tables(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    async with running(rig):
+        tx, rx = anyio.create_memory_object_stream[LocalDelivery](2)
+        with tx, rx:
+            rig.dispatcher.attach(Session(name="a", window=2, deliveries=tx, local=True))
+            got = [await rx.receive() for _ in range(2)]
+    assert [(d.segment_seq, d.bundle_index) for d in got] == [(1, 0), (1, 1)]
+    for d in got:
+        assert list(d.tables) == [0] and d.client == f"app{d.segment_seq}"
+        assert d.tables[0].equals(table(d.segment_seq, d.bundle_index))  # no IPC round trip
 
 
 @pytest.mark.asyncio

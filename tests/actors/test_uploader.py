@@ -14,12 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from quiverd.acks import format as ackfmt
-from quiverd.kernel.bundle import make_slot
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.model import REGISTERED, Coverage, FileRow, FileState
 from quiverd.lake.tier import Tier
-from quiverd.protocol.frames import Delivery
 from quiverd_actors.dispatcher import Session
+from quiverd_actors.messages import LocalDelivery
 from quiverd_actors.uploader import Uploader
 from tests.daemon.lake_helpers import uri_path
 from tests.lake.helpers import LOG, open_test_tier
@@ -44,10 +43,10 @@ class Acks:
                 await self.changed.wait()
 
 
-def delivery(seg: int, idx: int, slots: dict[int, pa.Table], client: str = "app") -> Delivery:
-    return Delivery(shard=0, segment_seq=seg, bundle_index=idx, client=client, txn=None,
-                    ingestion_ts_ns=1_700_000_000_000_000_000 + idx,
-                    slots=tuple(make_slot(k, t) for k, t in sorted(slots.items())))
+def delivery(seg: int, idx: int, slots: dict[int, pa.Table], client: str = "app"
+             ) -> LocalDelivery:
+    return LocalDelivery(shard=0, segment_seq=seg, bundle_index=idx, client=client, txn=None,
+                         ingestion_ts_ns=1_700_000_000_000_000_000 + idx, tables=slots)
 
 
 def rows(n: int, start: int = 0) -> pa.Table:
@@ -57,9 +56,9 @@ def rows(n: int, start: int = 0) -> pa.Table:
 @asynccontextmanager
 async def running(tier: Tier) -> AsyncIterator[tuple[Acks, Uploader, Any]]:
     acks = Acks()
-    tx, rx = anyio.create_memory_object_stream[Delivery](256)
-    unused_tx, unused_rx = anyio.create_memory_object_stream[Delivery](1)
-    session = Session(name="uploader", window=256, deliveries=unused_tx)
+    tx, rx = anyio.create_memory_object_stream[LocalDelivery](256)
+    unused_tx, unused_rx = anyio.create_memory_object_stream[LocalDelivery](1)
+    session = Session(name="uploader", window=256, deliveries=unused_tx, local=True)
     uploader = Uploader(tier, [acks], session,  # type: ignore[list-item]
                         limiter=anyio.CapacityLimiter(2), log=LOG, metrics=Metrics())
     async with anyio.create_task_group() as tg:
