@@ -12,8 +12,11 @@ Rules, applied recursively to struct fields and list values:
 
     columns            union by name; order = first seen, new ones appended at the end
     nullability        every field nullable (a column missing from a table is null there)
-    dictionary<I, V>   represented by V: Parquet dictionary-encodes on its own, so
-                       dictionary<uint8, utf8>, dictionary<uint16, utf8> and utf8 are one type
+    dictionary<I, V>   a top-level dictionary column stays one, with int32 indices:
+                       dictionary<uint8, utf8> + dictionary<uint16, utf8> is
+                       dictionary<int32, utf8> (written as is: no decode, no re-encode);
+                       with plain V anywhere, plain V (Parquet dictionary-encodes on its
+                       own). Nested dictionaries are represented by their values.
     null + T           T
     int + int          int8 < int16 < int32 < int64, uint8 < uint16 < uint32 < uint64;
                        signed + unsigned: the smallest signed int holding both
@@ -57,7 +60,7 @@ def unify(current: pa.Schema | None, incoming: pa.Schema) -> pa.Schema | None:
     fields = {f.name: f.type for f in normalize(current)}
     for f in new:
         seen = fields.get(f.name)
-        unified = f.type if seen is None else _unify_type(seen, f.type)
+        unified = f.type if seen is None else _unify_top(seen, f.type)
         if unified is None:
             return None
         fields[f.name] = unified
@@ -68,7 +71,14 @@ def normalize(schema: pa.Schema) -> pa.Schema:
     """``schema`` under the rules of one file: dictionaries as their value types, every
     field nullable, no metadata."""
     _check_unique(schema.names, "column")
-    return pa.schema([pa.field(f.name, _normalize_type(f.type)) for f in schema])
+    return pa.schema([pa.field(f.name, _normalize_top(f.type)) for f in schema])
+
+
+def _normalize_top(t: pa.DataType) -> pa.DataType:
+    """A top-level column keeps its dictionary (indices widened to int32)."""
+    if pa.types.is_dictionary(t):
+        return pa.dictionary(pa.int32(), _normalize_type(t.value_type))
+    return _normalize_type(t)
 
 
 def conform(table: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.Table:
@@ -126,6 +136,15 @@ def _normalize_type(t: pa.DataType) -> pa.DataType:
 
 def _normalize_value_field(value: pa.Field) -> pa.Field:
     return pa.field(value.name, _normalize_type(value.type))
+
+
+def _unify_top(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """Top-level columns: dictionaries stay dictionaries while both sides are."""
+    a_dict, b_dict = pa.types.is_dictionary(a), pa.types.is_dictionary(b)
+    if a_dict and b_dict:
+        values = _unify_type(a.value_type, b.value_type)
+        return None if values is None else pa.dictionary(pa.int32(), values)
+    return _unify_type(a.value_type if a_dict else a, b.value_type if b_dict else b)
 
 
 def _unify_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:

@@ -25,6 +25,22 @@ def _unify_types(*types: pa.DataType) -> pa.DataType | None:
     return schema.field("c").type
 
 
+def test_unify_dictionaries_stay_dictionaries_with_int32_indices() -> None:
+    words = pa.array(["a", "b", None, "a"]).dictionary_encode()
+    t8 = pa.table({"s": words.cast(pa.dictionary(pa.uint8(), pa.string()))})
+    t16 = pa.table({"s": pa.array(["c", "a"]).dictionary_encode().cast(
+        pa.dictionary(pa.uint16(), pa.string()))})
+    schema = unify(unify(None, t8.schema), t16.schema)
+    assert schema == pa.schema([pa.field("s", pa.dictionary(pa.int32(), pa.string()))])
+    both = pa.concat_tables([conform(t8, schema), conform(t16, schema)])
+    assert both["s"].to_pylist() == ["a", "b", None, "a", "c", "a"]
+    # Written as is (each chunk its own dictionary) and read back as the same values.
+    sink = pa.BufferOutputStream()
+    pq.write_table(both, sink)
+    back = pq.read_table(pa.BufferReader(sink.getvalue()))
+    assert back["s"].to_pylist() == ["a", "b", None, "a", "c", "a"]
+
+
 def test_unify_dictionaries_and_plain_utf8_become_utf8() -> None:
     words = ["a", "b", None, "a"]
     tables = [
@@ -128,7 +144,8 @@ def test_normalize_makes_fields_nullable_and_drops_metadata() -> None:
     out = normalize(schema)
     assert out.metadata is None
     assert out.field("k").metadata is None
-    assert out == pa.schema([("k", pa.large_string()), ("s", pa.struct([("i", pa.int8())]))])
+    assert out == pa.schema([("k", pa.dictionary(pa.int32(), pa.large_string())),
+                             ("s", pa.struct([("i", pa.int8())]))])
     assert all(f.nullable for f in out) and out.field("s").type.field("i").nullable
 
 
