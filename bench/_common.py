@@ -181,29 +181,39 @@ def _toml(tables: dict[str, dict[str, Any]]) -> str:
 class Daemon:
     """``quiverd serve`` on a fresh data directory; ``stop()`` sends SIGTERM and waits."""
 
-    def __init__(self, root: Path, *, policy: str, shards: int,
-                 settings: dict[str, Any] | None = None) -> None:
-        """``settings``: extra config keys by dotted name (``{"wal.flush_bytes": 1}``)."""
-        self.dir = Path(tempfile.mkdtemp(prefix="qd-", dir=root))
+    def __init__(self, root: Path, *, policy: str | None, shards: int,
+                 settings: dict[str, Any] | None = None, directory: Path | None = None,
+                 tag: str = "") -> None:
+        """``settings``: extra config keys by dotted name (``{"wal.flush_bytes": 1}``).
+        ``directory``: run on this directory (a second daemon taking over the first one's
+        data) instead of a fresh one under ``root``; ``tag`` names its config and log."""
+        self.owns_dir = directory is None
+        self.dir = Path(tempfile.mkdtemp(prefix="qd-", dir=root)) if directory is None \
+            else directory
         self.data_dir = self.dir / "data"
         self.socket = DataDir(self.data_dir).ingest_socket
         self.admin_socket = DataDir(self.data_dir).admin_socket
-        self.log_path = self.dir / "daemon.log"
-        config = self.dir / "quiverd.toml"
+        suffix = f"-{tag}" if tag else ""
+        self.log_path = self.dir / f"daemon{suffix}.log"
+        config = self.dir / f"quiverd{suffix}.toml"
         # segment.max_open_duration_ms and every key not set here keep their defaults.
         tables: dict[str, dict[str, Any]] = {
             "": {"data_dir": str(self.data_dir), "shards": shards},
-            "wal": {"flush_policy": policy},
             "log": {"format": "json", "level": "warning"},
         }
+        if policy is not None:
+            tables["wal"] = {"flush_policy": policy}
         for key, value in (settings or {}).items():
             table, _, name = key.rpartition(".")
             tables.setdefault(table, {})[name] = value
         config.write_text(_toml(tables))
+        for stale in (self.socket, self.admin_socket):  # left by a killed daemon
+            stale.unlink(missing_ok=True)
         self._log = open(self.log_path, "wb")
         # QUIVERD_BENCH_SERVE replaces `python -m quiverd` (e.g. a profiling wrapper).
         prefix = os.environ.get("QUIVERD_BENCH_SERVE", "").split() or \
             [sys.executable, "-m", "quiverd"]
+        self.spawned = time.perf_counter()
         self.proc = subprocess.Popen(
             [*prefix, "serve", "--config", str(config)],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
@@ -214,8 +224,10 @@ class Daemon:
         except BaseException:
             self.kill()
             self._log.close()
-            self.remove()  # the error carries the log's tail
+            if self.owns_dir:
+                self.remove()  # the error carries the log's tail
             raise
+        self.ready = time.perf_counter()
 
     def _wait_ready(self) -> None:
         # An external process has no event to wait on: poll its socket, bounded.

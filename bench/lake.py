@@ -63,7 +63,6 @@ from _common import (  # noqa: E402
     STARTUP_TIMEOUT_S,
     Daemon,
     MiB,
-    _toml,
     client_names,
     cpu_delta,
     filesystem_of,
@@ -252,37 +251,8 @@ class LakeDaemon(Daemon):
     the first one's data directory; ``tag`` names its config and log files."""
 
     def __init__(self, directory: Path, *, tag: str, settings: dict[str, Any]) -> None:
-        self.dir = directory
-        self.data_dir = directory / "data"
-        self.socket = self.data_dir / "ingest.sock"
-        self.admin_socket = self.data_dir / "admin.sock"
-        self.log_path = directory / f"daemon-{tag}.log"
-        tables: dict[str, dict[str, Any]] = {
-            "": {"data_dir": str(self.data_dir), "shards": SHARDS},
-            "log": {"format": "json", "level": "warning"},
-        }
-        for key, value in settings.items():
-            table, _, name = key.rpartition(".")
-            tables.setdefault(table, {})[name] = value
-        config = directory / f"quiverd-{tag}.toml"
-        config.write_text(_toml(tables))
-        for stale in (self.socket, self.admin_socket):  # left by a killed daemon
-            stale.unlink(missing_ok=True)
-        self._log = open(self.log_path, "wb")
-        prefix = os.environ.get("QUIVERD_BENCH_SERVE", "").split() or \
-            [sys.executable, "-m", "quiverd"]
-        self.spawned = time.perf_counter()
-        self.proc = subprocess.Popen([*prefix, "serve", "--config", str(config)],
-                                     cwd=Path(__file__).resolve().parent.parent,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
-        self.pid = self.proc.pid
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.kill()
-            self._log.close()
-            raise
-        self.ready = time.perf_counter()
+        super().__init__(directory.parent, policy=None, shards=SHARDS, settings=settings,
+                         directory=directory, tag=tag)
 
     def status(self) -> dict[str, Any]:
         """Admin ``status``; right after start the socket may be bound but not listening."""
