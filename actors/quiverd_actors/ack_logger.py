@@ -50,6 +50,7 @@ MAX_BATCH = 1024
 COMPACT_THRESHOLD_BYTES = 4 * 1024 * 1024
 NO_SPACE_RETRY_S = 0.05  # doubling to 2 s while ack.log finds no space
 NO_SPACE_RETRY_MAX_S = 2.0
+COMPACT_RETRY_S = 5.0  # a compaction that found no space is tried again after this
 
 
 async def run(
@@ -68,6 +69,7 @@ async def run(
     """Make requests durable in ack.log, apply them, answer, notify; until ``inbox`` ends."""
     stats.log_bytes.set(file.size)
     committer = _Committer(state, file, segments, limiter, stats, log)
+    compact_not_before = 0.0
     async with inbox:
         task_status.started()
         try:
@@ -81,8 +83,18 @@ async def run(
                 for chunk in _split_at_subscriber_ops(batch):
                     await committer.commit(chunk)
                 changes.notify()
-                if file.should_compact(compact_threshold_bytes):
-                    size = await anyio.to_thread.run_sync(file.compact, state, limiter=limiter)
+                if (file.should_compact(compact_threshold_bytes)
+                        and anyio.current_time() >= compact_not_before):
+                    try:
+                        size = await anyio.to_thread.run_sync(file.compact, state,
+                                                              limiter=limiter)
+                    except NoSpace as exc:
+                        # The old log is whole and still appended to: compact later.
+                        stats.no_space.inc()
+                        compact_not_before = anyio.current_time() + COMPACT_RETRY_S
+                        log.warning("ack_log_compaction_deferred", error=str(exc),
+                                    retry_in_s=COMPACT_RETRY_S, hint=exc.hint)
+                        continue
                     stats.log_bytes.set(size)
                     stats.compactions.inc()
                     log.info("ack_log_compacted", bytes=size)

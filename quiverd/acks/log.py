@@ -160,9 +160,13 @@ def compact(path: str | os.PathLike[str], state: AckState) -> int:
     try:
         return atomic_write(path, data, hook=steps)
     except OSError as exc:
-        if steps.reached is None:
-            raise  # nothing synced or renamed yet: an ordinary I/O error
-        raise _lost(f"compacting {path} (after step {steps.reached})", exc) from exc
+        if steps.reached is not None:
+            raise _lost(f"compacting {path} (after step {steps.reached})", exc) from exc
+        # The temp file was not even written: the old ack.log is untouched and whole.
+        layout.tmp_path(Path(path)).unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpace(f"compacting {path}: {exc.strerror}") from exc
+        raise  # an ordinary I/O error
 
 
 def _lost(what: str, exc: OSError) -> DurabilityLost:

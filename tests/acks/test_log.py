@@ -283,3 +283,27 @@ def test_append_no_space_cut_back_then_retried(short_dir: Path) -> None:
             f.sync()
         assert replay(path).nack_count("b", 1, 1) == 1  # the old history, intact
         assert path.read_bytes()[:len(before)] == before
+
+
+def test_compact_no_space_leaves_the_log_whole_and_no_temp_file(short_dir: Path) -> None:
+    from quiverd.kernel.errors import NoSpace
+    from tests.daemon.mounts import fill, mounted_tmpfs
+
+    mnt = short_dir / "m"
+    mnt.mkdir()
+    with mounted_tmpfs(mnt, 1024 * 1024):
+        path = mnt / "ack.log"
+        state, _ = build_log(path)
+        before = path.read_bytes()
+        ballast = mnt / "ballast"
+        fill(ballast)
+        with AckLogFile.open(path) as f:
+            with pytest.raises(NoSpace):
+                f.compact(state)
+            assert path.read_bytes() == before and sorted(p.name for p in mnt.iterdir()) == [
+                "ack.log", "ballast"]  # no ack.log.tmp left taking space
+            ballast.unlink()
+            f.compact(state)  # space back: it works, and appends go on
+            f.append([fmt.encode(state.record_outcome("b", 3, 1, fmt.ACK) or pytest.fail())])
+            f.sync()
+        assert replay(path).nack_count("b", 1, 1) == 1
