@@ -61,6 +61,7 @@ class JanitorReport(msgspec.Struct, kw_only=True):
     compacted_removed: list[str] = msgspec.field(default_factory=list)  # file ids
     abandoned_removed: list[str] = msgspec.field(default_factory=list)  # file ids
     stale_staging_files: list[str] = msgspec.field(default_factory=list)  # paths
+    stale_upload_temps: list[str] = msgspec.field(default_factory=list)  # fs store paths
     failures: list[str] = msgspec.field(default_factory=list)  # "<what>: <error>"
     objects_seen: int = 0
     rows_seen: int = 0
@@ -102,6 +103,9 @@ async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None
         await _orphans(tier, objects.values(), live | handled, now, grace_ns, report, dry_run)
     await _staging(tier, min(lake.janitor.grace_s, STAGING_GRACE_MAX_S) * NS_PER_S, now,
                    report, dry_run)
+    # A crash mid-upload leaves the fs store's temp file (uploads are temp + rename).
+    report.stale_upload_temps = await tier.store.stale_temp_files(now - grace_ns,
+                                                                  remove=not dry_run)
 
     report.duration_ms = round((anyio.current_time() - started) * 1000, 2)
     tier.log.info("lake_janitor_swept", dry_run=dry_run, rows=report.rows_seen,
@@ -111,6 +115,7 @@ async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None
                   compacted_removed=len(report.compacted_removed),
                   abandoned_removed=len(report.abandoned_removed),
                   staging_removed=len(report.stale_staging_files),
+                  upload_temps_removed=len(report.stale_upload_temps),
                   failures=len(report.failures), duration_ms=report.duration_ms)
     return report
 

@@ -193,6 +193,15 @@ class ObjectStore:
 
         return await self._retrying("list", prefix, attempt)
 
+    async def stale_temp_files(self, older_than_ns: int, *, remove: bool) -> builtins.list[str]:
+        """fs only: upload temp files (OpenDAL's atomic_write_dir) a crash left behind,
+        last written before ``older_than_ns``; removed when ``remove``. Paths returned."""
+        if self.cfg.scheme != "fs":
+            return []
+        return await anyio.to_thread.run_sync(_stale_temps, Path(self.root, FS_TMP_DIR),
+                                              older_than_ns, remove,
+                                              limiter=self._file_limiter)
+
     async def close(self) -> None:
         """Nothing is held between operations: OpenDAL pools connections per operator."""
 
@@ -448,3 +457,20 @@ def _sweep_fs_tmp(root: Path, key: str) -> None:
     name = PurePosixPath(key).name
     for entry in (root / FS_TMP_DIR).glob(f"{glob.escape(name)}.*"):
         entry.unlink(missing_ok=True)
+
+
+def _stale_temps(directory: Path, older_than_ns: int, remove: bool) -> list[str]:
+    found: list[str] = []
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return found
+    for path in entries:
+        try:
+            if path.is_file() and path.stat().st_mtime_ns < older_than_ns:
+                if remove:
+                    path.unlink()
+                found.append(str(path))
+        except FileNotFoundError:
+            continue  # an upload finished (renamed it) meanwhile
+    return found

@@ -226,6 +226,22 @@ async def test_sweep_stale_staging_file_removed_live_ones_kept(tmp_path: Path) -
             Path(live.local_path).name, fresh.name}
 
 
+@pytest.mark.asyncio
+async def test_sweep_stale_upload_temp_files_removed_after_grace(tmp_path: Path) -> None:
+    # A crash mid-upload to the fs store leaves OpenDAL's temp file in <objects>/.tmp.
+    async with open_test_tier(tmp_path / "d") as tier:
+        temps = tier.data.objects / ".tmp"
+        old, young = temps / "a.parquet.123", temps / "b.parquet.456"
+        for path in (old, young):
+            path.write_bytes(b"partial")
+        age(old, 2 * GRACE_S)
+        dry = await sweep(tier, dry_run=True)
+        assert dry.stale_upload_temps == [str(old)] and old.exists()
+        report = await sweep(tier)
+        assert report.stale_upload_temps == [str(old)]
+        assert not old.exists() and young.exists()
+
+
 # ---- the actor --------------------------------------------------------------------------
 
 @pytest.mark.asyncio
