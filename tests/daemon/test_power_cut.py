@@ -85,7 +85,19 @@ def one_round(daemon_factory: Any, short_dir: Path, policy: str, n: int,
             d.start()
             assert d.stop() == 0, d.log()[-3000:]
             acked = {k: t for p in producers for k, t in p.acked.items()}
-            return len(acked), len(missing(d.data_dir, acked))
+            lost = missing(d.data_dir, acked)
+            if lost and policy != "never":  # keep the evidence: which ids, what recovery said
+                print(f"LOST in round {n}: {sorted(lost)[:40]}")
+                for event in ("wal_replayed", "wal_torn_tail", "wal_damage_skipped",
+                              "bundles_lost", "segment_quarantined", "shard_recovered",
+                              "quiverd_fatal_durability"):
+                    for e in d.events(event):
+                        print(f"  {event}: {e}")
+                keep = Path(os.environ.get("QUIVERD_POWER_CUT_KEEP", "/tmp/power-cut-lost"))
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(d.log_path, keep / f"{policy}{n}-daemon.log")
+                shutil.copytree(d.data_dir, keep / f"{policy}{n}-data", dirs_exist_ok=True)
+            return len(acked), len(lost)
     finally:
         image.unlink(missing_ok=True)
 
