@@ -38,14 +38,13 @@ from quiverd.kernel.reply import Reply
 from quiverd.net.admin import AdminServer
 from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
-from quiverd.runtime.lake import Lake, lake_disabled_warning
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 from quiverd_actors.messages import ChangeSubscriber
-from quiverd_actors.uploader import SUBSCRIBER
 
 SubscriberOp = Literal["add", "remove"]
 SubscriberStart = Literal["earliest", "latest"]
+LAKE_SUBSCRIBER = "uploader"  # quiverd_actors.uploader.SUBSCRIBER (a test keeps them equal)
 EXTEND_EVERY_S = 5.0  # while replaying, every 5 s ask systemd for 15 s more
 EXTEND_USEC = 15_000_000
 
@@ -66,7 +65,7 @@ class Daemon:
         self.handle_signals = handle_signals
         self.shards: list[Shard] = []
         self.ingest: IngestServer | None = None
-        self.lake: Lake | None = None
+        self.lake: Any = None  # runtime.lake.Lake, imported only when the lake is on
         self.stopping = False
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -136,10 +135,16 @@ class Daemon:
 
     async def _start_lake(self, group: anyio.abc.TaskGroup) -> None:
         if not self.cfg.lake.enabled:
-            registered = any(SUBSCRIBER in s.acks.registry for s in self.shards)
-            if (warning := lake_disabled_warning(self.cfg, registered)) is not None:
-                self.log.warning("lake_disabled_subscriber_registered", **warning)
+            # The lake's modules are not even imported (OpenDAL, Parquet: ~30 MB of RSS).
+            if any(LAKE_SUBSCRIBER in s.acks.registry for s in self.shards):
+                self.log.warning(
+                    "lake_disabled_subscriber_registered",
+                    hint=f"lake.enabled = false but the subscriber {LAKE_SUBSCRIBER!r} is "
+                    "registered: segments are kept until it acks them. Remove it with "
+                    f"`quiverd subscribers remove {LAKE_SUBSCRIBER}` if the lake is off for good")
             return
+        from quiverd.runtime.lake import Lake
+
         self.lake = Lake(self, metrics=self.metrics, faults=self.faults)
         await group.start(self.lake.run)
 

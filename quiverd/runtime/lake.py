@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import anyio
 
 from quiverd.kernel import logs
-from quiverd.kernel.config import Config
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.metrics import Metrics
@@ -133,12 +132,3 @@ class Lake:
             "errors": {k: int(v) for k, v in m.lake_errors.by_label("kind").items() if v},
             "transitions": {k: int(v) for k, v in m.lake_transitions.by_label("state").items()},
         }
-
-
-def lake_disabled_warning(cfg: Config, registered: bool) -> dict[str, str] | None:
-    """What to say when the lake is off but its subscriber still holds data back."""
-    if cfg.lake.enabled or not registered:
-        return None
-    return {"hint": f"lake.enabled = false but the subscriber {SUBSCRIBER!r} is registered: "
-            "segments are kept until it acks them. Remove it with `quiverd subscribers remove "
-            f"{SUBSCRIBER}` if the lake is off for good"}

@@ -22,7 +22,6 @@ from quiverd.kernel import faults, logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
 from quiverd.kernel.faults import Hooks
-from quiverd.lake.tier import check_config as check_lake_config
 from quiverd.runtime.daemon import Daemon
 from quiverd.runtime.lockfile import lock_data_dir
 
@@ -43,7 +42,10 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     daemon = Daemon(cfg, faults=fault_hooks)
     lock_fd = -1
     try:
-        check_lake_config(cfg)  # before anything starts: a typo exits 78, not after ready
+        if cfg.lake.enabled:  # imported only then: OpenDAL and Parquet cost ~30 MB of RSS
+            from quiverd.lake.tier import check_config as check_lake_config
+
+            check_lake_config(cfg)  # before anything starts: a typo exits 78, not after ready
         data_dir = open_data_dir(Path(cfg.data_dir))
         lock_fd = lock_data_dir(data_dir)  # before the loop: a second instance stops here
         anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})

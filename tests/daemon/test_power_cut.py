@@ -12,6 +12,7 @@ acknowledged bundles, or this harness could not tell a bug from a pass.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -82,24 +83,36 @@ def one_round(daemon_factory: Any, short_dir: Path, policy: str, n: int,
             assert d.events("quiverd_fatal_durability"), d.log()[-3000:]
             assert "Traceback" not in d.log(), d.log()[-3000:]
             remount(d.data_dir, image, "xfs")
+            # What the power cut left, before recovery touches it (kept if a round loses).
+            before = short_dir / f"{policy}{n}-before-recovery"
+            shutil.copytree(d.data_dir, before)
             d.start()
             assert d.stop() == 0, d.log()[-3000:]
             acked = {k: t for p in producers for k, t in p.acked.items()}
             lost = missing(d.data_dir, acked)
-            if lost and policy != "never":  # keep the evidence: which ids, what recovery said
-                print(f"LOST in round {n}: {sorted(lost)[:40]}")
-                for event in ("wal_replayed", "wal_torn_tail", "wal_damage_skipped",
-                              "bundles_lost", "segment_quarantined", "shard_recovered",
-                              "quiverd_fatal_durability"):
-                    for e in d.events(event):
-                        print(f"  {event}: {e}")
-                keep = Path(os.environ.get("QUIVERD_POWER_CUT_KEEP", "/tmp/power-cut-lost"))
-                keep.mkdir(parents=True, exist_ok=True)
-                shutil.copy(d.log_path, keep / f"{policy}{n}-daemon.log")
-                shutil.copytree(d.data_dir, keep / f"{policy}{n}-data", dirs_exist_ok=True)
+            if lost and policy != "never":
+                keep_evidence(d, policy, n, acked, lost, before)
+            shutil.rmtree(before, ignore_errors=True)
             return len(acked), len(lost)
     finally:
         image.unlink(missing_ok=True)
+
+
+def keep_evidence(d: Any, policy: str, n: int, acked: dict[tuple[int, int], int],
+                  lost: list[tuple[int, int]], before: Path) -> None:
+    """A round lost acknowledged bundles: print and keep everything needed to find why."""
+    keep = Path(os.environ.get("QUIVERD_POWER_CUT_KEEP", "/tmp/power-cut-lost")) / f"{policy}{n}"
+    keep.mkdir(parents=True, exist_ok=True)
+    print(f"LOST in round {n}: {sorted(lost)[:40]} (evidence in {keep})")
+    for event in ("wal_replayed", "wal_torn_tail", "wal_damage_skipped", "bundles_lost",
+                  "segment_quarantined", "shard_recovered", "quiverd_fatal_durability"):
+        for e in d.events(event):
+            print(f"  {event}: {e}")
+    (keep / "acked.json").write_text(json.dumps(sorted([*k, t] for k, t in acked.items())))
+    (keep / "lost.json").write_text(json.dumps(sorted(lost)))
+    shutil.copy(d.log_path, keep / "daemon.log")
+    shutil.copytree(before, keep / "data-before-recovery", dirs_exist_ok=True)
+    shutil.copytree(d.data_dir, keep / "data-after", dirs_exist_ok=True)
 
 
 def missing(data_dir: Path, acked: dict[tuple[int, int], int]) -> list[tuple[int, int]]:

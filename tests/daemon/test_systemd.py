@@ -108,7 +108,12 @@ def test_systemd_watchdog_stops_while_an_fdatasync_hangs(daemon_factory: Any,
 
     sender = threading.Thread(target=send_one)
     sender.start()
-    time.sleep(0.5)  # the append is written and waits for its fdatasync
+    deadline = time.monotonic() + 10
+    while d.status()["shards"][0]["in_flight"] < 1:  # written, waiting for its fdatasync
+        assert time.monotonic() < deadline, d.log()[-3000:]
+        time.sleep(0.01)
+    time.sleep(0.5)  # a whole watchdog interval and more: the stall is seen
+    pings_during(0.05)  # drop pings sent before that (queued in the socket meanwhile)
     assert pings_during(1.2) == 0
     assert d.events("watchdog_shard_stalled")
     gate.unlink()

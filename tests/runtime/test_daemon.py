@@ -76,3 +76,11 @@ async def test_daemon_run_in_process_status_and_subscriber_ops(tmp_path: Path) -
         with pytest.raises(ValueError, match="invalid subscriber name"):
             await daemon.subscriber_op("add", "Not Valid")
         assert [s["shard"] for s in daemon.status()["shards"]] == [0, 1]
+
+
+def test_daemon_names_the_lake_subscriber_as_the_uploader_does() -> None:
+    # The daemon does not import the lake when it is off, so it spells the name itself.
+    from quiverd.runtime import daemon as daemon_mod
+    from quiverd_actors.uploader import SUBSCRIBER
+
+    assert daemon_mod.LAKE_SUBSCRIBER == SUBSCRIBER
