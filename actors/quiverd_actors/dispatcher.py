@@ -201,8 +201,10 @@ class Dispatcher:
                 continue
             picks = self._pick(session)
             if picks:
-                await self._deliver(session, picks)
-                more = more or len(picks) == READ_BATCH
+                sent = await self._deliver(session, picks)
+                # Only a full batch that went out may leave more to send; unreadable
+                # picks (a segment being deleted) must not spin the loop.
+                more = more or sent == READ_BATCH
         return more
 
     def _forget(self, name: str) -> None:
@@ -224,15 +226,17 @@ class Dispatcher:
             picks.append((seg, idx))
         return picks
 
-    async def _deliver(self, session: Session, picks: list[tuple[int, int]]) -> None:
+    async def _deliver(self, session: Session, picks: list[tuple[int, int]]) -> int:
+        """Send what can be read of ``picks``; returns how many went out."""
         paths = {seg: self.segments[seg].path for seg, _ in picks}
         live = set(self.segments.seqs())
         frames = await anyio.to_thread.run_sync(self._read, picks, paths, live,
                                                 session.local, limiter=self.limiter)
+        sent = 0
         for (seg, idx), frame in zip(picks, frames, strict=True):
             key = (session.name, seg, idx)
             if session.closed:
-                return
+                return sent
             if frame is None:
                 # Deleted while we read it (retention), or unreadable: say so once.
                 if seg in self.segments and seg not in self.unreadable:
@@ -243,9 +247,10 @@ class Dispatcher:
             try:
                 session.deliveries.send_nowait(frame)  # type: ignore[arg-type]
             except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return
+                return sent
             self.inflight[key] = session
             session.unacked += 1
+            sent += 1
             self.backoff.pop(key, None)
             self.stats.delivered(session.name).inc()
             if key in self.delivered_once:
@@ -254,6 +259,7 @@ class Dispatcher:
                 self.delivered_once.add(key)
                 if len(self.delivered_once) > 1_000_000:
                     self.delivered_once.clear()  # only feeds the redelivery counter
+        return sent
 
     def _read(self, picks: list[tuple[int, int]], paths: dict[int, Path], live: set[int],
               local: bool) -> list[Delivery | LocalDelivery | None]:

@@ -16,7 +16,7 @@ import argparse
 import datetime
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -27,7 +27,9 @@ from quiverd.kernel import logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import ConfigError
 from quiverd.lake.model import FileRow, FileState
-from quiverd.lake.tier import Tier, open_tier
+
+if TYPE_CHECKING:  # the lake's code (OpenDAL, Parquet) loads only for a lake command
+    from quiverd.lake.tier import Tier
 
 T = TypeVar("T")
 LIST_COLUMNS = ["file_id", "client_name", "slot", "state", "rows", "bytes", "start", "end"]
@@ -159,6 +161,8 @@ def compact(args: argparse.Namespace) -> int:
 def _with_tier(args: argparse.Namespace, fn: Callable[[Tier], Awaitable[T]]) -> T:
     cfg: Config = config_mod.load(args.config)
     logs.configure("console", "warning")
+
+    from quiverd.lake.tier import open_tier
 
     async def main() -> T:
         async with open_tier(cfg, logs.get("cli")) as tier:

@@ -84,3 +84,18 @@ def test_daemon_names_the_lake_subscriber_as_the_uploader_does() -> None:
     from quiverd_actors.uploader import SUBSCRIBER
 
     assert daemon_mod.LAKE_SUBSCRIBER == SUBSCRIBER
+
+
+def test_daemon_with_lake_off_does_not_load_the_lake() -> None:
+    # OpenDAL, asyncpg and Parquet cost ~30 MB of RSS: `quiverd serve` with the lake off
+    # (and every CLI command but the lake's) must not import them.
+    import subprocess
+    import sys
+
+    code = ("import sys; from quiverd.cli import main; main._parser(); "
+            "import quiverd.runtime.serve, quiverd.runtime.daemon; "
+            "print(sorted(m for m in ('opendal', 'asyncpg', 'pyarrow.parquet', "
+            "'quiverd.lake.tier') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
