@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import structlog
 from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile, compact, replay_ack_log, scan_ack_log
 from quiverd.acks.state import AckState
-from quiverd.kernel.errors import CorruptRecord, FormatMismatch
+from quiverd.kernel.errors import CorruptRecord, FormatMismatch, NoSpace
 
 LOG = structlog.get_logger("test")
 
@@ -259,10 +260,10 @@ def test_sync_error_propagates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             f.sync()
 
 
-def test_append_no_space_cut_back_then_retried(short_dir: Path) -> None:
-    """A write that finds the disk full leaves ack.log as it was (NoSpace, retryable);
-    the same records go in once space returns, and replay sees each once."""
-    from quiverd.kernel.errors import NoSpace
+@contextmanager
+def full_disk_log(short_dir: Path) -> Iterator[tuple[Path, AckState, bytes, Path]]:
+    """ack.log with a small history on a 1 MiB tmpfs, then the disk filled by a ballast
+    file: (path, state, the log's bytes, ballast)."""
     from tests.daemon.mounts import fill, mounted_tmpfs
 
     mnt = short_dir / "m"
@@ -270,9 +271,16 @@ def test_append_no_space_cut_back_then_retried(short_dir: Path) -> None:
     with mounted_tmpfs(mnt, 1024 * 1024):
         path = mnt / "ack.log"
         state, _ = build_log(path)
-        before = path.read_bytes()
         ballast = mnt / "ballast"
+        before = path.read_bytes()
         fill(ballast)
+        yield path, state, before, ballast
+
+
+def test_append_no_space_cut_back_then_retried(short_dir: Path) -> None:
+    """A write that finds the disk full leaves ack.log as it was (NoSpace, retryable);
+    the same records go in once space returns, and replay sees each once."""
+    with full_disk_log(short_dir) as (path, state, before, ballast):
         big = [fmt.encode(state.record_outcome("b", 3, 1, fmt.ACK) or pytest.fail())] * 2000
         with AckLogFile.open(path) as f:
             with pytest.raises(NoSpace):
@@ -286,22 +294,12 @@ def test_append_no_space_cut_back_then_retried(short_dir: Path) -> None:
 
 
 def test_compact_no_space_leaves_the_log_whole_and_no_temp_file(short_dir: Path) -> None:
-    from quiverd.kernel.errors import NoSpace
-    from tests.daemon.mounts import fill, mounted_tmpfs
-
-    mnt = short_dir / "m"
-    mnt.mkdir()
-    with mounted_tmpfs(mnt, 1024 * 1024):
-        path = mnt / "ack.log"
-        state, _ = build_log(path)
-        before = path.read_bytes()
-        ballast = mnt / "ballast"
-        fill(ballast)
+    with full_disk_log(short_dir) as (path, state, before, ballast):
         with AckLogFile.open(path) as f:
             with pytest.raises(NoSpace):
                 f.compact(state)
-            assert path.read_bytes() == before and sorted(p.name for p in mnt.iterdir()) == [
-                "ack.log", "ballast"]  # no ack.log.tmp left taking space
+            assert path.read_bytes() == before and sorted(
+                p.name for p in path.parent.iterdir()) == ["ack.log", "ballast"]  # no .tmp
             ballast.unlink()
             f.compact(state)  # space back: it works, and appends go on
             f.append([fmt.encode(state.record_outcome("b", 3, 1, fmt.ACK) or pytest.fail())])
