@@ -57,14 +57,9 @@ def unify(current: pa.Schema | None, incoming: pa.Schema) -> pa.Schema | None:
     new = normalize(incoming)
     if current is None:
         return new
-    fields = {f.name: f.type for f in normalize(current)}
-    for f in new:
-        seen = fields.get(f.name)
-        unified = f.type if seen is None else _unify_top(seen, f.type)
-        if unified is None:
-            return None
-        fields[f.name] = unified
-    return pa.schema([pa.field(name, t) for name, t in fields.items()])
+    fields = _union({f.name: f.type for f in normalize(current)},
+                    [(f.name, f.type) for f in new], _unify_top)
+    return None if fields is None else pa.schema([pa.field(n, t) for n, t in fields.items()])
 
 
 def normalize(schema: pa.Schema) -> pa.Schema:
@@ -185,15 +180,24 @@ def _unify_int(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
 
 
 def _unify_struct(a: pa.StructType, b: pa.StructType) -> pa.DataType | None:
-    fields = {a.field(i).name: a.field(i).type for i in range(a.num_fields)}
-    for i in range(b.num_fields):
-        child = b.field(i)
-        seen = fields.get(child.name)
-        unified = child.type if seen is None else _unify_type(seen, child.type)
+    fields = _union({a.field(i).name: a.field(i).type for i in range(a.num_fields)},
+                    [(b.field(i).name, b.field(i).type) for i in range(b.num_fields)],
+                    _unify_type)
+    return None if fields is None else pa.struct([pa.field(n, t) for n, t in fields.items()])
+
+
+def _union(fields: dict[str, pa.DataType], more: list[tuple[str, pa.DataType]],
+           combine: Callable[[pa.DataType, pa.DataType], pa.DataType | None]
+           ) -> dict[str, pa.DataType] | None:
+    """Columns (or struct fields) by name, first seen first, each type combined with the
+    one already there; None when one pair cannot be combined."""
+    for name, t in more:
+        seen = fields.get(name)
+        unified = t if seen is None else combine(seen, t)
         if unified is None:
             return None
-        fields[child.name] = unified
-    return pa.struct([pa.field(name, t) for name, t in fields.items()])
+        fields[name] = unified
+    return fields
 
 
 def _unify_list(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
