@@ -150,9 +150,12 @@ class _Committer:
         if (reply := _reply_of(msg)) is not None:
             answers.append(_Answer(reply, error=exc))
         elif isinstance(msg, SegmentWritten):
-            # Not listed without its SEGMENT record; startup reconciles the file.
-            self.log.error("segment_not_recorded", segment_seq=msg.info.segment_seq,
-                           error=str(exc), hint="a bug: the segment is reconciled at restart")
+            # A segment number ack.log has seen before: carrying on would deliver
+            # nothing from it and take its file for a deleted segment's orphan.
+            raise DurabilityLost(
+                f"segment {msg.info.segment_seq} cannot be recorded in ack.log ({exc}); "
+                "the shard stops rather than lose its bundles (a bug: segment numbers "
+                "must never repeat)") from exc
 
     def _propose(self, msg: AckLogRequest) -> tuple[list[fmt.Record], _Answer | None]:
         state = self.state

@@ -11,6 +11,8 @@
                    gone segments (quarantined, or in ack.log but absent) they were in
     5. ack.log     reconciled with the segment files found (``acks.recovery``):
                    gone segments forgotten, orphans it already deleted unlinked
+    6. FLOOR       raised to the highest segment number any of these has seen, so
+                   a number is never handed out twice (``_next_segment_seq``)
 
 Bundles of a quarantined segment come back from the WAL while it still holds
 them; otherwise they are lost, and so are WAL entries skipped as damage. Every loss
@@ -34,7 +36,14 @@ from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
 from quiverd.runtime.loss import Coverage, Loss, LostSegment, find_loss
-from quiverd.segments.files import Deleted, Floor, delete_segments, read_marker, scan_segments
+from quiverd.segments.files import (
+    Deleted,
+    Floor,
+    delete_segments,
+    read_marker,
+    scan_segments,
+    write_marker,
+)
 from quiverd.segments.table import SegmentInfo
 from quiverd.wal import format as walformat
 from quiverd.wal.files import WalFiles
@@ -83,9 +92,9 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
                         max_size_bytes=cfg.wal.max_size_bytes,
                         max_chunks=cfg.wal.max_chunks, log=log)
     wal.fault_hook = faults.get("wal")
-    next_segment_seq = max([floor.segment_seq, *(s.segment_seq for s in segments),
-                            *quarantined]) + 1
     acks = settle_acks(shard, ack_scan, on_disk, cfg.subscribers, log)
+    next_segment_seq = _next_segment_seq(shard, floor, segments, quarantined,
+                                         acks.state.segment_floor, log)
     orphans = [by_seq.pop(seq) for seq in acks.orphans]
     delete_segments(shard, orphans)
     segments = sorted(by_seq.values(), key=lambda s: s.segment_seq)
@@ -103,6 +112,27 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
                 "torn_tail_bytes": state.torn_tail_bytes,
                 "resynced_bytes": state.resynced_bytes, "bundles_lost": loss.count,
                 **{f"ack_log_{k}": v for k, v in acks.counters.items()}})
+
+
+def _next_segment_seq(shard: ShardLayout, floor: Floor, segments: list[SegmentInfo],
+                      quarantined: list[int], ack_floor: int, log: Logger) -> int:
+    """One past every segment number ever used; FLOOR raised to it if it lags.
+
+    A kill between a segment's rename and its FLOOR write leaves FLOOR one behind
+    the file; once the gc deletes that file, FLOOR alone would hand its number out
+    again, and ack.log (which recorded it deleted) would take the new segment of
+    that number for an orphan. ack.log's floor (one past the highest segment it
+    ever recorded) and the files found close that window; FLOOR is rewritten so
+    that it never depends on them again.
+    """
+    highest = max([floor.segment_seq, ack_floor - 1, *(s.segment_seq for s in segments),
+                   *quarantined])
+    if highest > floor.segment_seq:
+        write_marker(shard.floor, Floor(segment_seq=highest))
+        log.info("segment_floor_raised", from_segment_seq=floor.segment_seq,
+                 to_segment_seq=highest, reason="a crash fell between a segment's rename "
+                 "and its FLOOR write")
+    return highest + 1
 
 
 def _report_loss(index: int, loss: Loss, log: Logger) -> None:

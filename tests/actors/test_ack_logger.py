@@ -28,6 +28,7 @@ from quiverd.kernel import logs
 from quiverd.kernel.bundle import Bundle, make_slot
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import SubscriberEntry
+from quiverd.kernel.errors import DurabilityLost
 from quiverd.kernel.layout import DataDir, ShardLayout
 from quiverd.kernel.metrics import AckLogMetrics, Metrics
 from quiverd.kernel.reply import Reply
@@ -324,12 +325,17 @@ async def test_ack_logger_cancelled_closes_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_ack_logger_segment_below_floor_not_listed(tmp_path: Path) -> None:
+async def test_ack_logger_segment_below_floor_stops_the_shard(tmp_path: Path) -> None:
+    # A repeated segment number is a bug that would lose the segment's bundles (its
+    # file reads as a deleted segment's orphan at restart): the shard stops instead.
     rig = make_rig(tmp_path, {5: 1})  # floor 6: segment 3 can no longer be announced
     info = make_segment(rig.shard, 3, 1)
-    async with running(rig) as tx:
-        await tx.send(SegmentWritten(info=info))
-        await rig.changes.wait_beyond(0)
+    with pytest.raises(ExceptionGroup) as raised, anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            await start(tg, rig)
+            await rig.tx.send(SegmentWritten(info=info))
+    assert raised.group_contains(DurabilityLost, match="segment 3 cannot be recorded")
+    rig.tx.close()
     assert rig.state.live_segments() == {5: 1}
     assert rig.stats.records.value == 0
     assert 3 not in rig.table

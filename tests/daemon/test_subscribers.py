@@ -158,6 +158,31 @@ def test_remove_releases_the_subscribers_hold(daemon_factory):
     assert d.stop() == 0
 
 
+def test_kill_before_floor_write_then_gc_does_not_reuse_the_segment_number(daemon_factory):
+    # A kill between a segment's rename and its FLOOR write left FLOOR one behind;
+    # once that segment was acked and deleted, its number was handed out again and
+    # ack.log took the new segment for a deleted one's orphan: acked data vanished.
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50})
+    d.start(faults="finalize=kill:dir_fsynced")
+    add(d, "x")
+    with Client.connect(d.socket) as c:
+        c.send_many([tagged_table(t) for t in range(4)], client="p")
+    assert d.wait(20) == -9  # the first segment is durable, FLOOR was never written
+    first = segment_files(d)
+    assert len(first) == 1
+    d.start()
+    assert {b.tables[0]["tag"][0].as_py() for b in consume(d, "x", want=4)} == {0, 1, 2, 3}
+    wait_for(lambda: segment_files(d) == [])  # acked by x: deleted
+    assert d.stop() == 0
+    d.start()
+    produce(d, [10, 11])
+    assert {b.tables[0]["tag"][0].as_py() for b in consume(d, "x", want=2)} == {10, 11}
+    assert d.stop() == 0
+    assert not d.events("segment_orphan_removed")
+    floor = (d.data_dir / "shard-0/segments/FLOOR").read_text()
+    assert int(floor.split(":")[1].strip(" }\n")) > first[0]
+
+
 class Consumer(threading.Thread):
     """Acks everything it receives; records which ids it acked (the ack may be lost)."""
 
