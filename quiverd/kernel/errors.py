@@ -163,3 +163,11 @@ class CatalogUnavailable(LakeError):
     retryable = True
     hint = ("check catalog.dsn and that the database is up; the uploader retries and the "
             "WAL and segments keep the data meanwhile")
+
+
+class JobConflict(QuiverError):
+    """A commit or abort contradicts the decision already recorded for the job."""
+
+    hint = ("a job is decided once (first writer wins): a committed job cannot be "
+            "aborted, an aborted or expired one cannot be committed; write it again "
+            "under a new job id")
