@@ -12,6 +12,8 @@ All integers little-endian. Every frame::
     BUNDLE      0x03  c->s  u32 request_id (>0) | client | txn | slots | end check
     ACK         0x04  s->c  u32 request_id | u16 shard | u64 sequence
     ERROR       0x05  s->c  u32 request_id (0 = connection) | u16 code | u16 len | utf8 message
+    JOB         0x06  c->s  u32 request_id (>0) | u32 len | utf8 JSON object (the request)
+    JOB_OK      0x07  s->c  u32 request_id | u32 len | utf8 JSON object (the reply)
     SUBSCRIBE   0x10  c->s  u8 len | name [a-z0-9_-]{1,64} | u16 window
     SUBSCRIBED  0x11  s->c  u8 ok (1)
     DELIVERY    0x12  s->c  u16 shard | u64 segment_seq | u32 bundle_index | client | txn
@@ -26,6 +28,12 @@ All integers little-endian. Every frame::
                | payload (one Arrow IPC stream)
     end check  u64 total_rows | u32 crc32c over every body byte before this crc
 
+JOB carries the transactional-write requests of SPEC §7 (``op``: end_partition,
+commit, abort, status; docs/protocol.md lists their fields), producers only, in the
+same request-id space and window as BUNDLE. Its JSON is at most MAX_JOB_BODY_BYTES
+(1 MiB) and must be an object. The answer is JOB_OK or an ERROR (JOB_CONFLICT when
+the job was decided otherwise).
+
 The end check exists because an Arrow IPC stream cut at a message boundary reads
 back as complete: the declared row counts and the CRC are what catch a cut or
 damaged bundle. Error codes and which of them close the connection: see
@@ -39,13 +47,22 @@ from types import MappingProxyType
 
 import pyarrow as pa
 
-from quiverd.kernel.errors import AtCapacity, ProtocolError, QuiverError, ShuttingDown, Unauthorized
+from quiverd.kernel.errors import (
+    AtCapacity,
+    JobConflict,
+    ProtocolError,
+    QuiverError,
+    ShuttingDown,
+    Unauthorized,
+)
 from quiverd.protocol.decode import PAYLOAD_FRAMES, decode_body, validate_bundle
 from quiverd.protocol.frames import (
     CLOSES_CONNECTION,
     ERROR_HEAD,
     FRAME_HEADER,
+    JOB_FRAME_MAX,
     MAX_FRAME_OVERHEAD,
+    MAX_JOB_BODY_BYTES,
     MAX_MESSAGE_LEN,
     PROTOCOL_VERSION,
     U32,
@@ -58,6 +75,8 @@ from quiverd.protocol.frames import (
     FrameType,
     Hello,
     HelloOk,
+    JobReply,
+    JobRequest,
     Message,
     NackBundle,
     Role,
@@ -70,6 +89,8 @@ from quiverd.protocol.frames import (
     encode_error,
     encode_hello,
     encode_hello_ok,
+    encode_job_reply,
+    encode_job_request,
     encode_nack_bundle,
     encode_subscribe,
     encode_subscribed,
@@ -79,26 +100,32 @@ from quiverd.protocol.frames import (
 # Callers import everything protocol-related from here; protocol_frames is an
 # implementation split, not a second API.
 __all__ = [
-    "CLOSES_CONNECTION", "MAX_FRAME_OVERHEAD", "PROTOCOL_VERSION", "SMALL_FRAME_MAX",
-    "Ack", "AckBundle",
+    "CLOSES_CONNECTION", "JOB_FRAME_MAX", "MAX_FRAME_OVERHEAD", "MAX_JOB_BODY_BYTES",
+    "PROTOCOL_VERSION", "REPLY_FRAME_MAX", "SMALL_FRAME_MAX", "Ack", "AckBundle",
     "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameDecoder", "FrameType", "Hello",
-    "HelloOk", "Message", "NackBundle", "Role", "Subscribe", "Subscribed", "decode_body",
-    "encode_ack", "encode_ack_bundle", "encode_bundle", "encode_delivery", "encode_error",
-    "encode_hello", "encode_hello_ok", "encode_nack_bundle", "encode_subscribe",
-    "encode_subscribed", "error_code_for", "exception_for", "hello_reply", "max_frame_bytes",
-    "negotiate", "validate_bundle",
+    "HelloOk", "JobReply", "JobRequest", "Message", "NackBundle", "Role", "Subscribe",
+    "Subscribed", "decode_body", "encode_ack", "encode_ack_bundle", "encode_bundle",
+    "encode_delivery", "encode_error", "encode_hello", "encode_hello_ok", "encode_job_reply",
+    "encode_job_request", "encode_nack_bundle", "encode_subscribe", "encode_subscribed",
+    "error_code_for", "exception_for", "hello_reply", "max_frame_bytes", "negotiate",
+    "validate_bundle",
 ]
 
 Buffer = bytes | bytearray | memoryview
 
-# Frames without Arrow payloads are never longer than an ERROR with the longest message.
+# Frames without Arrow payloads are never longer than an ERROR with the longest message,
+# except JOB/JOB_OK, whose JSON may reach MAX_JOB_BODY_BYTES.
 SMALL_FRAME_MAX = 1 + ERROR_HEAD.size + MAX_MESSAGE_LEN
+JOB_FRAMES = frozenset({FrameType.JOB, FrameType.JOB_OK})
+# The decoder limit of a producer client: the longest frame a server sends it.
+REPLY_FRAME_MAX = max(SMALL_FRAME_MAX, JOB_FRAME_MAX)
 SERVER_FRAMES = frozenset(
-    {FrameType.HELLO_OK, FrameType.ACK, FrameType.ERROR, FrameType.SUBSCRIBED, FrameType.DELIVERY}
+    {FrameType.HELLO_OK, FrameType.ACK, FrameType.ERROR, FrameType.JOB_OK,
+     FrameType.SUBSCRIBED, FrameType.DELIVERY}
 )
 ROLE_FRAMES = MappingProxyType(
     {
-        Role.PRODUCER: frozenset({FrameType.BUNDLE}),
+        Role.PRODUCER: frozenset({FrameType.BUNDLE, FrameType.JOB}),
         Role.SUBSCRIBER: frozenset(
             {FrameType.SUBSCRIBE, FrameType.ACK_BUNDLE, FrameType.NACK_BUNDLE}
         ),
@@ -275,7 +302,8 @@ class FrameDecoder:
         if self._head_filled < FRAME_HEADER.size:
             return
         frame_type = self._check_type(self._head[4])
-        if frame_type not in PAYLOAD_FRAMES and frame_len > SMALL_FRAME_MAX:
+        longest = JOB_FRAME_MAX if frame_type in JOB_FRAMES else SMALL_FRAME_MAX
+        if frame_type not in PAYLOAD_FRAMES and frame_len > longest:
             raise ProtocolError(
                 ErrorCode.MALFORMED,
                 f"{frame_type.name} frame of {frame_len} bytes is longer than any valid one",
@@ -367,6 +395,8 @@ def exception_for(err: Error) -> QuiverError:
             return ShuttingDown(err.message)
         case ErrorCode.UNAUTHORIZED:
             return Unauthorized(err.message)
+        case ErrorCode.JOB_CONFLICT:
+            return JobConflict(err.message)
     return ProtocolError(err.code, err.message)
 
 
@@ -378,6 +408,7 @@ def error_code_for(exc: BaseException) -> ErrorCode:
         (AtCapacity, ErrorCode.AT_CAPACITY),
         (ShuttingDown, ErrorCode.SHUTTING_DOWN),
         (Unauthorized, ErrorCode.UNAUTHORIZED),
+        (JobConflict, ErrorCode.JOB_CONFLICT),
     ):
         if isinstance(exc, cls):
             return code

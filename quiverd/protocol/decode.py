@@ -12,6 +12,7 @@ import re
 import struct
 from typing import Any
 
+import msgspec
 import pyarrow as pa
 
 from quiverd.kernel.bundle import MAX_SLOTS, META_SLOT, Slot, TxnTag, inspect_ipc_stream
@@ -26,7 +27,9 @@ from quiverd.protocol.frames import (
     HELLO_BODY,
     HELLO_OK_BODY,
     I64,
+    JOB_HEAD,
     MAGIC,
+    MAX_JOB_BODY_BYTES,
     SLOT_HEAD,
     TXN_FIXED,
     U8,
@@ -42,6 +45,8 @@ from quiverd.protocol.frames import (
     FrameType,
     Hello,
     HelloOk,
+    JobReply,
+    JobRequest,
     Message,
     NackBundle,
     Role,
@@ -78,6 +83,8 @@ def decode_body(frame_type: FrameType, body: memoryview) -> Message:
             # A garbled message must not hide the error code behind a decode failure.
             text = bytes(r.take(length)).decode("utf-8", "replace")
             msg = Error(request_id=request_id, code=code, message=text)
+        case FrameType.JOB | FrameType.JOB_OK:
+            msg = _job(r, frame_type)
         case FrameType.SUBSCRIBE:
             name = _ascii(r, SUBSCRIBER_NAME_BYTES, "subscriber name")
             (window,) = r.unpack(U16)
@@ -139,6 +146,33 @@ def _hello(magic: bytes, lo: int, hi: int, role: int) -> Hello:
     if role not in Role._value2member_map_:
         raise ProtocolError(ErrorCode.MALFORMED, f"HELLO: unknown role {role}")
     return Hello(min_version=lo, max_version=hi, role=Role(role))
+
+
+_JOB_BODY = msgspec.json.Decoder(dict[str, Any])
+
+
+def _job(r: _Reader, frame_type: FrameType) -> JobRequest | JobReply:
+    what = frame_type.name
+    request_id, length = r.unpack(JOB_HEAD)
+    if frame_type is FrameType.JOB and request_id == 0:
+        raise ProtocolError(ErrorCode.MALFORMED, "JOB: request_id 0 is reserved")
+    if length > MAX_JOB_BODY_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body of {length} bytes exceeds "
+                            f"{MAX_JOB_BODY_BYTES}")
+    raw = r.take(length)
+    r.finish()  # framing before content: a wrong length is not reported as bad JSON
+    try:
+        body = _JOB_BODY.decode(raw)
+    except UnicodeDecodeError:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is not UTF-8") from None
+    except msgspec.ValidationError:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is JSON but not an object "
+                            "with string keys") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is not JSON: {exc}") from None
+    if frame_type is FrameType.JOB:
+        return JobRequest(request_id=request_id, body=body)
+    return JobReply(request_id=request_id, body=body)
 
 
 def _decode_payload_frame(frame_type: FrameType, body: memoryview) -> BundleFrame | Delivery:

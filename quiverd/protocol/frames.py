@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Mapping
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
@@ -22,10 +23,11 @@ from quiverd.kernel.names import client_name_problem, subscriber_name_problem
 __all__ = [
     "CLOSES_CONNECTION", "MAX_FRAME_OVERHEAD", "PROTOCOL_VERSION", "Ack", "AckBundle",
     "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameType", "Hello", "HelloOk",
+    "JOB_FRAME_MAX", "JobReply", "JobRequest", "MAX_JOB_BODY_BYTES",
     "Message", "NackBundle", "Role", "Subscribe", "Subscribed", "encode_ack",
     "encode_ack_bundle", "encode_bundle", "encode_delivery", "encode_error", "encode_hello",
-    "encode_hello_ok", "encode_nack_bundle", "encode_subscribe", "encode_subscribed",
-    "max_frame_bytes", "nbytes",
+    "encode_hello_ok", "encode_job_reply", "encode_job_request", "encode_nack_bundle",
+    "encode_subscribe", "encode_subscribed", "max_frame_bytes", "nbytes",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -42,6 +44,7 @@ BUNDLE_ID = struct.Struct("<HQI")  # shard, segment_seq, bundle_index
 TXN_FIXED = struct.Struct("<IIQ")  # partition, attempt, row_offset
 SLOT_HEAD = struct.Struct("<II")  # row_count, payload_len
 END_CHECK = struct.Struct("<QI")  # total_rows, crc32c
+JOB_HEAD = struct.Struct("<II")  # request_id, body_len (JOB and JOB_OK)
 U8 = struct.Struct("<B")
 U16 = struct.Struct("<H")
 U32 = struct.Struct("<I")
@@ -53,6 +56,10 @@ MAX_JOB_ID_LEN = 0xFFFF  # u16 length prefix
 MAX_MESSAGE_LEN = 0xFFFF
 MAX_ROW_COUNT = 0xFFFF_FFFF  # u32 per slot on the wire
 MAX_REQUEST_ID = 0xFFFF_FFFF  # request_id 0 is reserved for connection-level errors
+# A JOB/JOB_OK body is one JSON object. A commit names every partition's winner
+# (~80 bytes each), so 1 MiB holds a job of ~12 000 partitions.
+MAX_JOB_BODY_BYTES = 1024 * 1024
+JOB_FRAME_MAX = 1 + JOB_HEAD.size + MAX_JOB_BODY_BYTES  # type byte + head + body
 # Largest BUNDLE/DELIVERY frame apart from its payload bytes: the frame_len field is
 # outside the limit, everything else (type, ids, longest client and job id, 64 slot
 # headers, end check) is counted so a config's max_bundle_bytes always fits.
@@ -74,6 +81,8 @@ class FrameType(IntEnum):
     BUNDLE = 0x03  # producer -> server
     ACK = 0x04  # server -> producer
     ERROR = 0x05  # server -> client
+    JOB = 0x06  # producer -> server: a transactional-write request (JSON)
+    JOB_OK = 0x07  # server -> producer: its reply (JSON)
     SUBSCRIBE = 0x10  # subscriber -> server
     SUBSCRIBED = 0x11  # server -> subscriber
     DELIVERY = 0x12  # server -> subscriber
@@ -98,6 +107,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 7
     UNKNOWN_SUBSCRIBER = 8
     TIMEOUT = 9  # no HELLO in time, idle, or a frame stalled mid-body
+    JOB_CONFLICT = 10  # a JOB contradicts the job's recorded decision (SPEC §7)
 
 
 # After these the server closes the connection: the byte stream can no longer be
@@ -154,6 +164,20 @@ class Error(msgspec.Struct, frozen=True, kw_only=True):
     message: str
 
 
+class JobRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A producer's transactional-write request (``op`` and its fields, SPEC §7)."""
+
+    request_id: int
+    body: dict[str, Any]
+
+
+class JobReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The server's answer to the JOB ``request_id`` (a refusal is an ERROR instead)."""
+
+    request_id: int
+    body: dict[str, Any]
+
+
 class Subscribe(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     window: int  # deliveries the server may have unacknowledged at once
@@ -186,8 +210,8 @@ class NackBundle(msgspec.Struct, frozen=True, kw_only=True):
 
 
 Message = (
-    Hello | HelloOk | BundleFrame | Ack | Error | Subscribe | Subscribed | Delivery
-    | AckBundle | NackBundle
+    Hello | HelloOk | BundleFrame | Ack | Error | JobRequest | JobReply | Subscribe
+    | Subscribed | Delivery | AckBundle | NackBundle
 )
 
 
@@ -211,6 +235,26 @@ def encode_error(request_id: int, code: int, message: str) -> bytes:
     # Cut overlong messages on a character boundary rather than fail to report an error.
     text = message.encode("utf-8")[:MAX_MESSAGE_LEN].decode("utf-8", "ignore").encode()
     return _frame(FrameType.ERROR, ERROR_HEAD.pack(request_id, code, len(text)) + text)
+
+
+def encode_job_request(request_id: int, body: Mapping[str, Any]) -> bytes:
+    if not 1 <= request_id <= MAX_REQUEST_ID:
+        raise ValueError(f"request_id {request_id} outside 1..{MAX_REQUEST_ID}")
+    return _job_frame(FrameType.JOB, request_id, body)
+
+
+def encode_job_reply(request_id: int, body: Mapping[str, Any]) -> bytes:
+    return _job_frame(FrameType.JOB_OK, request_id, body)
+
+
+def _job_frame(frame_type: FrameType, request_id: int, body: Mapping[str, Any]) -> bytes:
+    if not isinstance(body, Mapping):
+        raise TypeError(f"a {frame_type.name} body is a JSON object, not {type(body).__name__}")
+    raw = msgspec.json.encode(body)
+    if len(raw) > MAX_JOB_BODY_BYTES:
+        raise ValueError(f"{frame_type.name} body of {len(raw)} bytes of JSON exceeds "
+                         f"{MAX_JOB_BODY_BYTES}")
+    return _frame(frame_type, JOB_HEAD.pack(request_id, len(raw)) + raw)
 
 
 def encode_subscribe(name: str, window: int) -> bytes:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from quiverd.kernel.bundle import Slot, TxnTag, encode_ipc_stream, read_ipc_stream
 from quiverd.kernel.crc import crc32c
-from quiverd.kernel.errors import AtCapacity, ProtocolError, ShuttingDown, Unauthorized
+from quiverd.kernel.errors import AtCapacity, JobConflict, ProtocolError, ShuttingDown, Unauthorized
 from quiverd.protocol import codec as p
 
 MAX_FRAME = p.max_frame_bytes(1 << 20)
@@ -573,3 +573,131 @@ def test_fuzz_mutated_frames_only_raise_protocol_error(
         # Re-checksum so mutations reach the field parsers and Arrow, not just the CRC.
         wire[-4:] = struct.pack("<I", crc32c(bytes(wire[14:-4])))
     check_decoded(feed_all(server_decoder(), bytes(wire), step))
+
+
+# --- JOB / JOB_OK (transactional writes, SPEC §7) ------------------------------------------
+
+END_PARTITION = {"op": "end_partition", "client": "spark", "job_id": "j-1", "partition": 3,
+                 "attempt": 17, "rows": 1000, "checksum": 0xE3069283}
+
+
+def job_wire(frame_type: int, request_id: int, raw: bytes) -> bytes:
+    return struct.pack("<IBII", 1 + 8 + len(raw), frame_type, request_id, len(raw)) + raw
+
+
+def test_encode_job_frames_match_vectors() -> None:
+    assert p.encode_job_request(7, {"op": "status", "job_id": "é"}) == (
+        job_wire(0x06, 7, '{"op":"status","job_id":"é"}'.encode())
+    )
+    assert p.encode_job_reply(7, {"state": "unknown"}) == bytes.fromhex(
+        "1c000000" "07" "07000000" "13000000") + b'{"state":"unknown"}'
+
+
+def test_decoder_job_request_round_trips_between_bundles() -> None:
+    payload = encode_ipc_stream(table(2))
+    wire = (hello_wire() + bundle_wire(1, {0: payload}, {0: 2})
+            + p.encode_job_request(2, END_PARTITION) + bundle_wire(3, {0: payload}, {0: 2}))
+    whole = server_decoder().feed(wire)
+    assert [type(m) for m in whole] == [p.Hello, p.BundleFrame, p.JobRequest, p.BundleFrame]
+    assert whole[2] == p.JobRequest(request_id=2, body=END_PARTITION)
+    for cut in range(len(wire) + 1):
+        d = server_decoder()
+        assert d.feed(wire[:cut]) + d.feed(wire[cut:]) == whole
+
+
+def test_decoder_job_reply_round_trips_beside_acks() -> None:
+    reply = {"job_id": "j-1", "state": "committed", "already": False,
+             "winners": [{"partition": 0, "attempt": 5, "rows": 10, "checksum": 1}]}
+    wire = p.encode_ack(1, 0, 9) + p.encode_job_reply(2, reply) + p.encode_error(3, 10, "no")
+    assert client_decoder().feed(wire) == [
+        p.Ack(request_id=1, shard=0, sequence=9), p.JobReply(request_id=2, body=reply),
+        p.Error(request_id=3, code=p.ErrorCode.JOB_CONFLICT, message="no"),
+    ]
+
+
+def test_job_body_up_to_the_limit_passes_and_one_byte_more_is_refused() -> None:
+    filler = "x" * (p.MAX_JOB_BODY_BYTES - len('{"f":""}'))
+    wire = p.encode_job_request(1, {"f": filler})
+    assert len(wire) == 4 + p.JOB_FRAME_MAX
+    d = p.FrameDecoder(p.max_frame_bytes(64 << 20))
+    assert d.feed(hello_wire() + wire)[1] == p.JobRequest(request_id=1, body={"f": filler})
+    with pytest.raises(ValueError, match=r"JOB body of 1048577 bytes of JSON exceeds 1048576"):
+        p.encode_job_request(1, {"f": filler + "x"})
+    with pytest.raises(ValueError, match="request_id 0"):
+        p.encode_job_request(0, {})
+    with pytest.raises(TypeError, match="JSON object, not list"):
+        p.encode_job_reply(1, [1])  # type: ignore[arg-type]
+
+
+def test_decoder_refuses_overlong_job_frame_before_allocation() -> None:
+    d = p.FrameDecoder(p.max_frame_bytes(64 << 20))
+    d.feed(hello_wire())
+    with pytest.raises(ProtocolError, match="JOB frame of 1048586 bytes is longer") as info:
+        d.feed(struct.pack("<IB", p.JOB_FRAME_MAX + 1, 0x06))  # header only: nothing allocated
+    assert info.value.code == p.ErrorCode.MALFORMED
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b'{"op": "commit"', "JOB: body is not JSON"),
+        (b"", "JOB: body is not JSON"),
+        (b'["op", "commit"]', "JOB: body is JSON but not an object"),
+        (b'"commit"', "JOB: body is JSON but not an object"),
+        (b"null", "JOB: body is JSON but not an object"),
+        (b'{"op": "\xff"}', "JOB: body is not UTF-8"),
+    ],
+)
+def test_decoder_rejects_bad_job_json(raw: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message) as info:
+        server_decoder().feed(hello_wire() + job_wire(0x06, 1, raw))
+    assert info.value.code == p.ErrorCode.MALFORMED
+
+
+@pytest.mark.parametrize(
+    ("wire", "message"),
+    [
+        (job_wire(0x06, 0, b"{}"), "JOB: request_id 0 is reserved"),
+        (struct.pack("<IBII", 11, 0x06, 1, 3) + b"{}", "JOB frame truncated"),
+        (struct.pack("<IBII", 12, 0x06, 1, 1) + b"{}x", "unexpected trailing bytes"),
+        (struct.pack("<IBII", 9, 0x06, 1, p.MAX_JOB_BODY_BYTES + 1), "exceeds 1048576"),
+        (p.encode_job_reply(1, {}), "JOB_OK frame not allowed on a producer connection"),
+    ],
+)
+def test_decoder_rejects_malformed_job_frames(wire: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message) as info:
+        server_decoder().feed(hello_wire() + wire)
+    assert info.value.code == p.ErrorCode.MALFORMED
+
+
+def test_job_frames_only_in_their_direction_and_role() -> None:
+    with pytest.raises(ProtocolError, match="JOB frame not allowed on a subscriber"):
+        server_decoder().feed(hello_wire(p.Role.SUBSCRIBER) + p.encode_job_request(1, {}))
+    with pytest.raises(ProtocolError, match="JOB frames are not sent by servers"):
+        client_decoder().feed(p.encode_job_request(1, {}))
+
+
+def test_job_conflict_maps_both_ways_and_keeps_the_connection() -> None:
+    exc = p.exception_for(p.Error(request_id=4, code=10, message="job j was aborted"))
+    assert isinstance(exc, JobConflict) and str(exc) == "job j was aborted"
+    assert p.error_code_for(JobConflict("x")) == p.ErrorCode.JOB_CONFLICT == 10
+    assert p.ErrorCode.JOB_CONFLICT not in p.CLOSES_CONNECTION
+
+
+JOB_VALID = hello_wire() + p.encode_job_request(5, END_PARTITION)
+
+
+@FUZZ
+@given(
+    edits=st.lists(st.tuples(st.integers(0, len(JOB_VALID) - 1), st.integers(0, 255)),
+                   max_size=6),
+    step=st.integers(1, 64),
+)
+def test_fuzz_mutated_job_frames_only_raise_protocol_error(
+        edits: list[tuple[int, int]], step: int) -> None:
+    wire = bytearray(JOB_VALID)
+    for pos, value in edits:
+        wire[pos] = value
+    for msg in feed_all(server_decoder(), bytes(wire), step):
+        if isinstance(msg, p.JobRequest):
+            assert isinstance(msg.body, dict)
