@@ -15,12 +15,17 @@ all times are BIGINT nanoseconds since the Unix epoch (UTC):
       file_id ─▶ files │ column_name │ min_value │ max_value │ null_count
       PK (file_id, column_name)
     schema_version   one row per applied migration step: version PK │ applied_at
+    quiver_jobs  one row per decided Spark write job (SPEC §7), see ``catalog_jobs``
+      job_id PK │ state │ winners (JSON text / jsonb) │ decided_at_ns │ decided_by │ reason
 
 Exactly once into the lake: a bundle (source_id, shard, slot, segment_seq, bundle_index)
 is held by at most one file in a REGISTERED state. ``register`` refuses a file whose
 coverage meets another registered file's (``DuplicateCoverage``), atomically with the
 row's insert, so a redelivered bundle is never registered twice. ``covered`` is what the
 uploader asks before uploading a redelivered bundle.
+
+Exactly one decision per job: ``decide_job`` records a job's commit, abort or expiry only
+if it has none yet, and every caller gets back the decision that stands.
 
 Errors: ``CatalogUnavailable`` (retryable) when the database cannot be reached or fails a
 statement for reasons of its own (down, disk full, I/O error, lock timeout); the caller
@@ -48,6 +53,7 @@ import anyio
 
 from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import LakeError
+from quiverd.kernel.jobs import JobDecision
 from quiverd.kernel.logs import Logger
 from quiverd.lake.model import (
     Coverage,
@@ -57,7 +63,8 @@ from quiverd.lake.model import (
 )
 
 NOTIFY_CHANNEL = "quiver_files"
-NOTIFY_BUFFER = 1024  # file ids a slow listener may lag behind before the oldest are dropped
+JOBS_CHANNEL = "quiver_jobs"  # job ids, as decisions are recorded
+NOTIFY_BUFFER = 1024  # ids a slow listener may lag behind before the oldest are dropped
 
 
 class DuplicateCoverage(LakeError):
@@ -83,7 +90,8 @@ class StateConflict(LakeError):
 
 
 class Notifications(AsyncIterator[str]):
-    """File ids registered (by ``register`` or ``replace``) since the subscription.
+    """Ids since the subscription: file ids registered (by ``register`` or ``replace``)
+    from ``notifications()``, job ids decided (by ``decide_job``) from ``job_notifications()``.
 
     Three ways to use it, all subscribing before the first id is awaited:
     ``async for file_id in catalog.notifications():``, ``feed = await
@@ -94,10 +102,10 @@ class Notifications(AsyncIterator[str]):
 
     Bounded: if the reader falls ``NOTIFY_BUFFER`` ids behind, the oldest are dropped and
     ``dropped`` counts them; a reader that sees ``dropped`` grow catches up through
-    ``list_files``. Iteration ends when the catalog closes (ids still queued are dropped),
-    and raises ``CatalogUnavailable`` when the feed is lost (PostgreSQL's LISTEN
-    connection): subscribe again after a backoff and catch up through ``list_files``.
-    Leaving early: ``aclose()`` (or the ``async with``).
+    ``list_files`` (``job_decisions``). Iteration ends when the catalog closes (ids still
+    queued are dropped), and raises ``CatalogUnavailable`` when the feed is lost
+    (PostgreSQL's LISTEN connection): subscribe again after a backoff and catch up through
+    ``list_files`` (``job_decisions``). Leaving early: ``aclose()`` (or the ``async with``).
     """
 
     def __init__(self, hub: NotificationHub,
@@ -167,11 +175,13 @@ class Notifications(AsyncIterator[str]):
 
 
 class NotificationHub:
-    """Fans file ids out to every open ``Notifications``; runs on the event loop only."""
+    """Fans the ids of one channel out to every open ``Notifications``; runs on the event
+    loop only."""
 
-    def __init__(self, *, backend: str, log: Logger) -> None:
+    def __init__(self, *, backend: str, log: Logger, channel: str = NOTIFY_CHANNEL) -> None:
         self._backend = backend
         self._log = log
+        self._channel = channel
         self._subscribers: set[Notifications] = set()
         self.closed = False  # the catalog's own "closed for good" flag
 
@@ -192,7 +202,7 @@ class NotificationHub:
             for feed in self._subscribers:
                 if not feed._offer(file_id) and feed.dropped == 1:
                     self._log.warning("catalog_notifications_dropped", backend=self._backend,
-                                      buffer=NOTIFY_BUFFER)
+                                      channel=self._channel, buffer=NOTIFY_BUFFER)
 
     def fail(self, error: Exception) -> None:
         """End every current subscriber with ``error``; later subscriptions still work."""
@@ -302,6 +312,41 @@ class Catalog(abc.ABC):
     @abc.abstractmethod
     def notifications(self) -> Notifications:
         """A feed of the file ids registered from now on (see Notifications)."""
+
+    @abc.abstractmethod
+    async def decide_job(self, decision: JobDecision) -> tuple[JobDecision, bool]:
+        """Record ``decision`` unless the job already has one. Returns (the decision that
+        stands, True if it was this call that recorded it).
+
+        Atomic: two daemons deciding the same job at once (one commit, one expiry) end
+        with exactly one decision, and both callers get that same one back. A
+        ``decided_at_ns`` of 0 is recorded as now. A new decision also notifies job
+        listeners (PostgreSQL: NOTIFY ``quiver_jobs``, job_id as payload, in the same
+        transaction). A retry after CatalogUnavailable whose first try did commit gets
+        (that decision, False). ValueError for a bad job id, winners on a decision that is
+        not a commit, or a partition with two winners.
+        """
+
+    @abc.abstractmethod
+    async def job_decisions(self, job_ids: Iterable[str]) -> dict[str, JobDecision]:
+        """The recorded decisions of those jobs that have one (unknown ids are absent)."""
+
+    @abc.abstractmethod
+    def job_notifications(self) -> Notifications:
+        """A feed of the job ids decided from now on (see Notifications).
+
+        PostgreSQL: LISTEN ``quiver_jobs``, so any daemon's decisions on the database.
+        SQLite: only decisions made through this catalog object; callers poll
+        ``job_decisions`` for other processes' decisions.
+        """
+
+    @abc.abstractmethod
+    async def prune_job_decisions(self, decided_before_ns: int) -> int:
+        """Delete decisions with decided_at_ns < ``decided_before_ns``; how many went.
+
+        A pruned job has no decision any more: prune only what no daemon can still be
+        deciding (older than the staged-row TTL), or a late decision would stand anew.
+        """
 
     async def __aenter__(self) -> Catalog:
         await self.start()

@@ -12,9 +12,15 @@ exactly one succeeds, with no serialization failures to retry. The lock covers o
 (source, shard), so unrelated shards never wait for each other; the rows a call changes
 are also locked (SELECT … FOR UPDATE), so ``set_state`` cannot slip between check and write.
 
+Job decisions (``decide_job``) take an advisory lock keyed on the job id
+(``catalog_jobs.lock_key``), then read and insert: of two daemons deciding a job at once,
+the second waits, then reads the first one's decision.
+
 Notifications: ``register``/``replace`` run ``pg_notify('quiver_files', file_id)`` in their
-transaction (delivered on commit, to every process LISTENing), and one dedicated connection
-per catalog LISTENs and fans the ids out to the ``Notifications`` iterators.
+transaction (delivered on commit, to every process LISTENing), ``decide_job`` runs
+``pg_notify('quiver_jobs', job_id)`` likewise. One dedicated connection per catalog LISTENs
+on both channels and fans the ids out to the ``Notifications`` iterators of each; when it
+is lost, the iterators of both end with CatalogUnavailable.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ import asyncpg
 
 from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
+from quiverd.kernel.jobs import JobDecision
 from quiverd.kernel.logs import Logger
+from quiverd.lake import catalog_jobs as jobs
 from quiverd.lake import catalog_sql as sql
 from quiverd.lake.catalog import (
+    JOBS_CHANNEL,
     NOTIFY_CHANNEL,
     Catalog,
     DuplicateCoverage,
@@ -71,6 +80,8 @@ class PostgresCatalog(Catalog):
         self._listener: Any = None  # the LISTEN connection, opened for the first feed
         self._listen_lock = anyio.Lock()
         self._hub = NotificationHub(backend=self.backend, log=log)
+        self._job_hub = NotificationHub(backend=self.backend, log=log, channel=JOBS_CHANNEL)
+        self._hubs = {NOTIFY_CHANNEL: self._hub, JOBS_CHANNEL: self._job_hub}
 
     async def start(self) -> None:
         if self._hub.closed:
@@ -89,6 +100,7 @@ class PostgresCatalog(Catalog):
 
     async def close(self) -> None:
         self._hub.close()
+        self._job_hub.close()
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.remove_termination_listener(self._on_listener_lost)
@@ -219,6 +231,33 @@ class PostgresCatalog(Catalog):
     def notifications(self) -> Notifications:
         return self._hub.subscribe(ensure=self._ensure_listener)
 
+    async def decide_job(self, decision: JobDecision) -> tuple[JobDecision, bool]:
+        checked = jobs.checked_decision(decision, now_ns=time.time_ns())
+        async with self._transaction() as conn:
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", jobs.lock_key(checked.job_id))
+            stored = await conn.fetchrow(sql.numbered(jobs.SELECT_JOB), checked.job_id)
+            if stored is not None:
+                return jobs.decision_from_record(stored), False
+            await conn.execute(sql.numbered(jobs.INSERT_JOB), *jobs.decision_values(checked))
+            await conn.execute("SELECT pg_notify($1, $2)", JOBS_CHANNEL, checked.job_id)
+        return checked, True
+
+    async def job_decisions(self, job_ids: Iterable[str]) -> dict[str, JobDecision]:
+        out: dict[str, JobDecision] = {}
+        for chunk in sql.chunks(list(job_ids)):
+            for r in await self._fetch(jobs.select_jobs_sql(len(chunk)), *chunk):
+                out[r["job_id"]] = jobs.decision_from_record(r)
+        return out
+
+    def job_notifications(self) -> Notifications:
+        return self._job_hub.subscribe(ensure=self._ensure_listener)
+
+    async def prune_job_decisions(self, decided_before_ns: int) -> int:
+        with self._unavailable():
+            status = await self._ready().execute(sql.numbered(jobs.PRUNE_JOBS),
+                                                 decided_before_ns)
+        return int(status.split()[-1])  # "DELETE <count>"
+
     # ---- helpers ---------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -267,6 +306,11 @@ class PostgresCatalog(Catalog):
                 await conn.execute("INSERT INTO schema_version (version, applied_at) "
                                    "VALUES ($1, $2)", version, time.time_ns())
                 after = version
+        async with self._transaction() as conn:
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            for statement in sql.migration_sql(jobs.JOBS_DDL, json_type=_JSON_TYPE,
+                                               id_type=_ID_TYPE):
+                await conn.execute(statement)
         return before, after
 
     async def _ensure_listener(self) -> None:
@@ -280,7 +324,8 @@ class PostgresCatalog(Catalog):
             conn = await asyncpg.connect(self._cfg.dsn,
                                          timeout=self._cfg.connect_timeout_ms / 1000)
             try:
-                await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+                for channel in self._hubs:
+                    await conn.add_listener(channel, self._on_notify)
             except BaseException:
                 conn.terminate()
                 raise
@@ -291,11 +336,12 @@ class PostgresCatalog(Catalog):
         self._listener = conn
 
     def _on_notify(self, conn: Any, pid: int, channel: str, payload: str) -> None:
-        self._hub.publish([payload])
+        self._hubs[channel].publish([payload])
 
     def _on_listener_lost(self, conn: Any) -> None:
         if conn is self._listener:
             self._listener = None
         self._log.warning("catalog_listener_lost", backend=self.backend)
-        self._hub.fail(CatalogUnavailable("postgresql catalog: the LISTEN connection was lost; "
-                                          "subscribe again and catch up with list_files"))
+        for hub, catch_up in ((self._hub, "list_files"), (self._job_hub, "job_decisions")):
+            hub.fail(CatalogUnavailable("postgresql catalog: the LISTEN connection was lost; "
+                                        f"subscribe again and catch up with {catch_up}"))

@@ -10,7 +10,8 @@ which takes the database's write lock at once, so the read-check-write of ``regi
 and ``replace`` cannot race another connection (a CLI, a second catalog in tests).
 
 Notifications are in-process only: each ``Notifications`` iterator is an anyio memory
-stream fed on the event loop after the registering transaction committed.
+stream fed on the event loop after the registering (or deciding) transaction committed.
+Another process's job decisions are seen by polling ``job_decisions``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from typing import Any, TypeVar
 import anyio
 
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
+from quiverd.kernel.jobs import JobDecision
 from quiverd.kernel.logs import Logger
+from quiverd.lake import catalog_jobs as jobs
 from quiverd.lake import catalog_sql as sql
 from quiverd.lake.catalog import (
+    JOBS_CHANNEL,
     Catalog,
     DuplicateCoverage,
     NotificationHub,
@@ -58,6 +62,7 @@ class SqliteCatalog(Catalog):
         self._limiter = anyio.CapacityLimiter(1)  # the one thread that touches _conn
         self._conn: sqlite3.Connection | None = None
         self._hub = NotificationHub(backend=self.backend, log=log)
+        self._job_hub = NotificationHub(backend=self.backend, log=log, channel=JOBS_CHANNEL)
 
     async def start(self) -> None:
         before, after = await self._call(self._start)
@@ -66,6 +71,7 @@ class SqliteCatalog(Catalog):
 
     async def close(self) -> None:
         self._hub.close()
+        self._job_hub.close()
         if self._conn is not None:
             await anyio.to_thread.run_sync(self._close, limiter=self._limiter)
 
@@ -134,6 +140,23 @@ class SqliteCatalog(Catalog):
     def notifications(self) -> Notifications:
         return self._hub.subscribe()
 
+    async def decide_job(self, decision: JobDecision) -> tuple[JobDecision, bool]:
+        checked = jobs.checked_decision(decision, now_ns=time.time_ns())
+        stands, recorded = await self._call(self._write, _decide_job, checked)
+        if recorded:
+            self._job_hub.publish([checked.job_id])
+        return stands, recorded
+
+    async def job_decisions(self, job_ids: Iterable[str]) -> dict[str, JobDecision]:
+        return await self._call(self._read, _job_decisions, list(job_ids))
+
+    def job_notifications(self) -> Notifications:
+        return self._job_hub.subscribe()
+
+    async def prune_job_decisions(self, decided_before_ns: int) -> int:
+        return await self._call(self._write, _update_count, (jobs.PRUNE_JOBS,
+                                                             [decided_before_ns]))
+
     # ---- the worker thread's side -----------------------------------------------------
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -168,6 +191,7 @@ class SqliteCatalog(Catalog):
         for version, step in enumerate(sql.MIGRATIONS, 1):
             if self._write(_migrate, version, step):
                 after = version
+        self._write(_create_jobs)
         return before, after
 
     def _close(self) -> None:
@@ -217,6 +241,11 @@ def _migrate(conn: sqlite3.Connection, version: int, step: tuple[str, ...]) -> b
     conn.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)",
                  (version, time.time_ns()))
     return True
+
+
+def _create_jobs(conn: sqlite3.Connection) -> None:
+    for statement in sql.migration_sql(jobs.JOBS_DDL, json_type="TEXT", id_type="TEXT"):
+        conn.execute(statement)
 
 
 def _select(conn: sqlite3.Connection, query: str, args: list[Any]) -> list[FileRow]:
@@ -299,3 +328,20 @@ def _delete_rows(conn: sqlite3.Connection, file_ids: list[str]) -> None:
     for chunk in sql.chunks(file_ids):
         for statement in sql.delete_rows_sql(len(chunk)):
             conn.execute(statement, chunk)
+
+
+def _decide_job(conn: sqlite3.Connection, decision: JobDecision) -> tuple[JobDecision, bool]:
+    # BEGIN IMMEDIATE holds the write lock from this read to the commit: first writer wins.
+    stored = conn.execute(jobs.SELECT_JOB, (decision.job_id,)).fetchone()
+    if stored is not None:
+        return jobs.decision_from_record(stored), False
+    conn.execute(jobs.INSERT_JOB, jobs.decision_values(decision))
+    return decision, True
+
+
+def _job_decisions(conn: sqlite3.Connection, job_ids: list[str]) -> dict[str, JobDecision]:
+    out: dict[str, JobDecision] = {}
+    for chunk in sql.chunks(job_ids):
+        for r in conn.execute(jobs.select_jobs_sql(len(chunk)), chunk):
+            out[r["job_id"]] = jobs.decision_from_record(r)
+    return out
