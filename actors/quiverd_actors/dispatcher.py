@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,12 +35,13 @@ from quiverd.acks.state import AckState
 from quiverd.kernel.bundle import make_slot
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.jobs import Verdict
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import DispatchMetrics
 from quiverd.kernel.reply import Reply
 from quiverd.protocol.frames import Delivery
 from quiverd.segments.reader import SegmentReader
-from quiverd.segments.table import SegmentView
+from quiverd.segments.table import SegmentView, StagedRef
 from quiverd_actors.messages import AckLogRequest, LocalDelivery, RecordOutcome
 
 BACKOFF_BASE_S = 0.1
@@ -99,6 +101,10 @@ class Dispatcher:
     readers: OrderedDict[int, SegmentReader] = field(default_factory=OrderedDict)
     unreadable: set[int] = field(default_factory=set)  # segments already reported
     awaiting: list[_Feedback] = field(default_factory=list)  # outcomes not yet settled
+    # Staged bundles (SPEC §7): what to do with one; None delivers them like any other.
+    verdict: Callable[[StagedRef], Verdict] | None = None
+    discarding: dict[tuple[str, int, int], Reply[None]] = field(default_factory=dict)
+    _to_discard: list[tuple[int, int]] = field(default_factory=list)  # found by _pick
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -163,6 +169,8 @@ class Dispatcher:
 
     def _settle(self) -> None:
         """Outcomes the ack_logger made durable leave flight; a nack starts its backoff."""
+        for key in [k for k, r in self.discarding.items() if r.done]:
+            del self.discarding[key]
         still: list[_Feedback] = []
         for fb in self.awaiting:
             if not fb.reply.done:
@@ -200,6 +208,7 @@ class Dispatcher:
             if session.room <= 0:
                 continue
             picks = self._pick(session)
+            await self._discard(session.name)
             if picks:
                 sent = await self._deliver(session, picks)
                 # Only a full batch that went out may leave more to send; unreadable
@@ -215,16 +224,38 @@ class Dispatcher:
     def _pick(self, session: Session) -> list[tuple[int, int]]:
         now = anyio.current_time()
         picks: list[tuple[int, int]] = []
+        self._to_discard = []
         for seg, idx in self.state.pending_for(session.name):
             if len(picks) >= min(session.room, READ_BATCH):
                 break
             key = (session.name, seg, idx)
             if key in self.inflight or self.backoff.get(key, 0.0) > now:
                 continue
-            if seg not in self.segments:
+            info = self.segments.get(seg)
+            if info is None:
                 continue  # being deleted or quarantined
+            ref = info.staged.get(idx) if info.staged else None
+            if ref is not None and self.verdict is not None:
+                verdict = self.verdict(ref)
+                if verdict is Verdict.HOLD:
+                    continue  # its job is undecided: nobody sees it yet
+                if verdict is Verdict.DISCARD:
+                    if key not in self.discarding and len(self._to_discard) < READ_BATCH:
+                        self._to_discard.append((seg, idx))
+                    continue
             picks.append((seg, idx))
         return picks
+
+    async def _discard(self, name: str) -> None:
+        """Staged bundles that will never be published: ``dropped`` for this subscriber."""
+        for seg, idx in self._to_discard:
+            reply: Reply[None] = Reply()
+            self.discarding[(name, seg, idx)] = reply
+            self.stats.discarded(name).inc()
+            await self.ack_log.send(RecordOutcome(subscriber=name, segment_seq=seg,
+                                                  bundle_index=idx, outcome=fmt.DROPPED,
+                                                  reply=reply))
+        self._to_discard = []
 
     async def _deliver(self, session: Session, picks: list[tuple[int, int]]) -> int:
         """Send what can be read of ``picks``; returns how many went out."""

@@ -82,7 +82,8 @@ async def run(
                 segment_seq=sealed.segment_seq, path=job.path,
                 bundle_count=segment.bundle_count, size_bytes=size,
                 first_sequence=segment.first_sequence, last_sequence=segment.last_sequence,
-                min_ts_ns=segment.min_ts or 0, max_ts_ns=segment.max_ts or 0)))
+                min_ts_ns=segment.min_ts or 0, max_ts_ns=segment.max_ts or 0,
+                staged=segment.staged())))
 
 
 async def _until_written(job: _Finalize, limiter: CapacityLimiter, retry: Retry,

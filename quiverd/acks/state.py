@@ -208,9 +208,10 @@ class AckState:
 
     def record_outcome(self, sub: str, segment_seq: int, bundle_index: int,
                        outcome: int) -> Outcome | None:
-        """The record for a consumer's ack or nack; None when it would change nothing."""
-        if outcome not in (ACK, NACK):
-            raise ValueError(f"consumers send ack or nack, not outcome {outcome}")
+        """The record for a consumer's ack or nack, or the dispatcher's ``dropped`` for a
+        staged bundle its job discarded (SPEC §7); None when it would change nothing."""
+        if outcome not in (ACK, NACK, DROPPED):
+            raise ValueError(f"outcome must be ack, nack or dropped, not {outcome}")
         subscriber = self.registry.get(sub)
         cursor = self._cursors[subscriber.subscriber_id]
         count = self._segments.get(segment_seq)

@@ -153,6 +153,15 @@ class CatalogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     pool_size: int = 4
 
 
+class StagingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """[staging]: transactional writes (Spark) held until their job is decided (SPEC §7)."""
+
+    ttl_s: int = 86_400  # a job neither committed nor aborted this long after its last
+    #                      staged bundle is discarded ("expired") and counted
+    poll_interval_ms: int = 1_000  # how often undecided jobs are looked up in the catalog
+    decision_retention_s: int = 7 * 86_400  # decisions older than this are pruned
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     data_dir: str = "/var/lib/quiverd"
     shards: int = 0  # 0 → number of cores
@@ -167,6 +176,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     lake: LakeConfig = msgspec.field(default_factory=LakeConfig)
     catalog: CatalogConfig = msgspec.field(default_factory=CatalogConfig)
+    staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
 
     @property
     def shard_count(self) -> int:
@@ -284,6 +294,10 @@ def validate(cfg: Config) -> None:
          "must be >= 1"),
         (cfg.retention.size_cap_bytes >= 0, "retention.size_cap_bytes", "must be >= 0"),
         (cfg.retention.max_age_s >= 0, "retention.max_age_s", "must be >= 0"),
+        (cfg.staging.ttl_s >= 1, "staging.ttl_s", "must be >= 1"),
+        (cfg.staging.poll_interval_ms >= 10, "staging.poll_interval_ms", "must be >= 10"),
+        (cfg.staging.decision_retention_s >= cfg.staging.ttl_s,
+         "staging.decision_retention_s", "must be >= staging.ttl_s"),
     ]
     checks += _lake_checks(cfg)
     if cfg.metrics.listen:

@@ -14,6 +14,7 @@ of each partition (``Winner``) or discards the job (``aborted``, ``expired``).
 
 from __future__ import annotations
 
+import enum
 from typing import Literal
 
 import msgspec
@@ -27,6 +28,14 @@ MAX_JOB_ID_BYTES = 256
 
 JobState = Literal["committed", "aborted", "expired"]
 JOB_STATES: tuple[str, ...] = ("committed", "aborted", "expired")
+
+
+class Verdict(enum.Enum):
+    """What the dispatcher does with a staged bundle (``runtime.staging``)."""
+
+    HOLD = "hold"  # its job is undecided (or its winner's marker is not finalized yet)
+    PUBLISH = "publish"  # the winning attempt of its partition: deliver it
+    DISCARD = "discard"  # anything else: a ``dropped`` outcome, never delivered
 
 
 class Winner(msgspec.Struct, frozen=True, kw_only=True):

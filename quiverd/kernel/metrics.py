@@ -212,6 +212,21 @@ class Metrics:
                                       "Stable files not yet registered", ())
         self.lake_denied = g("quiver_lake_store_denied",
                              "1 while the object store refuses our credentials", ())
+        # staging: transactional (Spark) writes held until their job is decided
+        self.staged_jobs = g("quiver_staged_jobs",
+                             "jobs with staged bundles in segments, by decision state",
+                             ("state",))
+        self.staged_bytes = g("quiver_staged_bytes", "segment bytes of undecided jobs' "
+                              "bundles (pro rata per segment)", ())
+        self.jobs_decided = c("quiver_jobs_decided_total", "job decisions this daemon "
+                              "learned (its own or another node's), by state", ("state",))
+        self.staged_discarded = c("quiver_staged_bundles_discarded_total",
+                                  "staged bundles never delivered (losing attempt, aborted "
+                                  "or expired job, end marker), per subscriber",
+                                  ("subscriber",))
+        self.staged_invalid = c("quiver_staged_attempts_invalid_total",
+                                "winning attempts discarded: end marker missing or "
+                                "different from the commit's rows/checksum", ())
         self.lake_upload_latency = Histogram(
             "quiver_lake_upload_seconds", "upload + verify of one Parquet file", (),
             buckets=LATENCY_BUCKETS + (30.0, 60.0), registry=self.registry)
@@ -313,6 +328,9 @@ class DispatchMetrics:
 
     def nacks(self, subscriber: str) -> Value:
         return self._m.subscriber_nacks.labels(self._shard, subscriber)
+
+    def discarded(self, subscriber: str) -> Value:
+        return self._m.staged_discarded.labels(subscriber)
 
 
 class GcMetrics:

@@ -25,12 +25,13 @@ import anyio
 
 from quiverd.kernel.bundle import Bundle, Slot
 from quiverd.kernel.crc import crc32c
-from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.errors import ProtocolError, QuiverError
+from quiverd.net import jobs
 from quiverd.net.consumers import serve_subscriber
 from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
-from quiverd.protocol.frames import ErrorCode
+from quiverd.protocol.frames import ErrorCode, JobRequest, encode_job_reply
 from quiverd_actors.messages import AppendRequest, ProducerReply
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class Connection:
         self.held = 0  # all budget this connection holds
         self.send_lock = anyio.Lock()  # ACK batches and ERROR frames never interleave
         self.closed = False  # after a closing ERROR or a dead peer: replies are not sent
+        self.attempts = jobs.Attempts()  # transactional writes on this connection
+        self.end_requests: set[int] = set()  # request ids of end markers in flight
 
     async def run(self) -> None:
         try:
@@ -135,10 +138,18 @@ class Connection:
         """Submit decoded frames; then, if the decoder paused on a frame's budget, wait
         for it (not reading meanwhile) and go on with what the decoder held back."""
         while True:
-            bundles = [f for f in frames if isinstance(f, protocol.BundleFrame)]
-            if len(bundles) != len(frames):
-                raise ProtocolError(ErrorCode.MALFORMED, "only BUNDLE frames may follow HELLO "
-                                    "on a producer connection")
+            bundles: list[protocol.BundleFrame] = []
+            for frame in frames:
+                if isinstance(frame, protocol.BundleFrame):
+                    bundles.append(frame)
+                elif isinstance(frame, JobRequest):
+                    if bundles:  # in order: an end marker follows its attempt's bundles
+                        await self._submit(bundles)
+                        bundles = []
+                    await self._job(frame)
+                else:
+                    raise ProtocolError(ErrorCode.MALFORMED, "only BUNDLE and JOB frames may "
+                                        "follow HELLO on a producer connection")
             if bundles:
                 await self._submit(bundles)
             need = self.decoder.awaiting
@@ -163,6 +174,8 @@ class Connection:
                                     "already in flight on this connection")
             await self.window.acquire()
             self.inflight[frame.request_id] = nbytes
+            if frame.txn is not None:
+                self.attempts.took(frame, sum(s.row_count for s in slots))
             bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
             req = AppendRequest(request_id=frame.request_id, bundle=bundle, reply=self.replies)
             server.stats.bundles.inc()
@@ -181,16 +194,61 @@ class Connection:
                 for r in replies:
                     self._release(self.inflight.pop(r.request_id))
                     self.window.release()
+                    if self.attempts.pending:
+                        self.attempts.answered_one(r.request_id, isinstance(r, protocol.Ack),
+                                                   getattr(r, "message", ""))
                 if not self.inflight:
                     self.reader.went_idle()
                 if self.closed:
                     continue  # answers after a closing ERROR are not sent (docs/protocol.md)
-                frames = b"".join(_encode_reply(r) for r in replies)
+                frames = b"".join(self._encode_reply(r) for r in replies)
                 try:
                     async with self.send_lock:
                         await self.stream.send(frames)
                 except anyio.BrokenResourceError:
                     self._hang_up()  # the reader sees end of stream and finishes up
+
+    async def _job(self, frame: JobRequest) -> None:
+        """One JOB request: an end marker goes the bundles' way (WAL, then JOB_OK);
+        commit, abort and status are answered here. A refusal is an ERROR frame."""
+        try:
+            req = jobs.parse(frame.body)
+            if isinstance(req, jobs.EndPartition):
+                await self._end_partition(frame.request_id, req)
+                return
+            body = await jobs.answer(self.server.jobs, req)
+        except ProtocolError:
+            raise
+        except (QuiverError, ValueError) as exc:
+            await self.send_error(frame.request_id, ProtocolError(jobs.error_code(exc),
+                                                                  _with_hint(exc)))
+            return
+        async with self.send_lock:
+            await self.stream.send(encode_job_reply(frame.request_id, body))
+
+    async def _end_partition(self, request_id: int, req: jobs.EndPartition) -> None:
+        if request_id in self.inflight:
+            raise ProtocolError(ErrorCode.MALFORMED, f"request_id {request_id} is already "
+                                "in flight on this connection")
+        key = (req.job_id, req.partition, req.attempt)
+        await self.attempts.settled(key)  # every bundle of the attempt answered first
+        self.attempts.check_end(req)  # JobConflict: answered as an ERROR by _job
+        self.attempts.ended.add(key)
+        await self.window.acquire()
+        self.inflight[request_id] = 0
+        self.end_requests.add(request_id)
+        await self.server.inboxes[shard_of(req.client, len(self.server.inboxes))].send(
+            AppendRequest(request_id=request_id, bundle=jobs.marker_bundle(req),
+                          reply=self.replies))
+
+    def _encode_reply(self, reply: ProducerReply) -> bytes:
+        if reply.request_id in self.end_requests:
+            self.end_requests.discard(reply.request_id)
+            if isinstance(reply, protocol.Ack):
+                node = self.server.jobs.node_id if self.server.jobs else ""
+                return encode_job_reply(reply.request_id, {
+                    "node_id": node, "shard": reply.shard, "sequence": reply.sequence})
+        return _encode_reply(reply)
 
     async def _drain(self) -> None:
         """Wait until every bundle handed to a shard is answered."""
@@ -230,6 +288,11 @@ def _encode_reply(reply: ProducerReply) -> bytes:
     if isinstance(reply, protocol.Ack):
         return protocol.encode_ack(reply.request_id, reply.shard, reply.sequence)
     return protocol.encode_error(reply.request_id, reply.code, reply.message)
+
+
+def _with_hint(exc: Exception) -> str:
+    hint = getattr(exc, "hint", "")
+    return f"{exc} (hint: {hint})" if hint else str(exc)
 
 
 def _validate_all(frames: list[protocol.BundleFrame], max_bundle_bytes: int

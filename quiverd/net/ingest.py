@@ -37,6 +37,7 @@ from quiverd.kernel.metrics import IngestMetrics, Metrics
 from quiverd.net.budget import ByteBudget
 from quiverd.net.connection import Connection, shard_of
 from quiverd.net.consumers import SubscriberHub
+from quiverd.net.jobs import JobService
 from quiverd.net.rawsock import RawListener, RawStream
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
@@ -73,6 +74,7 @@ class IngestServer:
         self.refusing = 0
         self.last_refusal_log = -LOG_REFUSALS_EVERY_S
         self.hub = SubscriberHub()
+        self.jobs: JobService | None = None  # the daemon's staging (commit, abort, status)
         self.stopping = False
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

@@ -40,6 +40,7 @@ from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
+from quiverd.runtime.staging import Staging
 from quiverd_actors.messages import ChangeSubscriber
 
 SubscriberOp = Literal["add", "remove"]
@@ -66,6 +67,7 @@ class Daemon:
         self.shards: list[Shard] = []
         self.ingest: IngestServer | None = None
         self.lake: Any = None  # runtime.lake.Lake, imported only when the lake is on
+        self.staging: Staging | None = None
         self.stopping = False
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -83,10 +85,14 @@ class Daemon:
     async def _run(self, task_status: anyio.abc.TaskStatus[None]) -> None:
         cfg = self.cfg
         count = await anyio.to_thread.run_sync(shards_to_serve, cfg, self.log)
+        self.staging = Staging(cfg, metrics=self.metrics)
         self.shards = [Shard(i, cfg, shard_count=count, faults=self.faults,
-                             metrics=self.metrics) for i in range(count)]
+                             metrics=self.metrics, staging=self.staging,
+                             verdict=self.staging.verdict) for i in range(count)]
+        self.staging.wakers = [s.changes for s in self.shards]
         async with anyio.create_task_group() as root:
             await self._recover()
+            await root.start(self.staging.run)
             if self.handle_signals:
                 root.start_soon(self._signals, root.cancel_scope)
             if self.stop is not None:
@@ -100,6 +106,7 @@ class Daemon:
                                            limiter=anyio.CapacityLimiter(2),
                                            log=logs.get("ingest"),
                                            metrics=IngestMetrics(self.metrics))
+                self.ingest.jobs = self.staging
                 admin = AdminServer(cfg.admin_socket, self, log=logs.get("admin"))
                 self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards
                                                if s.dispatcher is not None]
@@ -215,6 +222,7 @@ class Daemon:
             "ingest": ingest.as_dict() if ingest else {},
             "shards": [s.status() for s in self.shards],
             "lake": self.lake.status() if self.lake else {"enabled": False},
+            "staging": self.staging.status() if self.staging else {},
             "metrics": self.metrics_summary(),
         }
 

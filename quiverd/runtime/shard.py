@@ -17,6 +17,7 @@ producers are gone, then dispatcher and gc stop, and the ack_logger drains last.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from quiverd.kernel import logs
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import Config
 from quiverd.kernel.faults import Hooks
+from quiverd.kernel.jobs import Verdict
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.metrics import (
     AckLogMetrics,
@@ -37,7 +39,7 @@ from quiverd.kernel.metrics import (
     WalMetrics,
 )
 from quiverd.runtime.recovery import Recovered, recover_shard
-from quiverd.segments.table import SegmentTable, SegmentView
+from quiverd.segments.table import SegmentTable, SegmentView, StagedRef, TableListener
 from quiverd_actors import ack_logger, finalizer, gc_sweeper, segment_builder, wal_writer
 from quiverd_actors.dispatcher import Dispatcher
 from quiverd_actors.messages import (
@@ -52,8 +54,10 @@ from quiverd_actors.retention_gate import RetentionGate
 
 class Shard:
     def __init__(self, index: int, cfg: Config, *, shard_count: int, faults: Hooks,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, staging: TableListener | None = None,
+                 verdict: Callable[[StagedRef], Verdict] | None = None) -> None:
         self.index, self.cfg, self.faults = index, cfg, faults
+        self.staging, self.verdict = staging, verdict
         self.shard_count = shard_count
         self.disk_reserve_bytes = 0  # set by recover(): it needs the filesystem's size
         self.layout = DataDir(Path(cfg.data_dir)).shard(index)
@@ -82,7 +86,7 @@ class Shard:
         self.recovered = await anyio.to_thread.run_sync(
             recover_shard, self.index, self.layout, self.cfg, self.faults, self.log)
         self.recovered.ack_file.fault_hook = self.faults.get("acklog")
-        self._table = SegmentTable(self.recovered.segments)
+        self._table = SegmentTable(self.recovered.segments, listener=self.staging)
         self.segments = self._table.view()
         self.corrupt_entries.inc(self.recovered.replay.get("corrupt_entries", 0))
         fs_bytes = await anyio.to_thread.run_sync(_filesystem_bytes, self.layout.dir)
@@ -112,7 +116,7 @@ class Shard:
             async with anyio.create_task_group() as services:
                 self.dispatcher = Dispatcher(self.index, rec.acks, self.segments,
                                              self.ack_tx.clone(), self.changes, reads, self.log,
-                                             self.dispatch_stats)
+                                             self.dispatch_stats, verdict=self.verdict)
                 await services.start(self.dispatcher.run)
                 await services.start(lambda task_status: gc_sweeper.run(
                     self.ack_tx.clone(), state=rec.acks, segments=self.segments,

@@ -172,4 +172,5 @@ def segment_info(path: Path, segment_seq: int, reader: SegmentReader) -> Segment
     ts = manifest.column("ingestion_ts").to_pylist()
     return SegmentInfo(segment_seq=segment_seq, path=path, size_bytes=path.stat().st_size,
                        bundle_count=len(seqs), first_sequence=min(seqs),
-                       last_sequence=max(seqs), min_ts_ns=min(ts), max_ts_ns=max(ts))
+                       last_sequence=max(seqs), min_ts_ns=min(ts), max_ts_ns=max(ts),
+                       staged=reader.staged())

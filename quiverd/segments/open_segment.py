@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from quiverd.kernel.bundle import META_SLOT, Buffer, Bundle, TxnTag
+from quiverd.kernel.jobs import END_OFFSET, read_end_marker
 from quiverd.segments.dictionaries import has_dictionary, is_unifiable
+from quiverd.segments.table import StagedRef
 
 
 @dataclass(slots=True)
@@ -127,6 +129,21 @@ class OpenSegment:
         self.last_sequence = seq
         self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
         self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
+
+    def staged(self) -> dict[int, StagedRef]:
+        """The transactional bundles by index, end markers with their rows and checksum."""
+        out: dict[int, StagedRef] = {}
+        for i, e in enumerate(self.entries):
+            if e.txn is None:
+                continue
+            end = (-1, 0)
+            if e.txn.row_offset == END_OFFSET and e.refs:
+                ref = e.refs[0]
+                end = read_end_marker(pa.Table.from_batches(
+                    [self._streams[ref.stream].batches[ref.chunk]]))
+            out[i] = StagedRef(job_id=e.txn.job_id, partition=e.txn.partition,
+                               attempt=e.txn.attempt, end_rows=end[0], end_checksum=end[1])
+        return out
 
     def _append(
         self, slot: int, fp: bytes, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int

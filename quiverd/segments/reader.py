@@ -21,6 +21,7 @@ import pyarrow as pa
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import CorruptRecord, FormatMismatch
+from quiverd.kernel.jobs import END_OFFSET, read_end_marker
 from quiverd.segments.dictionaries import restore_batch
 from quiverd.segments.format import (
     ALIGN,
@@ -32,6 +33,7 @@ from quiverd.segments.format import (
     VERSION,
 )
 from quiverd.segments.schema import representative_schema
+from quiverd.segments.table import StagedRef
 
 MIN_FILE_LEN = FOOTER.size + TRAILER.size
 
@@ -162,6 +164,24 @@ class SegmentReader:
             ingestion_ts_ns=self._ts[index], txn=None if txn is None else TxnTag(**txn),
             slots={s: pa.Table.from_batches(b, schema=schemas[s]) for s, b in chunks.items()},
         )
+
+    def staged(self) -> dict[int, StagedRef]:
+        """The transactional bundles by index; an end marker's rows and checksum are
+        read from its one-row slot."""
+        out: dict[int, StagedRef] = {}
+        for i, txn in enumerate(self._txns):
+            if txn is None:
+                continue
+            end = (-1, 0)
+            if txn["row_offset"] == END_OFFSET:
+                try:
+                    end = read_end_marker(self.bundle(i).slots[0])
+                except (KeyError, ValueError) as exc:
+                    raise CorruptRecord(str(self.path), 0, f"bundle {i} is tagged as an end "
+                                        f"marker but is not one: {exc}") from exc
+            out[i] = StagedRef(job_id=txn["job_id"], partition=txn["partition"],
+                               attempt=txn["attempt"], end_rows=end[0], end_checksum=end[1])
+        return out
 
     def original_schema(self, stream_id: int, variant: int = 0) -> pa.Schema:
         """A schema exactly as a producer sent it for this stream."""

@@ -10,8 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
+
+
+class StagedRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A bundle of a transactional write (SPEC §7): staged until its job is decided."""
+
+    job_id: str
+    partition: int
+    attempt: int
+    end_rows: int = -1  # >= 0: the attempt's end-of-partition marker (rows, checksum)
+    end_checksum: int = 0
+
+    @property
+    def is_end(self) -> bool:
+        return self.end_rows >= 0
 
 
 class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,6 +40,8 @@ class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
     last_sequence: int
     min_ts_ns: int
     max_ts_ns: int
+    # bundle_index -> tag of every transactional bundle (most segments: none)
+    staged: dict[int, StagedRef] = msgspec.field(default_factory=dict)
 
 
 class _Rows:
@@ -72,8 +89,13 @@ class SegmentView:
 class SegmentTable(SegmentView):
     """The owner's handle (the ack_logger's): adds and removes rows."""
 
-    def __init__(self, rows: Iterable[SegmentInfo] = ()) -> None:
+    def __init__(self, rows: Iterable[SegmentInfo] = (),
+                 listener: TableListener | None = None) -> None:
         super().__init__(_Rows(rows))
+        self.listener = listener  # told of every row that comes and goes (staging)
+        if listener is not None:
+            for info in self._rows.values():
+                listener.add_segment(info)
 
     def view(self) -> SegmentView:
         return SegmentView(self._shared)
@@ -82,9 +104,20 @@ class SegmentTable(SegmentView):
         old = self._rows.get(info.segment_seq)
         self._shared.total_bytes += info.size_bytes - (old.size_bytes if old else 0)
         self._rows[info.segment_seq] = info
+        if self.listener is not None:
+            if old is not None:
+                self.listener.remove_segment(old)
+            self.listener.add_segment(info)
 
     def remove(self, segment_seq: int) -> SegmentInfo | None:
         info = self._rows.pop(segment_seq, None)
         if info is not None:
             self._shared.total_bytes -= info.size_bytes
+            if self.listener is not None:
+                self.listener.remove_segment(info)
         return info
+
+
+class TableListener(Protocol):
+    def add_segment(self, info: SegmentInfo) -> None: ...
+    def remove_segment(self, info: SegmentInfo) -> None: ...

@@ -167,7 +167,10 @@ def test_record_outcome_validates(h: Harness) -> None:
     with pytest.raises(UnknownSubscriber):
         h.state.record_outcome("zz", 1, 0, fmt.ACK)
     with pytest.raises(ValueError):
-        h.state.record_outcome("a", 1, 0, fmt.DROPPED)
+        h.state.record_outcome("a", 1, 0, 99)  # not an outcome
+    # ``dropped`` is the dispatcher's for a discarded staged bundle (SPEC §7), and is
+    # never refused for a full gap set: it must always let the mark move on.
+    assert h.state.record_outcome("a", 1, 1, fmt.DROPPED) is not None
     with pytest.raises(ValueError, match="increasing"):
         h.state.segment_finalized(0, 1)
 

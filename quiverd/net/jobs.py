@@ -1,0 +1,189 @@
+"""JOB requests on a producer connection (SPEC §7): end markers, commit, abort, status.
+
+    → JOB {"op": "end_partition", "client", "job_id", "partition", "attempt", "rows",
+           "checksum"}            ← JOB_OK {"node_id", "shard", "sequence"} once durable
+    → JOB {"op": "commit", "job_id", "winners": [{partition, attempt, rows, checksum}]}
+    → JOB {"op": "abort", "job_id", "reason"}
+                                  ← JOB_OK {JobDecision fields, "already": bool}
+    → JOB {"op": "status", "job_id"}  ← JOB_OK {"job_id", "state", ...}
+
+An end marker is written only for an attempt whose bundles this connection took
+with contiguous row offsets from 0 up to ``rows``, every one of them acked: a
+refused, out-of-order or missing bundle leaves the attempt without a marker, so it
+is never published. Contradicting a recorded decision is JOB_CONFLICT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from quiverd.kernel.bundle import Bundle, TxnTag, make_slot
+from quiverd.kernel.changes import Changes
+from quiverd.kernel.errors import JobConflict, ProtocolError, QuiverError
+from quiverd.kernel.jobs import END_OFFSET, JobDecision, Winner, check_job_id, end_marker_table
+from quiverd.protocol.frames import ErrorCode
+
+if TYPE_CHECKING:
+    from quiverd.protocol.frames import BundleFrame
+
+Key = tuple[str, int, int]  # (job_id, partition, attempt)
+U32_MAX, U64_MAX = 2**32 - 1, 2**64 - 1
+
+
+class JobService(Protocol):
+    """What the daemon's staging offers a connection (``runtime.staging.Staging``)."""
+
+    node_id: str
+
+    async def commit(self, job_id: str, winners: list[Winner]) -> tuple[JobDecision, bool]: ...
+    async def abort(self, job_id: str, reason: str = "") -> tuple[JobDecision, bool]: ...
+    async def lookup(self, job_id: str) -> dict[str, Any]: ...
+
+
+class EndPartition(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    client: str
+    job_id: str
+    partition: int
+    attempt: int
+    rows: int
+    checksum: int
+
+
+class Commit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    job_id: str
+    winners: list[Winner]
+
+
+class Abort(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    job_id: str
+    reason: str = ""
+
+
+class Status(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    job_id: str
+
+
+OPS: dict[str, type[EndPartition] | type[Commit] | type[Abort] | type[Status]] = {
+    "end_partition": EndPartition, "commit": Commit, "abort": Abort, "status": Status}
+
+
+def parse(body: dict[str, Any]) -> EndPartition | Commit | Abort | Status:
+    """A JOB body as its request type; ProtocolError(MALFORMED) when it is not one."""
+    kind = OPS.get(str(body.get("op")))
+    if kind is None:
+        raise ProtocolError(ErrorCode.MALFORMED, f"JOB op must be one of {sorted(OPS)}, "
+                            f"not {body.get('op')!r}")
+    try:
+        req = msgspec.convert(body, kind)
+        check_job_id(req.job_id)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"JOB {body.get('op')}: {exc}") from exc
+    if isinstance(req, EndPartition):
+        _check_ranges(req.partition, req.attempt, req.rows, req.checksum)
+    if isinstance(req, Commit):
+        for w in req.winners:
+            _check_ranges(w.partition, w.attempt, w.rows, w.checksum)
+    return req
+
+
+def _check_ranges(partition: int, attempt: int, rows: int, checksum: int) -> None:
+    if not (0 <= partition <= U32_MAX and 0 <= attempt <= U32_MAX and 0 <= rows < U64_MAX
+            and 0 <= checksum <= U64_MAX):
+        raise ProtocolError(ErrorCode.MALFORMED, "partition and attempt must fit u32, rows "
+                            "and checksum u64")
+
+
+@dataclass
+class Attempts:
+    """One connection's view of the attempts it carries: rows taken, and whether whole."""
+
+    rows: dict[Key, int] = field(default_factory=dict)  # next row_offset expected
+    broken: dict[Key, str] = field(default_factory=dict)  # why it can never end
+    ended: set[Key] = field(default_factory=set)
+    pending: dict[int, Key] = field(default_factory=dict)  # request_id -> attempt in flight
+    answered: Changes = field(default_factory=Changes)
+
+    def took(self, frame: BundleFrame, rows: int) -> None:
+        """A tagged bundle handed to a shard (call in submission order)."""
+        txn = frame.txn
+        assert txn is not None
+        if txn.row_offset == END_OFFSET:
+            raise ProtocolError(ErrorCode.MALFORMED, "row_offset 2**64-1 marks an end of "
+                                "partition: send a JOB end_partition request instead")
+        key = (txn.job_id, txn.partition, txn.attempt)
+        expected = self.rows.get(key, 0)
+        if key in self.ended:
+            self.broken.setdefault(key, "a bundle came after its end of partition")
+        elif txn.row_offset != expected:
+            self.broken.setdefault(key, f"a bundle at row_offset {txn.row_offset} came where "
+                                   f"{expected} was expected")
+        self.rows[key] = txn.row_offset + rows
+        self.pending[frame.request_id] = key
+
+    def answered_one(self, request_id: int, ok: bool, why: str = "") -> None:
+        key = self.pending.pop(request_id, None)
+        if key is not None:
+            if not ok:
+                self.broken.setdefault(key, f"a bundle was refused: {why}")
+            self.answered.notify()
+
+    async def settled(self, key: Key) -> None:
+        """Until every bundle of ``key`` in flight is answered."""
+        while key in self.pending.values():
+            await self.answered.wait_beyond(self.answered.version)
+
+    def check_end(self, req: EndPartition) -> Key:
+        key = (req.job_id, req.partition, req.attempt)
+        if key in self.broken:
+            raise JobConflict(f"partition {req.partition} attempt {req.attempt} of job "
+                              f"{req.job_id!r} is incomplete: {self.broken[key]}; it gets "
+                              "no end marker and is never published",
+                              hint="fail the task: Spark runs another attempt")
+        got = self.rows.get(key, 0)
+        if got != req.rows:
+            raise JobConflict(f"partition {req.partition} attempt {req.attempt} of job "
+                              f"{req.job_id!r}: this connection took {got} rows, the end "
+                              f"marker says {req.rows}",
+                              hint="send every bundle of an attempt, then end_partition, on "
+                              "one connection")
+        return key
+
+
+def marker_bundle(req: EndPartition) -> Bundle:
+    txn = TxnTag(job_id=req.job_id, partition=req.partition, attempt=req.attempt,
+                 row_offset=END_OFFSET)
+    return Bundle(client=req.client, slots=(make_slot(0, end_marker_table(req.rows,
+                                                                          req.checksum)),),
+                  txn=txn)
+
+
+def decision_body(decision: JobDecision, already: bool) -> dict[str, Any]:
+    body: dict[str, Any] = msgspec.to_builtins(decision)
+    body["already"] = already
+    return body
+
+
+async def answer(service: JobService | None, req: Commit | Abort | Status) -> dict[str, Any]:
+    """Commit, abort or status; QuiverError (JobConflict, CatalogUnavailable) propagates."""
+    if service is None:
+        raise QuiverError("this daemon takes no job requests (staging is not running)")
+    if isinstance(req, Commit):
+        return decision_body(*await service.commit(req.job_id, list(req.winners)))
+    if isinstance(req, Abort):
+        return decision_body(*await service.abort(req.job_id, req.reason))
+    return await service.lookup(req.job_id)
+
+
+def error_code(exc: Exception) -> ErrorCode:
+    if isinstance(exc, JobConflict):
+        return ErrorCode.JOB_CONFLICT
+    if isinstance(exc, ProtocolError):
+        return ErrorCode(exc.code)
+    return ErrorCode.INTERNAL

@@ -1,0 +1,328 @@
+"""Staging: transactional writes held until their job is decided (SPEC §7).
+
+    producer ─BUNDLE(txn)──▶ WAL ─▶ segments          (durable, acked, staged)
+    producer ─JOB end_partition─▶ marker bundle        (rows + checksum, durable)
+    driver ──JOB commit/abort──▶ Staging.decide ──▶ catalog quiver_jobs (first writer wins)
+    catalog ──NOTIFY / poll──▶ Staging.decisions ──(Changes)──▶ dispatcher[n]
+
+The dispatcher asks ``verdict`` for every tagged bundle it would deliver: HOLD
+while its job is undecided, PUBLISH for the winning attempt of its partition
+(whose end marker this daemon holds with the commit's rows and checksum), DISCARD
+for everything else (a ``dropped`` outcome per subscriber, so segments still go
+away). End markers are never delivered.
+
+A decision is recorded once in the catalog, so every daemon sharing it (several
+hosts, one PostgreSQL) applies the same one; with the embedded catalog the same
+protocol runs on one host. Nothing here is durable on its own: the staged bundles
+are in segments (``SegmentInfo.staged``, rebuilt by recovery) and decisions are in
+the catalog, looked up again after a restart. A job neither committed nor aborted
+within ``staging.ttl_s`` of its last staged bundle is decided ``expired`` here.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from quiverd.kernel import logs
+from quiverd.kernel.changes import Changes
+from quiverd.kernel.config import Config
+from quiverd.kernel.errors import CatalogUnavailable, JobConflict, LakeError
+from quiverd.kernel.jobs import JobDecision, Verdict, Winner, check_job_id
+from quiverd.kernel.layout import DataDir
+from quiverd.kernel.metrics import Metrics
+from quiverd.segments.table import SegmentInfo, StagedRef
+
+RETRY_MAX_S = 30.0
+MARKER_WAIT_S = 30.0  # a winner's end marker may still be in the open segment
+PRUNE_EVERY_S = 3600.0
+
+
+@dataclass
+class _Job:
+    """What this daemon's live segments hold of one job."""
+
+    bundles: int = 0
+    nbytes: float = 0.0
+    last_ns: int = 0  # ingestion time of its newest staged bundle
+    ends: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (p, a) -> end
+
+
+class Staging:
+    def __init__(self, cfg: Config, *, metrics: Metrics) -> None:
+        self.cfg, self.scfg = cfg, cfg.staging
+        self.m = metrics
+        self.node_id = cfg.lake.node_id or socket.gethostname()
+        self.db_path = DataDir(Path(cfg.data_dir)).catalog_db
+        self.log = logs.get("staging")
+        self.jobs: dict[str, _Job] = {}
+        self.decisions: dict[str, JobDecision] = {}
+        self.learned_at: dict[str, float] = {}  # job_id -> monotonic time its decision came
+        self.wakers: list[Changes] = []  # every shard's: a decision re-runs the dispatchers
+        self.catalog: Any = None  # quiverd.lake.catalog.Catalog once connected
+        self.state = "starting"
+        self._kick = anyio.Event()
+        self._reported: set[tuple[str, int, int]] = set()
+        self._last_prune = 0.0
+
+    # ---- the segment index (ack_logger / recovery call these on the event loop) ------
+    def add_segment(self, info: SegmentInfo) -> None:
+        if not info.staged:
+            return
+        share = info.size_bytes / max(info.bundle_count, 1)
+        new = False
+        for ref in info.staged.values():
+            job = self.jobs.get(ref.job_id)
+            if job is None:
+                job = self.jobs[ref.job_id] = _Job()
+                new = ref.job_id not in self.decisions
+            job.bundles += 1
+            job.nbytes += share
+            job.last_ns = max(job.last_ns, info.max_ts_ns)
+            if ref.is_end:
+                job.ends[(ref.partition, ref.attempt)] = (ref.end_rows, ref.end_checksum)
+        if new:
+            self._kick.set()  # look its decision up now: it may be a late straggler
+        self._gauges()
+
+    def remove_segment(self, info: SegmentInfo) -> None:
+        if not info.staged:
+            return
+        share = info.size_bytes / max(info.bundle_count, 1)
+        for ref in info.staged.values():
+            job = self.jobs.get(ref.job_id)
+            if job is None:
+                continue
+            job.bundles -= 1
+            job.nbytes -= share
+            if job.bundles <= 0:
+                del self.jobs[ref.job_id]
+                self.decisions.pop(ref.job_id, None)
+                self.learned_at.pop(ref.job_id, None)
+        self._gauges()
+
+    # ---- the dispatcher's question ----------------------------------------------------
+    def verdict(self, ref: StagedRef) -> Verdict:
+        decision = self.decisions.get(ref.job_id)
+        if decision is None:
+            return Verdict.HOLD
+        if ref.is_end:
+            return Verdict.DISCARD
+        winner = decision.winner(ref.partition)
+        if winner is None or winner.attempt != ref.attempt:
+            return Verdict.DISCARD
+        job = self.jobs.get(ref.job_id)
+        end = job.ends.get((ref.partition, ref.attempt)) if job else None
+        if end is None:
+            waited = time.monotonic() - self.learned_at.get(ref.job_id, 0.0)
+            if waited < MARKER_WAIT_S:
+                return Verdict.HOLD  # its marker is still in the open segment
+            self._invalid(ref, "its end-of-partition marker is not here (the stream was cut "
+                          "or its segment was quarantined)")
+            return Verdict.DISCARD
+        if end != (winner.rows, winner.checksum):
+            self._invalid(ref, f"its end marker says rows={end[0]} checksum={end[1]}, the "
+                          f"commit says rows={winner.rows} checksum={winner.checksum}")
+            return Verdict.DISCARD
+        return Verdict.PUBLISH
+
+    def _invalid(self, ref: StagedRef, why: str) -> None:
+        key = (ref.job_id, ref.partition, ref.attempt)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        self.m.staged_invalid.labels().inc()
+        self.log.error("staged_attempt_invalid", job_id=ref.job_id, partition=ref.partition,
+                       attempt=ref.attempt, reason=why,
+                       hint="its rows are discarded, never published; rerun the job")
+
+    # ---- decisions ----------------------------------------------------------------------
+    async def commit(self, job_id: str, winners: Iterable[Winner]) -> tuple[JobDecision, bool]:
+        """Record a commit; returns (the standing decision, already). Idempotent."""
+        ws = tuple(sorted(winners, key=lambda w: w.partition))
+        if len({w.partition for w in ws}) != len(ws):
+            raise ValueError("a commit names each partition once")
+        wanted = JobDecision(job_id=check_job_id(job_id), state="committed", winners=ws,
+                             decided_at_ns=time.time_ns(), decided_by=self.node_id)
+        standing, recorded = await self._decide(wanted)
+        if standing.state != "committed" or set(standing.winners) != set(ws):
+            raise JobConflict(f"job {job_id!r} is already {standing.state} "
+                              f"({_describe(standing)}); this commit changes nothing")
+        return standing, not recorded
+
+    async def abort(self, job_id: str, reason: str = "") -> tuple[JobDecision, bool]:
+        wanted = JobDecision(job_id=check_job_id(job_id), state="aborted",
+                             decided_at_ns=time.time_ns(), decided_by=self.node_id,
+                             reason=reason[:1000])
+        standing, recorded = await self._decide(wanted)
+        if standing.state == "committed":
+            raise JobConflict(f"job {job_id!r} is already committed "
+                              f"({_describe(standing)}); the abort changes nothing")
+        return standing, not recorded
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        decision = self.decisions.get(job_id)
+        job = self.jobs.get(job_id)
+        out: dict[str, Any] = {"job_id": job_id, "node_id": self.node_id}
+        if decision is not None:
+            out.update(state=decision.state, winners=[_winner(w) for w in decision.winners],
+                       decided_by=decision.decided_by, reason=decision.reason)
+        else:
+            out["state"] = "staged" if job is not None else "unknown"
+        if job is not None:
+            out.update(staged_bundles=job.bundles, ended_attempts=len(job.ends))
+        return out
+
+    async def lookup(self, job_id: str) -> dict[str, Any]:
+        """``job_status``, asking the catalog first when nothing is known here."""
+        if job_id not in self.decisions and self.catalog is not None:
+            try:
+                found = await self.catalog.job_decisions([job_id])
+            except (CatalogUnavailable, LakeError, OSError):
+                found = {}
+            if job_id in found:
+                out = self.job_status(job_id)
+                d = found[job_id]
+                out.update(state=d.state, winners=[_winner(w) for w in d.winners],
+                           decided_by=d.decided_by, reason=d.reason)
+                return out
+        return self.job_status(job_id)
+
+    async def _decide(self, wanted: JobDecision) -> tuple[JobDecision, bool]:
+        if self.catalog is None:
+            raise CatalogUnavailable(f"the catalog is not connected yet ({self.state})",
+                                     hint="the decision was not recorded; retry the commit "
+                                     "or abort in a moment")
+        standing, recorded = await self.catalog.decide_job(wanted)
+        if recorded:
+            self.log.info("job_decided", job_id=standing.job_id, state=standing.state,
+                          partitions=len(standing.winners), reason=standing.reason or None)
+        self._learn({standing.job_id: standing})
+        return standing, recorded
+
+    def _learn(self, found: dict[str, JobDecision]) -> None:
+        changed = False
+        for job_id, decision in found.items():
+            if job_id in self.decisions:
+                continue
+            self.m.jobs_decided.labels(decision.state).inc()
+            if job_id in self.jobs:  # only decisions that matter here are kept
+                self.decisions[job_id] = decision
+                self.learned_at[job_id] = time.monotonic()
+                changed = True
+        if changed:
+            self._gauges()
+            for w in self.wakers:
+                w.notify()
+
+    # ---- the background task --------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Connect to the catalog (retrying), then look up, expire and prune; until cancelled."""
+        task_status.started()
+        from quiverd.lake.catalog import open_catalog  # the lake's code: imported on use
+
+        attempt = 0
+        while True:
+            try:
+                async with open_catalog(self.cfg.catalog, self.db_path, log=self.log) as catalog:
+                    self.catalog, self.state, attempt = catalog, "ready", 0
+                    try:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(self._listen, catalog)
+                            await self._poll(catalog)
+                    finally:
+                        self.catalog = None
+            except (CatalogUnavailable, LakeError, OSError) as exc:
+                attempt += 1
+                delay = random.uniform(0.5, 1.0) * min(RETRY_MAX_S, 0.5 * 2 ** attempt)
+                self.state = f"waiting for the catalog: {exc}"
+                self.log.error("staging_catalog_unavailable", error=str(exc),
+                               retry_in_s=round(delay, 1), undecided_jobs=self._undecided(),
+                               hint="staged rows stay held (durable) until decisions can be "
+                               "read; commits and aborts fail meanwhile")
+                await anyio.sleep(delay)
+
+    async def _listen(self, catalog: Any) -> None:
+        """Decisions made anywhere wake the poll at once (PG NOTIFY); polling covers gaps."""
+        try:
+            async with catalog.job_notifications() as feed:
+                async for _job_id in feed:
+                    self._kick.set()
+        except (CatalogUnavailable, LakeError, OSError) as exc:
+            self.log.warning("staging_notifications_lost", error=str(exc),
+                             hint="decisions are still found by polling")
+
+    async def _poll(self, catalog: Any) -> None:
+        interval = self.scfg.poll_interval_ms / 1000
+        while True:
+            with anyio.move_on_after(interval):
+                await self._kick.wait()
+            self._kick = anyio.Event()
+            undecided = [j for j in self.jobs if j not in self.decisions]
+            if undecided:
+                self._learn(await catalog.job_decisions(undecided))
+            await self._expire()
+            if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
+                self._last_prune = time.monotonic()
+                cutoff = time.time_ns() - self.scfg.decision_retention_s * 10**9
+                pruned = await catalog.prune_job_decisions(cutoff)
+                if pruned:
+                    self.log.info("job_decisions_pruned", decisions=pruned)
+
+    async def _expire(self) -> None:
+        cutoff = time.time_ns() - self.scfg.ttl_s * 10**9
+        for job_id, job in list(self.jobs.items()):
+            if job_id in self.decisions or job.last_ns > cutoff:
+                continue
+            reason = (f"neither committed nor aborted within staging.ttl_s={self.scfg.ttl_s} "
+                      "of its last staged bundle (driver gone?)")
+            standing, recorded = await self._decide(JobDecision(
+                job_id=job_id, state="expired", decided_at_ns=time.time_ns(),
+                decided_by=self.node_id, reason=reason))
+            if recorded:
+                self.log.warning("staged_job_expired", job_id=job_id, bundles=job.bundles,
+                                 bytes=int(job.nbytes), reason=reason)
+
+    # ---- reporting -----------------------------------------------------------------------
+    def _undecided(self) -> int:
+        return sum(1 for j in self.jobs if j not in self.decisions)
+
+    def _gauges(self) -> None:
+        counts: dict[str, int] = {"staged": 0, "committed": 0, "aborted": 0, "expired": 0}
+        held = 0.0
+        for job_id, job in self.jobs.items():
+            d = self.decisions.get(job_id)
+            counts[d.state if d else "staged"] += 1
+            if d is None:
+                held += job.nbytes
+        for state, n in counts.items():
+            self.m.staged_jobs.labels(state).set(n)
+        self.m.staged_bytes.labels().set(int(held))
+
+    def status(self) -> dict[str, Any]:
+        return {"state": self.state, "node_id": self.node_id, "jobs": len(self.jobs),
+                "undecided_jobs": self._undecided(),
+                "staged_bytes": int(sum(j.nbytes for i, j in self.jobs.items()
+                                        if i not in self.decisions))}
+
+
+def _winner(w: Winner) -> dict[str, int]:
+    return {"partition": w.partition, "attempt": w.attempt, "rows": w.rows,
+            "checksum": w.checksum}
+
+
+def _describe(d: JobDecision) -> str:
+    by = f"by {d.decided_by}" if d.decided_by else ""
+    return f"{by}, {len(d.winners)} partitions" if d.state == "committed" else (
+        f"{by}: {d.reason}" if d.reason else by)
+
+
+__all__ = ["Staging", "Verdict"]

@@ -1,0 +1,156 @@
+"""Transactional writes end to end (SPEC §7): staged, then published or discarded once.
+
+Real daemons, real sockets, a real subscriber; PostgreSQL for the two-daemon test.
+Spark itself is in tests/spark/test_writer.py: these drive the same protocol by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from quiverd.client import Client
+from quiverd.kernel.bundle import TxnTag
+from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import JobConflict
+from quiverd.kernel.jobs import Winner
+from tests.daemon.helpers import tagged_table
+from tests.daemon.test_subscribers import add, consume, produce, wait_for
+
+FAST = {"shards": 2, "segment.max_open_duration_ms": 50, "staging.poll_interval_ms": 100}
+
+
+def write_attempt(c: Client, job: str, partition: int, attempt: int, tags: list[int], *,
+                  end: bool = True, client: str = "spark") -> Winner | None:
+    """Stream one task attempt: one bundle per tag (100 rows each), then its end marker."""
+    checksum = rows = 0
+    items = []
+    for tag in tags:
+        table = tagged_table(tag)
+        items.append((table, TxnTag(job_id=job, partition=partition, attempt=attempt,
+                                    row_offset=rows)))
+        rows += table.num_rows
+        checksum = crc32c(str(tag).encode(), checksum)
+    c.send_many(items, client=client)
+    if not end:
+        return None
+    c.end_partition(job, partition, attempt, client=client, rows=rows, checksum=checksum)
+    return Winner(partition=partition, attempt=attempt, rows=rows, checksum=checksum)
+
+
+def tags_of(bundles: list[Any]) -> list[int]:
+    return sorted(b.tables[0]["tag"][0].as_py() for b in bundles)
+
+
+def test_staged_rows_are_invisible_until_commit_then_only_the_winners_are_published(
+        daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "x")
+    with Client.connect(d.socket) as c:
+        lost = write_attempt(c, "job1", 0, 7, [1, 2], end=False)  # cut: no end marker
+        w0 = write_attempt(c, "job1", 0, 8, [3, 4])  # the retry
+        spec = write_attempt(c, "job1", 1, 9, [5])  # partition 1, and a speculative twin
+        write_attempt(c, "job1", 1, 10, [6])
+    assert lost is None and w0 and spec
+    produce(d, [100])  # untagged data flows past the staged job meanwhile
+    assert tags_of(consume(d, "x", want=10, idle_s=1.0)) == [100]
+    with Client.connect(d.socket) as c:
+        assert c.job_status("job1")["state"] == "staged"
+        result = c.commit_job("job1", [w0, spec])
+        assert result.decision.state == "committed" and not result.already
+        assert c.commit_job("job1", [w0, spec]).already  # idempotent
+        with pytest.raises(JobConflict):
+            c.commit_job("job1", [w0])  # other winners: the first decision stands
+        with pytest.raises(JobConflict):
+            c.abort_job("job1")
+    assert tags_of(consume(d, "x", want=10, idle_s=1.5)) == [3, 4, 5]
+    assert tags_of(consume(d, "x", want=10, idle_s=1.0)) == []  # nothing again
+    wait_for(lambda: d.status()["shards"][0]["segments"] + d.status()["shards"][1]["segments"]
+             == 0)  # the discarded attempts do not hold segments back
+    assert d.stop() == 0
+
+
+def test_abort_discards_the_job_and_frees_its_segments(daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "x")
+    with Client.connect(d.socket) as c:
+        write_attempt(c, "job2", 0, 1, [1, 2])
+        write_attempt(c, "job2", 1, 2, [3])
+        assert c.abort_job("job2", "a task failed").decision.state == "aborted"
+        with pytest.raises(JobConflict):
+            c.commit_job("job2", [])
+    produce(d, [50])
+    assert tags_of(consume(d, "x", want=10, idle_s=1.5)) == [50]
+    wait_for(lambda: sum(s["segments"] for s in d.status()["shards"]) == 0)
+    assert d.stop() == 0
+
+
+def test_end_marker_is_refused_for_an_incomplete_attempt(daemon_factory):
+    d = daemon_factory(FAST).start()
+    with Client.connect(d.socket) as c:
+        t = tagged_table(1)
+        c.send(t, client="spark", txn=TxnTag(job_id="j", partition=0, attempt=1, row_offset=0))
+        with pytest.raises(JobConflict, match="took 100 rows"):
+            c.end_partition("j", 0, 1, client="spark", rows=200, checksum=0)
+        c.send(t, client="spark", txn=TxnTag(job_id="j", partition=0, attempt=2,
+                                             row_offset=50))  # a gap: 0..49 never came
+        with pytest.raises(JobConflict, match="row_offset 50"):
+            c.end_partition("j", 0, 2, client="spark", rows=150, checksum=0)
+    assert d.stop() == 0
+
+
+def test_kill_9_between_write_and_commit_then_commit_publishes_once(daemon_factory):
+    d = daemon_factory(FAST).start()
+    add(d, "x")
+    with Client.connect(d.socket) as c:
+        w = [write_attempt(c, "job3", p, 20 + p, [10 * p, 10 * p + 1]) for p in range(3)]
+    d.kill()
+    d.start()
+    assert tags_of(consume(d, "x", want=10, idle_s=1.0)) == []
+    with Client.connect(d.socket) as c:
+        assert c.job_status("job3")["state"] == "staged"
+        c.commit_job("job3", [x for x in w if x])
+    d.kill()  # and again, after the commit: the decision is in the catalog
+    d.start()
+    assert tags_of(consume(d, "x", want=10, idle_s=1.5)) == [0, 1, 10, 11, 20, 21]
+    assert d.stop() == 0
+
+
+def test_a_job_never_decided_expires_after_the_ttl(daemon_factory):
+    d = daemon_factory({**FAST, "staging.ttl_s": 1}).start()
+    add(d, "x")
+    with Client.connect(d.socket) as c:
+        w = write_attempt(c, "job4", 0, 1, [1])
+    deadline = time.monotonic() + 15
+    while d.status()["staging"]["undecided_jobs"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with Client.connect(d.socket) as c:
+        assert c.job_status("job4")["state"] == "expired"
+        with pytest.raises(JobConflict, match="expired"):
+            c.commit_job("job4", [w] if w else [])
+    assert tags_of(consume(d, "x", want=10, idle_s=1.0)) == []
+    assert d.events("staged_job_expired")
+    assert d.stop() == 0
+
+
+def test_two_daemons_sharing_one_postgres_catalog_publish_exactly_once(
+        daemon_factory, pg_catalog_dsn):
+    settings = {**FAST, "catalog.dsn": pg_catalog_dsn, "lake.enabled": False}
+    a = daemon_factory(settings, name="a").start()
+    b = daemon_factory(settings, name="b").start()
+    for d in (a, b):
+        add(d, "x")
+    with Client.connect(a.socket) as c:
+        wa = write_attempt(c, "job5", 0, 1, [1, 2])
+        write_attempt(c, "job5", 1, 2, [3])  # a speculative twin of partition 1 on host a
+    with Client.connect(b.socket) as c:
+        wb = write_attempt(c, "job5", 1, 3, [4])  # the winner of partition 1, on host b
+        write_attempt(c, "job5", 2, 4, [5], end=False)  # cut short on host b
+    with Client.connect(a.socket) as c:  # the driver's daemon records the decision
+        c.commit_job("job5", [x for x in (wa, wb) if x])
+    assert tags_of(consume(a, "x", want=10, idle_s=1.5)) == [1, 2]
+    assert tags_of(consume(b, "x", want=10, idle_s=1.5)) == [4]
+    for d in (a, b):
+        assert d.stop() == 0
