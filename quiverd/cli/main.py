@@ -244,6 +244,11 @@ def _status(args: argparse.Namespace) -> int:
               + ("  STORE DENIED (check lake.store credentials)" if lake["store_denied"] else ""))
     else:
         print("lake off (lake.enabled = false)")
+    staging = result.get("staging") or {}
+    if staging:
+        print(f"staging {staging['state']}  jobs {staging['jobs']}  "
+              f"undecided {staging['undecided_jobs']}  "
+              f"staged_bytes {staging['staged_bytes']}")
     return 0
 
 
