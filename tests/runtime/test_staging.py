@@ -1,0 +1,130 @@
+"""runtime.staging: verdicts for staged bundles, decisions through a real (SQLite) catalog."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from quiverd.kernel.config import Config, StagingConfig
+from quiverd.kernel.errors import CatalogUnavailable, JobConflict
+from quiverd.kernel.jobs import Verdict, Winner
+from quiverd.kernel.metrics import Metrics
+from quiverd.runtime import staging as staging_mod
+from quiverd.runtime.staging import Staging
+from quiverd.segments.table import SegmentInfo, StagedRef
+
+
+def ref(job: str, p: int, a: int, end: tuple[int, int] | None = None) -> StagedRef:
+    if end is None:
+        return StagedRef(job_id=job, partition=p, attempt=a)
+    return StagedRef(job_id=job, partition=p, attempt=a, end_rows=end[0], end_checksum=end[1])
+
+
+def segment(seq: int, refs: list[StagedRef], *, ts_ns: int | None = None) -> SegmentInfo:
+    ts = time.time_ns() if ts_ns is None else ts_ns
+    return SegmentInfo(segment_seq=seq, path=Path(f"/nonexistent/{seq}"), size_bytes=1000,
+                       bundle_count=len(refs), first_sequence=seq, last_sequence=seq,
+                       min_ts_ns=ts, max_ts_ns=ts, staged=dict(enumerate(refs)))
+
+
+@asynccontextmanager
+async def running(tmp_path: Path, **staging: int) -> AsyncIterator[Staging]:
+    cfg = Config(data_dir=str(tmp_path),
+                 staging=StagingConfig(**{"poll_interval_ms": 20, **staging}))
+    s = Staging(cfg, metrics=Metrics())
+    async with anyio.create_task_group() as tg:
+        await tg.start(s.run)
+        with anyio.fail_after(5):
+            while s.catalog is None:
+                await anyio.sleep(0.01)
+        yield s
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_commit_publishes_the_winner_only(tmp_path: Path) -> None:
+    async with running(tmp_path) as s:
+        s.add_segment(segment(1, [ref("j", 0, 1), ref("j", 0, 2), ref("j", 0, 2, (100, 7)),
+                                  ref("j", 1, 3), ref("j", 1, 3, (5, 9))]))
+        assert s.verdict(ref("j", 0, 2)) is Verdict.HOLD
+        decision, already = await s.commit("j", [Winner(partition=0, attempt=2, rows=100,
+                                                        checksum=7),
+                                                 Winner(partition=1, attempt=3, rows=5,
+                                                        checksum=8)])
+        assert decision.state == "committed" and not already
+        assert s.verdict(ref("j", 0, 2)) is Verdict.PUBLISH
+        assert s.verdict(ref("j", 0, 1)) is Verdict.DISCARD  # the losing attempt
+        assert s.verdict(ref("j", 0, 2, (100, 7))) is Verdict.DISCARD  # markers never go out
+        # The commit's checksum differs from the marker's: never published, counted.
+        assert s.verdict(ref("j", 1, 3)) is Verdict.DISCARD
+        assert s.m.staged_invalid.total() == 1
+        assert (await s.commit("j", decision.winners))[1]  # idempotent: already
+
+
+@pytest.mark.asyncio
+async def test_a_winner_whose_marker_is_not_here_is_held_then_discarded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging_mod, "MARKER_WAIT_S", 0.2)
+    async with running(tmp_path) as s:
+        s.add_segment(segment(1, [ref("j", 0, 1)]))
+        await s.commit("j", [Winner(partition=0, attempt=1, rows=1, checksum=1)])
+        assert s.verdict(ref("j", 0, 1)) is Verdict.HOLD  # the marker may still come
+        await anyio.sleep(0.3)
+        assert s.verdict(ref("j", 0, 1)) is Verdict.DISCARD
+
+
+@pytest.mark.asyncio
+async def test_abort_after_commit_and_commit_after_abort_conflict(tmp_path: Path) -> None:
+    async with running(tmp_path) as s:
+        await s.commit("c", [])
+        with pytest.raises(JobConflict, match="already committed"):
+            await s.abort("c")
+        await s.abort("a", "task failed")
+        with pytest.raises(JobConflict, match="already aborted"):
+            await s.commit("a", [])
+        with pytest.raises(ValueError):
+            await s.commit("x", [Winner(partition=0, attempt=1, rows=1, checksum=1),
+                                 Winner(partition=0, attempt=2, rows=1, checksum=1)])
+
+
+@pytest.mark.asyncio
+async def test_a_decision_made_elsewhere_is_found_by_polling(tmp_path: Path) -> None:
+    async with running(tmp_path) as a, running(tmp_path) as b:  # one catalog file, two nodes
+        b.add_segment(segment(1, [ref("j", 0, 1), ref("j", 0, 1, (1, 1))]))
+        await a.commit("j", [Winner(partition=0, attempt=1, rows=1, checksum=1)])
+        with anyio.fail_after(5):
+            while b.verdict(ref("j", 0, 1)) is Verdict.HOLD:
+                await anyio.sleep(0.02)
+        assert b.verdict(ref("j", 0, 1)) is Verdict.PUBLISH
+
+
+@pytest.mark.asyncio
+async def test_an_undecided_job_expires_after_the_ttl_and_leaves_with_its_segments(
+        tmp_path: Path) -> None:
+    async with running(tmp_path, ttl_s=1) as s:
+        old = time.time_ns() - 2 * 10**9
+        info = segment(1, [ref("old", 0, 1)], ts_ns=old)
+        s.add_segment(info)
+        s.add_segment(segment(2, [ref("new", 0, 1)]))
+        with anyio.fail_after(5):
+            while "old" not in s.decisions:
+                await anyio.sleep(0.02)
+        assert s.decisions["old"].state == "expired"
+        assert s.verdict(ref("old", 0, 1)) is Verdict.DISCARD
+        assert s.verdict(ref("new", 0, 1)) is Verdict.HOLD
+        assert s.status()["undecided_jobs"] == 1
+        s.remove_segment(info)
+        assert "old" not in s.jobs and "old" not in s.decisions
+        assert (await s.lookup("old"))["state"] == "expired"  # the catalog still knows
+
+
+@pytest.mark.asyncio
+async def test_commit_without_a_catalog_is_refused_as_retryable(tmp_path: Path) -> None:
+    s = Staging(Config(data_dir=str(tmp_path)), metrics=Metrics())
+    with pytest.raises(CatalogUnavailable):
+        await s.commit("j", [])
