@@ -176,6 +176,13 @@ class Connection:
             self.inflight[frame.request_id] = nbytes
             if frame.txn is not None:
                 self.attempts.took(frame, sum(s.row_count for s in slots))
+                refusal = server.jobs.refusal() if server.jobs else ""
+                if refusal:  # never acked; the attempt can no longer end
+                    server.stats.bundles.inc()
+                    self.replies.send_nowait(protocol.Error(
+                        request_id=frame.request_id, code=ErrorCode.AT_CAPACITY,
+                        message=refusal))
+                    continue
             bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
             req = AppendRequest(request_id=frame.request_id, bundle=bundle, reply=self.replies)
             server.stats.bundles.inc()

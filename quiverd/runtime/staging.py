@@ -71,6 +71,7 @@ class Staging:
         self._kick = anyio.Event()
         self._reported: set[tuple[str, int, int]] = set()
         self._last_prune = 0.0
+        self.held_bytes = 0  # segment bytes of undecided jobs (pro rata)
 
     # ---- the segment index (ack_logger / recovery call these on the event loop) ------
     def add_segment(self, info: SegmentInfo) -> None:
@@ -306,12 +307,25 @@ class Staging:
         for state, n in counts.items():
             self.m.staged_jobs.labels(state).set(n)
         self.m.staged_bytes.labels().set(int(held))
+        self.held_bytes = int(held)
+
+    def refusal(self) -> str:
+        """Why a new staged bundle is refused now ("" = taken): undecided jobs hold over
+        half the size cap, so the job could never finish under backpressure (its driver
+        commits only after every task wrote) and would hang until the TTL."""
+        cap = self.cfg.retention.size_cap_bytes
+        # One client's bundles all go to one shard, whose share of the cap is what fills.
+        share = cap // self.cfg.shard_count
+        if cap and self.held_bytes > share // 2:
+            return (f"undecided jobs' staged rows take {self.held_bytes} bytes, over half of "
+                    f"a shard's share ({share}) of retention.size_cap_bytes={cap}; commit or "
+                    "abort them, or raise the cap above 2 x shards x the largest job")
+        return ""
 
     def status(self) -> dict[str, Any]:
         return {"state": self.state, "node_id": self.node_id, "jobs": len(self.jobs),
                 "undecided_jobs": self._undecided(),
-                "staged_bytes": int(sum(j.nbytes for i, j in self.jobs.items()
-                                        if i not in self.decisions))}
+                "staged_bytes": self.held_bytes}
 
 
 def _winner(w: Winner) -> dict[str, int]:

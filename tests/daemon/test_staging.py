@@ -14,7 +14,7 @@ import pytest
 from quiverd.client import Client
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.crc import crc32c
-from quiverd.kernel.errors import JobConflict
+from quiverd.kernel.errors import AtCapacity, JobConflict
 from quiverd.kernel.jobs import Winner
 from tests.daemon.helpers import tagged_table
 from tests.daemon.test_subscribers import add, consume, produce, wait_for
@@ -155,3 +155,23 @@ def test_two_daemons_sharing_one_postgres_catalog_publish_exactly_once(
     assert tags_of(consume(b, "x", want=10, idle_s=1.5)) == [4]
     for d in (a, b):
         assert d.stop() == 0
+
+
+def test_staged_rows_over_half_the_size_cap_are_refused_not_left_hanging(daemon_factory):
+    # Under backpressure a job bigger than the cap would wait for room only its own
+    # commit can free: refuse its bundles with a reason instead (the task fails).
+    cap = 1024 * 1024
+    d = daemon_factory({**FAST, "retention.size_cap_bytes": cap}).start()
+    add(d, "x")
+    with Client.connect(d.socket) as c, pytest.raises(AtCapacity, match="undecided jobs"):
+        for p in range(1000):  # ~30 KB per partition: refused long before the cap
+            write_attempt(c, "big", p, p, list(range(10 * p, 10 * p + 10)))
+            time.sleep(0.06)  # its segment is finalized and counted meanwhile
+    assert d.status()["staging"]["staged_bytes"] > cap // 2 // 2  # half a shard's share
+    produce(d, [7])  # untagged data still flows
+    with Client.connect(d.socket) as c:
+        c.abort_job("big")
+    wait_for(lambda: d.status()["staging"]["staged_bytes"] == 0)
+    with Client.connect(d.socket) as c:
+        write_attempt(c, "big3", 0, 1, [1])  # room again
+    assert d.stop() == 0
