@@ -4,6 +4,9 @@
 """
 
 from quiverd.client.consumer import ReceivedBundle, subscribe
+from quiverd.client.core import IpcPayload
+from quiverd.client.jobs import EndAck, JobResult
 from quiverd.client.producer import AsyncClient, Client
 
-__all__ = ["AsyncClient", "Client", "ReceivedBundle", "subscribe"]
+__all__ = ["AsyncClient", "Client", "EndAck", "IpcPayload", "JobResult", "ReceivedBundle",
+           "subscribe"]

@@ -1,7 +1,8 @@
 """What quiverd's two producer clients share: request bookkeeping and encoding.
 
-``Requests`` is sans-IO: it hands out request ids, consumes ACK/ERROR messages
-and records one outcome per request, so ``client.AsyncClient`` and
+``Requests`` is sans-IO: it hands out request ids, consumes ACK/JOB_OK/ERROR
+messages and records one outcome per request (a BUNDLE expects an ACK, a JOB a
+JOB_OK: one id space, one window), so ``client.AsyncClient`` and
 ``client.Client`` differ only in how they wait. Also here: turning tables into
 BUNDLE frames and reading Arrow/Parquet files batch by batch for ``quiverd send``.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Collection
+from dataclasses import dataclass
 from os import PathLike
 from typing import TypeAlias
 
@@ -23,19 +25,32 @@ from quiverd.protocol.codec import (
     Error,
     ErrorCode,
     HelloOk,
+    JobReply,
     Message,
     encode_bundle,
     exception_for,
 )
-from quiverd.protocol.frames import MAX_REQUEST_ID
+from quiverd.protocol.frames import MAX_REQUEST_ID, nbytes
 
 Buffer = bytes | bytearray | memoryview
-Data: TypeAlias = "pa.Table | pa.RecordBatch"
+
+
+@dataclass(frozen=True, slots=True)
+class IpcPayload:
+    """One slot's data already encoded as an Arrow IPC stream: sent byte for byte
+    (a producer that checksums what it sends encodes once, here)."""
+
+    ipc: Buffer
+    rows: int
+
+
+Data: TypeAlias = "pa.Table | pa.RecordBatch | IpcPayload"
 SendData: TypeAlias = "Data | dict[int, Data]"
 # send_many items: data for slot 0 or a slot dict, optionally paired with a txn tag.
 SendItem: TypeAlias = "SendData | tuple[SendData, TxnTag | None]"
 StrPath: TypeAlias = "str | PathLike[str]"
-Outcome: TypeAlias = "Ack | BaseException"
+Reply: TypeAlias = "Ack | JobReply"
+Outcome: TypeAlias = "Ack | JobReply | BaseException"
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024  # NOTES: 4 MiB buffers nearly double Unix socket GB/s
 
@@ -45,7 +60,7 @@ class Requests:
 
     def __init__(self) -> None:
         self._next_id = 1
-        self._inflight: set[int] = set()
+        self._inflight: dict[int, type[Ack] | type[JobReply]] = {}  # id -> reply expected
         self._outcomes: dict[int, Outcome] = {}
         self._forgotten: set[int] = set()  # waiter gone: drop the outcome when it comes
         self.broken: BaseException | None = None  # set once the connection is unusable
@@ -59,10 +74,15 @@ class Requests:
         self._next_id = request_id % MAX_REQUEST_ID + 1  # 0 is reserved: wrap to 1
         return request_id
 
-    def start(self, request_id: int) -> None:
-        """``request_id`` is about to be sent; its answer will be expected."""
+    @property
+    def inflight(self) -> int:
+        """Requests sent and not answered yet (BUNDLE and JOB alike)."""
+        return len(self._inflight)
+
+    def start(self, request_id: int, expect: type[Ack] | type[JobReply] = Ack) -> None:
+        """``request_id`` is about to be sent; an ``expect`` (or ERROR) will answer it."""
         self.check_usable()
-        self._inflight.add(request_id)
+        self._inflight[request_id] = expect
 
     def is_done(self, request_id: int) -> bool:
         return request_id in self._outcomes
@@ -74,10 +94,19 @@ class Requests:
         return any(isinstance(self._outcomes.get(r), BaseException) for r in request_ids)
 
     def take(self, request_id: int) -> Ack:
-        """The request's Ack, or raise its error (it must be done)."""
+        """The bundle's Ack, or raise its error (it must be done)."""
         outcome = self._outcomes.pop(request_id)
         if isinstance(outcome, BaseException):
             raise outcome
+        assert isinstance(outcome, Ack), "take() of a JOB request: use take_reply()"
+        return outcome
+
+    def take_reply(self, request_id: int) -> JobReply:
+        """The JOB's reply, or raise its error (it must be done)."""
+        outcome = self._outcomes.pop(request_id)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert isinstance(outcome, JobReply), "take_reply() of a BUNDLE: use take()"
         return outcome
 
     def forget(self, request_id: int) -> None:
@@ -87,7 +116,7 @@ class Requests:
 
     def on_message(self, msg: Message) -> list[int]:
         """Record a server frame; returns the request ids it resolved."""
-        if isinstance(msg, Ack):
+        if isinstance(msg, Ack | JobReply):
             return self._resolve(msg.request_id, msg)
         if isinstance(msg, Error) and msg.request_id == 0:
             return self.fail(exception_for(msg))
@@ -110,12 +139,17 @@ class Requests:
         return resolved
 
     def _resolve(self, request_id: int, outcome: Outcome) -> list[int]:
-        if request_id not in self._inflight:
+        expect = self._inflight.get(request_id)
+        if expect is None:
             bad = ProtocolError(
                 ErrorCode.MALFORMED, f"server answered request {request_id}, which is not in flight"
             )
             return self.fail(bad)
-        self._inflight.discard(request_id)
+        if not isinstance(outcome, expect | BaseException):
+            bad = ProtocolError(ErrorCode.MALFORMED, f"server answered request {request_id} "
+                                f"with {type(outcome).__name__}, not {expect.__name__}")
+            return self.fail(bad)
+        del self._inflight[request_id]
         self._store(request_id, outcome)
         return [request_id]
 
@@ -129,8 +163,8 @@ class Requests:
 def encode_request(
     request_id: int, data: SendData, client: str, txn: TxnTag | None, server: HelloOk
 ) -> list[Buffer]:
-    """A BUNDLE frame for ``data`` (a table/batch goes to slot 0)."""
-    tables = {0: data} if isinstance(data, pa.Table | pa.RecordBatch) else data
+    """A BUNDLE frame for ``data`` (a table/batch/payload goes to slot 0)."""
+    tables = {0: data} if isinstance(data, pa.Table | pa.RecordBatch | IpcPayload) else data
     if not tables:
         raise ValueError("a bundle needs at least one slot")
     for slot in tables:
@@ -138,8 +172,9 @@ def encode_request(
             raise ValueError(
                 f"slot {slot} outside 0..{USER_SLOTS - 1} (slot {USER_SLOTS} holds bundle metadata)"
             )
-    payloads = {slot: encode_ipc_stream(t) for slot, t in tables.items()}
-    size = sum(len(p) for p in payloads.values())
+    payloads = {slot: t.ipc if isinstance(t, IpcPayload) else encode_ipc_stream(t)
+                for slot, t in tables.items()}
+    size = sum(nbytes(p) for p in payloads.values())
     if size > server.max_bundle_bytes:
         # Refused here so the server never has to cut the connection over it.
         raise ProtocolError(
@@ -147,7 +182,8 @@ def encode_request(
             f"bundle of {size} payload bytes exceeds the server's max_bundle_bytes "
             f"{server.max_bundle_bytes}; send smaller batches",
         )
-    rows = {slot: t.num_rows for slot, t in tables.items()}
+    rows = {slot: t.rows if isinstance(t, IpcPayload) else t.num_rows
+            for slot, t in tables.items()}
     return encode_bundle(request_id, client, payloads, rows, txn)
 
 

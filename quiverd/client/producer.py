@@ -3,22 +3,27 @@
 Both speak protocol v1 (``quiverd.protocol``): HELLO, then BUNDLE frames pipelined
 up to the server's ``max_inflight``; each bundle is answered by an ACK (durable)
 or an ERROR, matched by request id. ERROR frames become quiverd.kernel.errors
-exceptions (``AtCapacity``, ``ShuttingDown``, ``Unauthorized``, else
-``ProtocolError`` with ``.code``); a lost connection is ``ConnectionError``.
+exceptions (``AtCapacity``, ``ShuttingDown``, ``Unauthorized``, ``JobConflict``,
+else ``ProtocolError`` with ``.code``); a lost connection is ``ConnectionError``.
+
+Transactional writes (SPEC §7, ``quiverd.client.jobs``) are JOB requests on the same
+connection, in the same request-id space and window as bundles: ``end_partition``
+after an attempt's tagged bundles, then ``commit_job`` / ``abort_job`` on the driver.
 
     async with await AsyncClient.connect(path) as c:
         ack = await c.send(table, client="web")
     with Client.connect(path) as c:
         acks = c.send_many(batches, client="web")
+        end = c.end_partition(job_id, 0, attempt, client="web", rows=n, checksum=crc)
 """
 
 from __future__ import annotations
 
 import socket
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Self, cast
+from typing import Any, Self, cast
 
 import anyio
 import anyio.abc
@@ -36,17 +41,38 @@ from quiverd.client.core import (
     tune_socket,
 )
 from quiverd.client.files import FileSplit, iter_file_batches
+from quiverd.client.jobs import (
+    EndAck,
+    JobResult,
+    abort_body,
+    commit_body,
+    end_ack,
+    end_partition_body,
+    job_result,
+    job_status,
+    status_body,
+)
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
-from quiverd.protocol.codec import SMALL_FRAME_MAX, Ack, FrameDecoder, HelloOk, Role, encode_hello
+from quiverd.kernel.jobs import Winner
+from quiverd.protocol.codec import (
+    REPLY_FRAME_MAX,
+    Ack,
+    FrameDecoder,
+    HelloOk,
+    JobReply,
+    Role,
+    encode_hello,
+    encode_job_request,
+)
 
 __all__ = [
-    "Ack", "AsyncClient", "Client", "FileProgress", "FileSplit", "SendData", "SendItem",
-    "iter_file_batches", "send_files",
+    "Ack", "AsyncClient", "Client", "EndAck", "FileProgress", "FileSplit", "JobResult",
+    "SendData", "SendItem", "iter_file_batches", "send_files",
 ]
 
 _END = object()  # end of the items iterator
-RECV_BYTES = 64 * 1024  # server frames to producers are small acks and errors
+RECV_BYTES = 64 * 1024  # server frames to producers are small: acks, errors, JOB_OK
 
 
 class AsyncClient:
@@ -76,7 +102,7 @@ class AsyncClient:
         try:
             tune_socket(stream.extra(anyio.abc.SocketAttribute.raw_socket))
             await stream.send(encode_hello(Role.PRODUCER))
-            decoder = FrameDecoder(SMALL_FRAME_MAX, from_client=False)
+            decoder = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
             while True:
                 messages = decoder.feed(await stream.receive(RECV_BYTES))
                 if messages:
@@ -124,16 +150,55 @@ class AsyncClient:
             sent.append(await self._submit(data, client, txn))
         return [await self._outcome(request_id) for request_id in sent]
 
-    async def _submit(self, data: SendData, client: str, txn: TxnTag | None) -> int:
+    async def end_partition(self, txn_job_id: str, partition: int, attempt: int, *,
+                            client: str, rows: int, checksum: int) -> EndAck:
+        """Ask for the attempt's end-of-partition marker after its tagged bundles, sent
+        on this connection; returns once the marker is durable. The daemon refuses
+        (``JobConflict``) when this connection did not send exactly ``rows`` rows of
+        the attempt, at contiguous row offsets from 0."""
+        body = end_partition_body(txn_job_id, partition, attempt, client=client, rows=rows,
+                                  checksum=checksum)
+        return end_ack(await self._job(body))
+
+    async def commit_job(self, job_id: str, winners: Sequence[Winner]) -> JobResult:
+        """Publish exactly ``winners`` (one attempt per partition); idempotent."""
+        return job_result(await self._job(commit_body(job_id, winners)), "commit")
+
+    async def abort_job(self, job_id: str, reason: str = "") -> JobResult:
+        """Discard the job's staged rows; ``JobConflict`` if it was committed."""
+        return job_result(await self._job(abort_body(job_id, reason)), "abort")
+
+    async def job_status(self, job_id: str) -> dict[str, Any]:
+        return job_status(await self._job(status_body(job_id)))
+
+    async def _job(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        self._check_open()
+        self._requests.check_usable()
+        request_id = self._requests.next_id()
+        frame = encode_job_request(request_id, body)
+        await self._start(request_id, JobReply, [frame])
+        await self._wait(request_id)
+        return self._requests.take_reply(request_id).body
+
+    def _check_open(self) -> None:
         if self._tg is None:
             raise RuntimeError("use `async with await AsyncClient.connect(path) as c:`")
+
+    async def _submit(self, data: SendData, client: str, txn: TxnTag | None) -> int:
+        self._check_open()
         # Encoding is CPU work at memcpy speed, done before waiting for a window slot.
         self._requests.check_usable()
         request_id = self._requests.next_id()
         parts = encode_request(request_id, data, client, txn, self.server)
+        await self._start(request_id, Ack, parts)
+        return request_id
+
+    async def _start(self, request_id: int, expect: type[Ack] | type[JobReply],
+                     parts: list[Buffer]) -> None:
+        """Take a window place for the request and send its frame."""
         await self._window.acquire()
         try:
-            self._requests.start(request_id)
+            self._requests.start(request_id, expect)
         except BaseException:
             self._window.release()
             raise
@@ -148,9 +213,12 @@ class AsyncClient:
                 # A frame cut mid-way (cancelled or failed) leaves the stream unusable.
                 self._resolve(self._requests.fail(ConnectionError(f"send failed: {exc!r}")))
                 raise
-        return request_id
 
     async def _outcome(self, request_id: int) -> Ack:
+        await self._wait(request_id)
+        return self._requests.take(request_id)
+
+    async def _wait(self, request_id: int) -> None:
         event = self._events.get(request_id)
         try:
             if event is not None:
@@ -158,7 +226,6 @@ class AsyncClient:
         except BaseException:
             self._requests.forget(request_id)
             raise
-        return self._requests.take(request_id)
 
     async def _read_loop(self) -> None:
         try:
@@ -204,7 +271,7 @@ class Client:
             except OSError as exc:
                 raise DaemonUnreachable.from_os_error(path, exc) from exc
             sock.sendall(encode_hello(Role.PRODUCER))
-            decoder = FrameDecoder(SMALL_FRAME_MAX, from_client=False)
+            decoder = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
             while True:
                 data = sock.recv(RECV_BYTES)
                 if not data:
@@ -264,11 +331,57 @@ class Client:
         finally:
             self._drain(order)
 
+    def end_partition(self, txn_job_id: str, partition: int, attempt: int, *, client: str,
+                      rows: int, checksum: int) -> EndAck:
+        """Ask for the attempt's end-of-partition marker after its tagged bundles, sent
+        on this connection; returns once the marker is durable. The daemon refuses
+        (``JobConflict``) when this connection did not send exactly ``rows`` rows of
+        the attempt, at contiguous row offsets from 0."""
+        body = end_partition_body(txn_job_id, partition, attempt, client=client, rows=rows,
+                                  checksum=checksum)
+        return end_ack(self._job(body))
+
+    def commit_job(self, job_id: str, winners: Sequence[Winner]) -> JobResult:
+        """Publish exactly ``winners`` (one attempt per partition) and discard every other
+        attempt of the job. Idempotent: the same commit again gives ``already=True``;
+        one contradicting the recorded decision raises ``JobConflict``."""
+        return job_result(self._job(commit_body(job_id, winners)), "commit")
+
+    def abort_job(self, job_id: str, reason: str = "") -> JobResult:
+        """Discard the job's staged rows (idempotent); ``JobConflict`` if it was committed."""
+        return job_result(self._job(abort_body(job_id, reason)), "abort")
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        """``{"job_id", "state": staged|unknown|committed|aborted|expired, ...}``."""
+        return job_status(self._job(status_body(job_id)))
+
+    def _job(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Send one JOB and wait for its reply. Bundles an ``iter_send`` left in flight
+        keep their place: their answers are kept for it while this one is awaited."""
+        self._requests.check_usable()
+        request_id = self._requests.next_id()
+        frame = encode_job_request(request_id, body)
+        while self._requests.inflight >= self.server.max_inflight:
+            self._receive()  # a JOB takes a window place like a bundle
+        self._requests.start(request_id, JobReply)
+        try:
+            self._sendall([frame])
+        except BaseException as exc:
+            self._requests.fail(ConnectionError(f"send failed: {exc!r}"))
+            raise
+        try:
+            while not self._requests.is_done(request_id):
+                self._receive()
+        except BaseException:
+            self._requests.forget(request_id)
+            raise
+        return self._requests.take_reply(request_id).body
+
     def _submit(self, item: SendItem, client: str) -> int:
         data, txn = split_item(item)
         request_id = self._requests.next_id()
         parts = encode_request(request_id, data, client, txn, self.server)
-        self._requests.start(request_id)
+        self._requests.start(request_id, Ack)
         try:
             self._sendall(parts)
         except BaseException as exc:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -16,106 +14,7 @@ from quiverd.client.producer import AsyncClient, Client, FileProgress, iter_file
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.errors import AtCapacity, ProtocolError, ShuttingDown, Unauthorized
 from quiverd.protocol import codec as p
-
-# What the fake server does with a bundle: reply bytes, or None for a plain ack.
-Responder = Callable[[p.BundleFrame], bytes | None]
-
-
-class FakeServer:
-    """Threaded quiverd stand-in: FrameDecoder in, ACK/ERROR frames out.
-
-    Answers are held until ``batch`` bundles are pending, then sent in reverse
-    order: a client that does not pipeline would hang, and out-of-order acks
-    must still reach the right request.
-    """
-
-    def __init__(self, path: Path, *, max_inflight: int, batch: int, respond: Responder,
-                 hello_error: tuple[int, str] | None) -> None:
-        self.path, self.max_inflight, self.batch = path, max_inflight, batch
-        self.respond, self.hello_error = respond, hello_error
-        self.received: list[p.BundleFrame] = []
-        self.max_pending = 0
-        self._sequence = 0
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(path))
-        self._listener.listen()
-        self._threads = [threading.Thread(target=self._accept_loop, daemon=True)]
-        self._threads[0].start()
-
-    def close(self) -> None:
-        self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        self._listener.close()
-        for t in list(self._threads):
-            t.join(timeout=10)
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(t)
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        decoder = p.FrameDecoder(p.max_frame_bytes(1 << 20))
-        pending: list[p.BundleFrame] = []
-        with conn:
-            while data := conn.recv(65536):
-                try:
-                    messages = decoder.feed(data)
-                except p.ProtocolError as exc:
-                    conn.sendall(p.encode_error(0, exc.code, str(exc)))
-                    return
-                for msg in messages:
-                    if isinstance(msg, p.Hello):
-                        if self.hello_error is not None:
-                            conn.sendall(p.encode_error(0, *self.hello_error))
-                            return
-                        conn.sendall(p.hello_reply(
-                            msg, max_bundle_bytes=1 << 20, max_inflight=self.max_inflight))
-                        continue
-                    assert isinstance(msg, p.BundleFrame)
-                    p.validate_bundle(msg)
-                    self.received.append(msg)
-                    pending.append(msg)
-                    self.max_pending = max(self.max_pending, len(pending))
-                if len(pending) >= self.batch:
-                    if not self._answer(conn, pending[::-1]):
-                        return
-                    pending.clear()
-
-    def _answer(self, conn: socket.socket, frames: list[p.BundleFrame]) -> bool:
-        for frame in frames:
-            reply = self.respond(frame)
-            if reply is None:
-                self._sequence += 1
-                reply = p.encode_ack(frame.request_id, 1, self._sequence)
-            conn.sendall(reply)
-            if reply[4] == p.FrameType.ERROR and reply[9] in p.CLOSES_CONNECTION:
-                return False
-        return True
-
-
-def ack_all(frame: p.BundleFrame) -> bytes | None:
-    return None
-
-
-@pytest.fixture
-def make_server(tmp_path: Path) -> Iterator[Callable[..., FakeServer]]:
-    servers: list[FakeServer] = []
-
-    def make(*, max_inflight: int = 4, batch: int = 1, respond: Responder = ack_all,
-             hello_error: tuple[int, str] | None = None) -> FakeServer:
-        server = FakeServer(tmp_path / f"q{len(servers)}.sock", max_inflight=max_inflight,
-                            batch=batch, respond=respond, hello_error=hello_error)
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.close()
+from tests.client.fake_server import FakeServer
 
 
 def batch(i: int, rows: int = 3) -> pa.RecordBatch:

@@ -1,0 +1,112 @@
+"""Transactional writes from a producer (SPEC §7), sans-IO: JOB bodies out, replies in.
+
+``Client`` and ``AsyncClient`` send these bodies as JOB frames and hand the JOB_OK
+body back here to be checked and typed (docs/protocol.md, "Transactional writes"):
+
+    end_partition  {"op", "client", "job_id", "partition", "attempt", "rows", "checksum"}
+                   → EndAck(node_id, shard, sequence): the end marker is durable
+    commit         {"op", "job_id", "winners": [{partition, attempt, rows, checksum}]}
+    abort          {"op", "job_id", "reason"}
+                   → JobResult(decision, already): ``already`` when the job had been
+                     decided the same way before (commit and abort are idempotent)
+    status         {"op", "job_id"} → the reply as a dict ("state" at least)
+
+Arguments are checked here, before sending: the daemon answers a malformed JOB with
+MALFORMED and closes the connection, taking the bundles in flight with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.jobs import JobDecision, Winner, check_job_id
+from quiverd.kernel.names import client_name_problem
+from quiverd.protocol.frames import ErrorCode
+
+T = TypeVar("T")
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+
+
+class EndAck(msgspec.Struct, frozen=True, kw_only=True):
+    """An attempt's end-of-partition marker is durable as ``sequence`` of ``shard``
+    on the daemon ``node_id``."""
+
+    node_id: str
+    shard: int
+    sequence: int
+
+
+class JobResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The job's recorded decision; ``already``: it was decided this way before."""
+
+    decision: JobDecision
+    already: bool
+
+
+def end_partition_body(job_id: str, partition: int, attempt: int, *, client: str, rows: int,
+                       checksum: int) -> dict[str, Any]:
+    problem = client_name_problem(client)
+    if problem is not None:
+        raise ValueError(problem)
+    _check_attempt(partition, attempt, rows, checksum)
+    return {"op": "end_partition", "client": client, "job_id": check_job_id(job_id),
+            "partition": partition, "attempt": attempt, "rows": rows, "checksum": checksum}
+
+
+def commit_body(job_id: str, winners: Sequence[Winner]) -> dict[str, Any]:
+    seen: set[int] = set()
+    for w in winners:
+        _check_attempt(w.partition, w.attempt, w.rows, w.checksum)
+        if w.partition in seen:
+            raise ValueError(f"partition {w.partition} has two winners: a commit names one "
+                             "attempt per partition")
+        seen.add(w.partition)
+    return {"op": "commit", "job_id": check_job_id(job_id),
+            "winners": [msgspec.to_builtins(w) for w in winners]}
+
+
+def abort_body(job_id: str, reason: str) -> dict[str, Any]:
+    return {"op": "abort", "job_id": check_job_id(job_id), "reason": reason}
+
+
+def status_body(job_id: str) -> dict[str, Any]:
+    return {"op": "status", "job_id": check_job_id(job_id)}
+
+
+def end_ack(reply: dict[str, Any]) -> EndAck:
+    return _convert(reply, EndAck, "end_partition")
+
+
+def job_result(reply: dict[str, Any], op: str) -> JobResult:
+    already = reply.get("already")
+    if not isinstance(already, bool):
+        raise ProtocolError(ErrorCode.MALFORMED, f"JOB_OK for {op}: 'already' must be a bool, "
+                            f"got {already!r}")
+    # Unknown reply fields (``already`` among them) are ignored: replies may grow.
+    return JobResult(decision=_convert(reply, JobDecision, op), already=already)
+
+
+def job_status(reply: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(reply.get("state"), str):
+        raise ProtocolError(ErrorCode.MALFORMED, "JOB_OK for status: no 'state' string")
+    return reply
+
+
+def _convert(reply: dict[str, Any], kind: type[T], op: str) -> T:
+    try:
+        return msgspec.convert(reply, kind)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"JOB_OK for {op}: {exc}") from None
+
+
+def _check_attempt(partition: int, attempt: int, rows: int, checksum: int) -> None:
+    for name, value, top in (("partition", partition, U32_MAX), ("attempt", attempt, U32_MAX),
+                             ("rows", rows, U64_MAX - 1), ("checksum", checksum, U64_MAX)):
+        if not isinstance(value, int) or not 0 <= value <= top:
+            raise ValueError(f"{name} {value!r} outside 0..{top}")
