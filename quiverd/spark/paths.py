@@ -1,0 +1,67 @@
+"""The native fast path: local Parquet paths of a selection, for ``spark.read.parquet``.
+
+    from quiverd.spark.paths import read_parquet
+    df = read_parquet(spark, "/etc/quiverd/config.toml", client="web")
+
+``read_parquet`` is ``spark.read.parquet(*local_paths(...))`` plus what Spark needs for
+quiverd's files: Spark refuses Parquet TIMESTAMP(NANOS) (``_quiver_ingested_at`` is
+one), so it reads them as longs (``spark.sql.legacy.parquet.nanosAsLong``) and turns
+them back into timestamps (microseconds, as Spark keeps them), and it merges the
+schemas of drifting files (``mergeSchema``).
+
+Only for the ``fs`` object store (the files are on a path Spark can open); for S3 and
+other stores use ``spark.read.format("quiver")``, which reads through OpenDAL. What
+the fast path gives up: the representative schema across drifting files (Spark's
+own ``mergeSchema`` applies instead, and refuses what it cannot merge), the zone-map
+pruning of ``format("quiver")`` (only the catalog's time range narrows the list), and
+``since``/``until`` row filtering inside a file (filter the DataFrame yourself).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from quiverd.spark.reader import Lake, Selection
+
+NANOS_AS_LONG = "spark.sql.legacy.parquet.nanosAsLong"
+
+
+def local_paths(config: str, *, client: str, slot: int = 0, since: str | None = None,
+                until: str | None = None) -> list[str]:
+    """Absolute paths of the registered files of ``client`` (and slot, time range)."""
+    options = {"config": config, "client": client, "slot": str(slot)}
+    if since is not None:
+        options["since"] = since
+    if until is not None:
+        options["until"] = until
+    sel = Selection.parse(options)
+    lake = Lake.open(sel.config_path)
+    store = lake.cfg.lake.store
+    if store.scheme != "fs":
+        raise ValueError(f"lake.store.scheme is {store.scheme!r}: the files are not on a local "
+                         'path; read them with spark.read.format("quiver")')
+    rows, _ = lake.query(sel, zone_maps=False)
+    root = Path(lake.store_options["root"])
+    return [str(root / row.object_key) for row in rows]
+
+
+def read_parquet(spark: Any, config: str, *, client: str, slot: int = 0,
+                 since: str | None = None, until: str | None = None) -> Any:
+    """A DataFrame of the selection's files read by Spark's own Parquet reader."""
+    from pyspark.sql import functions as F  # noqa: N812 - Spark's convention
+
+    paths = local_paths(config, client=client, slot=slot, since=since, until=until)
+    if not paths:
+        raise ValueError(f"no registered lake file for client {client!r} (slot {slot}) in "
+                         f"the catalog of {config}")
+    nanos = {f.name for p in paths[:1] for f in pq.read_schema(p)
+             if pa.types.is_timestamp(f.type) and f.type.unit == "ns"}
+    spark.conf.set(NANOS_AS_LONG, "true")
+    df = spark.read.option("mergeSchema", "true").parquet(*paths)
+    for name in sorted(nanos):
+        df = df.withColumn(name, F.timestamp_micros(F.floor(F.col(name) / 1000)))
+    return df
