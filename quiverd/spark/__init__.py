@@ -1,12 +1,15 @@
-"""quiverd's Spark integration: ``spark.read.format("quiver")`` over the lake.
+"""quiverd's Spark integration: ``spark.read.format("quiver")`` over the lake, and
+``df.write.format("quiver")`` into a daemon, exactly once (SPEC §7).
 
     from quiverd.spark import register
     register(spark)
     df = spark.read.format("quiver").option("client", "web").load()
+    df.write.format("quiver").option("path", socket).option("client", "web").save()
 
 Importing this package does not import pyspark; ``register`` does, and raises an
 ImportError naming ``pip install 'quiverd[spark]'`` when it is missing. The reader, its
-options and its pruning are described in ``quiverd/spark/reader.py``.
+options and its pruning are described in ``quiverd/spark/reader.py``, the writer (batch
+and streaming) in ``quiverd/spark/writer.py``.
 """
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, ZoneMap
 from quiverd.lake.store_options import service_options
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, to_bound
 from quiverd.spark.types import as_ns, spark_schema, to_spark
+from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter
 
 NAME = "quiver"
 DEFAULT_CONFIG = "/etc/quiverd/config.toml"
@@ -115,6 +116,14 @@ class QuiverDataSource(DataSource):
 
     def reader(self, schema: st.StructType) -> QuiverReader:
         return QuiverReader(Selection.parse(self.options), schema)
+
+    def writer(self, schema: st.StructType, overwrite: bool) -> QuiverWriter:
+        """``df.write.format("quiver")``: see quiverd/spark/writer.py."""
+        return QuiverWriter(self.options, overwrite)
+
+    def streamWriter(self, schema: st.StructType,  # noqa: N802 - Spark's name
+                     overwrite: bool) -> QuiverStreamWriter:
+        return QuiverStreamWriter(self.options, overwrite)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ def spark() -> Iterator[Any]:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    session = (SparkSession.builder.master("local[2]").appName("quiverd-tests")
+    # local[2,4]: up to 4 tries per task, as on a cluster (local[2] never retries a task,
+    # whatever spark.task.maxFailures says): the writer's tests fail first attempts.
+    session = (SparkSession.builder.master("local[2,4]").appName("quiverd-tests")
                .config("spark.ui.enabled", "false")
                .config("spark.sql.session.timeZone", "UTC")
                .config("spark.sql.python.filterPushdown.enabled", "true")

@@ -1,0 +1,394 @@
+"""``df.write.format("quiver")``: exactly-once writes into quiverd (SPEC §7).
+
+    (df.write.format("quiver")
+       .option("path", "/var/lib/quiverd/ingest.sock")  # default: $QUIVERD_SOCKET, else this
+       .option("client", "web")                         # the rows' client name (default spark)
+       .mode("append").save())
+
+Spark runs each step in its own Python process; nothing crosses between them but the
+pickled writer (options and job id) and the pickled commit messages:
+
+    driver   QuiverWriter(options)      job_id: option "job_id", else a fresh uuid4 hex
+    executor QuiverWriter.write(batches) one task attempt, one connection to
+                                        paths[partition % len(paths)]: its batches
+                                        re-chunked into bundles (batch_rows / batch_bytes),
+                                        each tagged TxnTag(job_id, partition,
+                                        attempt=taskAttemptId, row_offset=rows before it)
+                                        and pipelined; then JOB end_partition(rows,
+                                        checksum = CRC-32C chained over the bundles' IPC
+                                        streams as sent) → QuiverCommitMessage
+    driver   QuiverWriter.commit(msgs)  JOB commit on paths[0]: the winning attempt of every
+                                        partition is published, once; the daemon discards
+                                        every other attempt (failed, speculative)
+    driver   QuiverWriter.abort(msgs)   JOB abort: the job's staged rows are discarded
+
+Options: ``path`` (one ingest socket), or ``paths`` (comma-separated sockets: partition
+p writes to paths[p % n], commit and abort go to paths[0]). ``paths`` stands for several
+hosts, each with its own daemon sharing one catalog; tests emulate that with several
+daemons on one machine. ``client`` (default "spark"), ``batch_rows`` (default 65536) and
+``batch_bytes`` (default 8 MiB, and never more than the daemon's max_bundle_bytes) bound a
+bundle; ``job_id`` names the job (any 1..256 bytes of UTF-8 not used before).
+
+Streaming (``df.writeStream.format("quiver")``, append mode): micro-batch b of a query is
+job ``f"{query_id}-{b}"``: option ``query_id``, else one derived from the
+``checkpointLocation`` option (stable across restarts), else an error asks for one. A
+batch Spark replays after a restart re-commits the same job: one published before is not
+sent again, and the commit is a no-op. An aborted micro-batch records no decision: the
+restarted query replays it under the same job id, which must stay committable; the
+attempts it staged are discarded by that commit, or by staging.ttl_s.
+
+quiverd only appends: ``mode("overwrite")`` and Complete output mode are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import pyarrow as pa
+import structlog
+
+try:
+    from pyspark import TaskContext
+    from pyspark.sql.datasource import (
+        DataSourceArrowWriter,
+        DataSourceStreamArrowWriter,
+        WriterCommitMessage,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError("quiverd.spark needs pyspark 4: pip install 'quiverd[spark]'") from exc
+
+from quiverd.client import Client, IpcPayload
+from quiverd.kernel.bundle import TxnTag
+from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import ConfigError, JobConflict, QuiverError
+from quiverd.kernel.jobs import MAX_JOB_ID_BYTES, Winner, check_job_id
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.names import client_name_problem
+from quiverd.protocol.frames import MAX_ROW_COUNT
+
+SOCKET_ENV = "QUIVERD_SOCKET"
+DEFAULT_SOCKET = "/var/lib/quiverd/ingest.sock"
+DEFAULT_CLIENT = "spark"
+BATCH_ROWS = 64 * 1024
+BATCH_BYTES = 8 * 1024 * 1024
+MAX_ATTEMPT = 2**32 - 1  # TxnTag.attempt is a u32 on the wire
+BATCH_ID_PROPERTY = "streaming.sql.batchId"  # Spark's local property in micro-batch tasks
+# The driver's commit and abort are idempotent, so a daemon restart or a full WAL
+# in between is retried: 6 tries over ~15 s.
+DECIDE_TRIES = 6
+DECIDE_BACKOFF_S = 0.5
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """The writer's options, checked on the driver."""
+
+    paths: tuple[str, ...]
+    client: str = DEFAULT_CLIENT
+    batch_rows: int = BATCH_ROWS
+    batch_bytes: int = BATCH_BYTES
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> WriteOptions:
+        opts = {k.lower(): str(v) for k, v in options.items()}
+        listed = [p.strip() for p in opts.get("paths", "").split(",") if p.strip()]
+        single = opts.get("path") or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+        client = opts.get("client", DEFAULT_CLIENT)
+        problem = client_name_problem(client)
+        if problem is not None:
+            raise ValueError(f'option "client": {problem}')
+        return cls(paths=tuple(listed) or (single,), client=client,
+                   batch_rows=_int_option(opts, "batch_rows", BATCH_ROWS, 1, MAX_ROW_COUNT),
+                   batch_bytes=_int_option(opts, "batch_bytes", BATCH_BYTES, 1024, 2**40))
+
+    def path_for(self, partition: int) -> str:
+        return self.paths[partition % len(self.paths)]
+
+
+@dataclass
+class QuiverCommitMessage(WriterCommitMessage):
+    """What one task attempt wrote, for the driver's commit (the list index is the
+    partition). ``published_before``: a replayed micro-batch found its job committed
+    already and sent nothing."""
+
+    job_id: str
+    partition: int
+    task_attempt_id: int
+    attempt_number: int
+    stage_id: int
+    rows: int
+    checksum: int
+    node_id: str
+    shard: int
+    sequence: int
+    published_before: bool = False
+
+
+class QuiverWriter(DataSourceArrowWriter):
+    """A batch write: one job, committed or aborted once by the driver."""
+
+    def __init__(self, options: Mapping[str, str], overwrite: bool) -> None:
+        _refuse_overwrite(overwrite)
+        self.opts = WriteOptions.parse(options)
+        given = {k.lower(): v for k, v in options.items()}.get("job_id")
+        # Chosen here, on the driver, before Spark pickles the writer for the tasks
+        # and for commit/abort: all of them see the same id.
+        self.job_id = check_job_id(str(given) if given else uuid.uuid4().hex)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> QuiverCommitMessage:
+        return write_attempt(self.opts, self.job_id, iterator)
+
+    def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
+        winners = winners_of(messages, self.job_id)
+        _decide(self.opts, lambda c: c.commit_job(self.job_id, winners))
+
+    def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
+        reason = "Spark aborted the write: a task or the commit failed"
+        try:
+            _decide(self.opts, lambda c: c.abort_job(self.job_id, reason))
+        except JobConflict:
+            # Spark aborts after a commit that raised; if that commit was recorded
+            # (its answer lost), the rows are published and stay so.
+            _quiet_log().warning("spark_abort_found_job_committed", job_id=self.job_id)
+
+
+class QuiverStreamWriter(DataSourceStreamArrowWriter):
+    """A streaming write: micro-batch b is the job ``f"{query_id}-{b}"``."""
+
+    def __init__(self, options: Mapping[str, str], overwrite: bool) -> None:
+        _refuse_overwrite(overwrite)
+        self.opts = WriteOptions.parse(options)
+        self.query_id = query_id_of(options)
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> QuiverCommitMessage:
+        ctx = TaskContext.get()
+        batch_id = ctx.getLocalProperty(BATCH_ID_PROPERTY) if ctx is not None else None
+        if batch_id is None:
+            raise RuntimeError(f"no micro-batch id ({BATCH_ID_PROPERTY}) in this Spark task: "
+                               "QuiverStreamWriter.write runs in a streaming query's tasks")
+        job_id = stream_job_id(self.query_id, int(batch_id))
+        return write_attempt(self.opts, job_id, iterator, skip_if_committed=True)
+
+    def commit(self, messages: Sequence[WriterCommitMessage | None],
+               batchId: int) -> None:  # noqa: N803 - Spark's name
+        job_id = stream_job_id(self.query_id, batchId)
+        winners = winners_of(messages, job_id)
+        replay = any(isinstance(m, QuiverCommitMessage) and m.published_before
+                     for m in messages)
+
+        def commit(c: Client) -> None:
+            state = c.job_status(job_id)["state"]
+            if state == "committed":
+                return  # published before this replay: at most once
+            if replay:
+                raise JobConflict(f"micro-batch {batchId}: a task found job {job_id!r} "
+                                  f"committed, the driver finds it {state}")
+            try:
+                c.commit_job(job_id, winners)
+            except JobConflict as exc:
+                if c.job_status(job_id)["state"] != "committed":
+                    raise JobConflict(f"micro-batch {batchId} (job {job_id!r}): {exc}",
+                                      hint="an aborted or expired micro-batch cannot be "
+                                      "published under its id again: restart the query with "
+                                      "a new query_id / checkpoint") from exc
+
+        _decide(self.opts, commit)
+
+    def abort(self, messages: Sequence[WriterCommitMessage | None],
+              batchId: int) -> None:  # noqa: N803 - Spark's name
+        """Records nothing: see the module doc (a replay must be able to commit)."""
+
+
+def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBatch], *,
+                  skip_if_committed: bool = False) -> QuiverCommitMessage:
+    """Stream one task attempt's rows as tagged bundles, then its end marker."""
+    ctx = TaskContext.get()
+    if ctx is None:
+        raise RuntimeError("QuiverWriter.write runs inside a Spark task")
+    partition, attempt = ctx.partitionId(), ctx.taskAttemptId()
+    if attempt > MAX_ATTEMPT:
+        raise ValueError(f"Spark task attempt id {attempt} does not fit the u32 attempt of "
+                         "quiverd's protocol; restart the Spark application (task attempt "
+                         "ids count from 0 in each)")
+    message = QuiverCommitMessage(
+        job_id=job_id, partition=partition, task_attempt_id=attempt,
+        attempt_number=ctx.attemptNumber(), stage_id=ctx.stageId(), rows=0, checksum=0,
+        node_id="", shard=-1, sequence=-1)
+    with Client.connect(opts.path_for(partition)) as c:
+        if skip_if_committed:
+            state = c.job_status(job_id)["state"]
+            if state == "committed":  # a replayed micro-batch: published before
+                message.published_before = True
+                return message
+            if state in ("aborted", "expired"):
+                raise JobConflict(f"job {job_id!r} is {state}: this micro-batch cannot be "
+                                  "published under its id again",
+                                  hint="restart the query with a new query_id / checkpoint")
+        stream = AttemptStream(TxnTag(job_id=job_id, partition=partition, attempt=attempt,
+                                      row_offset=0))
+        limit = c.server.max_bundle_bytes
+        chunks = rechunk(batches, max_rows=opts.batch_rows,
+                         max_bytes=min(opts.batch_bytes, limit))
+        for _ in c.iter_send(stream.items(chunks, limit), client=opts.client):
+            pass
+        end = c.end_partition(job_id, partition, attempt, client=opts.client,
+                              rows=stream.rows, checksum=stream.checksum)
+    message.rows, message.checksum = stream.rows, stream.checksum
+    message.node_id, message.shard, message.sequence = end.node_id, end.shard, end.sequence
+    return message
+
+
+class AttemptStream:
+    """Bundles of one attempt: each tagged with the rows before it, checksummed as sent."""
+
+    def __init__(self, tag: TxnTag) -> None:
+        self.tag = tag
+        self.rows = 0
+        self.checksum = 0
+
+    def items(self, chunks: Iterable[list[pa.RecordBatch]], max_bundle_bytes: int
+              ) -> Iterator[tuple[IpcPayload, TxnTag]]:
+        for chunk in chunks:
+            for ipc, rows in encode_bounded(chunk, max_bundle_bytes):
+                tag = TxnTag(job_id=self.tag.job_id, partition=self.tag.partition,
+                             attempt=self.tag.attempt, row_offset=self.rows)
+                self.rows += rows
+                self.checksum = crc32c(ipc, self.checksum)
+                yield IpcPayload(ipc=ipc, rows=rows), tag
+
+
+def rechunk(batches: Iterable[pa.RecordBatch], *, max_rows: int, max_bytes: int
+            ) -> Iterator[list[pa.RecordBatch]]:
+    """Group (and slice, without copying) batches into chunks of at most ``max_rows``
+    rows and about ``max_bytes`` bytes, estimated from each batch's bytes per row."""
+    group: list[pa.RecordBatch] = []
+    rows = size = 0
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        row_bytes = max(1, batch.nbytes // batch.num_rows)
+        start = 0
+        while start < batch.num_rows:
+            fit = min(batch.num_rows - start, max_rows - rows, (max_bytes - size) // row_bytes)
+            if fit <= 0 and group:
+                yield group
+                group, rows, size = [], 0, 0
+                continue
+            fit = max(fit, 1)  # one row above max_bytes goes alone; the daemon judges it
+            group.append(batch.slice(start, fit))
+            rows, size, start = rows + fit, size + fit * row_bytes, start + fit
+    if group:
+        yield group
+
+
+def encode_bounded(group: list[pa.RecordBatch], limit: int) -> Iterator[tuple[memoryview, int]]:
+    """One IPC stream per chunk, halved by rows until each fits ``limit`` bytes."""
+    rows = sum(b.num_rows for b in group)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, group[0].schema) as writer:
+        for batch in group:
+            writer.write_batch(batch)
+    ipc = memoryview(sink.getvalue())
+    if ipc.nbytes <= limit or rows <= 1:
+        yield ipc, rows
+        return
+    head, tail = _split(group, rows // 2)
+    yield from encode_bounded(head, limit)
+    yield from encode_bounded(tail, limit)
+
+
+def _split(group: list[pa.RecordBatch], n: int) -> tuple[list[pa.RecordBatch],
+                                                          list[pa.RecordBatch]]:
+    head: list[pa.RecordBatch] = []
+    tail: list[pa.RecordBatch] = []
+    for batch in group:
+        take = min(max(n, 0), batch.num_rows)
+        if take:
+            head.append(batch.slice(0, take))
+        if take < batch.num_rows:
+            tail.append(batch.slice(take))
+        n -= take
+    return head, tail
+
+
+def winners_of(messages: Sequence[WriterCommitMessage | None], job_id: str) -> list[Winner]:
+    """One Winner per partition; a missing or foreign message refuses the commit."""
+    winners = []
+    for index, m in enumerate(messages):
+        if not isinstance(m, QuiverCommitMessage):
+            raise RuntimeError(f"partition {index} sent no commit message ({m!r}): the job "
+                               "is not committed, so none of it is published")
+        if m.job_id != job_id:
+            raise RuntimeError(f"partition {index} wrote job {m.job_id!r}, not {job_id!r}")
+        winners.append(Winner(partition=m.partition, attempt=m.task_attempt_id, rows=m.rows,
+                              checksum=m.checksum))
+    return winners
+
+
+def query_id_of(options: Mapping[str, str]) -> str:
+    opts = {k.lower(): str(v) for k, v in options.items()}
+    if opts.get("query_id"):
+        query_id = opts["query_id"]
+    elif opts.get("checkpointlocation"):
+        location = opts["checkpointlocation"].rstrip("/")
+        query_id = "ckpt-" + hashlib.sha256(location.encode()).hexdigest()[:32]
+    else:
+        raise ValueError('a streaming write to quiver needs a stable query id: set option '
+                         '"query_id" (or "checkpointLocation", which it is derived from); '
+                         "micro-batch b is committed as job f'{query_id}-{b}'")
+    if len(query_id.encode()) > MAX_JOB_ID_BYTES - 21:  # room for "-" and a batch id
+        raise ValueError(f'option "query_id" is longer than {MAX_JOB_ID_BYTES - 21} bytes')
+    return query_id
+
+
+def stream_job_id(query_id: str, batch_id: int) -> str:
+    return check_job_id(f"{query_id}-{batch_id}")
+
+
+def _decide(opts: WriteOptions, decide: Callable[[Client], T]) -> T:
+    """Run a commit/abort on paths[0], retried while the daemon is away or full."""
+    for attempt in range(DECIDE_TRIES):
+        try:
+            with Client.connect(opts.paths[0], timeout=60) as c:
+                return decide(c)
+        except (QuiverError, ConnectionError) as exc:
+            retryable = exc.retryable if isinstance(exc, QuiverError) else True
+            if not retryable or attempt == DECIDE_TRIES - 1:
+                raise
+            time.sleep(DECIDE_BACKOFF_S * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def _refuse_overwrite(overwrite: bool) -> None:
+    if overwrite:
+        raise ConfigError("mode", "quiverd only appends: write with mode('append') (or "
+                          "outputMode('append') when streaming)")
+
+
+def _int_option(opts: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    text = opts.get(name, "")
+    try:
+        value = int(text) if text else default
+    except ValueError:
+        raise ValueError(f'option "{name}" must be an integer, not {text!r}') from None
+    if not low <= value <= high:
+        raise ValueError(f'option "{name}" must be between {low} and {high}, not {value}')
+    return value
+
+
+def _quiet_log() -> Logger:
+    """Warnings and errors to stderr: a Spark worker's stdout is not ours to print on."""
+    logger: Logger = structlog.wrap_logger(
+        structlog.PrintLogger(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()])
+    return logger.bind(component="spark_writer")
