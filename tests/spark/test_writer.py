@@ -298,3 +298,23 @@ def test_writer_streaming_replayed_micro_batch_is_published_once(
     assert second is not None and sums(second) == sums(id_table(500, 800))
     assert d.stop() == 0
     shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+def test_writer_paths_spread_partitions_over_daemons_sharing_one_catalog(
+        daemon_factory: Any, spark: Any, pg_catalog_dsn: str) -> None:
+    # Two "hosts": each daemon takes the partitions p % 2 of its place in ``paths``; the
+    # commit goes to the first, and the shared catalog carries it to the second.
+    shared = {"catalog.dsn": pg_catalog_dsn, "lake.enabled": False}
+    a, b = start(daemon_factory, "a", **shared), start(daemon_factory, "b", **shared)
+    df = hashed(spark, 4_000, 4)
+    want = sums(df.toArrow())
+    w = df.write.format("quiver").mode("append").option("paths", f"{a.socket},{b.socket}")
+    w.option("job_id", "spread").save()
+    on_a, on_b = published(a, rows=2_000), published(b, rows=2_000)
+    assert on_a is not None and on_b is not None
+    assert sums(pa.concat_tables([on_a, on_b])) == want
+    assert on_a.num_rows == on_b.num_rows == 2_000  # partitions 0, 2 on a; 1, 3 on b
+    with Client.connect(b.socket) as c:
+        assert c.job_status("spread")["state"] == "committed"
+    for d in (a, b):
+        assert d.stop() == 0
