@@ -175,13 +175,12 @@ class Connection:
             await self.window.acquire()
             self.inflight[frame.request_id] = nbytes
             if frame.txn is not None:
+                refusal, code = await self._staging_refusal(frame)
                 self.attempts.took(frame, sum(s.row_count for s in slots))
-                refusal = server.jobs.refusal() if server.jobs else ""
                 if refusal:  # never acked; the attempt can no longer end
                     server.stats.bundles.inc()
                     self.replies.send_nowait(protocol.Error(
-                        request_id=frame.request_id, code=ErrorCode.AT_CAPACITY,
-                        message=refusal))
+                        request_id=frame.request_id, code=code, message=refusal))
                     continue
             bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
             req = AppendRequest(request_id=frame.request_id, bundle=bundle, reply=self.replies)
@@ -214,6 +213,21 @@ class Connection:
                         await self.stream.send(frames)
                 except anyio.BrokenResourceError:
                     self._hang_up()  # the reader sees end of stream and finishes up
+
+    async def _staging_refusal(self, frame: protocol.BundleFrame) -> tuple[str, ErrorCode]:
+        """Why a tagged bundle is refused: its job was decided before its attempt began
+        here (a straggler or a replay), or undecided jobs fill the size cap."""
+        jobs_ = self.server.jobs
+        if jobs_ is None:
+            return "", ErrorCode.INTERNAL
+        key = _key(frame)
+        if self.attempts.is_new(frame):
+            decided = await jobs_.refusal_for(key[0])
+            if decided:
+                self.attempts.decided[key] = decided
+        if key in self.attempts.decided:
+            return self.attempts.decided[key], ErrorCode.JOB_CONFLICT
+        return jobs_.refusal(), ErrorCode.AT_CAPACITY
 
     async def _job(self, frame: JobRequest) -> None:
         """One JOB request: an end marker goes the bundles' way (WAL, then JOB_OK);
@@ -295,6 +309,11 @@ def _encode_reply(reply: ProducerReply) -> bytes:
     if isinstance(reply, protocol.Ack):
         return protocol.encode_ack(reply.request_id, reply.shard, reply.sequence)
     return protocol.encode_error(reply.request_id, reply.code, reply.message)
+
+
+def _key(frame: protocol.BundleFrame) -> tuple[str, int, int]:
+    assert frame.txn is not None
+    return (frame.txn.job_id, frame.txn.partition, frame.txn.attempt)
 
 
 def _with_hint(exc: Exception) -> str:

@@ -42,6 +42,7 @@ class JobService(Protocol):
     async def abort(self, job_id: str, reason: str = "") -> tuple[JobDecision, bool]: ...
     async def lookup(self, job_id: str) -> dict[str, Any]: ...
     def refusal(self) -> str: ...
+    async def refusal_for(self, job_id: str) -> str: ...
 
 
 class EndPartition(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -108,8 +109,13 @@ class Attempts:
     rows: dict[Key, int] = field(default_factory=dict)  # next row_offset expected
     broken: dict[Key, str] = field(default_factory=dict)  # why it can never end
     ended: set[Key] = field(default_factory=set)
+    decided: dict[Key, str] = field(default_factory=dict)  # job decided before it began
     pending: dict[int, Key] = field(default_factory=dict)  # request_id -> attempt in flight
     answered: Changes = field(default_factory=Changes)
+
+    def is_new(self, frame: BundleFrame) -> bool:
+        txn = frame.txn
+        return txn is not None and (txn.job_id, txn.partition, txn.attempt) not in self.rows
 
     def took(self, frame: BundleFrame, rows: int) -> None:
         """A tagged bundle handed to a shard (call in submission order)."""

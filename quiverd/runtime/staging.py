@@ -181,6 +181,23 @@ class Staging:
             out.update(staged_bundles=job.bundles, ended_attempts=len(job.ends))
         return out
 
+    async def refusal_for(self, job_id: str) -> str:
+        """Why a new attempt of ``job_id`` is refused ("" = taken): its job is decided.
+
+        A decided job's winners were complete before the decision, so anything that
+        arrives later can only be a straggler or a replay, whose task attempt ids may
+        repeat the winners' (Spark counts them from 0 in every application)."""
+        decision = self.decisions.get(job_id)
+        if decision is None and self.catalog is not None:
+            try:
+                decision = (await self.catalog.job_decisions([job_id])).get(job_id)
+            except (CatalogUnavailable, LakeError, OSError):
+                return ""  # staged, and decided later like any other
+        if decision is None:
+            return ""
+        return (f"job {job_id!r} is already {decision.state} ({_describe(decision)}): "
+                "rows sent for it now are never published")
+
     async def lookup(self, job_id: str) -> dict[str, Any]:
         """``job_status``, asking the catalog first when nothing is known here."""
         if job_id not in self.decisions and self.catalog is not None:

@@ -175,3 +175,18 @@ def test_staged_rows_over_half_the_size_cap_are_refused_not_left_hanging(daemon_
     with Client.connect(d.socket) as c:
         write_attempt(c, "big3", 0, 1, [1])  # room again
     assert d.stop() == 0
+
+
+def test_a_replay_after_the_commit_reusing_the_winners_attempt_id_is_refused(daemon_factory):
+    # Spark counts task attempt ids from 0 in every application: a micro-batch replayed
+    # after a restart can carry the winner's (partition, attempt) and the same rows.
+    d = daemon_factory(FAST).start()
+    add(d, "x")
+    with Client.connect(d.socket) as c:
+        w = write_attempt(c, "q-7", 0, 0, [1, 2])
+        c.commit_job("q-7", [w] if w else [])
+    assert tags_of(consume(d, "x", want=10, idle_s=1.5)) == [1, 2]
+    with Client.connect(d.socket) as c, pytest.raises(JobConflict, match="already committed"):
+        write_attempt(c, "q-7", 0, 0, [1, 2])
+    assert tags_of(consume(d, "x", want=10, idle_s=1.0)) == []
+    assert d.stop() == 0
