@@ -50,6 +50,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import pyarrow as pa
@@ -96,6 +97,11 @@ class WriteOptions:
     client: str = DEFAULT_CLIENT
     batch_rows: int = BATCH_ROWS
     batch_bytes: int = BATCH_BYTES
+    # Tests only: commit() writes <dir>/ready and waits for <dir>/go, so that a test can
+    # kill the daemon between the tasks' writes and the driver's commit.
+    commit_gate: str = ""
+    # Tests only: (partition, attemptNumber) that fails right after its end marker.
+    fail_after_end: tuple[int, int] | None = None
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> WriteOptions:
@@ -108,7 +114,9 @@ class WriteOptions:
             raise ValueError(f'option "client": {problem}')
         return cls(paths=tuple(listed) or (single,), client=client,
                    batch_rows=_int_option(opts, "batch_rows", BATCH_ROWS, 1, MAX_ROW_COUNT),
-                   batch_bytes=_int_option(opts, "batch_bytes", BATCH_BYTES, 1024, 2**40))
+                   batch_bytes=_int_option(opts, "batch_bytes", BATCH_BYTES, 1024, 2**40),
+                   commit_gate=opts.get("_commit_gate", ""),
+                   fail_after_end=_pair(opts.get("_fail_after_end", "")))
 
     def path_for(self, partition: int) -> str:
         return self.paths[partition % len(self.paths)]
@@ -149,6 +157,7 @@ class QuiverWriter(DataSourceArrowWriter):
 
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         winners = winners_of(messages, self.job_id)
+        _wait_at_gate(self.opts.commit_gate)
         _decide(self.opts, lambda c: c.commit_job(self.job_id, winners))
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
@@ -244,6 +253,12 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
                               rows=stream.rows, checksum=stream.checksum)
     message.rows, message.checksum = stream.rows, stream.checksum
     message.node_id, message.shard, message.sequence = end.node_id, end.shard, end.sequence
+    if opts.fail_after_end == (partition, ctx.attemptNumber()):
+        # Tests only: a complete attempt (end marker durable) whose commit message never
+        # reaches the driver, as a speculative copy that lost the race (Spark local mode
+        # never speculates).
+        raise RuntimeError(f"_fail_after_end: partition {partition} attempt "
+                           f"{ctx.attemptNumber()} fails after its end marker")
     return message
 
 
@@ -366,6 +381,22 @@ def _decide(opts: WriteOptions, decide: Callable[[Client], T]) -> T:
                 raise
             time.sleep(DECIDE_BACKOFF_S * 2**attempt)
     raise AssertionError("unreachable")
+
+
+def _pair(text: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    a, _, b = text.partition(":")
+    return int(a), int(b)
+
+
+def _wait_at_gate(gate: str, timeout_s: float = 120.0) -> None:
+    if not gate:
+        return
+    (Path(gate) / "ready").touch()
+    deadline = time.monotonic() + timeout_s
+    while not (Path(gate) / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _refuse_overwrite(overwrite: bool) -> None:
