@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -32,6 +33,14 @@ def segment(seq: int, refs: list[StagedRef], *, ts_ns: int | None = None) -> Seg
                        min_ts_ns=ts, max_ts_ns=ts, staged=dict(enumerate(refs)))
 
 
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    with anyio.fail_after(timeout_s):
+        for _ in itertools.count():
+            if predicate():
+                return
+            await anyio.sleep(0.02)
+
+
 @asynccontextmanager
 async def running(tmp_path: Path, **staging: int) -> AsyncIterator[Staging]:
     cfg = Config(data_dir=str(tmp_path),
@@ -39,9 +48,7 @@ async def running(tmp_path: Path, **staging: int) -> AsyncIterator[Staging]:
     s = Staging(cfg, metrics=Metrics())
     async with anyio.create_task_group() as tg:
         await tg.start(s.run)
-        with anyio.fail_after(5):
-            while s.catalog is None:
-                await anyio.sleep(0.01)
+        await eventually(lambda: s.catalog is not None)
         yield s
         tg.cancel_scope.cancel()
 
@@ -97,9 +104,7 @@ async def test_a_decision_made_elsewhere_is_found_by_polling(tmp_path: Path) -> 
     async with running(tmp_path) as a, running(tmp_path) as b:  # one catalog file, two nodes
         b.add_segment(segment(1, [ref("j", 0, 1), ref("j", 0, 1, (1, 1))]))
         await a.commit("j", [Winner(partition=0, attempt=1, rows=1, checksum=1)])
-        with anyio.fail_after(5):
-            while b.verdict(ref("j", 0, 1)) is Verdict.HOLD:
-                await anyio.sleep(0.02)
+        await eventually(lambda: b.verdict(ref("j", 0, 1)) is not Verdict.HOLD)
         assert b.verdict(ref("j", 0, 1)) is Verdict.PUBLISH
 
 
@@ -111,9 +116,7 @@ async def test_an_undecided_job_expires_after_the_ttl_and_leaves_with_its_segmen
         info = segment(1, [ref("old", 0, 1)], ts_ns=old)
         s.add_segment(info)
         s.add_segment(segment(2, [ref("new", 0, 1)]))
-        with anyio.fail_after(5):
-            while "old" not in s.decisions:
-                await anyio.sleep(0.02)
+        await eventually(lambda: "old" in s.decisions)
         assert s.decisions["old"].state == "expired"
         assert s.verdict(ref("old", 0, 1)) is Verdict.DISCARD
         assert s.verdict(ref("new", 0, 1)) is Verdict.HOLD
