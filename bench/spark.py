@@ -390,10 +390,13 @@ class SinkWriter(DataSourceArrowWriter):
 
 # ---- report ----------------------------------------------------------------------------
 def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
-    """Best wall time per side and their ratio; medians of the rest."""
-    q = [r["quiver"] for r in runs]
-    p = [r["parquet"] for r in runs]
-    k = [r["sink"] for r in runs]
+    """Best wall time per side and their ratio, medians of the rest, over the rounds no
+    other process disturbed (over every round when each was disturbed)."""
+    quiet = [r for r in runs if _others(r) <= BUSY_CORES]
+    counted = quiet or runs
+    q = [r["quiver"] for r in counted]
+    p = [r["parquet"] for r in counted]
+    k = [r["sink"] for r in counted]
     best_q = min(x["seconds"] for x in q)
     best_p = min(x["seconds"] for x in p)
     best_k = min(x["seconds"] for x in k)
@@ -402,6 +405,7 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
         "quiver_rows_s": rows / best_q, "parquet_rows_s": rows / best_p,
         "sink_s": best_k, "sink_ratio": best_k / best_p, "quiver_over_sink": best_q / best_k,
         "ratio_per_round": [r["quiver"]["seconds"] / r["parquet"]["seconds"] for r in runs],
+        "others_per_round": [_others(r) for r in runs],
         "to_queryable_s": statistics.median(x["to_queryable_s"] for x in q),
         "timer_wait_s": statistics.median(x["timer_wait_s"] for x in q),
         "read_s": (statistics.median(x["read_s"] for x in q)
@@ -418,14 +422,21 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
         "sink_cpu_s": statistics.median(x["cpu_s"] for x in k),
         "lake_bytes": q[0]["parquet_bytes"], "parquet_bytes": p[0]["bytes"],
         "files": q[0]["files"], "rotations": q[0]["rotations"],
-        "other_cores": max(x["other_cores"] for x in q + p + k), "runs": runs,
+        "other_cores": max(x["other_cores"] for x in q + p + k),
+        "rounds_counted": [r["repeat"] for r in counted], "disturbed": not quiet,
+        "runs": runs,
     }
+
+
+def _others(run: dict[str, Any]) -> float:
+    """The most CPU processes outside the bench used during one of the round's writes."""
+    return max(run[side]["other_cores"] for side in SIDES)
 
 
 def _line(run: dict[str, Any]) -> str:
     q, p, k = run["quiver"], run["parquet"], run["sink"]
     why = ", ".join(f"{n} {reason}" for reason, n in sorted(q["rotations"].items()))
-    others = max(q["other_cores"], p["other_cores"], k["other_cores"])
+    others = _others(run)
     cores = {role: s / q["seconds"] for role, s in q["cpu_by_role_s"].items()}
     return (f"round #{run['repeat']} ({' > '.join(run['order'])}): quiver {q['seconds']:.2f} s "
             f"(cores: JVM {cores['jvm']:.2f}, Python {cores['python']:.2f}, daemon "
@@ -467,12 +478,15 @@ def report(meta: dict[str, Any], r: dict[str, Any]) -> str:
         f"| {'-' if r['read_s'] is None else format(r['read_s'], '.1f')} |",
         "",
         ("MET" if r["ratio"] <= TARGET_RATIO else "NOT MET")
-        + f": quiver / parquet {r['ratio']:.2f}× on the best of each side "
-        f"(per round: {', '.join(f'{x:.2f}×' for x in r['ratio_per_round'])}); Spark's Python "
-        f"data source path alone (sink) {r['sink_ratio']:.2f}×, quiver / sink "
-        f"{r['quiver_over_sink']:.2f}×"
-        + (f"; OTHER PROCESSES used up to {r['other_cores']:.2f} cores during a write"
-           if r["other_cores"] > BUSY_CORES else ""),
+        + f": quiver / parquet {r['ratio']:.2f}× on the best of each side over round(s) "
+        f"{', '.join(f'#{n}' for n in r['rounds_counted'])} (per round: "
+        + ", ".join(f"{x:.2f}×" + (f" OTHERS {o:.2f}" if o > BUSY_CORES else "")
+                    for x, o in zip(r["ratio_per_round"], r["others_per_round"], strict=True))
+        + f"); Spark's Python data source path alone (sink) {r['sink_ratio']:.2f}×, quiver "
+        f"/ sink {r['quiver_over_sink']:.2f}×"
+        + ("; EVERY ROUND WAS DISTURBED by other processes (up to "
+           f"{r['other_cores']:.2f} cores): rerun on a quiet machine" if r["disturbed"]
+           else ""),
     ])
 
 
