@@ -8,7 +8,8 @@
     → JOB {"op": "status", "job_id"}  ← JOB_OK {"job_id", "state", ...}
 
 An end marker is written only for an attempt whose bundles this connection took
-with contiguous row offsets from 0 up to ``rows``, every one of them acked: a
+with contiguous row offsets from 0 up to ``rows`` (a bundle counts the rows of all its
+slots, as the frame's end check does), every one of them acked: a
 refused, out-of-order or missing bundle leaves the attempt without a marker, so it
 is never published. Contradicting a recorded decision is JOB_CONFLICT.
 """

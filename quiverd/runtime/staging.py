@@ -258,11 +258,14 @@ class Staging:
                             await self._poll(catalog)
                     finally:
                         self.catalog = None
-            except (CatalogUnavailable, LakeError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - staging must never stop ingest
+                # CatalogUnavailable is the expected one; anything else (a driver error
+                # the catalog did not translate) is logged with its type and retried too.
                 attempt += 1
                 delay = random.uniform(0.5, 1.0) * min(RETRY_MAX_S, 0.5 * 2 ** attempt)
                 self.state = f"waiting for the catalog: {exc}"
                 self.log.error("staging_catalog_unavailable", error=str(exc),
+                               error_type=type(exc).__name__,
                                retry_in_s=round(delay, 1), undecided_jobs=self._undecided(),
                                hint="staged rows stay held (durable) until decisions can be "
                                "read; commits and aborts fail meanwhile")
@@ -274,8 +277,9 @@ class Staging:
             async with catalog.job_notifications() as feed:
                 async for _job_id in feed:
                     self._kick.set()
-        except (CatalogUnavailable, LakeError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - polling goes on without the feed
             self.log.warning("staging_notifications_lost", error=str(exc),
+                             error_type=type(exc).__name__,
                              hint="decisions are still found by polling")
 
     async def _poll(self, catalog: Any) -> None:

@@ -63,5 +63,6 @@ def read_parquet(spark: Any, config: str, *, client: str, slot: int = 0,
     spark.conf.set(NANOS_AS_LONG, "true")
     df = spark.read.option("mergeSchema", "true").parquet(*paths)
     for name in sorted(nanos):
-        df = df.withColumn(name, F.timestamp_micros(F.floor(F.col(name) / 1000)))
+        # Integer division: a double would round 19-digit nanoseconds.
+        df = df.withColumn(name, F.timestamp_micros(F.expr(f"div(`{name}`, 1000)")))
     return df

@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from quiverd.client.producer import Client, TxnTag
+from quiverd.kernel.jobs import Winner
 from tests.daemon.helpers import tagged_table
 
 FAST = {"segment.max_open_duration_ms": 100}
@@ -145,6 +146,10 @@ def test_subscribe_out_writes_durable_files_equal_to_the_sent_tables(daemon_fact
             sent[tag] = slots
             txn = TxnTag(job_id="job", partition=tag, attempt=0, row_offset=0)
             c.send(slots, client=f"w{tag}", txn=txn)
+            # Staged until committed (SPEC §7); a bundle counts every slot's rows.
+            c.end_partition("job", tag, 0, client=f"w{tag}", rows=23, checksum=tag)
+        c.commit_job("job", [Winner(partition=t, attempt=0, rows=23, checksum=t)
+                             for t in range(5)])
 
     out = tmp_path / "out"
     proc = consume(d, "files", "--out", str(out), "--timeout", "2", "--json")
