@@ -307,10 +307,38 @@ def open_object(p: FilePartition) -> pa.PythonFile:
     op = op.layer(RetryLayer(max_times=max(p.max_attempts - 1, 0), jitter=True))
     op = op.layer(TimeoutLayer(timeout=timeout_s, io_timeout=timeout_s))
     try:
-        return pa.PythonFile(op.open(p.key, "rb"), mode="r")
+        return pa.PythonFile(FullReads(op.open(p.key, "rb")), mode="r")
     except opendal.exceptions.NotFound:
         raise FileNotFoundError(f"lake object {p.key!r} is gone: compacted away since "
                                 "the read was planned? Run the query again") from None
+
+
+class FullReads:
+    """An OpenDAL file whose ``read(n)`` returns n bytes unless the object ends first.
+
+    OpenDAL's ``File.read(n)`` returns at most one chunk (2 MiB in 0.47), and pyarrow
+    takes a short read for the end of the file: a row group over 2 MiB then failed with
+    "File too short". Everything else is the wrapped file's.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            return bytes(self.raw.read())
+        parts: list[bytes] = []
+        want = size
+        while want > 0:
+            chunk = bytes(self.raw.read(want))
+            if not chunk:
+                break
+            parts.append(chunk)
+            want -= len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
 
 
 # ---- types: the lake's Arrow as Spark's ---------------------------------------------------

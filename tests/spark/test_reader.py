@@ -283,3 +283,25 @@ def test_reader_prune_keeps_exactly_the_files_a_row_of_may_pass() -> None:
     assert to_bound(_filter("StringContains", "n", 1), schema) is None
     assert may_match(row, [zone], [Bound(column="n", op="EqualTo", values=(("x", "x"),))],
                      INGESTED_AT)  # a zone map of another kind (the column changed type)
+
+
+def test_reader_reads_row_groups_larger_than_one_opendal_chunk(tmp_path: Path) -> None:
+    # OpenDAL's File.read(n) returns at most 2 MiB; pyarrow took that for the end of the
+    # file, so every lake file with a row group over 2 MiB failed ("File too short").
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from quiverd.spark.reader import FilePartition, open_object
+
+    table = pa.table({"x": np.random.default_rng(1).random(1_500_000),
+                      "s": pa.array([f"row {i}" for i in range(1_500_000)])})
+    pq.write_table(table, tmp_path / "big.parquet", row_group_size=2_000_000,
+                   compression="none")
+    assert (tmp_path / "big.parquet").stat().st_size > 8 * 2**20
+    part = FilePartition(key="big.parquet", scheme="fs", store_options={"root": str(tmp_path)},
+                         timeout_ms=30_000, max_attempts=1)
+    source = open_object(part)
+    try:
+        assert pq.read_table(source).equals(table)
+    finally:
+        source.close()
