@@ -57,3 +57,13 @@ class _JournalPriority:
     def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> str:
         level = str(event.get("level", method))
         return f"<{_PRIORITY.get(level, 6)}>{self.inner(logger, method, event)}"
+
+
+def quiet(component: str) -> Logger:
+    """Warnings and errors as JSON lines on stderr, whatever ``configure`` set: for code
+    running inside another program (a Spark worker's stdout is not ours to print on)."""
+    logger: Logger = structlog.wrap_logger(
+        structlog.PrintLogger(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()])
+    return logger.bind(component=component)

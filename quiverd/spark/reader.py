@@ -53,9 +53,7 @@ reader with ``pushFilters`` otherwise (``quiverd.spark.register`` sets it).
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -67,7 +65,6 @@ import opendal
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import structlog
 from opendal.layers import RetryLayer, TimeoutLayer
 
 try:
@@ -77,6 +74,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("quiverd.spark needs pyspark 4: pip install 'quiverd[spark]'") from exc
 
+from quiverd.kernel import logs
 from quiverd.kernel.config import Config, load
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
@@ -376,9 +374,4 @@ def _trace(directory: Path, key: str) -> None:
 
 
 def _quiet_log() -> Logger:
-    """Warnings and errors to stderr: a Spark worker's stdout is not ours to print on."""
-    logger: Logger = structlog.wrap_logger(
-        structlog.PrintLogger(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()])
-    return logger.bind(component="spark_reader")
+    return logs.quiet("spark_reader")

@@ -43,9 +43,7 @@ quiverd only appends: ``mode("overwrite")`` and Complete output mode are refused
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -54,7 +52,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import pyarrow as pa
-import structlog
 
 try:
     from pyspark import TaskContext
@@ -67,6 +64,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("quiverd.spark needs pyspark 4: pip install 'quiverd[spark]'") from exc
 
 from quiverd.client import Client, IpcPayload
+from quiverd.kernel import logs
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ConfigError, JobConflict, QuiverError
@@ -417,9 +415,4 @@ def _int_option(opts: Mapping[str, str], name: str, default: int, low: int, high
 
 
 def _quiet_log() -> Logger:
-    """Warnings and errors to stderr: a Spark worker's stdout is not ours to print on."""
-    logger: Logger = structlog.wrap_logger(
-        structlog.PrintLogger(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()])
-    return logger.bind(component="spark_writer")
+    return logs.quiet("spark_writer")

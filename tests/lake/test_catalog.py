@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ import anyio
 import asyncpg
 import msgspec
 import pytest
-import pytest_asyncio
 
 from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import CatalogUnavailable
@@ -33,49 +31,8 @@ from quiverd.lake.catalog import (
 )
 from quiverd.lake.catalog_sql import FILE_COLUMNS, numbered
 from quiverd.lake.model import REGISTERED, Coverage, FileRow, FileState, ZoneMap
+from tests.lake.catalogs import Log, Opener, Target
 from tests.services.postgres import PostgresServer
-
-Target = tuple[CatalogConfig, Path]
-Opener = Callable[[], Awaitable[Catalog]]
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def info(self, event: str, **kw: Any) -> None:
-        self.events.append((event, kw))
-
-    warning = error = info
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
-    """Where the catalog lives: an empty PostgreSQL database or a new SQLite file."""
-    if request.param == "postgresql":
-        return CatalogConfig(dsn=request.getfixturevalue("pg_catalog_dsn")), tmp_path / "unused"
-    return CatalogConfig(), tmp_path / "catalog.sqlite"
-
-
-@pytest_asyncio.fixture
-async def open_more(target: Target) -> AsyncIterator[Opener]:
-    """Opens (and starts) more catalogs on the same database; all closed at teardown."""
-    opened: list[Catalog] = []
-
-    async def open_one() -> Catalog:
-        cat = open_catalog(target[0], target[1], log=Log())
-        opened.append(cat)
-        await cat.start()
-        return cat
-
-    yield open_one
-    for cat in opened:
-        await cat.close()
-
-
-@pytest_asyncio.fixture
-async def catalog(open_more: Opener) -> Catalog:
-    return await open_more()
 
 
 def row(file_id: str, *, client: str = "c1", start_ts: int = 0, end_ts: int = 10,

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import asyncpg
 import pytest
-import pytest_asyncio
 
 from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import CatalogUnavailable
@@ -26,49 +24,9 @@ from quiverd.lake.catalog import Catalog, open_catalog
 from quiverd.lake.catalog_jobs import INSERT_JOB, decision_values
 from quiverd.lake.catalog_sql import numbered
 from quiverd.lake.model import Coverage, FileRow
+from tests.lake.catalogs import Log, Opener, Target
 
-Target = tuple[CatalogConfig, Path]
-Opener = Callable[[], Awaitable[Catalog]]
 U64_MAX = 2**64 - 1
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def info(self, event: str, **kw: Any) -> None:
-        self.events.append((event, kw))
-
-    warning = error = info
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
-    """Where the catalog lives: an empty PostgreSQL database or a new SQLite file."""
-    if request.param == "postgresql":
-        return CatalogConfig(dsn=request.getfixturevalue("pg_catalog_dsn")), tmp_path / "unused"
-    return CatalogConfig(), tmp_path / "catalog.sqlite"
-
-
-@pytest_asyncio.fixture
-async def open_more(target: Target) -> AsyncIterator[Opener]:
-    """Opens (and starts) more catalogs on the same database; all closed at teardown."""
-    opened: list[Catalog] = []
-
-    async def open_one() -> Catalog:
-        cat = open_catalog(target[0], target[1], log=Log())
-        opened.append(cat)
-        await cat.start()
-        return cat
-
-    yield open_one
-    for cat in opened:
-        await cat.close()
-
-
-@pytest_asyncio.fixture
-async def catalog(open_more: Opener) -> Catalog:
-    return await open_more()
 
 
 def commit(job_id: str, *winners: Winner, at: int = 0, by: str = "n1") -> JobDecision:
