@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,12 @@ from quiverd.spark.writer import (  # noqa: E402
     query_id_of,
     rechunk,
     winners_of,
+)
+from tests.daemon.lake_helpers import (  # noqa: E402
+    FAST_LAKE,
+    assert_exactly_once,
+    lake_contents,
+    wait_for_lake,
 )
 from tests.daemon.test_metrics import scrape, total  # noqa: E402
 
@@ -197,12 +204,19 @@ def test_writer_one_million_rows_published_exactly_once(daemon_factory: Any, spa
                                                         ) -> None:
     from pyspark.sql import functions as F
 
-    d = start(daemon_factory)
+    # The lake on too: the uploader is a subscriber like x, and uploads exactly once.
+    d = start(daemon_factory, **{**FAST_LAKE, "lake.enabled": True})
     df = hashed(spark, 1_000_000, 4)
     want = df.agg(F.count("*"), F.sum("h")).first()
     write(df, d, client="spark-1m", job_id="million")
     got = published(d, rows=1_000_000)
     assert got is not None and sums(got) == (want[0], want[1], 1_000_000)
+    sent = Counter({("spark-1m", 0): 1_000_000})
+    wait_for_lake(d, sent)
+    rows, tables = lake_contents(d)
+    assert_exactly_once(rows, tables, sent)
+    uploaded = pa.concat_tables(t.select(["id", "h"]) for t in tables.values())
+    assert sums(uploaded) == (want[0], want[1], 1_000_000)
     with Client.connect(d.socket) as c:
         status = c.job_status("million")
     assert status["state"] == "committed" and len(status["winners"]) == 4
