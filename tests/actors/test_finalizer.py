@@ -30,16 +30,7 @@ from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.reader import SegmentReader
 from quiverd_actors import finalizer
 from quiverd_actors.messages import SealedSegment, SealReason, SegmentWritten, WalReleased
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def info(self, event: str, **kw: Any) -> None:
-        self.events.append((event, kw))
-
-    warning = error = info
+from tests.recording import Log
 
 
 def bundle(seq: int) -> Bundle:

@@ -4,20 +4,34 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+
+import anyio
 
 from quiverd.kernel.config import CatalogConfig
-from quiverd.lake.catalog import Catalog
+from quiverd.lake.catalog import Catalog, Notifications
+from tests.recording import Log
+
+__all__ = ["Log", "Opener", "Target", "heard_until_closed"]
 
 Target = tuple[CatalogConfig, Path]
 Opener = Callable[[], Awaitable[Catalog]]
 
 
-class Log:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
+async def heard_until_closed(catalog: Catalog, feed: Notifications,
+                             trigger: Callable[[], Awaitable[object]]) -> list[str]:
+    """What ``feed`` delivers for ``trigger``, draining until ``catalog.close()`` ends it."""
+    received: list[str] = []
+    got_one = anyio.Event()
 
-    def info(self, event: str, **kw: Any) -> None:
-        self.events.append((event, kw))
+    async def drain() -> None:
+        async for item in feed:
+            received.append(item)
+            got_one.set()
 
-    warning = error = info
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drain)
+            await trigger()
+            await got_one.wait()
+            await catalog.close()  # drain's loop ends: the task group can exit
+    return received

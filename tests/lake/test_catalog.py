@@ -31,7 +31,7 @@ from quiverd.lake.catalog import (
 )
 from quiverd.lake.catalog_sql import FILE_COLUMNS, numbered
 from quiverd.lake.model import REGISTERED, Coverage, FileRow, FileState, ZoneMap
-from tests.lake.catalogs import Log, Opener, Target
+from tests.lake.catalogs import Log, Opener, Target, heard_until_closed
 from tests.services.postgres import PostgresServer
 
 
@@ -380,21 +380,8 @@ async def test_catalog_notifications_receive_registered_ids_across_connections(
 @pytest.mark.asyncio
 async def test_catalog_notifications_end_when_catalog_closed(catalog: Catalog) -> None:
     feed = await catalog.notifications()
-    received: list[str] = []
-    got_one = anyio.Event()
-
-    async def drain() -> None:
-        async for file_id in feed:
-            received.append(file_id)
-            got_one.set()
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(drain)
-            await catalog.register(row("A"), [cov(1, 0)])
-            await got_one.wait()
-            await catalog.close()  # drain's loop ends: the task group can exit
-    assert received == ["A"]
+    assert await heard_until_closed(
+        catalog, feed, lambda: catalog.register(row("A"), [cov(1, 0)])) == ["A"]
     with pytest.raises(RuntimeError):
         await catalog.start()
 

@@ -24,7 +24,7 @@ from quiverd.lake.catalog import Catalog, open_catalog
 from quiverd.lake.catalog_jobs import INSERT_JOB, decision_values
 from quiverd.lake.catalog_sql import numbered
 from quiverd.lake.model import Coverage, FileRow
-from tests.lake.catalogs import Log, Opener, Target
+from tests.lake.catalogs import Log, Opener, Target, heard_until_closed
 
 U64_MAX = 2**64 - 1
 
@@ -200,21 +200,8 @@ async def test_job_notifications_receive_decided_job_ids(
 @pytest.mark.asyncio
 async def test_job_notifications_end_when_catalog_closed(catalog: Catalog) -> None:
     feed = await catalog.job_notifications()
-    received: list[str] = []
-    got_one = anyio.Event()
-
-    async def drain() -> None:
-        async for job_id in feed:
-            received.append(job_id)
-            got_one.set()
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(drain)
-            await catalog.decide_job(expire("A"))
-            await got_one.wait()
-            await catalog.close()  # drain's loop ends: the task group can exit
-    assert received == ["A"]
+    assert await heard_until_closed(
+        catalog, feed, lambda: catalog.decide_job(expire("A"))) == ["A"]
     assert [job_id async for job_id in catalog.job_notifications()] == []
 
 
