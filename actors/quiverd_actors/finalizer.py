@@ -37,8 +37,8 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import SegmentMetrics
 from quiverd.segments.files import Floor, NotWritten, checked_write, write_segment
 from quiverd.segments.format import Piece, encode_segment
-from quiverd.segments.open_segment import OpenSegment
-from quiverd.segments.table import SegmentInfo
+from quiverd.segments.open_segment import Fetch, OpenSegment
+from quiverd.segments.table import SegmentInfo, StagedRef
 from quiverd_actors.messages import SealedSegment, SegmentWritten, WalReleased
 from quiverd_actors.retry import Retry
 
@@ -60,16 +60,21 @@ async def run(
     log: Logger,
     hook: Hook | None = None,
     reserve_bytes: int = 0,
+    fetch: Fetch | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Write every sealed segment durably, then release its WAL region and announce it."""
+    """Write every sealed segment durably, then release its WAL region and announce it.
+
+    ``fetch`` reads WAL entries back (``WalFiles.read_back``) for bundles the open
+    segment did not hold (``OpenSegment.load``).
+    """
     retry = Retry(log)
     async with inbox, outbox, releases:
         task_status.started()
         async for sealed in inbox:
             segment = sealed.segment
             job = _Finalize(shard, sealed.segment_seq, segment, max_dictionary_cardinality,
-                            hook, reserve_bytes)
+                            hook, reserve_bytes, fetch)
             size = await _until_written(job, limiter, retry, stats)
             stats.finalized.inc()
             stats.finalized_bytes.inc(size)
@@ -77,13 +82,16 @@ async def run(
                      bundles=segment.bundle_count, streams=segment.stream_count,
                      reason=sealed.reason)
             assert segment.first_sequence is not None and segment.last_sequence is not None
+            assert job.staged is not None
+            # Nothing may read the batches any more: the WAL region they map is released.
+            segment.drop_batches()
             await releases.send(WalReleased(upto_sequence=segment.last_sequence))
             await outbox.send(SegmentWritten(info=SegmentInfo(
                 segment_seq=sealed.segment_seq, path=job.path,
                 bundle_count=segment.bundle_count, size_bytes=size,
                 first_sequence=segment.first_sequence, last_sequence=segment.last_sequence,
                 min_ts_ns=segment.min_ts or 0, max_ts_ns=segment.max_ts or 0,
-                staged=segment.staged())))
+                staged=job.staged)))
 
 
 async def _until_written(job: _Finalize, limiter: CapacityLimiter, retry: Retry,
@@ -115,7 +123,9 @@ class _Finalize:
     max_dictionary_cardinality: int
     hook: Hook | None
     reserve_bytes: int
+    fetch: Fetch | None = None
     pieces: list[Piece] | None = None  # encoded once, kept until the file is durable
+    staged: dict[int, StagedRef] | None = None
     size: int | None = None  # set once the segment file is durable
     floor_raised: bool = False
 
@@ -127,8 +137,13 @@ class _Finalize:
         """Encode, write the segment, raise the floor (worker thread); returns its size."""
         if self.size is None:
             if self.pieces is None:
+                if self.segment.unloaded:
+                    if self.fetch is None:
+                        raise AssertionError("open segment left bundles in the WAL, no fetch")
+                    self.segment.load(self.fetch)
                 self.pieces = encode_segment(
                     self.segment, max_dictionary_cardinality=self.max_dictionary_cardinality)
+                self.staged = self.segment.staged()
             self.size = write_segment(self.path, self.pieces, hook=self.hook,
                                       reserve_bytes=self.reserve_bytes)
             self.pieces = None  # the encoded copy is no longer needed

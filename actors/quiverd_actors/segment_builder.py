@@ -38,10 +38,16 @@ async def run(
     stats: SegmentMetrics,
     seal_early: Callable[[], bool] | None = None,  # WAL or disk near its bound
     log: Logger,
+    from_wal: bool = False,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Accumulate and seal until ``inbox`` ends; the last open segment is sealed then."""
+    """Accumulate and seal until ``inbox`` ends; the last open segment is sealed then.
+
+    ``from_wal``: the finalizer reads payloads back from the WAL, so validated
+    bundles are added without holding their bytes (``OpenSegment.add``).
+    """
     builder = _Builder(outbox, cfg, first_segment_seq, limiter, stats, log)
+    builder.from_wal = from_wal
     async with inbox, outbox:
         if recovered:
             # Replayed WAL entries not yet in any segment: the open state before the crash.
@@ -72,6 +78,7 @@ class _Builder:
         self.next_segment_seq = next_seq
         self.open = OpenSegment()
         self.opened_at: float | None = None
+        self.from_wal = False
 
     def seconds_left(self) -> float:
         if self.opened_at is None:
@@ -83,12 +90,16 @@ class _Builder:
         if self.opened_at is None:
             self.opened_at = anyio.current_time()
         segment = self.open
+        from_wal = self.from_wal
 
         def add_all() -> None:
             for b in bundles:
-                segment.add(b)
+                segment.add(b, from_wal=from_wal)
 
-        await anyio.to_thread.run_sync(add_all, limiter=self.limiter)
+        if from_wal and all(s.schema is not None for b in bundles for s in b.slots):
+            add_all()  # no decode, no bytes touched: a thread hop would cost more
+        else:
+            await anyio.to_thread.run_sync(add_all, limiter=self.limiter)
         self._show(segment)
 
     async def seal_if_full(self) -> None:

@@ -58,6 +58,12 @@ class Slot(msgspec.Struct, frozen=True, kw_only=True):
     row_count: int
     ipc: Buffer
     payload_type_id: int = -1  # -1: the slot id itself
+    # Filled by ingest validation (the one decode on the way in): the stream's schema
+    # (metadata included) and how many record batches it holds. The open segment
+    # needs only these, so it need not keep the payload (it is read back from the
+    # WAL at finalize). None/0: unknown, the open segment decodes the payload itself.
+    schema: pa.Schema | None = None
+    batches: int = 0
 
     @property
     def type_id(self) -> int:
@@ -102,17 +108,31 @@ def read_ipc_stream(payload: Buffer) -> pa.Table:
         return reader.read_all()
 
 
-def inspect_ipc_stream(payload: Buffer) -> tuple[bytes, int]:
-    """Validate an IPC stream fully; return (schema fingerprint, row count).
+class StreamFacts(msgspec.Struct, frozen=True):
+    """What validating one slot's IPC stream found."""
+
+    fingerprint: bytes
+    rows: int
+    schema: pa.Schema
+    batches: int  # record batches in the stream (0 for an empty stream)
+
+
+def inspect_ipc_stream(payload: Buffer) -> StreamFacts:
+    """Validate an IPC stream fully; return its fingerprint, rows, schema and batch count.
 
     Raises ``pa.ArrowInvalid``/``OSError``/``ValueError`` for anything Arrow
     rejects, including data buffers that do not match their declared lengths, and
     ``ValueError`` for compressed bodies (see ``reject_compressed_bodies``).
     """
     reject_compressed_bodies(payload)
-    table = read_ipc_stream(payload)
-    table.validate(full=True)
-    return fingerprint(table.schema), table.num_rows
+    with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
+        schema = reader.schema
+        batches = list(reader)
+    rows = 0
+    for batch in batches:
+        batch.validate(full=True)
+        rows += batch.num_rows
+    return StreamFacts(fingerprint(schema), rows, schema, len(batches))
 
 
 def reject_compressed_bodies(payload: Buffer) -> None:

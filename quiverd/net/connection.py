@@ -48,7 +48,8 @@ def shard_of(client: str, shards: int) -> int:
 class Connection:
     def __init__(self, server: IngestServer, stream: RawStream) -> None:
         self.server, self.stream = server, stream
-        self.decoder = protocol.FrameDecoder(server.max_frame, reserve=self._try_reserve)
+        self.decoder = protocol.FrameDecoder(server.max_frame, reserve=self._try_reserve,
+                                             pool=server.buffers)
         self.reader = FrameReader(stream, self.decoder, server.cfg)
         window = server.cfg.max_inflight_per_connection
         self.window_size = window
@@ -56,6 +57,7 @@ class Connection:
         self.replies, self.reply_rx = anyio.create_memory_object_stream[ProducerReply](window)
         self.reserved: deque[int] = deque()  # budget per frame not yet submitted, in order
         self.inflight: dict[int, int] = {}  # request_id -> its budget bytes, until answered
+        self.buffers: dict[int, object] = {}  # request_id -> its pooled receive buffer
         self.held = 0  # all budget this connection holds
         self.send_lock = anyio.Lock()  # ACK batches and ERROR frames never interleave
         self.closed = False  # after a closing ERROR or a dead peer: replies are not sent
@@ -167,6 +169,7 @@ class Connection:
         shards = len(server.inboxes)
         for frame, slots in validated:
             nbytes = self.reserved.popleft()
+            buffer = self.decoder.taken.popleft()
             if isinstance(slots, ProtocolError):
                 raise slots
             if frame.request_id in self.inflight:
@@ -174,6 +177,8 @@ class Connection:
                                     "already in flight on this connection")
             await self.window.acquire()
             self.inflight[frame.request_id] = nbytes
+            if buffer is not None:
+                self.buffers[frame.request_id] = buffer
             if frame.txn is not None:
                 refusal, code = await self._staging_refusal(frame)
                 self.attempts.took(frame, sum(s.row_count for s in slots))
@@ -199,6 +204,8 @@ class Connection:
                         break
                 for r in replies:
                     self._release(self.inflight.pop(r.request_id))
+                    # Answered: the WAL has the bytes (or never will), nothing reads them.
+                    self.server.buffers.give(self.buffers.pop(r.request_id, None))
                     self.window.release()
                     if self.attempts.pending:
                         self.attempts.answered_one(r.request_id, isinstance(r, protocol.Ack),

@@ -35,6 +35,7 @@ from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import IngestMetrics, Metrics
 from quiverd.net.budget import ByteBudget
+from quiverd.net.buffers import BufferPool
 from quiverd.net.connection import Connection, shard_of
 from quiverd.net.consumers import SubscriberHub
 from quiverd.net.jobs import JobService
@@ -66,6 +67,9 @@ class IngestServer:
         self.max_frame = protocol.max_frame_bytes(cfg.max_bundle_bytes)
         # At least one largest frame must fit, or it could never be received.
         self.budget = ByteBudget(max(cfg.max_pending_bytes, self.max_frame))
+        # Receive buffers reused after their bundle is answered; idle ones are bounded
+        # like the bytes in flight, so RSS stays within the documented bound.
+        self.buffers = BufferPool(self.budget.total_bytes, busy=lambda: self.budget.held)
         self.accepting = anyio.CancelScope()  # cancelled to stop accepting
         self.own_uid, self.own_gid = os.getuid(), os.getgid()
         self.connections: set[Connection] = set()

@@ -42,8 +42,10 @@ damaged bundle. Error codes and which of them close the connection: see
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from types import MappingProxyType
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -158,8 +160,15 @@ class FrameDecoder:
     """
 
     def __init__(self, max_frame_bytes: int, *, from_client: bool = True,
-                 reserve: Callable[[int], bool] | None = None) -> None:
+                 reserve: Callable[[int], bool] | None = None,
+                 pool: BufferSource | None = None) -> None:
         self._max_frame_bytes = max_frame_bytes
+        # Payload frame buffers come from ``pool`` (the server's receive-buffer pool);
+        # ``taken`` lists the pooled buffer of each payload frame decoded, in order, so
+        # the caller can give it back once nothing reads the frame any more.
+        self._pool = pool
+        self._pooled: Any = None
+        self.taken: deque[Any] = deque()
         self._from_client = from_client
         # Called with a BUNDLE/DELIVERY body length before its buffer is allocated;
         # False pauses the decoder until ``resume()`` (the server's pending-bytes budget).
@@ -318,7 +327,10 @@ class FrameDecoder:
 
     def _allocate(self, body_len: int) -> None:
         self._awaiting = None
-        self._body = _frame_buffer(body_len)
+        if self._pool is not None and self._frame_type in PAYLOAD_FRAMES:
+            self._body, self._pooled = self._pool.take(body_len)
+        else:
+            self._body = _frame_buffer(body_len)
         self._body_filled = 0
         self._head_filled = 0
 
@@ -350,10 +362,17 @@ class FrameDecoder:
         body = memoryview(self._body).toreadonly()
         self._body = None
         self._body_filled = 0
+        if self._pool is not None and self._frame_type in PAYLOAD_FRAMES:
+            self.taken.append(self._pooled)
+            self._pooled = None
         msg = decode_body(self._frame_type, body)
         if isinstance(msg, Hello) and self._from_client:
             self.role = msg.role
         return msg
+
+
+class BufferSource(Protocol):
+    def take(self, nbytes: int) -> tuple[memoryview, Any]: ...
 
 
 def _frame_buffer(nbytes: int) -> memoryview:

@@ -278,17 +278,18 @@ def validate_bundle(
                 ErrorCode.MALFORMED, f"slot {META_SLOT} is reserved for bundle metadata"
             )
         try:
-            fp, rows = inspect_ipc_stream(s.ipc)
+            facts = inspect_ipc_stream(s.ipc)
         except PEER_BYTES_ERRORS as exc:
             raise ProtocolError(
                 ErrorCode.MALFORMED,
                 f"slot {s.slot}: payload is not a valid Arrow IPC stream: {exc}",
             ) from None
-        if rows != s.row_count:
+        if facts.rows != s.row_count:
             raise ProtocolError(
                 ErrorCode.MALFORMED,
                 f"slot {s.slot}: frame declares {s.row_count} rows but its IPC stream holds "
-                f"{rows} (stream cut short?)",
+                f"{facts.rows} (stream cut short?)",
             )
-        out.append(Slot(slot=s.slot, fingerprint=fp, row_count=rows, ipc=s.ipc))
+        out.append(Slot(slot=s.slot, fingerprint=facts.fingerprint, row_count=facts.rows,
+                        ipc=s.ipc, schema=facts.schema, batches=facts.batches))
     return tuple(out)

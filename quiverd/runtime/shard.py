@@ -144,12 +144,13 @@ class Shard:
                 max_dictionary_cardinality=self.cfg.segment.max_dictionary_cardinality,
                 limiter=fin, stats=self.segment_stats, log=self.log,
                 hook=self.faults.get("finalize"),
-                reserve_bytes=finalizer.METADATA_RESERVE_BYTES, task_status=task_status))
+                reserve_bytes=finalizer.METADATA_RESERVE_BYTES, fetch=rec.wal.read_back,
+                task_status=task_status))
             await tg.start(lambda task_status: segment_builder.run(
                 durable_rx, sealed_tx, cfg=self.cfg.segment,
                 first_segment_seq=rec.next_segment_seq, recovered=rec.open_bundles,
                 limiter=build, stats=self.segment_stats, log=self.log,
-                seal_early=self._seal_early, task_status=task_status))
+                seal_early=self._seal_early, from_wal=True, task_status=task_status))
             rec.open_bundles = []  # now owned by the builder
             await tg.start(lambda task_status: wal_writer.run(
                 self._inbox_rx, durable_tx, release_rx, shard=self.index, wal=rec.wal,

@@ -1,19 +1,31 @@
 """The open segment: one shard's bundles accumulating in memory until sealed.
 
 The segment_builder actor owns it; at seal it moves (``SealedSegment``) to the
-finalizer, which encodes it (``quiverd.segments.format``) and writes it. Bundles
-are held as decoded Arrow batches, zero copy: each slot's IPC payload buffer
-stays alive through the batches that view it. A *stream* is every chunk of one
-``(slot, schema fingerprint)``; schema drift opens a new stream.
+finalizer, which encodes it (``quiverd.segments.format``) and writes it. A *stream*
+is every chunk of one ``(slot, schema fingerprint)``; schema drift opens a new stream.
+
+Two ways to hold a bundle's data:
+
+- **held**: decoded Arrow batches, zero copy over the slot's IPC payload buffer,
+  which stays alive through them (replayed bundles, tests, anything whose slots
+  came without validation facts).
+- **in the WAL** (``add(..., from_wal=True)``, the ingest path): only what the
+  manifest needs is kept (schema and batch count per slot, known from ingest
+  validation); the payload buffer is let go, so receive buffers are reused at once
+  and the open segment costs no memory per byte. Before encoding, the finalizer
+  calls ``load(fetch)``, which reads each such bundle's payloads back from the WAL
+  (memory-mapped page cache, still there: the WAL region is released only after the
+  segment is durable) and fills the streams in arrival order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from quiverd.kernel.bundle import META_SLOT, Buffer, Bundle, TxnTag
+from quiverd.kernel.bundle import META_SLOT, Buffer, Bundle, Slot, TxnTag
 from quiverd.kernel.jobs import END_OFFSET, read_end_marker
 from quiverd.segments.dictionaries import has_dictionary, is_unifiable
 from quiverd.segments.table import StagedRef
@@ -33,13 +45,15 @@ class Stream:
     max_ts: int | None = None
 
     def extend(
-        self, stream_id: int, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int
+        self, stream_id: int, schema: pa.Schema, batches: list[pa.RecordBatch | None],
+        ts: int, rows: int,
     ) -> list[ChunkRef]:
-        """Append one bundle's batches; returns their manifest refs."""
+        """Append one bundle's batches (None: a batch still in the WAL, filled by
+        ``OpenSegment.load``); returns their manifest refs."""
         variant = self.variant(schema)
         first = len(self.batches)
-        self.batches.extend(batches)
-        self.rows += sum(b.num_rows for b in batches)
+        self.batches.extend(batches)  # no None after load()
+        self.rows += rows
         self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
         self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
         return [ChunkRef(self.slot, stream_id, first + k, variant) for k in range(len(batches))]
@@ -71,13 +85,19 @@ class ChunkRef:
 
 @dataclass(frozen=True, slots=True)
 class BundleEntry:
-    """One manifest row as held in memory."""
+    """One manifest row as held in memory. ``in_wal``: its batches are not held yet
+    (``OpenSegment.load`` reads them back from WAL entry ``sequence``)."""
 
     client: str
     ingestion_ts_ns: int
     sequence: int
     txn: TxnTag | None
     refs: tuple[ChunkRef, ...]
+    in_wal: bool = False
+
+
+# sequence -> {slot id: that slot's IPC stream bytes}, read back from the WAL.
+Fetch = Callable[[list[int]], dict[int, dict[int, Buffer]]]
 
 
 class OpenSegment:
@@ -96,6 +116,7 @@ class OpenSegment:
         self.last_sequence: int | None = None
         self.min_ts: int | None = None
         self.max_ts: int | None = None
+        self.unloaded = 0  # bundles whose batches are still only in the WAL
 
     @property
     def bundle_count(self) -> int:
@@ -109,20 +130,30 @@ class OpenSegment:
     def streams(self) -> list[Stream]:
         return self._streams
 
-    def add(self, bundle: Bundle) -> None:
-        """Append one bundle (ingestion_ts_ns and sequence set, user slots only)."""
+    def add(self, bundle: Bundle, *, from_wal: bool = False) -> None:
+        """Append one bundle (ingestion_ts_ns and sequence set, user slots only).
+
+        ``from_wal``: the bundle is durable in the WAL under its sequence; if every
+        slot carries its validation facts (schema, batch count) the payloads are not
+        held, ``load`` reads them back. End markers (tiny) are always held.
+        """
         ts, seq = bundle.ingestion_ts_ns, bundle.sequence
+        lazy = (from_wal and all(s.schema is not None for s in bundle.slots)
+                and not (bundle.txn is not None and bundle.txn.row_offset == END_OFFSET))
         # Decode every slot before touching any stream, so a payload Arrow
         # rejects (ArrowInvalid) leaves this segment exactly as it was.
-        decoded = [(slot, *_decode(slot.ipc)) for slot in bundle.slots]
+        decoded = [(slot, *(_facts(slot) if lazy else _decode(slot.ipc)))
+                   for slot in bundle.slots]
         refs: list[ChunkRef] = []
         for slot, schema, batches in decoded:
             assert slot.slot < META_SLOT, "metadata slot must be split off before a segment"
-            refs.extend(self._append(slot.slot, slot.fingerprint, schema, batches, ts))
+            refs.extend(self._append(slot.slot, slot.fingerprint, schema, batches, ts,
+                                     slot.row_count))
         self.entries.append(BundleEntry(
             client=bundle.client, ingestion_ts_ns=ts, sequence=seq, txn=bundle.txn,
-            refs=tuple(refs),
+            refs=tuple(refs), in_wal=lazy,
         ))
+        self.unloaded += lazy
         self.bytes += bundle.payload_bytes
         if self.first_sequence is None:
             self.first_sequence = seq
@@ -146,24 +177,77 @@ class OpenSegment:
         return out
 
     def _append(
-        self, slot: int, fp: bytes, schema: pa.Schema, batches: list[pa.RecordBatch], ts: int
+        self, slot: int, fp: bytes, schema: pa.Schema, batches: list[pa.RecordBatch | None],
+        ts: int, rows: int,
     ) -> list[ChunkRef]:
         if needs_solo_stream(schema):
             groups = [[b] for b in batches]
             ids = [self._new_stream(slot, fp) for _ in batches]
+            if all(b is not None for b in batches):
+                counts = [b.num_rows for b in batches]  # type: ignore[union-attr]
+            else:  # per-batch rows come with load(); the stream total is what counts
+                counts = [rows] + [0] * (len(batches) - 1)
         else:
             found = self._by_key.get((slot, fp))
             if found is None:
                 found = self._by_key[(slot, fp)] = self._new_stream(slot, fp)
-            groups, ids = [batches], [found]
+            groups, ids, counts = [batches], [found], [rows]
         refs: list[ChunkRef] = []
-        for stream_id, group in zip(ids, groups, strict=True):
-            refs.extend(self._streams[stream_id].extend(stream_id, schema, group, ts))
+        for stream_id, group, n in zip(ids, groups, counts, strict=True):
+            refs.extend(self._streams[stream_id].extend(stream_id, schema, group, ts, n))
         return refs
+
+    def load(self, fetch: Fetch) -> None:
+        """Fill in the batches of bundles added ``from_wal`` (worker thread).
+
+        ``fetch`` reads WAL entries back by sequence. Each slot's stream is decoded
+        zero copy over the returned bytes; its batches go exactly where ``add``
+        numbered them. A payload that no longer matches what ingest validated
+        (batch count) raises ValueError: the WAL was damaged in between.
+        """
+        if not self.unloaded:
+            return
+        wanted = [e.sequence for e in self.entries if e.in_wal]
+        payloads = fetch(wanted)
+        for e in self.entries:
+            if not e.in_wal:
+                continue
+            slots = payloads.get(e.sequence)
+            if slots is None:
+                raise ValueError(f"WAL entry {e.sequence} could not be read back")
+            pos = 0
+            for slot_id in sorted({r.slot for r in e.refs}):
+                refs = [r for r in e.refs[pos:] if r.slot == slot_id]
+                pos += len(refs)
+                if slot_id not in slots:
+                    raise ValueError(f"WAL entry {e.sequence} has no slot {slot_id}")
+                _, batches = _decode(slots[slot_id])
+                if len(batches) != len(refs):
+                    raise ValueError(f"WAL entry {e.sequence} slot {slot_id}: {len(batches)} "
+                                     f"batches read back, {len(refs)} validated at ingest")
+                for ref, batch in zip(refs, batches, strict=True):
+                    self._streams[ref.stream].batches[ref.chunk] = batch
+        self.entries = [BundleEntry(e.client, e.ingestion_ts_ns, e.sequence, e.txn, e.refs)
+                        if e.in_wal else e for e in self.entries]
+        self.unloaded = 0
+        for stream in self._streams:  # solo streams learn their per-batch rows only now
+            stream.rows = sum(b.num_rows for b in stream.batches)
+
+    def drop_batches(self) -> None:
+        """Let go of every batch (after the segment is durable): they may map WAL
+        regions that are about to be released."""
+        for stream in self._streams:
+            stream.batches = []
 
     def _new_stream(self, slot: int, fp: bytes) -> int:
         self._streams.append(Stream(slot, fp))
         return len(self._streams) - 1
+
+
+def _facts(slot: Slot) -> tuple[pa.Schema, list[pa.RecordBatch | None]]:
+    """What ingest validation found, as ``_decode`` would give it, batches left in the WAL."""
+    assert slot.schema is not None
+    return slot.schema, [None] * max(slot.batches, 1)
 
 
 def _decode(payload: Buffer) -> tuple[pa.Schema, list[pa.RecordBatch]]:

@@ -22,6 +22,7 @@ appends. Any other I/O failure, and any failed fsync, raises DurabilityLost.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -32,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from quiverd.kernel import layout
-from quiverd.kernel.bundle import Buffer, Slot
+from quiverd.kernel.bundle import META_SLOT, Buffer, Slot
 from quiverd.kernel.durable import fsync_dir, write_all
-from quiverd.kernel.errors import DurabilityLost
+from quiverd.kernel.errors import CorruptRecord, DurabilityLost
 from quiverd.kernel.faults import Hook
 from quiverd.wal import format as walformat
 from quiverd.wal.disk import (
@@ -300,6 +301,72 @@ class WalFiles:
             self.end_offset = walformat.HEADER_LEN
             self._released_offset = 0
         self.log.info("wal_rotated", generation=self.generation, files=self.file_count)
+
+    # ---- read back -----------------------------------------------------------------
+    def read_back(self, sequences: list[int]) -> dict[int, dict[int, Buffer]]:
+        """The user slots' payloads of unreleased entries, by sequence (worker thread).
+
+        For the finalizer: the open segment keeps no payload bytes, they are read back
+        here from the page cache through read-only memory maps. The files are opened
+        under the mutex (no rotation or rewrite in between), so each fd pins the inode
+        that holds the entry even if a rewrite later replaces the path; a region is
+        punched only once released, after the segment holding it is durable. Every
+        entry's CRC is checked again: a mismatch raises CorruptRecord.
+        """
+        with self._mutex:
+            where = self._locate(sequences)
+            files: dict[int, int] = {}
+            try:
+                for gen, _ in where.values():
+                    if gen not in files:
+                        files[gen] = os.open(self._path_of(gen), os.O_RDONLY | os.O_CLOEXEC)
+            except BaseException:
+                for fd in files.values():
+                    os.close(fd)
+                raise
+            paths = {gen: str(self._path_of(gen)) for gen in files}
+        maps: dict[int, mmap.mmap] = {}
+        try:
+            for gen, fd in files.items():
+                maps[gen] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            for fd in files.values():
+                os.close(fd)  # the maps keep the inodes
+        out: dict[int, dict[int, Buffer]] = {}
+        for seq, (gen, offset) in where.items():
+            path = paths[gen]
+            entry = walformat.decode_entry(memoryview(maps[gen]), offset, path=path,
+                                           max_entry_bytes=walformat.MAX_ENTRY_LEN)
+            if not entry.sound or entry.sequence != seq:
+                raise CorruptRecord(path, offset, f"WAL entry {seq} read back for its segment "
+                                    f"is damaged ({entry.problem or 'crc mismatch'}, sequence "
+                                    f"{entry.sequence})")
+            out[seq] = {sl.slot: sl.ipc for sl in entry.slots if sl.slot != META_SLOT}
+        return out
+
+    def _path_of(self, generation: int) -> Path:
+        if generation == self.generation:
+            return layout.active_wal(self.wal_dir)
+        return layout.rotated_wal(self.wal_dir, generation)
+
+    def _locate(self, sequences: list[int]) -> dict[int, tuple[int, int]]:
+        """(generation, offset) of unreleased entries; sequences are contiguous in the
+        index (each entry takes the next number), so this is arithmetic, checked."""
+        index = self._index
+        if not index:
+            raise KeyError(f"WAL entries {sequences[:3]}... are not in the WAL any more")
+        first = index[0][0]
+        out: dict[int, tuple[int, int]] = {}
+        for seq in sequences:
+            i = seq - first
+            if not 0 <= i < len(index) or index[i][0] != seq:
+                found = [e for e in index if e[0] == seq]
+                if not found:
+                    raise KeyError(f"WAL entry {seq} is not in the WAL any more")
+                out[seq] = (found[0][1], found[0][2])
+            else:
+                out[seq] = (index[i][1], index[i][2])
+        return out
 
     # ---- release -------------------------------------------------------------------
     def release(self, upto_sequence: int) -> bool:

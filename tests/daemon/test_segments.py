@@ -134,3 +134,23 @@ def test_rss_stays_bounded_while_streaming_five_times_target_size(daemon_factory
     bound_kib = (150 << 10) + 3 * (target >> 10) + (64 << 10) + (pending >> 10) + 512
     assert peak < bound_kib, f"peak RSS {peak} KiB over bound {bound_kib} KiB"
     assert d.stop() == 0
+
+
+def test_reused_receive_buffers_never_change_stored_bundles(daemon_factory):
+    """Frames of >= 64 KiB are received into pooled buffers reused after each ACK; the
+    open segment keeps no payload and the finalizer reads it back from the WAL. Every
+    stored bundle must still be the one sent (a buffer reused too early would not be)."""
+    d = daemon_factory({"shards": 1, "segment.target_size_bytes": 4 << 20,
+                        "ingest.max_bundle_bytes": 1 << 20,
+                        "ingest.max_pending_bytes": 2 << 20}).start()
+    tables = [tagged_table(tag, rows=3000, text_bytes=30) for tag in range(60)]  # ~150 KB
+    with Client.connect(d.socket) as c:
+        for start in range(0, len(tables), 12):
+            c.send_many(tables[start:start + 12], client="pool")
+    assert d.stop() == 0
+    stored = stored_bundles(d.data_dir)
+    assert len(stored) == len(tables)
+    got = [b.slots[0] for b in stored.values()]
+    assert sorted(t.column("tag")[0].as_py() for t in got) == list(range(60))
+    for t in got:
+        assert t.equals(tables[t.column("tag")[0].as_py()])

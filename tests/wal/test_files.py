@@ -10,8 +10,10 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 from quiverd.kernel.bundle import MetaCodec, make_slot
+from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.layout import ACTIVE_WAL as ACTIVE
 from quiverd.wal import format as walformat
 from quiverd.wal.files import WalFiles
@@ -122,3 +124,45 @@ def test_sequence_continues_after_every_entry_was_released(tmp_path):
     assert state.entries == []
     # The WAL alone cannot know the next sequence; recovery takes it from segments.
     assert not state.sequence_known or state.next_sequence == 6
+
+
+def test_read_back_returns_the_user_slots_of_unreleased_entries_across_rotation(tmp_path):
+    d = make_dirs(tmp_path)
+    entry = walformat.entry_size(slots(1))
+    wal = open_wal(d, max_size=entry * 100, chunks=4)  # rotates every ~25 entries
+    append(wal, 1, 60)
+    assert wal.file_count > 1
+    got = wal.read_back([3, 30, 59])
+    for seq in (3, 30, 59):
+        assert set(got[seq]) == {0}  # the metadata slot is not the open segment's
+        assert bytes(got[seq][0]) == bytes(slots(seq)[0].ipc)
+    wal.release(40)
+    with pytest.raises(KeyError, match="not in the WAL"):
+        wal.read_back([12])
+    wal.close()
+
+
+def test_read_back_still_finds_entries_after_the_active_file_was_rewritten(tmp_path):
+    d = make_dirs(tmp_path)
+    wal = open_wal(d)
+    wal.punch_supported = False
+    append(wal, 1, 40)
+    wal.release(35)  # rewrite: the live tail moves to a new file, offsets shift
+    got = wal.read_back([36, 40])
+    assert bytes(got[40][0]) == bytes(slots(40)[0].ipc)
+    wal.close()
+
+
+def test_read_back_refuses_an_entry_damaged_since_it_was_written(tmp_path):
+    d = make_dirs(tmp_path)
+    wal = open_wal(d)
+    append(wal, 1, 3)
+    offset = wal._locate([2])[2][1]
+    with open(d / "wal" / ACTIVE, "r+b") as f:
+        f.seek(offset + 200)
+        byte = f.read(1)
+        f.seek(offset + 200)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptRecord, match="WAL entry 2 read back"):
+        wal.read_back([1, 2])
+    wal.close()
