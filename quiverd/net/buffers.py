@@ -14,8 +14,9 @@ most of the daemon's system time at 1 MiB bundles.
 
 Bounded: idle buffers are kept only while they and the bytes in flight (``busy()``,
 the pending-bytes budget held) stay within ``max_bytes``, so receive buffers, idle or
-not, never exceed ``ingest.max_pending_bytes`` (the rest go back to the allocator). Frames below ``MIN_POOLED_BYTES`` are not pooled (the allocator's small
-size classes are warm anyway). Event-loop thread only.
+not, never exceed ``ingest.max_pending_bytes`` (the rest go back to the allocator).
+Frames below ``MIN_POOLED_BYTES`` are not pooled (the allocator's small size classes
+are warm anyway). Event-loop thread only.
 """
 
 from __future__ import annotations
