@@ -7,10 +7,16 @@
 For every attached session it walks ``AckState.pending_for(name)`` oldest
 first and sends what is neither in flight nor waiting out a nack backoff, up
 to the session's window. Bundles are read from the segment files in one worker
-hop per batch. A nack is redelivered after ``base * 2**n`` (capped) with
-jitter; a session that goes away gives its in-flight bundles back, so they are
-delivered again on reconnect: delivery is at least once, and ids
-``(shard, segment_seq, bundle_index)`` let consumers deduplicate.
+hop per batch. A socket session gets each bundle as a ready DELIVERY frame whose
+slot payloads are the stored IPC messages, sliced from the memory-mapped segment
+file (schema, dictionaries, record batches, EOS: nothing decoded or re-encoded);
+only a bundle whose dictionaries were remapped at finalize is decoded, restored
+and re-encoded. The in-process uploader (``local``) gets decoded tables.
+
+A nack is redelivered after ``base * 2**n`` (capped) with jitter; a session that
+goes away gives its in-flight bundles back, so they are delivered again on
+reconnect: delivery is at least once, and ids ``(shard, segment_seq,
+bundle_index)`` let consumers deduplicate.
 
 An ack or nack stays in flight until the ack_logger's reply says it is durable
 (the same commit wakes this actor through ``Changes``): then the bundle leaves
@@ -27,19 +33,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import msgspec
+import pyarrow as pa
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
 from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
-from quiverd.kernel.bundle import make_slot
+from quiverd.kernel.bundle import Buffer
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.jobs import Verdict
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import DispatchMetrics
 from quiverd.kernel.reply import Reply
-from quiverd.protocol.frames import Delivery
+from quiverd.protocol.frames import encode_delivery_parts
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentView, StagedRef
 from quiverd_actors.messages import AckLogRequest, LocalDelivery, RecordOutcome
@@ -50,15 +58,27 @@ MAX_OPEN_READERS = 8
 READ_BATCH = 64
 
 
+class OutgoingDelivery(msgspec.Struct, frozen=True, kw_only=True):
+    """One DELIVERY frame ready for a subscriber's socket: ``parts`` go out in order
+    with sendmsg; large payload pieces are views of the mapped segment file (the
+    mapping stays alive as long as they do, even after the reader is closed)."""
+
+    shard: int
+    segment_seq: int
+    bundle_index: int
+    parts: tuple[Buffer, ...]
+
+
 @dataclass(eq=False)
 class Session:
     """One consumer connection attached as subscriber ``name`` (shared by all shards)."""
 
     name: str
     window: int
-    # buffer == window: send_nowait never blocks. A socket session gets protocol
-    # Delivery frames; an in-process one (``local``, the uploader) LocalDelivery tables.
-    deliveries: MemoryObjectSendStream[Delivery] | MemoryObjectSendStream[LocalDelivery]
+    # buffer == window: send_nowait never blocks. A socket session gets encoded
+    # DELIVERY frames; an in-process one (``local``, the uploader) LocalDelivery tables.
+    deliveries: (MemoryObjectSendStream[OutgoingDelivery]
+                 | MemoryObjectSendStream[LocalDelivery])
     local: bool = False
     unacked: int = 0
     closed: bool = False
@@ -293,28 +313,43 @@ class Dispatcher:
         return sent
 
     def _read(self, picks: list[tuple[int, int]], paths: dict[int, Path], live: set[int],
-              local: bool) -> list[Delivery | LocalDelivery | None]:
-        """Read (and for a socket, encode) the picked bundles (worker thread; owns the
+              local: bool) -> list[OutgoingDelivery | LocalDelivery | None]:
+        """Read (and for a socket, frame) the picked bundles (worker thread; owns the
         reader cache)."""
         for seg in [s for s in self.readers if s not in live]:
             self.readers.pop(seg).close()  # deleted by the gc: release the mapping
-        out: list[Delivery | LocalDelivery | None] = []
+        out: list[OutgoingDelivery | LocalDelivery | None] = []
         for seg, idx in picks:
             try:
-                b = self._reader(seg, paths[seg]).bundle(idx)
+                reader = self._reader(seg, paths[seg])
+                if local:
+                    b = reader.bundle(idx)
+                    out.append(LocalDelivery(
+                        shard=self.shard, segment_seq=seg, bundle_index=idx, client=b.client,
+                        txn=b.txn, ingestion_ts_ns=b.ingestion_ts_ns, tables=b.slots))
+                else:
+                    out.append(self._frame(reader, seg, idx))
             except (OSError, CorruptRecord):
                 out.append(None)
-                continue
-            if local:
-                out.append(LocalDelivery(
-                    shard=self.shard, segment_seq=seg, bundle_index=idx, client=b.client,
-                    txn=b.txn, ingestion_ts_ns=b.ingestion_ts_ns, tables=b.slots))
-                continue
-            slots = tuple(make_slot(slot, table) for slot, table in sorted(b.slots.items()))
-            out.append(Delivery(shard=self.shard, segment_seq=seg, bundle_index=idx,
-                                client=b.client, txn=b.txn, ingestion_ts_ns=b.ingestion_ts_ns,
-                                slots=slots))
         return out
+
+    def _frame(self, reader: SegmentReader, seg: int, idx: int) -> OutgoingDelivery:
+        """Bundle ``idx`` as a DELIVERY frame. Its slots are the segment's stored IPC
+        messages when they are exactly what the producer sent; otherwise (remapped
+        dictionaries) the bundle is restored and each slot encoded anew."""
+        stored = reader.stored_slots(idx)
+        if stored is not None:
+            b = reader.bundle_meta(idx)
+            slots = [(s.slot, s.rows, s.parts) for s in stored]
+        else:
+            b = reader.bundle(idx)
+            slots = [(slot, table.num_rows, (_ipc_stream(table),))
+                     for slot, table in sorted(b.slots.items())]
+        parts = encode_delivery_parts(
+            shard=self.shard, segment_seq=seg, bundle_index=idx, client=b.client, txn=b.txn,
+            ingestion_ts_ns=b.ingestion_ts_ns, slots=slots)
+        return OutgoingDelivery(shard=self.shard, segment_seq=seg, bundle_index=idx,
+                                parts=tuple(parts))
 
     def _reader(self, seg: int, path: Path) -> SegmentReader:
         reader = self.readers.get(seg)
@@ -327,6 +362,14 @@ class Dispatcher:
         return reader
 
 
+def _ipc_stream(table: pa.Table) -> memoryview:
+    """One IPC stream holding ``table``, batch boundaries kept (no copy to bytes)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return memoryview(sink.getvalue())
+
+
 @dataclass(frozen=True)
 class _Feedback:
     """An ack or nack sent to the ack_logger, settled when its reply is given."""
@@ -337,4 +380,4 @@ class _Feedback:
     reply: Reply[None]
 
 
-__all__ = ["Dispatcher", "Session"]
+__all__ = ["Dispatcher", "OutgoingDelivery", "Session"]

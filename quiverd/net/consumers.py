@@ -18,8 +18,8 @@ from quiverd.kernel.logs import Logger
 from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
-from quiverd.protocol.frames import Delivery, ErrorCode
-from quiverd_actors.dispatcher import Dispatcher, Session
+from quiverd.protocol.frames import ErrorCode
+from quiverd_actors.dispatcher import Dispatcher, OutgoingDelivery, Session
 
 MAX_WINDOW = 4096
 
@@ -59,7 +59,7 @@ async def serve_subscriber(hub: SubscriberHub, reader: FrameReader,
                             f"no subscriber named {first.name!r}; register it with "
                             f"`quiverd subscribers add {first.name}`")
     window = max(1, min(first.window or 64, MAX_WINDOW))
-    deliveries_tx, deliveries_rx = anyio.create_memory_object_stream[Delivery](window)
+    deliveries_tx, deliveries_rx = anyio.create_memory_object_stream[OutgoingDelivery](window)
     session = Session(name=first.name, window=window, deliveries=deliveries_tx)
     await reader.stream.send(protocol.encode_subscribed(True))
     log.info("subscriber_attached", subscriber=first.name, window=window)
@@ -106,10 +106,9 @@ async def _read_feedback(hub: SubscriberHub, reader: FrameReader, session: Sessi
 
 
 async def _write_deliveries(stream: RawStream,
-                            deliveries: MemoryObjectReceiveStream[Delivery]) -> None:
+                            deliveries: MemoryObjectReceiveStream[OutgoingDelivery]) -> None:
+    # Frames come encoded from the dispatcher's worker hop (CRC included): the event
+    # loop only hands their pieces, slices of the segment files, to sendmsg.
     async with deliveries:
         async for d in deliveries:
-            parts = protocol.encode_delivery(
-                shard=d.shard, segment_seq=d.segment_seq, bundle_index=d.bundle_index,
-                client=d.client, txn=d.txn, ingestion_ts_ns=d.ingestion_ts_ns, slots=d.slots)
-            await stream.send_parts(parts)
+            await stream.send_parts(list(d.parts))

@@ -10,7 +10,7 @@ payloads.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -25,7 +25,8 @@ __all__ = [
     "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameType", "Hello", "HelloOk",
     "JOB_FRAME_MAX", "JobReply", "JobRequest", "MAX_JOB_BODY_BYTES",
     "Message", "NackBundle", "Role", "Subscribe", "Subscribed", "encode_ack",
-    "encode_ack_bundle", "encode_bundle", "encode_delivery", "encode_error", "encode_hello",
+    "encode_ack_bundle", "encode_bundle", "encode_delivery", "encode_delivery_parts",
+    "encode_error", "encode_hello",
     "encode_hello_ok", "encode_job_reply", "encode_job_request", "encode_nack_bundle",
     "encode_subscribe", "encode_subscribed", "max_frame_bytes", "nbytes",
 ]
@@ -45,6 +46,7 @@ TXN_FIXED = struct.Struct("<IIQ")  # partition, attempt, row_offset
 SLOT_HEAD = struct.Struct("<II")  # row_count, payload_len
 END_CHECK = struct.Struct("<QI")  # total_rows, crc32c
 JOB_HEAD = struct.Struct("<II")  # request_id, body_len (JOB and JOB_OK)
+SMALL_PIECE = 4096  # payload pieces below this are copied into their neighbours
 U8 = struct.Struct("<B")
 U16 = struct.Struct("<H")
 U32 = struct.Struct("<I")
@@ -290,7 +292,7 @@ def encode_bundle(
     if set(slots) != set(row_counts):
         raise ValueError("slots and row_counts must name the same slot ids")
     head = U32.pack(request_id) + encode_client(client) + encode_txn(txn)
-    items = ((n, row_counts[n], slots[n]) for n in sorted(slots))
+    items = ((n, row_counts[n], (slots[n],)) for n in sorted(slots))
     return _with_slots(FrameType.BUNDLE, head, items)
 
 
@@ -305,12 +307,31 @@ def encode_delivery(
     slots: Iterable[Slot],
 ) -> list[Buffer]:
     """DELIVERY frame as buffers for ``writelines``; payloads are passed through uncopied."""
+    items = sorted((s.slot, s.row_count, s.ipc) for s in slots)
+    return encode_delivery_parts(
+        shard=shard, segment_seq=segment_seq, bundle_index=bundle_index, client=client,
+        txn=txn, ingestion_ts_ns=ingestion_ts_ns,
+        slots=[(slot, rows, (payload,)) for slot, rows, payload in items])
+
+
+def encode_delivery_parts(
+    *,
+    shard: int,
+    segment_seq: int,
+    bundle_index: int,
+    client: str,
+    txn: TxnTag | None,
+    ingestion_ts_ns: int,
+    slots: Iterable[tuple[int, int, Sequence[Buffer]]],
+) -> list[Buffer]:
+    """DELIVERY frame whose slot payloads each come as pieces (``(slot, rows, pieces)``
+    in ascending slot order): an IPC stream cut from a segment file is sent as its
+    slices, never joined. Same bytes on the wire as ``encode_delivery``."""
     head = (
         BUNDLE_ID.pack(shard, segment_seq, bundle_index) + encode_client(client)
         + encode_txn(txn) + I64.pack(ingestion_ts_ns)
     )
-    items = sorted((s.slot, s.row_count, s.ipc) for s in slots)
-    return _with_slots(FrameType.DELIVERY, head, items)
+    return _with_slots(FrameType.DELIVERY, head, slots, small=SMALL_PIECE)
 
 
 def encode_client(client: str) -> bytes:
@@ -332,12 +353,18 @@ def encode_txn(txn: TxnTag | None) -> bytes:
 
 
 def _with_slots(
-    frame_type: FrameType, head: bytes, items: Iterable[tuple[int, int, Buffer]]
+    frame_type: FrameType, head: bytes, items: Iterable[tuple[int, int, Sequence[Buffer]]],
+    *, small: int = 0,
 ) -> list[Buffer]:
-    """Append bitmap, slots and end check to ``head``; prepend the frame header."""
+    """Append bitmap, slots and end check to ``head``; prepend the frame header.
+
+    Header bytes are merged with their neighbours, and so are payload pieces under
+    ``small`` bytes (a DELIVERY's schema messages and EOS markers): a one-slot frame
+    is a handful of buffers, and larger payload pieces pass through uncopied.
+    """
     bitmap = 0
     total_rows = 0
-    parts: list[Buffer] = []
+    pieces: list[tuple[Buffer, bool]] = [(head, True)]  # (piece, may be merged)
     for slot, rows, payload in items:
         if not 0 <= slot < MAX_SLOTS:
             raise ValueError(f"slot {slot} outside 0..{MAX_SLOTS - 1}")
@@ -345,11 +372,10 @@ def _with_slots(
             raise ValueError(f"slot {slot}: row count {rows} does not fit u32")
         bitmap |= 1 << slot
         total_rows += rows
-        parts.append(SLOT_HEAD.pack(rows, nbytes(payload)))
-        parts.append(payload)
-    # Small header bytes are merged so a one-slot frame is three buffers.
-    first = head + U64.pack(bitmap)
-    parts = [first + bytes(parts[0]), *parts[1:]] if parts else [first]
+        pieces.append((SLOT_HEAD.pack(rows, sum(nbytes(p) for p in payload)), True))
+        pieces.extend((p, nbytes(p) < small) for p in payload)
+    pieces.insert(1, (U64.pack(bitmap), True))
+    parts = _coalesce(pieces)
     # The CRC covers total_rows too: every body byte before the CRC itself.
     crc = 0
     for part in parts:
@@ -357,8 +383,25 @@ def _with_slots(
     rows_field = U64.pack(total_rows)
     parts.append(rows_field + U32.pack(crc32c(rows_field, crc)))
     body_len = sum(nbytes(p) for p in parts)
-    parts[0] = FRAME_HEADER.pack(1 + body_len, frame_type) + parts[0]
+    parts[0] = FRAME_HEADER.pack(1 + body_len, frame_type) + bytes(parts[0])
     return parts
+
+
+def _coalesce(pieces: list[tuple[Buffer, bool]]) -> list[Buffer]:
+    """Join each run of mergeable pieces into one ``bytes``; the others stay as given."""
+    out: list[Buffer] = []
+    run: list[Buffer] = []
+    for piece, mergeable in pieces:
+        if mergeable:
+            run.append(piece)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(piece)
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 def nbytes(buf: Buffer) -> int:

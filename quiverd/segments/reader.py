@@ -32,6 +32,7 @@ from quiverd.segments.format import (
     TRAILER,
     VERSION,
 )
+from quiverd.segments.ipc_slices import EOS, FileBlocks, batch_rows, file_blocks
 from quiverd.segments.schema import representative_schema
 from quiverd.segments.table import StagedRef
 
@@ -59,6 +60,20 @@ class ReadBundle:
     ingestion_ts_ns: int
     txn: TxnTag | None
     slots: dict[int, pa.Table]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSlot:
+    """One slot of a bundle as an IPC stream: pieces to send in order, cut from the
+    mapped file (schema message, dictionary and record batch messages, EOS)."""
+
+    slot: int
+    rows: int
+    parts: tuple[bytes | memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.parts)
 
 
 def parse_footer(data: pa.Buffer, path: str) -> Footer:
@@ -105,6 +120,11 @@ class SegmentReader:
         self._check_streams()
         self._readers: dict[int, pa.ipc.RecordBatchFileReader] = {}
         self._schemas: dict[tuple[int, int], pa.Schema] = {}
+        # stored_slots' caches: per stream, its IPC file's message blocks; per
+        # (stream, variant), whether the stored schema has the original's types.
+        self._blocks: dict[int, tuple[int, FileBlocks]] = {}
+        self._as_sent: dict[tuple[int, int], bool] = {}
+        self._remapped: list[bool] | None = None
         self._load_manifest()
 
     @classmethod
@@ -164,6 +184,55 @@ class SegmentReader:
             ingestion_ts_ns=self._ts[index], txn=None if txn is None else TxnTag(**txn),
             slots={s: pa.Table.from_batches(b, schema=schemas[s]) for s, b in chunks.items()},
         )
+
+    def bundle_meta(self, index: int) -> ReadBundle:
+        """Bundle ``index`` without its data (``slots`` empty): nothing is decoded."""
+        if not 0 <= index < self.footer.bundle_count:
+            raise IndexError(f"bundle {index} not in 0..{self.footer.bundle_count - 1}")
+        txn = self._txns[index]
+        return ReadBundle(
+            index=index, sequence=self._sequences[index], client=self._clients[index],
+            ingestion_ts_ns=self._ts[index], txn=None if txn is None else TxnTag(**txn),
+            slots={},
+        )
+
+    def stored_slots(self, index: int) -> list[StoredSlot] | None:
+        """Bundle ``index``'s slots (slot order) as IPC streams cut from the file:
+        zero copy, nothing decoded. None when a chunk is not stored as it was sent
+        (a dictionary remapped, its index widened or stored plain): ``bundle`` then
+        restores it. Raises CorruptRecord for a footer or manifest that points
+        outside the file."""
+        if not 0 <= index < self.footer.bundle_count:
+            raise IndexError(f"bundle {index} not in 0..{self.footer.bundle_count - 1}")
+        remapped = self._remapped_refs()
+        out: list[StoredSlot] = []
+        j, end = self._ref_offsets[index], self._ref_offsets[index + 1]
+        while j < end:
+            slot = self._ref_slot[j]
+            schema = self._schema_bytes(j)
+            parts: list[bytes | memoryview] = [schema]
+            rows, last_stream = 0, -1
+            while j < end and self._ref_slot[j] == slot:
+                stream_id, chunk = self._ref_stream[j], self._ref_chunk[j]
+                if remapped[j] or self._schema_bytes(j) != schema \
+                        or not self._stored_as_sent(stream_id, self._ref_variant[j]):
+                    return None
+                base, blocks = self._stream_blocks(stream_id)
+                if chunk >= len(blocks.batches):
+                    raise CorruptRecord(self.path, base, f"stream {stream_id}: no chunk {chunk}")
+                if stream_id != last_stream:  # a solo stream per chunk: its own dictionaries
+                    parts.extend(self._slice(base, block) for block in blocks.dictionaries)
+                    last_stream = stream_id
+                batch = self._slice(base, blocks.batches[chunk])
+                try:
+                    rows += batch_rows(batch)
+                except ValueError as exc:
+                    raise CorruptRecord(self.path, base, f"stream {stream_id}: {exc}") from exc
+                parts.append(batch)
+                j += 1
+            parts.append(EOS)
+            out.append(StoredSlot(slot=slot, rows=rows, parts=tuple(parts)))
+        return out
 
     def staged(self) -> dict[int, StagedRef]:
         """The transactional bundles by index; an end marker's rows and checksum are
@@ -226,6 +295,55 @@ class SegmentReader:
         original = self.original_schema(stream_id, variant)
         batch = self.stream_reader(stream_id).get_batch(chunk)
         return restore_batch(batch, original, self._maps(j)), original
+
+    def _schema_bytes(self, j: int) -> bytes:
+        """Slot ref ``j``'s original schema as an IPC message (as serialized at finalize)."""
+        stream_id, variant = self._ref_stream[j], self._ref_variant[j]
+        schemas = (self._streams["original_schemas"][stream_id]
+                   if stream_id < self.footer.stream_count else [])
+        if variant >= len(schemas):
+            raise CorruptRecord(self.path, self.footer.manifest_offset,
+                                f"slot_ref {j} points outside the directory")
+        raw: bytes = schemas[variant]
+        return raw
+
+    def _stored_as_sent(self, stream_id: int, variant: int) -> bool:
+        """Has the stream's stored schema the original's exact types (no index
+        widened, no dictionary stored plain)? Metadata is the original's anyway."""
+        key = (stream_id, variant)
+        same = self._as_sent.get(key)
+        if same is None:
+            stored = self.stream_reader(stream_id).schema
+            same = self._as_sent[key] = stored.equals(self.original_schema(stream_id, variant))
+        return same
+
+    def _stream_blocks(self, stream_id: int) -> tuple[int, FileBlocks]:
+        """The stream's file offset and its IPC file's message blocks (cached)."""
+        found = self._blocks.get(stream_id)
+        if found is None:
+            offset = self._streams["byte_offset"][stream_id]
+            length = self._streams["byte_length"][stream_id]
+            try:
+                blocks = file_blocks(memoryview(self._data)[offset: offset + length])
+            except ValueError as exc:
+                raise CorruptRecord(self.path, offset, f"stream {stream_id}: {exc}") from exc
+            found = self._blocks[stream_id] = (offset, blocks)
+        return found
+
+    def _slice(self, base: int, block: tuple[int, int]) -> memoryview:
+        return memoryview(self._data)[base + block[0]: base + block[0] + block[1]]
+
+    def _remapped_refs(self) -> list[bool]:
+        """Per slot ref: does it carry a dictionary map (its dictionary must be
+        restored)? From offsets and validity only, once per segment."""
+        if self._remapped is None:
+            maps = self._ref_maps
+            offsets = maps.offsets.to_pylist()
+            inner_valid = maps.values.is_valid().to_pylist()
+            outer_valid = maps.is_valid().to_pylist()
+            self._remapped = [bool(outer_valid[i]) and any(inner_valid[offsets[i]:offsets[i + 1]])
+                              for i in range(len(maps))]
+        return self._remapped
 
     def _maps(self, j: int) -> list[pa.Array | None]:
         scalar = self._ref_maps[j]

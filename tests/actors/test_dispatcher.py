@@ -1,8 +1,9 @@
 """The dispatcher actor (quiverd_actors.dispatcher) in process, against the real ack_logger.
 
-Real segment files, a real ack.log; sessions get their ``Delivery`` values on
-memory streams and the RecordOutcome requests pass through a tap on their way to
-the ack_logger, so each test compares what comes out: order and window, slot
+Real segment files, a real ack.log; sessions get their encoded DELIVERY frames
+(``OutgoingDelivery``, decoded here with the client's FrameDecoder) on memory
+streams and the RecordOutcome requests pass through a tap on their way to the
+ack_logger, so each test compares what comes out: order and window, slot
 contents, acks, nack backoff, detach, a removed subscriber, cancellation.
 """
 
@@ -31,6 +32,7 @@ from quiverd.kernel.config import SubscriberEntry
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.metrics import AckLogMetrics, DispatchMetrics, Metrics
 from quiverd.kernel.reply import Reply
+from quiverd.protocol.codec import FrameDecoder, max_frame_bytes
 from quiverd.protocol.frames import Delivery
 from quiverd.segments.files import segment_info, write_segment
 from quiverd.segments.format import encode_segment
@@ -39,7 +41,7 @@ from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentTable
 from quiverd_actors import ack_logger
 from quiverd_actors import dispatcher as dispatcher_mod
-from quiverd_actors.dispatcher import BACKOFF_BASE_S, Dispatcher, Session
+from quiverd_actors.dispatcher import BACKOFF_BASE_S, Dispatcher, OutgoingDelivery, Session
 from quiverd_actors.messages import (
     AckLogRequest,
     ChangeSubscriber,
@@ -122,18 +124,29 @@ async def running(rig: Rig) -> AsyncIterator[anyio.CancelScope]:
                 services.cancel_scope.cancel()
 
 
+def decoded(frame: OutgoingDelivery) -> Delivery:
+    """The DELIVERY frame as a subscriber's decoder reads it off the wire."""
+    msgs = FrameDecoder(max_frame_bytes(1 << 26), from_client=False).feed(
+        b"".join(bytes(p) for p in frame.parts))
+    assert len(msgs) == 1 and isinstance(msgs[0], Delivery)
+    d = msgs[0]
+    assert (d.shard, d.segment_seq, d.bundle_index) == (
+        frame.shard, frame.segment_seq, frame.bundle_index)
+    return d
+
+
 @contextmanager
-def attached(rig: Rig, window: int) -> Iterator[tuple[Session,
-                                                     MemoryObjectReceiveStream[Delivery]]]:
+def attached(rig: Rig, window: int) -> Iterator[tuple[
+        Session, MemoryObjectReceiveStream[OutgoingDelivery]]]:
     """A session of subscriber "a" attached; its streams close on leaving (no detach)."""
-    tx, rx = anyio.create_memory_object_stream[Delivery](window)
+    tx, rx = anyio.create_memory_object_stream[OutgoingDelivery](window)
     session = Session(name="a", window=window, deliveries=tx)
     rig.dispatcher.attach(session)
     with tx, rx:
         yield session, rx
 
 
-async def take(rx: MemoryObjectReceiveStream[Delivery], n: int) -> list[tuple[int, int]]:
+async def take(rx: MemoryObjectReceiveStream[OutgoingDelivery], n: int) -> list[tuple[int, int]]:
     """The ids of the next ``n`` deliveries, then checks that nothing more is coming."""
     got = [await rx.receive() for _ in range(n)]
     await anyio.sleep(0.05)
@@ -156,7 +169,7 @@ async def test_dispatcher_delivers_oldest_first_up_to_window(tmp_path: Path) -> 
     rig = make_rig(tmp_path)
     async with running(rig):
         with attached(rig, 4) as (session, rx):
-            got = [await rx.receive() for _ in range(4)]
+            got = [decoded(await rx.receive()) for _ in range(4)]
             assert await take(rx, 0) == []
     assert [(d.segment_seq, d.bundle_index) for d in got] == [(1, 0), (1, 1), (1, 2), (2, 0)]
     for d in got:
