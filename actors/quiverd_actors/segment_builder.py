@@ -49,11 +49,24 @@ async def run(
     builder = _Builder(outbox, cfg, first_segment_seq, limiter, stats, log)
     builder.from_wal = from_wal
     async with inbox, outbox:
-        if recovered:
-            # Replayed WAL entries not yet in any segment: the open state before the crash.
-            await builder.add(recovered)
-            await builder.seal_if_full()
         task_status.started()
+        # Replayed WAL entries not yet in any segment: the open state before the crash,
+        # sealed at the target size as live bundles would have been. After ready: a
+        # large WAL is finalized while the daemon already accepts (new bundles queue
+        # behind it, in sequence order); before, ready would wait for all of it.
+        group: list[Bundle] = []
+        group_bytes = 0
+        for bundle in recovered:
+            group.append(bundle)
+            group_bytes += bundle.payload_bytes
+            if builder.open.bytes + group_bytes >= cfg.target_size_bytes:
+                await builder.add(group)
+                await builder.seal_if_full()
+                group, group_bytes = [], 0
+        if group:
+            await builder.add(group)
+            await builder.seal_if_full()
+        recovered = []
         while True:
             with anyio.move_on_after(builder.seconds_left()) as timer:
                 try:

@@ -135,6 +135,13 @@ def inspect_ipc_stream(payload: Buffer) -> StreamFacts:
     return StreamFacts(fingerprint(schema), rows, schema, len(batches))
 
 
+def stream_facts(payload: Buffer) -> tuple[pa.Schema, int]:
+    """Schema and record-batch count of an IPC stream already validated once (WAL
+    replay): batches are opened zero copy, not validated again."""
+    with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
+        return reader.schema, sum(1 for _ in reader)
+
+
 def reject_compressed_bodies(payload: Buffer) -> None:
     """Raise ValueError if a record or dictionary batch of the stream is compressed.
 

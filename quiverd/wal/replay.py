@@ -23,14 +23,16 @@ are lost, counted in ``corrupt_entries`` and listed in ``lost_sequences``.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+import pyarrow as pa
 
 from quiverd.kernel import layout
-from quiverd.kernel.bundle import Slot
+from quiverd.kernel.bundle import META_SLOT, Slot, stream_facts
 from quiverd.kernel.durable import atomic_write
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.quarantine import keep_bytes
@@ -59,7 +61,11 @@ class Coverage(Protocol):
 
 
 class ReplayedEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """A RecordBundle entry read back; ``slots`` own their payload bytes."""
+    """A RecordBundle entry read back. User slots are views over the file's read-only
+    memory map with their schema and batch count filled in (the open segment needs no
+    more: the finalizer reads the bytes back from the WAL); the metadata slot is a copy.
+    A slot whose IPC stream does not even open carries no facts: the open segment then
+    decodes it itself and reports it as it did before."""
 
     generation: int
     offset: int
@@ -188,10 +194,12 @@ class _Scan:
         self.lost: list[tuple[int, int]] = []
 
     def replay_file(self, path: Path, gen: int, start: int, *, active: bool) -> int:
-        """Replay one file from ``start``; returns its size after any tail cut."""
-        with open(path, "rb") as f:
-            f.seek(start)
-            data = f.read()
+        """Replay one file from ``start``; returns its size after any tail cut.
+
+        The file is memory-mapped, not read: a WAL of several GiB costs page cache, not
+        a copy in the daemon's memory, and each byte is touched once (the CRC pass).
+        """
+        data = _map_from(path, start)
         pos = 0
         while pos < len(data):
             try:
@@ -212,7 +220,7 @@ class _Scan:
             pos = nxt
         return start + len(data)
 
-    def _take(self, path: Path, gen: int, start: int, data: bytes,
+    def _take(self, path: Path, gen: int, start: int, data: memoryview,
               entry: wf.DecodedEntry) -> int | None:
         """Offset after ``entry`` (or after the damage it starts); None: nothing sound follows."""
         pos = entry.offset
@@ -243,8 +251,10 @@ class _Scan:
             )
         self.last_seq = entry.sequence
         self.skipped = 0
-        # Copy out of the file buffer: the file may be truncated or deleted later.
-        slots = tuple(msgspec.structs.replace(s, ipc=bytes(s.ipc)) for s in entry.slots)
+        # The metadata slot is copied (tiny, decoded later); user slots stay views of
+        # the map, with what the open segment needs from them.
+        slots = tuple(msgspec.structs.replace(s, ipc=bytes(s.ipc)) if s.slot == META_SLOT
+                      else _with_facts(s) for s in entry.slots)
         self.entries.append(
             ReplayedEntry(
                 generation=gen, offset=start + entry.offset, sequence=entry.sequence,
@@ -281,7 +291,7 @@ class _Scan:
             self.corrupt += self.skipped
             self.damaged = False
 
-    def _successor_ok(self, data: bytes, pos: int) -> bool:
+    def _successor_ok(self, data: memoryview, pos: int) -> bool:
         """Does a sound entry continue the sequence right after a damaged one?"""
         try:
             nxt = wf.decode_entry(data, pos, max_entry_bytes=self.max_entry_bytes)
@@ -293,7 +303,7 @@ class _Scan:
             return True
         return nxt.sequence == self.last_seq + 2 + self.skipped
 
-    def _resync(self, path: Path, gen: int, start: int, data: bytes, pos: int) -> int | None:
+    def _resync(self, path: Path, gen: int, start: int, data: memoryview, pos: int) -> int | None:
         """Offset of the next sound entry after damage at ``pos``, or None (a torn tail).
 
         With the sidecar lost, replay can walk into a punched hole (zeroed 4 KiB
@@ -316,7 +326,7 @@ class _Scan:
                          bytes=resync - pos, resumed_at=start + resync)
         return resync
 
-    def _skip_tail(self, path: Path, gen: int, start: int, data: bytes, pos: int,
+    def _skip_tail(self, path: Path, gen: int, start: int, data: memoryview, pos: int,
                    reason: str) -> None:
         """Damage at the end of a rotated file: it was fsynced whole, so no torn write.
 
@@ -331,7 +341,7 @@ class _Scan:
                        quarantine=str(target))
 
     def _quarantine_corrupt(
-        self, path: Path, gen: int, offset: int, data: bytes, entry: wf.DecodedEntry
+        self, path: Path, gen: int, offset: int, data: memoryview, entry: wf.DecodedEntry
     ) -> None:
         pos = entry.offset
         chunk = memoryview(data)[pos : pos + entry.total_len]
@@ -344,7 +354,7 @@ class _Scan:
         )
 
     def _cut_tail(
-        self, path: Path, gen: int, start: int, data: bytes, pos: int, reason: str
+        self, path: Path, gen: int, start: int, data: memoryview, pos: int, reason: str
     ) -> int:
         """Copy ``data[pos:]`` to quarantine (durably) before truncating the file there."""
         offset = start + pos
@@ -370,6 +380,28 @@ class _Scan:
         target = keep_bytes(chunk, self.quarantine_dir, name)
         self.quarantined.append(target)
         return target
+
+
+def _map_from(path: Path, start: int) -> memoryview:
+    """The file's bytes from ``start`` as a read-only map (empty view for no bytes)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size <= start:
+            return memoryview(b"")
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    mm.madvise(mmap.MADV_SEQUENTIAL)
+    return memoryview(mm)[start:]
+
+
+def _with_facts(slot: Slot) -> Slot:
+    try:
+        schema, batches = stream_facts(slot.ipc)
+    except (pa.ArrowInvalid, OSError, ValueError):
+        return slot
+    return msgspec.structs.replace(slot, schema=schema, batches=batches)
 
 
 def _why(entry: wf.DecodedEntry) -> str:
