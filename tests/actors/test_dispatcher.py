@@ -10,6 +10,7 @@ contents, acks, nack backoff, detach, a removed subscriber, cancellation.
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from quiverd.kernel.config import SubscriberEntry
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.metrics import AckLogMetrics, DispatchMetrics, Metrics
 from quiverd.kernel.reply import Reply
+from quiverd.net.rawsock import RawStream
 from quiverd.protocol.codec import FrameDecoder, max_frame_bytes
 from quiverd.protocol.frames import Delivery
 from quiverd.segments.files import segment_info, write_segment
@@ -48,6 +50,7 @@ from quiverd_actors.messages import (
     LocalDelivery,
     RecordOutcome,
 )
+from tests.segments.test_format import bundle_of, dict_col, three_slot_bundles
 
 LOG = logs.get("test")
 SEGMENTS = {1: 3, 2: 2}  # segment_seq -> bundles
@@ -74,20 +77,30 @@ class Rig:
                MemoryObjectSendStream[AckLogRequest]]
 
 
-def make_rig(tmp_path: Path) -> Rig:
+def standard_bundles() -> dict[int, list[Bundle]]:
+    return {seq: [Bundle(client=f"app{seq}", slots=(make_slot(0, table(seq, i)),),
+                         ingestion_ts_ns=ts_of(seq, i), sequence=10 * seq + i)
+                  for i in range(count)] for seq, count in SEGMENTS.items()}
+
+
+def make_rig(tmp_path: Path, bundles: dict[int, list[Bundle]] | None = None,
+             max_dictionary_cardinality: int = 64) -> Rig:
+    """Segments written by the real encoder (``standard_bundles`` unless given)."""
     shard = DataDir(tmp_path).shard(0)
     for d in shard.directories():
         d.mkdir(parents=True, exist_ok=True)
     infos = []
-    for seq, count in SEGMENTS.items():
+    by_seq = standard_bundles() if bundles is None else bundles
+    for seq, seg_bundles in by_seq.items():
         segment = OpenSegment()
-        for i in range(count):
-            segment.add(Bundle(client=f"app{seq}", slots=(make_slot(0, table(seq, i)),),
-                               ingestion_ts_ns=ts_of(seq, i), sequence=10 * seq + i))
-        write_segment(shard.segment(seq), encode_segment(segment, max_dictionary_cardinality=64))
+        for b in seg_bundles:
+            segment.add(b)
+        write_segment(shard.segment(seq), encode_segment(
+            segment, max_dictionary_cardinality=max_dictionary_cardinality))
         with SegmentReader.open(shard.segment(seq)) as reader:
             infos.append(segment_info(shard.segment(seq), seq, reader))
-    rec = recover_acks(shard, SEGMENTS, [SubscriberEntry(name="a")], LOG)
+    counts = {seq: len(b) for seq, b in by_seq.items()}
+    rec = recover_acks(shard, counts, [SubscriberEntry(name="a")], LOG)
     segments, changes = SegmentTable(infos), Changes()
     ack_tx, ack_rx = anyio.create_memory_object_stream[AckLogRequest](64)
     tap_tx, tap_rx = anyio.create_memory_object_stream[AckLogRequest](64)
@@ -310,6 +323,128 @@ async def test_dispatcher_idle_when_backoff_expires_with_window_full(
             monkeypatch.setattr(rig.dispatcher, "_fill", counted_fill)
             await anyio.sleep(0.4)  # the nack's backoff (<= 0.1 s) expires meanwhile
     assert rounds <= 5
+
+
+# ---- what a socket session gets: the stored IPC bytes -------------------------------
+def every_kind_of_slot() -> dict[int, list[Bundle]]:
+    """Segment 1: slots absent and present, two-batch slots, schema and field metadata
+    variants, an empty slot, a txn tag, a bundle with no user slots, fixed-vocabulary
+    and nested dictionaries (sliced as stored). Segment 2: dictionaries that change
+    per bundle (remapped at finalize: restored), a widened index and schema drift."""
+    words = pa.array([f"w{i}" for i in range(300)])
+    fixed = pa.DictionaryArray.from_arrays(pa.array([2, 0, None, 1], pa.int8()),
+                                           pa.array(["DEBUG", "INFO", "WARN"]))
+    nested = pa.StructArray.from_arrays([fixed], names=["level"])
+    one = pa.table({"level": fixed, "n": [1, 2, 3, 4], "nested": nested})
+    first = three_slot_bundles()
+    first[3] = bundle_of(3, {0: pa.concat_tables([one, one.slice(2)]), 7: one.slice(1, 1)})
+    changing = [["a", "b", "c"], ["c", "a"], ["b"], ["a", "b", "c"]]
+    second = [bundle_of(100 + i, {0: pa.table({"k": dict_col(v), "i": [i] * len(v)})})
+              for i, v in enumerate(changing)]
+    # Its own dictionary is the vocabulary, but the index widens to uint16: restored.
+    second.append(bundle_of(104, {0: pa.table({"k": pa.DictionaryArray.from_arrays(
+        pa.array([0, 255], pa.uint8()), words)})}))
+    second.append(bundle_of(105, {0: pa.table({"k": dict_col(["w3", "w1"], pa.uint8())})}))
+    second.append(bundle_of(106, {0: pa.table({"k": dict_col(["x"]), "extra": [1.5]})}))
+    return {1: first, 2: second}
+
+
+def sent_tables(b: Bundle) -> dict[int, pa.Table]:
+    return {s.slot: read_ipc_stream(s.ipc) for s in b.slots}
+
+
+def assert_delivered_as_sent(got: Delivery, sent: Bundle) -> None:
+    assert (got.client, got.txn, got.ingestion_ts_ns) == (sent.client, sent.txn,
+                                                          sent.ingestion_ts_ns)
+    assert [s.slot for s in got.slots] == [s.slot for s in sent.slots]
+    for slot, original in sent_tables(sent).items():
+        (delivered,) = [s for s in got.slots if s.slot == slot]
+        table = read_ipc_stream(delivered.ipc)  # what the consumer client decodes
+        assert delivered.row_count == original.num_rows
+        assert table.equals(original, check_metadata=True), (got.bundle_index, slot)
+        assert [f.metadata for f in table.schema] == [f.metadata for f in original.schema]
+        if original.num_rows:
+            assert [b.num_rows for b in table.to_batches()] == [
+                b.num_rows for b in original.to_batches()]
+        for name in original.column_names:
+            if pa.types.is_dictionary(original.schema.field(name).type) and original.num_rows:
+                for a, b in zip(table.column(name).chunks, original.column(name).chunks,
+                                strict=True):
+                    assert a.dictionary.equals(b.dictionary) and a.indices.equals(b.indices)
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_socket_session_gets_every_slot_as_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundles = every_kind_of_slot()
+    restored: list[tuple[str, int]] = []
+    real_bundle = SegmentReader.bundle
+
+    def spy(self: SegmentReader, index: int) -> Any:
+        restored.append((Path(self.path).name, index))
+        return real_bundle(self, index)
+
+    monkeypatch.setattr(SegmentReader, "bundle", spy)
+    rig = make_rig(tmp_path, bundles, max_dictionary_cardinality=1 << 20)
+    total = sum(len(b) for b in bundles.values())
+    async with running(rig):
+        with attached(rig, total) as (_, rx):
+            got = [decoded(await rx.receive()) for _ in range(total)]
+    for d in got:
+        assert_delivered_as_sent(d, bundles[d.segment_seq][d.bundle_index])
+    # Only the bundles whose dictionaries were remapped or widened were decoded.
+    assert sorted(restored) == [(f"{2:016d}.qseg", i) for i in (1, 2, 4, 5)]
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_socket_session_never_reencodes_a_bundle_stored_as_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The old path decoded every bundle (SegmentReader.bundle) and encoded each slot
+    # anew: both are forbidden here, and the record batch goes out as a view of the
+    # mapped segment file, byte for byte.
+    def forbidden(*args: object) -> Any:
+        raise AssertionError("decoded or re-encoded")
+
+    monkeypatch.setattr(SegmentReader, "bundle", forbidden)
+    monkeypatch.setattr(dispatcher_mod, "_ipc_stream", forbidden)
+    big = pa.table({"n": pa.array(range(50_000), pa.int64())})
+    sent = [Bundle(client="big", slots=(make_slot(0, big),), ingestion_ts_ns=5, sequence=1)]
+    rig = make_rig(tmp_path, {1: sent})
+    async with running(rig):
+        with attached(rig, 1) as (_, rx):
+            frame = await rx.receive()
+    assert_delivered_as_sent(decoded(frame), sent[0])
+    views = [p for p in frame.parts if isinstance(p, memoryview) and p.nbytes > 400_000]
+    assert len(views) == 1
+    on_disk = DataDir(tmp_path).shard(0).segment(1).read_bytes()
+    assert bytes(views[0]) in on_disk
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_frames_cross_a_real_socket_with_sendmsg(tmp_path: Path) -> None:
+    bundles = every_kind_of_slot()
+    rig = make_rig(tmp_path, bundles, max_dictionary_cardinality=1 << 20)
+    total = sum(len(b) for b in bundles.values())
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    right.setblocking(False)
+    decoder = FrameDecoder(max_frame_bytes(1 << 26), from_client=False)
+    got: list[Delivery] = []
+    async with running(rig), RawStream(left) as stream:
+        with attached(rig, total) as (_, rx):
+
+            async def receive() -> None:
+                while len(got) < total:
+                    await anyio.wait_readable(right)
+                    got.extend(decoder.feed(right.recv(1 << 20)))  # type: ignore[misc]
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(receive)
+                for _ in range(total):
+                    await stream.send_parts(list((await rx.receive()).parts))
+    right.close()
+    assert len(got) == total
+    for d in got:
+        assert_delivered_as_sent(d, bundles[d.segment_seq][d.bundle_index])
 
 
 def _total(stats: DispatchMetrics, name: str) -> int:
