@@ -325,6 +325,44 @@ async def test_dispatcher_idle_when_backoff_expires_with_window_full(
     assert rounds <= 5
 
 
+class CountingDict(dict[tuple[str, int, int], Session]):
+    lookups = 0
+
+    def __contains__(self, key: object) -> bool:
+        CountingDict.lookups += 1
+        return super().__contains__(key)
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_pick_skips_bundles_still_in_flight(tmp_path: Path) -> None:
+    # A wide window's in-flight bundles are not walked again on every wake-up; a
+    # bundle that leaves flight (nack settled) is found again.
+    rig = make_rig(tmp_path)
+    rig.dispatcher.inflight = CountingDict()
+    async with running(rig):
+        with attached(rig, 8) as (session, rx):
+            assert len(await take(rx, 5)) == 5
+            CountingDict.lookups = 0
+            assert rig.dispatcher._pick(session) == [] and CountingDict.lookups == 0
+            await rig.dispatcher.feedback(session, 1, 2, fmt.NACK)
+            await settled(rig, (1, 2), fmt.NACK)
+            again = await rx.receive()
+            assert (again.segment_seq, again.bundle_index) == (1, 2)
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_detach_hands_inflight_to_a_session_already_attached(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    async with running(rig):
+        with attached(rig, 3) as (first, rx1):
+            assert await take(rx1, 3) == [(1, 0), (1, 1), (1, 2)]
+            with attached(rig, 8) as (second, rx2):
+                assert await take(rx2, 2) == [(2, 0), (2, 1)]
+                rig.dispatcher.detach(first)
+                assert await take(rx2, 3) == [(1, 0), (1, 1), (1, 2)]
+
+
 # ---- what a socket session gets: the stored IPC bytes -------------------------------
 def every_kind_of_slot() -> dict[int, list[Bundle]]:
     """Segment 1: slots absent and present, two-batch slots, schema and field metadata
