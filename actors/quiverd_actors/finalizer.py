@@ -36,7 +36,7 @@ from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import SegmentMetrics
 from quiverd.segments.files import Floor, NotWritten, checked_write, write_segment
-from quiverd.segments.format import Piece, encode_segment
+from quiverd.segments.format import Arena, Piece, encode_segment
 from quiverd.segments.open_segment import Fetch, OpenSegment
 from quiverd.segments.table import SegmentInfo, StagedRef
 from quiverd_actors.messages import SealedSegment, SegmentWritten, WalReleased
@@ -69,12 +69,13 @@ async def run(
     segment did not hold (``OpenSegment.load``).
     """
     retry = Retry(log)
+    arena = Arena()  # warm memory the segments are encoded into, one after the other
     async with inbox, outbox, releases:
         task_status.started()
         async for sealed in inbox:
             segment = sealed.segment
             job = _Finalize(shard, sealed.segment_seq, segment, max_dictionary_cardinality,
-                            hook, reserve_bytes, fetch)
+                            hook, reserve_bytes, fetch, arena)
             size = await _until_written(job, limiter, retry, stats)
             stats.finalized.inc()
             stats.finalized_bytes.inc(size)
@@ -124,6 +125,7 @@ class _Finalize:
     hook: Hook | None
     reserve_bytes: int
     fetch: Fetch | None = None
+    arena: Arena | None = None
     pieces: list[Piece] | None = None  # encoded once, kept until the file is durable
     staged: dict[int, StagedRef] | None = None
     size: int | None = None  # set once the segment file is durable
@@ -142,7 +144,8 @@ class _Finalize:
                         raise AssertionError("open segment left bundles in the WAL, no fetch")
                     self.segment.load(self.fetch)
                 self.pieces = encode_segment(
-                    self.segment, max_dictionary_cardinality=self.max_dictionary_cardinality)
+                    self.segment, max_dictionary_cardinality=self.max_dictionary_cardinality,
+                    arena=self.arena)
                 self.staged = self.segment.staged()
             self.size = write_segment(self.path, self.pieces, hook=self.hook,
                                       reserve_bytes=self.reserve_bytes)

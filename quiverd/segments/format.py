@@ -75,13 +75,16 @@ DIRECTORY_SCHEMA = pa.schema([
 ])
 
 
-def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int) -> list[Piece]:
+def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int,
+                   arena: Arena | None = None) -> list[Piece]:
     """The whole segment file as pieces to write in order (blocking, pure).
 
     Batches are serialized once into one IPC file per stream; only dictionary
     columns are rebuilt. The last piece carries the footer, trailer and CRC.
     """
     pieces: list[Piece] = []
+    if arena is not None:
+        arena.reset()
     offset = 0
     stream_rows: list[dict[str, object]] = []
     chunk_maps: list[list[list[pa.Array | None]]] = []
@@ -94,7 +97,8 @@ def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int
             stored_schema, batches, maps = unify_batches(
                 schema, stream.batches, max_dictionary_cardinality
             )
-        data = _ipc_file(stored_schema, batches)
+        data = (_ipc_file(stored_schema, batches) if arena is None
+                else arena.write(stored_schema, batches))
         pieces.append(memoryview(data))
         stream_rows.append(_directory_row(stream_id, stream, offset, data.size))
         chunk_maps.append(maps)
@@ -119,11 +123,52 @@ def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int
     return pieces
 
 
-def _ipc_file(schema: pa.Schema, batches: list[pa.RecordBatch]) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
+class Arena:
+    """One warm buffer the streams of a segment are encoded into, reused segment after
+    segment (one per finalizer). A growing ``BufferOutputStream`` copies on every
+    doubling and writes into fresh pages each time (≈ 3.7 µs per 4 KiB here,
+    NOTES.md); encoding into the same pages is ≈ 3× faster. Each stream is sized by
+    a dry run first (``MockOutputStream``: no bytes copied), so a write never overflows;
+    a segment larger than the arena moves on to a bigger one (earlier pieces keep the
+    old buffer alive). The pieces ``encode_segment`` returns view it: valid until the
+    next ``encode_segment`` with the same arena.
+    """
+
+    def __init__(self) -> None:
+        self.buffer: pa.Buffer | None = None
+        self.used = 0
+
+    def reset(self) -> None:
+        """A new segment: regions of the last one are free again."""
+        self.used = 0
+
+    def write(self, schema: pa.Schema, batches: list[pa.RecordBatch]) -> pa.Buffer:
+        """The IPC file of ``batches``, encoded into the arena."""
+        dry = pa.MockOutputStream()
+        _write_ipc_file(dry, schema, batches)
+        size = dry.size()
+        start = self.used
+        if self.buffer is None or start + size > self.buffer.size:
+            grown = max(2 * (self.buffer.size if self.buffer is not None else 0), size + size // 4)
+            self.buffer, start = pa.allocate_buffer(grown), 0
+        # A slice of a pa.Buffer is read-only; one through a memoryview stays writable.
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(memoryview(self.buffer)[start:start + size]))
+        _write_ipc_file(sink, schema, batches)
+        end = start + size
+        self.used = end + -end % ALIGN
+        return self.buffer.slice(start, size)
+
+
+def _write_ipc_file(sink: pa.NativeFile, schema: pa.Schema,
+                    batches: list[pa.RecordBatch]) -> None:
     with pa.ipc.new_file(sink, schema) as writer:
         for batch in batches:
             writer.write_batch(batch)
+
+
+def _ipc_file(schema: pa.Schema, batches: list[pa.RecordBatch]) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    _write_ipc_file(sink, schema, batches)
     return sink.getvalue()
 
 

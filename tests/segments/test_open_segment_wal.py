@@ -95,9 +95,31 @@ def test_open_segment_load_refuses_a_payload_unlike_what_ingest_validated():
     other = encode_ipc_stream(pa.table({"a": pa.array([1], pa.int64()), "s": ["z"]}))
 
     def fetch(seqs: list[int]) -> dict[int, dict[int, bytes]]:
-        out = {s: {sl.slot: sl.ipc for sl in b.slots} for s, b in zip(seqs, bundles)}
+        out = {s: {sl.slot: sl.ipc for sl in b.slots} for s, b in zip(seqs, bundles, strict=True)}
         out[bundles[1].sequence][0] = other  # one batch where ingest saw two
         return out
 
     with pytest.raises(ValueError, match="batches read back"):
         seg.load(fetch)
+
+
+def test_encode_segment_into_a_reused_arena_gives_the_same_bytes():
+    from quiverd.segments.format import Arena
+
+    arena = Arena()
+    bundles = _bundles()
+    first, second = OpenSegment(), OpenSegment()
+    for b in bundles:
+        first.add(b)
+    for b in reversed(bundles):
+        second.add(b)
+    plain1, plain2 = _encode(first), _encode(second)
+    # The first use sizes the arena, later ones encode into the same memory.
+    for _ in range(3):
+        got1 = b"".join(bytes(p) for p in encode_segment(
+            first, max_dictionary_cardinality=1000, arena=arena))
+        assert got1 == plain1
+        got2 = b"".join(bytes(p) for p in encode_segment(
+            second, max_dictionary_cardinality=1000, arena=arena))
+        assert got2 == plain2
+    assert arena.buffer is not None and arena.used > 0
