@@ -3,7 +3,8 @@
     python bench/segments.py [--quick] [--json out.json] [--only PART,...] [--profile DIR]
 
 1. finalize  128 logs-like bundles of ~256 KiB (32 MiB of IPC) in one ``OpenSegment``;
-             timed: ``encode_segment`` + ``write_segment`` (tmp, fsync, rename, fsync dir).
+             timed: ``encode_segment`` (into a warm ``Arena``, as the finalizer) +
+             ``write_segment`` (tmp, fsync, rename, fsync dir).
              Baseline: the same decoded record batches through ``pa.ipc.new_file`` into
              one file, with and without fsync (for changing dictionaries the baseline
              must unify them first: an IPC file holds one dictionary per column).
@@ -69,7 +70,7 @@ from quiverd.kernel.config import SegmentConfig  # noqa: E402
 from quiverd.kernel.layout import segment_path  # noqa: E402
 from quiverd.net.admin import request as admin_request  # noqa: E402
 from quiverd.segments.files import write_segment  # noqa: E402
-from quiverd.segments.format import encode_segment  # noqa: E402
+from quiverd.segments.format import Arena, encode_segment  # noqa: E402
 from quiverd.segments.open_segment import OpenSegment  # noqa: E402
 from quiverd.segments.reader import SegmentReader  # noqa: E402
 
@@ -208,9 +209,13 @@ class Case:
         return self.segment.bytes
 
 
+ARENA = Arena()  # as the finalizer does: one warm arena, reused segment after segment
+
+
 def finalize_quiverd(case: Case, path: Path) -> dict[str, float]:
     t0 = time.perf_counter()
-    pieces = encode_segment(case.segment, max_dictionary_cardinality=MAX_CARDINALITY)
+    pieces = encode_segment(case.segment, max_dictionary_cardinality=MAX_CARDINALITY,
+                            arena=ARENA)
     t1 = time.perf_counter()
     write_segment(path, pieces)
     t2 = time.perf_counter()
