@@ -180,7 +180,7 @@ class _Committer:
         records: list[fmt.Record] = []
         dropped: dict[str, int] = {}
         with_drops = 0
-        if msg.reason != "acked":
+        if msg.reason not in ("acked", "corrupt"):  # a quarantined segment: ack.log forgets it
             for seq in msg.segment_seqs:
                 plan = self.state.drop_segment(seq)
                 records += plan.records

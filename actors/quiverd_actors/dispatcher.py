@@ -51,6 +51,7 @@ from quiverd.protocol.frames import encode_delivery_parts
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentView, StagedRef
 from quiverd_actors.messages import AckLogRequest, LocalDelivery, RecordOutcome
+from quiverd_actors.scrubber import SegmentChecks
 
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 30.0
@@ -123,6 +124,7 @@ class Dispatcher:
     awaiting: list[_Feedback] = field(default_factory=list)  # outcomes not yet settled
     # Staged bundles (SPEC §7): what to do with one; None delivers them like any other.
     verdict: Callable[[StagedRef], Verdict] | None = None
+    checks: SegmentChecks | None = None  # None: every open checks the whole file
     discarding: dict[tuple[str, int, int], Reply[None]] = field(default_factory=dict)
     _to_discard: list[tuple[int, int]] = field(default_factory=list)  # found by _pick
     # Per session, where its last pick scan met the first pending bundle not in
@@ -395,7 +397,10 @@ class Dispatcher:
     def _reader(self, seg: int, path: Path) -> SegmentReader:
         reader = self.readers.get(seg)
         if reader is None:
-            reader = SegmentReader.open(path)
+            # A segment recovery did not check in full gets its whole-file CRC here,
+            # before its first delivery (a bad one is reported for quarantine).
+            reader = (SegmentReader.open(path) if self.checks is None
+                      else self.checks.open_reader(seg, path))
             self.readers[seg] = reader
             while len(self.readers) > MAX_OPEN_READERS:
                 self.readers.popitem(last=False)[1].close()

@@ -31,7 +31,7 @@ from quiverd.segments.table import SegmentInfo
 
 ProducerReply = Ack | Error
 SealReason = Literal["size", "age", "streams", "shutdown", "pressure"]
-RetireReason = Literal["acked", "max_age", "size_cap"]
+RetireReason = Literal["acked", "max_age", "size_cap", "corrupt"]
 
 
 class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):

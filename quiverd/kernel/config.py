@@ -73,6 +73,14 @@ class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     max_age_s: int = 0  # 0 = keep until acked
 
 
+class ScrubConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    # Background whole-file CRC checks of segments, split evenly over shards; 0 = no
+    # passes (a segment recovery trusted on its metadata is still checked in full
+    # before its first delivery). MB = 10**6 bytes.
+    rate_mb_per_s: float = 50.0
+    pass_interval_s: int = 86_400  # a pass starts this long after the previous one did
+
+
 class SubscriberEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     name: str
     start: Literal["earliest", "latest"] = "earliest"
@@ -171,6 +179,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     wal: WalConfig = msgspec.field(default_factory=WalConfig)
     segment: SegmentConfig = msgspec.field(default_factory=SegmentConfig)
     retention: RetentionConfig = msgspec.field(default_factory=RetentionConfig)
+    scrub: ScrubConfig = msgspec.field(default_factory=ScrubConfig)
     subscribers: list[SubscriberEntry] = msgspec.field(default_factory=list)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
@@ -294,6 +303,9 @@ def validate(cfg: Config) -> None:
          "must be >= 1"),
         (cfg.retention.size_cap_bytes >= 0, "retention.size_cap_bytes", "must be >= 0"),
         (cfg.retention.max_age_s >= 0, "retention.max_age_s", "must be >= 0"),
+        (0 <= cfg.scrub.rate_mb_per_s <= 100_000, "scrub.rate_mb_per_s",
+         "must be between 0 (no background passes) and 100000"),
+        (cfg.scrub.pass_interval_s >= 0, "scrub.pass_interval_s", "must be >= 0"),
         (cfg.staging.ttl_s >= 1, "staging.ttl_s", "must be >= 1"),
         (cfg.staging.poll_interval_ms >= 10, "staging.poll_interval_ms", "must be >= 10"),
         (cfg.staging.decision_retention_s >= cfg.staging.ttl_s,

@@ -160,6 +160,17 @@ class Metrics:
         self.gc_sweeps = c("quiver_gc_sweeps_total", "gc sweeps", sh)
         self.gc_delete_batches = c("quiver_gc_delete_batches_total",
                                    "deletion batches (one marker write, one dir fsync each)", sh)
+        # scrubber: whole-file CRCs off the startup path (first read, background passes)
+        self.scrub_bytes = c("quiver_scrub_bytes_total", "segment bytes the scrubber read "
+                             "and CRC-checked", sh)
+        self.scrub_segments = c("quiver_scrub_segments_total",
+                                "segments the scrubber found intact", sh)
+        self.scrub_passes = c("quiver_scrub_passes_total", "scrub passes over every segment "
+                              "completed", sh)
+        self.segments_corrupt = c("quiver_segments_corrupt_total", "segments found corrupt "
+                                  "after startup and quarantined, by the check that found "
+                                  "them (read: before first delivery; scrub)",
+                                  ("shard", "found_by"))
         # recovery
         self.wal_corrupt_entries = c("quiver_wal_corrupt_entries_total",
                                      "WAL entries found corrupt at replay", sh)
@@ -349,6 +360,22 @@ class GcMetrics:
 
     def dropped_bundles(self, subscriber: str) -> Value:
         return self._m.subscriber_dropped.labels(self._shard, subscriber)
+
+
+class ScrubMetrics:
+    """The scrubber's values for one shard."""
+
+    def __init__(self, m: Metrics, shard: int) -> None:
+        self._m, self._shard = m, shard
+        self.bytes = m.scrub_bytes.labels(shard)
+        self.segments = m.scrub_segments.labels(shard)
+        self.passes = m.scrub_passes.labels(shard)
+        self.bundles_lost = m.bundles_lost.labels(shard)
+        for found_by in ("read", "scrub"):
+            self.corrupt(found_by)  # exported as 0 from the start
+
+    def corrupt(self, found_by: str) -> Value:
+        return self._m.segments_corrupt.labels(self._shard, found_by)
 
 
 class IngestMetrics:

@@ -310,6 +310,14 @@ class Daemon:
                  lambda: {(str(s.index),): len(s.segments) for s in self.shards})
         m.derive("quiver_segment_bytes", "bytes of finalized segments on disk", ("shard",),
                  lambda: {(str(s.index),): s.segments.total_bytes() for s in self.shards})
+        m.derive("quiver_segments_unverified", "segments whose stream bytes no CRC has "
+                 "checked since startup (first read or scrubber to come)", ("shard",),
+                 lambda: {(str(s.index),): s.checks.unverified_count for s in self.shards})
+        m.derive("quiver_scrub_pass_progress", "fraction of the current scrub pass's bytes "
+                 "checked", ("shard",),
+                 lambda: {(str(s.index),): (s.checks.pass_done_bytes / s.checks.pass_bytes
+                                            if s.checks.pass_bytes else 1.0)
+                          for s in self.shards})
         for key, doc in (("lag_bundles", "bundles a subscriber has not acked"),
                          ("lag_segments", "segments a subscriber's mark is behind"),
                          ("lag_bytes", "bytes of the segments a subscriber still needs")):

@@ -1,9 +1,13 @@
 """Recovering one shard before its actors start (blocking: runs in a worker thread).
 
-    1. segments/   verify every segment; a bad one or a leftover temp file moves to
-                   quarantine/ (``segments.files.scan_segments``)
+    1. segments/   check every segment's metadata (version 2: trailer, footer,
+                   directory and manifest under their own CRC, not the stream bytes);
+                   a bad one or a leftover temp file moves to quarantine/
+                   (``segments.files.scan_segments``)
     2. wal/        replay from the sidecar: torn tail cut into quarantine/, a bad
-                   interior entry skipped when its successor validates
+                   interior entry skipped when its successor validates; then the
+                   segments whose bundles the WAL still holds get their whole-file
+                   CRC, so that a bad one comes back from the WAL (``_verify_held``)
     3. open segment = exactly the WAL entries no durable segment (nor the
                    DELETED marker) holds, so nothing is lost or duplicated across
                    a crash at any finalize step
@@ -13,6 +17,11 @@
                    gone segments forgotten, orphans it already deleted unlinked
     6. FLOOR       raised to the highest segment number any of these has seen, so
                    a number is never handed out twice (``_next_segment_seq``)
+
+Startup reads O(number of segments) bytes of segments: the stream bytes of the
+others are checked before their first delivery and by the scrubber
+(``Recovered.unverified``, actors/quiverd_actors/scrubber.py); the WAL no longer
+holds their bundles, so a bad one found then is reported lost, as it would be here.
 
 Bundles of a quarantined segment come back from the WAL while it still holds
 them; otherwise they are lost, and so are WAL entries skipped as damage. Every loss
@@ -25,6 +34,8 @@ segment that is gone, its segment_seq and ack.log's bundle count (bundle ids
 
 from __future__ import annotations
 
+import bisect
+
 import msgspec
 
 from quiverd.acks.log import AckLogFile
@@ -32,6 +43,7 @@ from quiverd.acks.recovery import gone_segments, replay_acks, settle_acks
 from quiverd.acks.state import AckState
 from quiverd.kernel.bundle import Bundle, split_meta
 from quiverd.kernel.config import Config
+from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
@@ -40,8 +52,10 @@ from quiverd.segments.files import (
     Deleted,
     Floor,
     delete_segments,
+    quarantine_segment,
     read_marker,
     scan_segments,
+    verify_file,
     write_marker,
 )
 from quiverd.segments.table import SegmentInfo
@@ -60,6 +74,8 @@ class Recovered(msgspec.Struct, kw_only=True):
     open_bundles: list[Bundle]
     segments: list[SegmentInfo]
     acks: AckState
+    # Segments whose stream bytes no CRC has checked yet (only their metadata's).
+    unverified: set[int] = msgspec.field(default_factory=set)
     ack_file: AckLogFile
     quarantined_segments: list[str] = msgspec.field(default_factory=list)
     lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
@@ -72,12 +88,18 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
                   log: Logger) -> Recovered:
     for d in shard.directories():
         d.mkdir(parents=True, exist_ok=True)
-    segments, quarantined = scan_segments(shard, log)
+    scan = scan_segments(shard, log)
+    segments, quarantined = scan.good, scan.quarantined
     floor = read_marker(shard.floor, Floor)
     deleted = read_marker(shard.deleted, Deleted)
     covered = Coverage(segments, deleted.wal_sequence)
     state = replay_wal(shard.wal_dir, shard.quarantine_dir, cfg_hash=walformat.DEFAULT_CFG_HASH,
                        max_entry_bytes=cfg.wal.max_entry_bytes, log=log, covered=covered)
+    bad = _verify_held(shard, segments, scan.unverified, state.entries, log)
+    if bad:
+        segments = [s for s in segments if s.segment_seq not in bad]
+        quarantined = sorted([*quarantined, *bad])
+        covered = Coverage(segments, deleted.wal_sequence)
     open_bundles = [_bundle_of(e) for e in state.entries if not covered.holds(e.sequence)]
     by_seq = {s.segment_seq: s for s in segments}
     on_disk = {seq: s.bundle_count for seq, s in by_seq.items()}
@@ -106,12 +128,39 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
         wal=wal, next_sequence=max(state.next_sequence, loss.highest_sequence + 1),
         next_segment_seq=next_segment_seq, open_bundles=open_bundles, segments=segments,
         acks=acks.state, ack_file=acks.file,
+        unverified={s.segment_seq for s in segments} & scan.unverified,
         quarantined_segments=[str(q) for q in quarantined], lost_sequences=loss.sequences,
         lost_bundles=loss.segments,
         replay={"entries": len(state.entries), "corrupt_entries": state.corrupt_entries,
                 "torn_tail_bytes": state.torn_tail_bytes,
                 "resynced_bytes": state.resynced_bytes, "bundles_lost": loss.count,
                 **{f"ack_log_{k}": v for k, v in acks.counters.items()}})
+
+
+def _verify_held(shard: ShardLayout, segments: list[SegmentInfo], unverified: set[int],
+                  entries: list[ReplayedEntry], log: Logger) -> list[int]:
+    """Whole-file CRC of the unverified segments whose bundles the WAL still holds.
+
+    Only a crash between a segment's write and the WAL's release leaves such
+    segments (a WAL's worth at most), and only for them can a bad file still be
+    recovered from the WAL, so they are checked now rather than at first read.
+    Bad ones are quarantined; returns their numbers. Verified ones leave ``unverified``.
+    """
+    held = sorted(e.sequence for e in entries)
+    bad: list[int] = []
+    for seg in segments:
+        if seg.segment_seq not in unverified:
+            continue
+        i = bisect.bisect_left(held, seg.first_sequence)
+        if i == len(held) or held[i] > seg.last_sequence:
+            continue  # released: the WAL cannot give these bundles back
+        try:
+            verify_file(seg.path)
+        except CorruptRecord as exc:
+            quarantine_segment(shard, seg.path, exc, log)
+            bad.append(seg.segment_seq)
+        unverified.discard(seg.segment_seq)
+    return bad
 
 
 def _next_segment_seq(shard: ShardLayout, floor: Floor, segments: list[SegmentInfo],

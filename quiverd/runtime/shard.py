@@ -7,7 +7,10 @@
     dispatcher ─RecordOutcome──▶ ┌────────────┐ ◀─────────────────┘
     admin ─ChangeSubscriber────▶ │ ack_logger │ (256) owns ack.log, AckState, SegmentTable
     gc_sweeper ─RetireSegments─▶ └────────────┘ ──(Changes)──▶ dispatcher, gc_sweeper
-               ─SegmentsDeleted▶
+               ─SegmentsDeleted▶       ▲
+    scrubber ──RetireSegments, SegmentsDeleted (a corrupt segment: quarantined)
+       ▲ SegmentChecks: the dispatcher's first read of a segment recovery did not
+         check in full runs its whole-file CRC and reports a bad one
 
 Actors start in dependency order (ack_logger, then dispatcher and gc, then the
 ingest chain from its far end); the ingest chain ends by end-of-stream when
@@ -35,12 +38,20 @@ from quiverd.kernel.metrics import (
     DispatchMetrics,
     GcMetrics,
     Metrics,
+    ScrubMetrics,
     SegmentMetrics,
     WalMetrics,
 )
 from quiverd.runtime.recovery import Recovered, recover_shard
 from quiverd.segments.table import SegmentTable, SegmentView, StagedRef, TableListener
-from quiverd_actors import ack_logger, finalizer, gc_sweeper, segment_builder, wal_writer
+from quiverd_actors import (
+    ack_logger,
+    finalizer,
+    gc_sweeper,
+    scrubber,
+    segment_builder,
+    wal_writer,
+)
 from quiverd_actors.dispatcher import Dispatcher
 from quiverd_actors.messages import (
     AckLogRequest,
@@ -67,6 +78,8 @@ class Shard:
         self.ack_stats = AckLogMetrics(metrics, index)
         self.gc_stats = GcMetrics(metrics, index)
         self.dispatch_stats = DispatchMetrics(metrics, index)
+        self.scrub_stats = ScrubMetrics(metrics, index)
+        self.checks = scrubber.SegmentChecks()  # filled by recover()
         self.corrupt_entries = metrics.wal_corrupt_entries.labels(index)
         self.bundles_lost = metrics.bundles_lost.labels(index)
         self.inbox, self._inbox_rx = anyio.create_memory_object_stream[AppendRequest](64)
@@ -87,6 +100,7 @@ class Shard:
             recover_shard, self.index, self.layout, self.cfg, self.faults, self.log)
         self.recovered.ack_file.fault_hook = self.faults.get("acklog")
         self._table = SegmentTable(self.recovered.segments, listener=self.staging)
+        self.checks = scrubber.SegmentChecks(self.recovered.unverified)
         self.segments = self._table.view()
         self.corrupt_entries.inc(self.recovered.replay.get("corrupt_entries", 0))
         fs_bytes = await anyio.to_thread.run_sync(_filesystem_bytes, self.layout.dir)
@@ -108,6 +122,7 @@ class Shard:
         acklog = anyio.CapacityLimiter(1)  # ack.log appends and compaction
         gc = anyio.CapacityLimiter(1)  # segment deletion
         reads = anyio.CapacityLimiter(1)  # dispatcher's segment reads
+        scrub = anyio.CapacityLimiter(1)  # scrubber's reads and quarantine moves
         async with anyio.create_task_group() as tg:
             await tg.start(lambda task_status: ack_logger.run(
                 self._ack_rx, state=rec.acks, file=rec.ack_file, segments=self._table,
@@ -116,8 +131,15 @@ class Shard:
             async with anyio.create_task_group() as services:
                 self.dispatcher = Dispatcher(self.index, rec.acks, self.segments,
                                              self.ack_tx.clone(), self.changes, reads, self.log,
-                                             self.dispatch_stats, verdict=self.verdict)
+                                             self.dispatch_stats, verdict=self.verdict,
+                                             checks=self.checks)
                 await services.start(self.dispatcher.run)
+                await services.start(lambda task_status: scrubber.run(
+                    self.ack_tx.clone(), shard=self.index, layout=self.layout,
+                    segments=self.segments, checks=self.checks,
+                    rate_bytes_per_s=self.cfg.scrub.rate_mb_per_s * 1e6 / self.shard_count,
+                    pass_interval_s=self.cfg.scrub.pass_interval_s, limiter=scrub,
+                    stats=self.scrub_stats, log=self.log, task_status=task_status))
                 await services.start(lambda task_status: gc_sweeper.run(
                     self.ack_tx.clone(), state=rec.acks, segments=self.segments,
                     shard=self.layout, cfg=self.cfg.retention, gate=self.gate,
@@ -206,6 +228,22 @@ class Shard:
             "quarantined_segments": rec.quarantined_segments if rec else [],
             "lost_sequences": rec.lost_sequences if rec else [],
             "lost_bundles": rec.lost_bundles if rec else [],
+            "scrub": self.scrub_status(),
+        }
+
+    def scrub_status(self) -> dict[str, Any]:
+        """The scrubber's progress and the segments found corrupt since startup."""
+        checks, st = self.checks, self.scrub_stats
+        return {
+            "rate_mb_per_s": self.cfg.scrub.rate_mb_per_s / self.shard_count,
+            "unverified_segments": checks.unverified_count,
+            "passes": int(st.passes.value),
+            "pass_bytes": checks.pass_bytes,
+            "pass_done_bytes": checks.pass_done_bytes,
+            "bytes_checked": int(st.bytes.value),
+            "segments_checked": int(st.segments.value),
+            "corrupt_found": {k: int(st.corrupt(k).value) for k in ("read", "scrub")},
+            "quarantined": list(checks.quarantined),
         }
 
 

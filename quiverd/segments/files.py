@@ -140,14 +140,25 @@ def delete_segments(shard: ShardLayout, segments: Iterable[SegmentInfo]) -> int:
     return unlinked
 
 
-def scan_segments(shard: ShardLayout, log: Any) -> tuple[list[SegmentInfo], list[int]]:
-    """Verify every segment of a shard; quarantine bad ones and leftover temp files.
+class SegmentScan(msgspec.Struct, kw_only=True):
+    good: list[SegmentInfo]  # sorted by segment_seq
+    quarantined: list[int]  # segment_seq of each file moved to quarantine/
+    # Good segments only their metadata vouches for so far (format version 2, opened
+    # with full=False): the whole-file CRC is still to run (first read, scrubber).
+    unverified: set[int]
 
-    Returns the good segments (sorted by seq) and the sequence numbers of the
-    segments that were quarantined.
+
+def scan_segments(shard: ShardLayout, log: Any, *, full: bool = False) -> SegmentScan:
+    """Check every segment of a shard; quarantine bad ones and leftover temp files.
+
+    ``full=False`` reads a version 2 segment's trailer, footer, directory and
+    manifest only (its metadata CRC): O(segments) bytes, however much is retained.
+    Version 1 files, and segments holding a transactional end marker (its rows are
+    read for the staging table), get the whole-file CRC as well.
     """
     good: list[SegmentInfo] = []
     quarantined: list[int] = []
+    unverified: set[int] = set()
     for path in sorted(shard.segments_dir.iterdir()):
         if layout.is_marker(path.name):
             continue
@@ -157,13 +168,28 @@ def scan_segments(shard: ShardLayout, log: Any) -> tuple[list[SegmentInfo], list
             move_file(path, shard.quarantine_dir, reason="incomplete temp file", log=log)
             continue
         try:
-            with SegmentReader.open(path) as reader:
+            with SegmentReader.open(path, full=full) as reader:
+                if reader.has_end_markers():
+                    reader.check_file_crc()
                 good.append(segment_info(path, seq, reader))
+                if not reader.fully_checked:
+                    unverified.add(seq)
         except CorruptRecord as exc:
-            log.error("segment_quarantined", path=str(path), error=str(exc))
-            move_file(path, shard.quarantine_dir, reason=str(exc), log=log)
+            quarantine_segment(shard, path, exc, log)
             quarantined.append(seq)
-    return good, quarantined
+    return SegmentScan(good=good, quarantined=quarantined, unverified=unverified)
+
+
+def verify_file(path: Path) -> None:
+    """The whole-file CRC of a segment (reads every byte); raises CorruptRecord."""
+    with SegmentReader.open(path, full=True):
+        pass
+
+
+def quarantine_segment(shard: ShardLayout, path: Path, error: object, log: Any) -> Path:
+    """Move a segment that failed a check into quarantine/, durably, and say so."""
+    log.error("segment_quarantined", path=str(path), error=str(error))
+    return move_file(path, shard.quarantine_dir, reason=str(error), log=log)
 
 
 def segment_info(path: Path, segment_seq: int, reader: SegmentReader) -> SegmentInfo:

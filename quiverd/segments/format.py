@@ -16,11 +16,21 @@
         txn struct<job_id utf8, partition u32, attempt u32, row_offset u64> (nullable),
         slot_refs list<struct<slot_id u16, stream_id u32, chunk_index u32,
                               schema_variant u32, dictionary_maps list<list<int32>>>>
-    [footer, FOOTER_LEN = 2 + 4 + 4 + 8 + 4 + 8 + 4 = 34 bytes]
-        version u16 = 1, stream_count u32, bundle_count u32, directory_offset u64,
-        directory_length u32, manifest_offset u64, manifest_length u32
+    [footer, FOOTER_LEN = 2 + 4 + 4 + 8 + 4 + 8 + 4 + 4 = 38 bytes]
+        version u16 = 2, stream_count u32, bundle_count u32, directory_offset u64,
+        directory_length u32, manifest_offset u64, manifest_length u32,
+        metadata_crc32c u32 over file[directory_offset : footer_start + 34]: the stream
+                            directory, the zero pad, the manifest and the footer's
+                            own 34 bytes before this field
     [trailer, TRAILER_LEN = 4 + 8 + 4 = 16 bytes]
         footer_size u32, magic b"QUIVER\\0S", crc32c u32 over file[:-4]
+
+Version 2 lets startup trust a segment after reading only its metadata (the
+trailer, the footer and the region ``metadata_crc32c`` covers: O(segments) bytes,
+not O(retained bytes)); the whole-file CRC in the trailer is still checked before
+the stream bytes are first delivered, by the scrubber and by ``quiverd fsck``.
+Version 1 (still read) has the 34-byte footer without ``metadata_crc32c``
+(``FOOTER_V1``), so only the whole-file CRC can vouch for its metadata.
 
 A stream is every chunk of one ``(slot, schema fingerprint)``; a slot whose IPC
 stream held k batches has k consecutive slot_refs. ``schema_variant`` indexes
@@ -44,10 +54,12 @@ from quiverd.segments.schema import representative_schema
 Piece = bytes | memoryview
 
 SEGMENT_MODE = 0o440
-VERSION = 1
+VERSION = 2  # the version written; VERSION_1 files are still read
+VERSION_1 = 1
 ALIGN = 64
 MAGIC = b"QUIVER\0S"
-FOOTER = struct.Struct("<HIIQIQI")  # 2 + 4 + 4 + 8 + 4 + 8 + 4 = 34 bytes
+FOOTER_V1 = struct.Struct("<HIIQIQI")  # 2 + 4 + 4 + 8 + 4 + 8 + 4 = 34 bytes
+FOOTER = struct.Struct("<HIIQIQII")  # FOOTER_V1 + metadata_crc32c u32 = 38 bytes
 TRAILER = struct.Struct("<I8sI")  # footer_size, magic, crc32c = 16 bytes
 
 TXN_TYPE = pa.struct([
@@ -110,17 +122,32 @@ def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int
     manifest = _ipc_file_of(manifest_table(open_segment.entries, chunk_maps))
     manifest_offset = offset
     pieces.append(memoryview(manifest))
-    footer = FOOTER.pack(
-        VERSION, len(stream_rows), open_segment.bundle_count,
-        directory_offset, directory.size, manifest_offset, manifest.size,
-    )
     crc = 0
     for piece in pieces:
         crc = crc32c(piece, crc)
-    tail = footer + TRAILER.pack(FOOTER.size, MAGIC, 0)[:-4]
-    crc = crc32c(tail, crc)
-    pieces.append(tail + struct.pack("<I", crc))
+    pieces.append(encode_tail(
+        stream_count=len(stream_rows), bundle_count=open_segment.bundle_count,
+        directory_offset=directory_offset, directory=memoryview(directory),
+        manifest_offset=manifest_offset, manifest=memoryview(manifest), crc=crc))
     return pieces
+
+
+def encode_tail(*, stream_count: int, bundle_count: int, directory_offset: int,
+                directory: Piece, manifest_offset: int, manifest: Piece, crc: int) -> bytes:
+    """Footer + trailer, the file's last bytes (pure).
+
+    ``crc`` is the running CRC-32C of every byte before them (streams, pads,
+    directory, pad, manifest). The footer's ``metadata_crc32c`` covers the
+    directory, the zero pad up to ``manifest_offset``, the manifest and the
+    footer's first 34 bytes; the trailer's CRC covers everything but itself.
+    """
+    footer = FOOTER_V1.pack(VERSION, stream_count, bundle_count, directory_offset,
+                            len(directory), manifest_offset, len(manifest))
+    gap = manifest_offset - directory_offset - len(directory)
+    assert 0 <= gap < ALIGN, (directory_offset, len(directory), manifest_offset)
+    meta = crc32c(footer, crc32c(manifest, crc32c(bytes(gap), crc32c(directory))))
+    tail = footer + struct.pack("<I", meta) + TRAILER.pack(FOOTER.size, MAGIC, 0)[:-4]
+    return tail + struct.pack("<I", crc32c(tail, crc))
 
 
 class Arena:

@@ -1,8 +1,13 @@
 """Reading segment files (layout: quiverd.segments.format): validate first, then map.
 
-``SegmentReader.open`` checks the trailer magic, the footer bounds and the
-CRC-32C over ``file[:-4]`` before it parses anything else, because Arrow IPC
-has no checksum of its own: a flipped bit would read back as wrong values.
+``SegmentReader.open`` checks the trailer magic, the footer bounds and a CRC-32C
+before it parses anything else, because Arrow IPC has no checksum of its own: a
+flipped bit would read back as wrong values. ``full=True`` (the default) checks
+the whole-file CRC over ``file[:-4]``; ``full=False`` (recovery at startup) only
+the version 2 footer's ``metadata_crc32c`` over directory, manifest and footer,
+so opening costs O(metadata) bytes read, not O(file). A version 1 file has no
+metadata CRC: it always gets the whole-file check. A reader opened with
+``full=False`` has ``fully_checked`` False until ``check_file_crc()`` passes.
 The file is memory-mapped; every stream slice is handed to Arrow's IPC file
 reader without a copy, and bundles are restored to the exact schema their
 producer sent (quiverd.segments.dictionaries).
@@ -27,16 +32,18 @@ from quiverd.segments.format import (
     ALIGN,
     DIRECTORY_SCHEMA,
     FOOTER,
+    FOOTER_V1,
     MAGIC,
     MANIFEST_SCHEMA,
     TRAILER,
     VERSION,
+    VERSION_1,
 )
 from quiverd.segments.ipc_slices import EOS, FileBlocks, batch_rows, file_blocks
 from quiverd.segments.schema import representative_schema
 from quiverd.segments.table import StagedRef
 
-MIN_FILE_LEN = FOOTER.size + TRAILER.size
+MIN_FILE_LEN = FOOTER_V1.size + TRAILER.size
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,7 @@ class Footer:
     directory_length: int
     manifest_offset: int
     manifest_length: int
+    metadata_crc32c: int | None = None  # version 2 and later
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +84,15 @@ class StoredSlot:
         return sum(len(p) for p in self.parts)
 
 
-def parse_footer(data: pa.Buffer, path: str) -> Footer:
-    """Check trailer, footer bounds and CRC over ``data`` (a whole file); pure."""
+def parse_footer(data: pa.Buffer, path: str, *, full: bool = True) -> Footer:
+    """Check trailer, footer bounds and CRCs over ``data`` (a whole file); pure.
+
+    ``full``: the whole-file CRC too. Without it a version 2 file is checked by its
+    metadata CRC alone, and only the tail, directory and manifest pages are read.
+    A version 1 file, an unknown version or a footer size that disagrees with the
+    version always get the whole-file CRC, so damage reads as CorruptRecord and
+    only an intact file of a newer version as FormatMismatch.
+    """
     size = data.size
     if size < MIN_FILE_LEN:
         raise CorruptRecord(path, 0, f"truncated: {size} bytes, a segment needs {MIN_FILE_LEN}")
@@ -86,30 +101,47 @@ def parse_footer(data: pa.Buffer, path: str) -> Footer:
     if magic != MAGIC:
         raise CorruptRecord(path, size - 12, f"bad magic {magic!r} (truncated or not a segment)")
     footer_start = size - TRAILER.size - footer_size
-    if footer_size < FOOTER.size or footer_start < 0:
+    if footer_size < FOOTER_V1.size or footer_start < 0:
         raise CorruptRecord(path, size - TRAILER.size, f"bad footer: size {footer_size}")
-    actual = crc32c(view[: size - 4])
-    if actual != crc:
-        raise CorruptRecord(path, size - 4, f"crc mismatch: stored {crc:#010x}, got {actual:#010x}")
-    footer = Footer(*FOOTER.unpack(view[footer_start: footer_start + FOOTER.size]))
-    if footer.version != VERSION:
-        raise FormatMismatch(path, footer_start, f"unsupported segment version {footer.version}")
-    if footer_size != FOOTER.size:
+    version = int.from_bytes(view[footer_start: footer_start + 2], "little")
+    layout = {VERSION: FOOTER, VERSION_1: FOOTER_V1}.get(version)
+    if full or layout is not FOOTER or footer_size != FOOTER.size:
+        check_file_crc(view, crc, path)
+    if layout is None:
+        raise FormatMismatch(path, footer_start, f"unsupported segment version {version}")
+    if footer_size != layout.size:
         raise CorruptRecord(path, size - TRAILER.size, f"bad footer: size {footer_size}")
+    footer = Footer(*layout.unpack(view[footer_start: footer_start + footer_size]))
     regions = [(footer.directory_offset, footer.directory_length),
                (footer.manifest_offset, footer.manifest_length)]
     if (footer.directory_offset + footer.directory_length > footer.manifest_offset
             or any(off % ALIGN or off + n > footer_start for off, n in regions)):
         raise CorruptRecord(path, footer_start, f"bad footer: regions out of bounds {footer}")
+    if footer.metadata_crc32c is not None:
+        covered = view[footer.directory_offset: footer_start + FOOTER_V1.size]
+        actual = crc32c(covered)
+        if actual != footer.metadata_crc32c:
+            raise CorruptRecord(path, footer_start + FOOTER_V1.size, "metadata crc mismatch: "
+                                f"stored {footer.metadata_crc32c:#010x}, got {actual:#010x}")
     return footer
+
+
+def check_file_crc(view: memoryview, stored: int, path: str) -> None:
+    """The trailer's CRC-32C over ``view[:-4]`` (every byte but itself); pure."""
+    actual = crc32c(view[: len(view) - 4])
+    if actual != stored:
+        raise CorruptRecord(path, len(view) - 4,
+                            f"crc mismatch: stored {stored:#010x}, got {actual:#010x}")
 
 
 class SegmentReader:
     """A validated, memory-mapped segment. Use as a context manager or close()."""
 
-    def __init__(self, path: str, source: pa.NativeFile, data: pa.Buffer, footer: Footer) -> None:
+    def __init__(self, path: str, source: pa.NativeFile, data: pa.Buffer, footer: Footer,
+                 *, fully_checked: bool = True) -> None:
         self.path = path
         self.footer = footer
+        self.fully_checked = fully_checked  # the whole-file CRC passed
         self._source = source
         self._data = data
         self.directory = self._table(footer.directory_offset, footer.directory_length,
@@ -128,7 +160,8 @@ class SegmentReader:
         self._load_manifest()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> SegmentReader:
+    def open(cls, path: str | os.PathLike[str], *, full: bool = True) -> SegmentReader:
+        """Map and validate a segment; ``full=False``: the metadata CRC only (version 2)."""
         name = os.fspath(path)
         size = os.path.getsize(name)
         if size < MIN_FILE_LEN:  # mmap of an empty file fails; say what is wrong instead
@@ -136,10 +169,23 @@ class SegmentReader:
         source = pa.memory_map(name, "r")
         try:
             data = source.read_buffer()
-            return cls(name, source, data, parse_footer(data, name))
+            footer = parse_footer(data, name, full=full)
+            checked = full or footer.version == VERSION_1  # version 1: the file CRC, always
+            return cls(name, source, data, footer, fully_checked=checked)
         except BaseException:
             source.close()
             raise
+
+    def check_file_crc(self) -> None:
+        """The whole-file CRC, once (reads every byte); raises CorruptRecord."""
+        if not self.fully_checked:
+            stored = int.from_bytes(memoryview(self._data)[self._data.size - 4:], "little")
+            check_file_crc(memoryview(self._data), stored, self.path)
+            self.fully_checked = True
+
+    def has_end_markers(self) -> bool:
+        """Does the manifest list a transactional end marker (``staged`` reads its rows)?"""
+        return any(t is not None and t["row_offset"] == END_OFFSET for t in self._txns)
 
     def close(self) -> None:
         self._readers.clear()

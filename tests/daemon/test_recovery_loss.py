@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from quiverd.client import Client
 from quiverd.net.admin import request
 from quiverd.segments.reader import SegmentReader
@@ -71,20 +73,13 @@ def test_wal_entry_length_past_eof_loses_only_that_entry_and_reports_it(daemon_f
 
 
 def test_quarantined_newest_segment_loss_is_reported_with_its_bundle_ids(daemon_factory):
+    # A flip in the manifest: the metadata CRC catches it at startup (format version 2).
     d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}).start()
     request(d.admin_socket, "subscribers.add", {"name": "s", "start": "earliest"})
-    with Client.connect(d.socket) as c:
-        c.send_many([tagged_table(t) for t in range(4)], client="c")
-        wait_for(lambda: d.status()["shards"][0]["segments"] == 1)
-        c.send_many([tagged_table(10 + t) for t in range(7)], client="c")
-        wait_for(lambda: d.status()["shards"][0]["segments"] == 2)
-    wait_for(lambda: wal_released(d))  # the WAL no longer holds the newest segment
-    assert d.stop() == 0
-    _, newest = sorted((d.data_dir / "shard-0" / "segments").glob("*.qseg"))
+    newest, sequences = two_segments_released(d)
     with SegmentReader.open(newest) as reader:
-        sequences = [b.sequence for b in reader.bundles()]
-    assert len(sequences) == 7
-    flip(newest, newest.stat().st_size // 2)
+        footer = reader.footer
+    flip(newest, footer.manifest_offset + footer.manifest_length // 2)
 
     d.start()
     shard = d.status()["shards"][0]
@@ -97,12 +92,76 @@ def test_quarantined_newest_segment_loss_is_reported_with_its_bundle_ids(daemon_
     assert (by_segment["segment_seq"], by_segment["bundle_count"]) == (int(newest.stem), 7)
     assert by_segment["bundle_ids"] == f"(0, {int(newest.stem)}, 0..6)"
     assert [e["segment_seq"] for e in d.events("segment_forgotten")] == [int(newest.stem)]
+    nothing_waits_on_the_lost_segment(d, newest, sequences, [0, 1, 2, 3, 100])
 
+
+@pytest.mark.parametrize("found_by", ["read", "scrub"])
+def test_segment_with_a_flipped_data_byte_is_quarantined_after_startup(daemon_factory, found_by):
+    # A flip in a stream's bytes: startup does not read them (ready without it); the
+    # first read (scrubber off) or the scrubber (no subscriber reading) finds it, and
+    # its bundles are reported lost with their ids, as startup reports them.
+    rate = 0 if found_by == "read" else 50
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50,
+                        "scrub.rate_mb_per_s": rate}).start()
+    request(d.admin_socket, "subscribers.add", {"name": "s", "start": "earliest"})
+    newest, sequences = two_segments_released(d)
+    flip(newest, 200)  # inside the first stream's IPC file
+
+    d.start()
+    shard = d.status()["shards"][0]
+    assert not shard["quarantined_segments"]  # recovery did not find it: it never looked
+    assert shard["replay"]["bundles_lost"] == 0
+    if found_by == "read":
+        assert shard["segments"] == 2 and shard["scrub"]["unverified_segments"] == 2
+        got = consume(d, "s", want=4)  # the good segment; the bad one is never delivered
+        assert sorted(b.tables[0]["tag"][0].as_py() for b in got) == [0, 1, 2, 3]
+    wait_for(lambda: d.status()["shards"][0]["scrub"]["quarantined"])
+    scrub = d.status()["shards"][0]["scrub"]
+    [q] = scrub["quarantined"]
+    assert (q["segment_seq"], q["found_by"], q["bundle_count"]) == (int(newest.stem), found_by, 7)
+    assert scrub["corrupt_found"][found_by] == 1
+    assert (d.data_dir / "shard-0" / "quarantine" / newest.name).exists()
+    assert not newest.exists()
+    [lost] = d.events("bundles_lost")
+    assert (lost["segment_seq"], lost["bundle_count"], lost["found_by"]) == (
+        int(newest.stem), 7, found_by)
+    assert lost["bundle_ids"] == f"(0, {int(newest.stem)}, 0..6)"
+    assert (lost["first_sequence"], lost["last_sequence"]) == (min(sequences), max(sequences))
+    assert d.events("segment_quarantined")
+    metrics = d.status()["metrics"]
+    assert metrics["quiver_bundles_lost_total"] == 7
+    nothing_waits_on_the_lost_segment(d, newest, sequences,
+                                      [100] if found_by == "read" else [0, 1, 2, 3, 100])
+    # ack.log forgot the segment durably: the next startup finds nothing more to report.
+    d.start()
+    shard = d.status()["shards"][0]
+    assert not shard["quarantined_segments"] and not shard["lost_bundles"]
+    assert d.stop() == 0
+
+
+def two_segments_released(d: Any) -> tuple[Path, list[int]]:
+    """Four bundles in one segment, seven in the next; the WAL released both; stopped."""
+    with Client.connect(d.socket) as c:
+        c.send_many([tagged_table(t) for t in range(4)], client="c")
+        wait_for(lambda: d.status()["shards"][0]["segments"] == 1)
+        c.send_many([tagged_table(10 + t) for t in range(7)], client="c")
+        wait_for(lambda: d.status()["shards"][0]["segments"] == 2)
+    wait_for(lambda: wal_released(d))  # the WAL no longer holds the newest segment
+    assert d.stop() == 0
+    _, newest = sorted((d.data_dir / "shard-0" / "segments").glob("*.qseg"))
+    with SegmentReader.open(newest) as reader:
+        sequences = [b.sequence for b in reader.bundles()]
+    assert len(sequences) == 7
+    return newest, sequences
+
+
+def nothing_waits_on_the_lost_segment(d: Any, newest: Path, sequences: list[int],
+                                      tags: list[int]) -> None:
     with Client.connect(d.socket) as c:  # lost sequences are never handed out again
         [ack] = c.send_many([tagged_table(100)], client="c")
     assert ack.sequence == max(sequences) + 1
-    got = consume(d, "s", want=5)  # ack.log forgot the lost segment: nothing waits on it
-    assert sorted(b.tables[0]["tag"][0].as_py() for b in got) == [0, 1, 2, 3, 100]
+    got = consume(d, "s", want=len(tags))  # ack.log forgot the lost segment: nothing waits
+    assert sorted(b.tables[0]["tag"][0].as_py() for b in got) == tags
     assert all(b.id[1] != int(newest.stem) for b in got)
     wait_for(lambda: request(d.admin_socket, "subscribers.list")[0]["lag_bundles"] == 0)
     assert d.stop() == 0

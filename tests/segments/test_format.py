@@ -97,15 +97,17 @@ def test_segment_layout_streams_aligned_footer_and_crc(tmp_path: Path) -> None:
     path = write(tmp_path / "0000000000000001.qseg", three_slot_bundles())
     raw = path.read_bytes()
     footer_size, magic, crc = struct.unpack("<I8sI", raw[-16:])
-    assert (footer_size, magic) == (34, b"QUIVER\0S")
+    assert (footer_size, magic) == (38, b"QUIVER\0S")
     assert crc == crc32c(raw[:-4])
-    fields = struct.unpack("<HIIQIQI", raw[-16 - 34:-16])
-    version, streams, bundles, dir_off, dir_len, man_off, man_len = fields
-    assert (version, bundles) == (1, 13)
+    fields = struct.unpack("<HIIQIQII", raw[-16 - 38:-16])
+    version, streams, bundles, dir_off, dir_len, man_off, man_len, meta_crc = fields
+    assert (version, bundles) == (2, 13)
+    # The metadata CRC: directory, zero pad, manifest and the footer's first 34 bytes.
+    assert meta_crc == crc32c(raw[dir_off:len(raw) - 16 - 4])
     directory = pa.ipc.open_file(pa.py_buffer(raw[dir_off:dir_off + dir_len])).read_all()
     manifest = pa.ipc.open_file(pa.py_buffer(raw[man_off:man_off + man_len])).read_all()
     assert directory.num_rows == streams == 3 and manifest.num_rows == bundles
-    assert man_off + man_len == len(raw) - 16 - 34
+    assert man_off + man_len == len(raw) - 16 - 38
     end = 0
     for row in directory.to_pylist():
         off, length = row["byte_offset"], row["byte_length"]
@@ -280,24 +282,35 @@ def test_segment_flipped_byte_anywhere_is_corrupt(tmp_path: Path, segment_bytes:
             _open_raw(tmp_path, bytes(raw))
 
 
-def _resealed(raw: bytes, footer: tuple[int, ...], footer_size: int = 34) -> bytes:
-    """Replace the footer and recompute a valid CRC: damage the CRC cannot see."""
-    body = raw[:-16 - 34] + struct.pack("<HIIQIQI", *footer) + struct.pack("<I8s", footer_size,
-                                                                          b"QUIVER\0S")
+def _resealed(raw: bytes, footer: tuple[int, ...], footer_size: int = 38) -> bytes:
+    """Replace the footer and recompute valid CRCs (metadata and whole file): damage
+    no CRC can see."""
+    fields = struct.pack("<HIIQIQI", *footer[:7])
+    head = raw[:-16 - 38] + fields
+    meta = crc32c(head[min(footer[3], len(head)):])
+    body = head + struct.pack("<I", meta) + struct.pack("<I8s", footer_size, b"QUIVER\0S")
+    return body + struct.pack("<I", crc32c(body))
+
+
+def as_version_1(raw: bytes) -> bytes:
+    """The same segment as format version 1 wrote it: a 34-byte footer, no metadata CRC."""
+    fields = struct.unpack("<HIIQIQII", raw[-16 - 38:-16])
+    body = (raw[:-16 - 38] + struct.pack("<HIIQIQI", 1, *fields[1:7])
+            + struct.pack("<I8s", 34, b"QUIVER\0S"))
     return body + struct.pack("<I", crc32c(body))
 
 
 def test_segment_bad_magic_and_bad_footer(tmp_path: Path, segment_bytes: bytes) -> None:
     with pytest.raises(CorruptRecord, match="bad magic"):
         _open_raw(tmp_path, segment_bytes[:-12] + b"QUIVER\0X" + segment_bytes[-4:])
-    footer = struct.unpack("<HIIQIQI", segment_bytes[-50:-16])
+    footer = struct.unpack("<HIIQIQII", segment_bytes[-54:-16])
     with pytest.raises(CorruptRecord, match="bad footer"):
         _open_raw(tmp_path, _resealed(segment_bytes, footer, footer_size=len(segment_bytes)))
     beyond = footer[:5] + (len(segment_bytes),) + footer[6:]
     with pytest.raises(CorruptRecord, match="bad footer"):
         _open_raw(tmp_path, _resealed(segment_bytes, beyond))
     with pytest.raises(FormatMismatch):
-        _open_raw(tmp_path, _resealed(segment_bytes, (2,) + footer[1:]))
+        _open_raw(tmp_path, _resealed(segment_bytes, (3,) + footer[1:]))
     _open_raw(tmp_path, _resealed(segment_bytes, footer))  # the resealing itself is sound
 
 
