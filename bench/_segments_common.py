@@ -89,10 +89,16 @@ def _messages(rows: int, first_row: int, rng: np.random.Generator) -> pa.Array:
 
 def configured_daemon(root: Path, *, shards: int, wal: dict[str, Any],
                       segment: dict[str, Any]) -> Daemon:
-    """``_common.Daemon`` with chosen ``[wal]`` and ``[segment]`` keys (others default)."""
+    """``_common.Daemon`` with chosen ``[wal]`` and ``[segment]`` keys (others default).
+
+    The lake is off: with it on (the default) the uploader's Parquet encoding (≈ 0.25 GB/s
+    per core) shares the 2 cores and sets the pace of "segments on"; bench/lake.py
+    measures that. This measures what finalizing segments costs ingest.
+    """
     settings = {f"wal.{k}": v for k, v in wal.items() if k != "flush_policy"}
     settings.update({f"segment.{k}": v for k, v in segment.items()})
     settings["log.level"] = "info"
+    settings["lake.enabled"] = False
     return Daemon(root, policy=wal.get("flush_policy", "interval"), shards=shards,
                   settings=settings)
 
