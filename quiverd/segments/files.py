@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import pyarrow.compute as pc
 
 from quiverd.kernel import layout
 from quiverd.kernel.durable import atomic_write, fsync_dir
@@ -28,10 +29,12 @@ from quiverd.kernel.faults import StepTracker
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.quarantine import move_file
 from quiverd.segments.format import SEGMENT_MODE, Piece
-from quiverd.segments.reader import SegmentReader
+from quiverd.segments.reader import SegmentReader, read_manifest
 from quiverd.segments.table import SegmentInfo
 
 T = TypeVar("T", bound=msgspec.Struct)
+# Directory + manifest + footer of a 32 MiB segment of 128 bundles: ~150 KiB.
+TAIL_AHEAD_BYTES = 192 * 1024
 
 
 class Floor(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,7 +162,10 @@ def scan_segments(shard: ShardLayout, log: Any, *, full: bool = False) -> Segmen
     good: list[SegmentInfo] = []
     quarantined: list[int] = []
     unverified: set[int] = set()
-    for path in sorted(shard.segments_dir.iterdir()):
+    paths = sorted(shard.segments_dir.iterdir())
+    if not full:
+        _read_tails_ahead(paths)
+    for path in paths:
         if layout.is_marker(path.name):
             continue
         seq = layout.segment_seq_of(path.name)
@@ -168,16 +174,54 @@ def scan_segments(shard: ShardLayout, log: Any, *, full: bool = False) -> Segmen
             move_file(path, shard.quarantine_dir, reason="incomplete temp file", log=log)
             continue
         try:
-            with SegmentReader.open(path, full=full) as reader:
-                if reader.has_end_markers():
-                    reader.check_file_crc()
-                good.append(segment_info(path, seq, reader))
-                if not reader.fully_checked:
-                    unverified.add(seq)
+            info, checked = _scan_one(path, seq, full)
+            good.append(info)
+            if not checked:
+                unverified.add(seq)
         except CorruptRecord as exc:
             quarantine_segment(shard, path, exc, log)
             quarantined.append(seq)
     return SegmentScan(good=good, quarantined=quarantined, unverified=unverified)
+
+
+def _scan_one(path: Path, seq: int, full: bool) -> tuple[SegmentInfo, bool]:
+    """A segment's table row from its footer and manifest; whether every byte was checked.
+
+    Only a segment with transactional bundles is opened whole (their tags, and an end
+    marker's rows, which ``SegmentReader.staged`` reads from the stream bytes)."""
+    _, manifest, checked = read_manifest(path, full=full)
+    if manifest.column("txn").null_count == manifest.num_rows:
+        seqs = pc.min_max(manifest.column("sequence")).as_py()
+        ts = pc.min_max(manifest.column("ingestion_ts")).as_py()
+        if manifest.num_rows == 0:
+            raise CorruptRecord(str(path), 0, "bad manifest: no bundles")
+        return SegmentInfo(segment_seq=seq, path=path, size_bytes=path.stat().st_size,
+                           bundle_count=manifest.num_rows, first_sequence=seqs["min"],
+                           last_sequence=seqs["max"], min_ts_ns=ts["min"],
+                           max_ts_ns=ts["max"]), checked
+    with SegmentReader.open(path, full=full, prefetch=full) as reader:
+        if reader.has_end_markers():
+            reader.check_file_crc()
+        return segment_info(path, seq, reader), reader.fully_checked
+
+
+def _read_tails_ahead(paths: list[Path]) -> None:
+    """Queue the reads of every segment's last TAIL_AHEAD_BYTES at once (async
+    readahead), so that a cold disk serves them in parallel rather than one
+    segment's metadata after another's."""
+    for path in paths:
+        if layout.segment_seq_of(path.name) is None:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # the scan itself says what is wrong with it
+        try:
+            size = os.fstat(fd).st_size
+            start = max(0, size - TAIL_AHEAD_BYTES)
+            os.posix_fadvise(fd, start, size - start, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def verify_file(path: Path) -> None:
