@@ -128,11 +128,33 @@ def inspect_ipc_stream(payload: Buffer) -> StreamFacts:
     with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
         schema = reader.schema
         batches = list(reader)
+    check_field_names(schema)
     rows = 0
     for batch in batches:
         batch.validate(full=True)
         rows += batch.num_rows
     return StreamFacts(fingerprint(schema), rows, schema, len(batches))
+
+
+def check_field_names(schema: pa.Schema) -> None:
+    """Raise ValueError unless every field name, nested ones included, is UTF-8.
+
+    Arrow requires UTF-8 names, but the IPC reader takes any bytes; pyarrow then fails
+    only when a name is first read as a Python string, which would be at finalize,
+    after the bundle was acknowledged.
+    """
+    pending = list(schema)
+    while pending:
+        field = pending.pop()
+        try:
+            field.name  # noqa: B018 - decoding the name is the check
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"a field name is not valid UTF-8 ({exc.reason} at byte "
+                             f"{exc.start})") from None
+        typ = field.type
+        if pa.types.is_dictionary(typ):
+            typ = typ.value_type
+        pending.extend(typ.field(i) for i in range(typ.num_fields))
 
 
 def stream_facts(payload: Buffer) -> tuple[pa.Schema, int]:

@@ -233,14 +233,14 @@ async def run_case(path: str, case: Case) -> tuple[str, str | None]:
         sock.close()
     if not errors:
         if case.quiet is None or case.quiet not in answers:
-            return "close", f"{case.kind}: closed without an ERROR {case.chunks[0][:40]!r}"
+            return "close", f"{case.kind}: closed without an ERROR {case.chunks[:1]!r:.60}"
         return "close", None
     err = errors[-1]
     name = ErrorCode(err.code).name if err.code in ErrorCode._value2member_map_ else str(err.code)
     if err.code == ErrorCode.AT_CAPACITY:  # refused: another case held the slots
         return name, None
     if err.code not in case.codes or not err.message:
-        return name, f"{case.kind}: {name} {err.message!r} {case.chunks[0][:40]!r}"
+        return name, f"{case.kind}: {name} {err.message!r} {case.chunks[:1]!r:.60}"
     return name, None
 
 

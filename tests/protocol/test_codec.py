@@ -422,6 +422,18 @@ def test_validate_bundle_rejects_slot_63() -> None:
     assert info.value.code == p.ErrorCode.MALFORMED
 
 
+@pytest.mark.parametrize("name", [b"top", b"inner"])
+def test_validate_bundle_rejects_a_field_name_that_is_not_utf8(name: bytes) -> None:
+    """Arrow's IPC reader takes any bytes as a name; pyarrow fails only when it is read
+    as a string, at finalize, after the ACK: ingest must refuse it (found by the fuzz)."""
+    data = pa.table({"top": pa.array([{"inner": 1}], pa.struct([("inner", pa.int64())]))})
+    payload = encode_ipc_stream(data).replace(name, b"\xff" * len(name))
+    frame = server_decoder().feed(hello_wire() + bundle_wire(1, {0: payload}, {0: 1}))[1]
+    with pytest.raises(ProtocolError, match="a field name is not valid UTF-8") as info:
+        p.validate_bundle(frame)  # type: ignore[arg-type]
+    assert info.value.code == p.ErrorCode.MALFORMED
+
+
 def test_validate_bundle_rejects_invalid_ipc_and_empty_and_too_large() -> None:
     frames = server_decoder().feed(
         hello_wire() + bundle_wire(1, {0: b"not arrow at all"}, {0: 1})
