@@ -14,7 +14,8 @@ most of the daemon's system time at 1 MiB bundles.
 
 Bounded: idle buffers are kept only while they and the bytes in flight (``busy()``,
 the pending-bytes budget held) stay within ``max_bytes``, so receive buffers, idle or
-not, never exceed ``ingest.max_pending_bytes`` (the rest go back to the allocator).
+not, never exceed ``ingest.max_pending_bytes``, and idle ones ``max_idle_bytes`` (a past
+burst does not pin its peak); the rest go back to the allocator.
 Frames below ``MIN_POOLED_BYTES`` are not pooled (the allocator's small size classes
 are warm anyway). Event-loop thread only.
 """
@@ -30,8 +31,10 @@ MIN_POOLED_BYTES = 64 * 1024
 
 
 class BufferPool:
-    def __init__(self, max_bytes: int, busy: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, max_bytes: int, busy: Callable[[], int] = lambda: 0,
+                 max_idle_bytes: int | None = None) -> None:
         self.max_bytes, self.busy = max_bytes, busy
+        self.max_idle_bytes = max_bytes if max_idle_bytes is None else max_idle_bytes
         self._free: list[pa.Buffer] = []
         self._idle_bytes = 0
         self.reused = 0
@@ -52,7 +55,8 @@ class BufferPool:
 
     def give(self, buf: pa.Buffer | None) -> None:
         """``buf`` is no longer read by anyone: keep it for the next frame if room."""
-        if buf is None or self._idle_bytes + buf.size + self.busy() > self.max_bytes:
+        if buf is None or self._idle_bytes + buf.size > self.max_idle_bytes \
+                or self._idle_bytes + buf.size + self.busy() > self.max_bytes:
             return
         self._free.append(buf)
         self._idle_bytes += buf.size

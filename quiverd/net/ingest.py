@@ -49,6 +49,7 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 PEER_GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream,
              ConnectionError)
+POOL_IDLE_MAX_BYTES = 64 * 1024 * 1024  # 64 bundles of 1 MiB: 4 producers' windows
 REFUSAL_READ_S = 1.0  # how long a refused peer gets to send its HELLO before our ERROR
 ACCEPT_RETRY_S = 0.1  # out of file descriptors: accept again after this
 LOG_REFUSALS_EVERY_S = 1.0  # a flood of refused connections logs one line per second
@@ -67,9 +68,11 @@ class IngestServer:
         self.max_frame = protocol.max_frame_bytes(cfg.max_bundle_bytes)
         # At least one largest frame must fit, or it could never be received.
         self.budget = ByteBudget(max(cfg.max_pending_bytes, self.max_frame))
-        # Receive buffers reused after their bundle is answered; idle ones are bounded
-        # like the bytes in flight, so RSS stays within the documented bound.
-        self.buffers = BufferPool(self.budget.total_bytes, busy=lambda: self.budget.held)
+        # Receive buffers reused after their bundle is answered. Idle and in-flight ones
+        # together stay within the pending-bytes budget (the documented RSS bound), and
+        # idle ones within POOL_IDLE_MAX_BYTES: a past burst does not pin its peak.
+        self.buffers = BufferPool(self.budget.total_bytes, busy=lambda: self.budget.held,
+                                  max_idle_bytes=POOL_IDLE_MAX_BYTES)
         self.accepting = anyio.CancelScope()  # cancelled to stop accepting
         self.own_uid, self.own_gid = os.getuid(), os.getgid()
         self.connections: set[Connection] = set()

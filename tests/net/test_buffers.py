@@ -34,3 +34,11 @@ def test_buffer_pool_keeps_idle_plus_busy_bytes_within_its_bound():
     for b in bufs:
         pool.give(b)
     assert pool.idle_bytes == 2 << 20  # 2 MiB in flight + 2 MiB idle = the bound
+
+
+def test_buffer_pool_keeps_at_most_max_idle_bytes_idle():
+    pool = BufferPool(64 << 20, max_idle_bytes=2 << 20)
+    bufs = [pool.take(1 << 20)[1] for _ in range(4)]
+    for b in bufs:
+        pool.give(b)
+    assert pool.idle_bytes == 2 << 20
