@@ -378,10 +378,11 @@ def _producer(socket_path: str, name: str, ipc: bytes, scn: Scenario, barrier: A
             client.latencies.clear()
             barrier.wait(RUN_TIMEOUT_S)
             cpu0, t0 = _own_cpu_s(), time.perf_counter()
-            items: Any = itertools.repeat(table, scn.bundles_per_producer)
             if scn.pace_s > 0:
-                items = _paced(table, scn.bundles_per_producer, scn.pace_s)
-            bundles = sum(1 for _ in client.iter_send(items, client=name))
+                bundles = _paced(client, table, name, scn.bundles_per_producer, scn.pace_s)
+            else:
+                bundles = sum(1 for _ in client.iter_send(
+                    itertools.repeat(table, scn.bundles_per_producer), client=name))
             t1 = time.perf_counter()
             results.put({"t0": t0, "t1": t1, "bundles": bundles, "lat": client.latencies,
                          "cpu_s": _own_cpu_s() - cpu0})
@@ -391,14 +392,17 @@ def _producer(socket_path: str, name: str, ipc: bytes, scn: Scenario, barrier: A
                      "cpu_s": 0.0})
 
 
-def _paced(table: pa.Table, count: int, pace_s: float) -> Any:
-    """``table`` ``count`` times, the k-th not before start + k * pace_s."""
+def _paced(client: _TimedClient, table: pa.Table, name: str, count: int,
+           pace_s: float) -> int:
+    """``count`` bundles, the k-th sent at start + k * pace_s, each waited for (so its
+    latency is the daemon's, not time spent pacing the next one)."""
     start = time.perf_counter()
     for k in range(count):
         delay = start + k * pace_s - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        yield table
+        client.send(table, client=name)  # the client's hooks time submit -> ack
+    return count
 
 
 def _own_cpu_s() -> float:
