@@ -138,7 +138,7 @@ def main() -> int:
                     directory=d.dir, tag="restart")
         ready_s = d2.ready - d2.spawned
         status = admin_request(d2.admin_socket, "status")
-        entries = sum(s.get("wal_entries", 0) for s in status["shards"])
+        entries = sum(s.get("replay", {}).get("entries", 0) for s in status["shards"])
         try:
             finalized_s = _until_finalized(d2, 600)
         except Exception:
