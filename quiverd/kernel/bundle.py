@@ -15,11 +15,12 @@ so the producer's slot payloads are stored byte for byte, untouched:
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections import OrderedDict
 
 import msgspec
 import pyarrow as pa
+
+from quiverd.kernel import flatbuf
 
 Buffer = bytes | bytearray | memoryview
 
@@ -189,43 +190,23 @@ _BATCH_COMPRESSION = 3
 
 
 def _body_compressed(meta: memoryview) -> bool:
-    root = _table_at(meta, 0)
-    kind_at = _field(meta, root, _HEADER_TYPE)
-    kind = _read("<B", meta, kind_at) if kind_at is not None else 0
-    batch = _table_field(meta, root, _HEADER)
+    root = flatbuf.table_at(meta, 0)
+    kind_at = flatbuf.field(meta, root, _HEADER_TYPE)
+    kind = flatbuf.read(meta, "<B", kind_at) if kind_at is not None else 0
+    batch = flatbuf.table_field(meta, root, _HEADER)
     if kind == _DICTIONARY_BATCH and batch is not None:
-        batch = _table_field(meta, batch, _DICTIONARY_DATA)
+        batch = flatbuf.table_field(meta, batch, _DICTIONARY_DATA)
     if kind not in (_DICTIONARY_BATCH, _RECORD_BATCH) or batch is None:
         return False
-    return _field(meta, batch, _BATCH_COMPRESSION) is not None
+    return flatbuf.field(meta, batch, _BATCH_COMPRESSION) is not None
 
 
-def _field(buf: memoryview, table: int, index: int) -> int | None:
-    """Position of a table's field ``index``, or None when absent (flatbuffers vtable)."""
-    vtable = table - _read("<i", buf, table)
-    vtable_len = _read("<H", buf, vtable)
-    slot = 4 + 2 * index
-    if slot + 2 > vtable_len:
-        return None
-    offset = _read("<H", buf, vtable + slot)
-    return table + offset if offset else None
 
 
-def _table_field(buf: memoryview, table: int, index: int) -> int | None:
-    pos = _field(buf, table, index)
-    return None if pos is None else _table_at(buf, pos)
 
 
-def _table_at(buf: memoryview, pos: int) -> int:
-    return pos + _read("<I", buf, pos)
 
 
-def _read(fmt: str, buf: memoryview, pos: int) -> int:
-    size = struct.calcsize(fmt)
-    if not 0 <= pos <= len(buf) - size:
-        raise ValueError("invalid IPC message metadata: offset out of bounds")
-    value: int = struct.unpack_from(fmt, buf, pos)[0]
-    return value
 
 
 def encode_ipc_stream(data: pa.Table | pa.RecordBatch) -> bytes:

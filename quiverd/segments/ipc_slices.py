@@ -28,6 +28,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from quiverd.kernel import flatbuf
+
 FILE_MAGIC = b"ARROW1"
 FILE_HEAD_LEN = 8  # magic (6) + pad (2)
 FILE_TAIL_LEN = 4 + len(FILE_MAGIC)  # footer_len i32 + magic
@@ -63,7 +65,7 @@ def file_blocks(data: memoryview) -> FileBlocks:
     if footer_len <= 0 or footer_start < FILE_HEAD_LEN:
         raise ValueError(f"IPC file footer length {footer_len} out of bounds")
     footer = data[footer_start: size - FILE_TAIL_LEN]
-    root = _table_at(footer, 0)
+    root = flatbuf.table_at(footer, 0)
     return FileBlocks(
         dictionaries=_blocks(footer, root, _FOOTER_DICTIONARIES, data, footer_start),
         batches=_blocks(footer, root, _FOOTER_RECORD_BATCHES, data, footer_start),
@@ -74,14 +76,14 @@ def batch_rows(message: memoryview) -> int:
     """Row count of one encapsulated record batch message (its ``length`` field)."""
     _, meta_len = PREFIX.unpack_from(message, 0)
     meta = message[PREFIX.size: PREFIX.size + meta_len]
-    root = _table_at(meta, 0)
-    kind_at = _field(meta, root, _MESSAGE_HEADER_TYPE)
-    header_at = _field(meta, root, _MESSAGE_HEADER)
-    if kind_at is None or _read("<B", meta, kind_at) != _HEADER_RECORD_BATCH \
+    root = flatbuf.table_at(meta, 0)
+    kind_at = flatbuf.field(meta, root, _MESSAGE_HEADER_TYPE)
+    header_at = flatbuf.field(meta, root, _MESSAGE_HEADER)
+    if kind_at is None or flatbuf.read(meta, "<B", kind_at) != _HEADER_RECORD_BATCH \
             or header_at is None:
         raise ValueError("IPC message is not a record batch")
-    length_at = _field(meta, _table_at(meta, header_at), _RECORD_BATCH_LENGTH)
-    rows = 0 if length_at is None else _read("<q", meta, length_at)
+    length_at = flatbuf.field(meta, flatbuf.table_at(meta, header_at), _RECORD_BATCH_LENGTH)
+    rows = 0 if length_at is None else flatbuf.read(meta, "<q", length_at)
     if rows < 0:
         raise ValueError(f"record batch of {rows} rows")
     return rows
@@ -91,11 +93,11 @@ def _blocks(footer: memoryview, root: int, index: int, data: memoryview,
             end: int) -> tuple[tuple[int, int], ...]:
     """One vector of Blocks, each checked: inside the messages region, a message
     prefix at its offset whose metadata fits the block."""
-    at = _field(footer, root, index)
+    at = flatbuf.field(footer, root, index)
     if at is None:
         return ()
-    vector = at + _read("<I", footer, at)
-    count = _read("<I", footer, vector)
+    vector = at + flatbuf.read(footer, "<I", at)
+    count = flatbuf.read(footer, "<I", vector)
     if count < 0 or vector + 4 + count * BLOCK.size > len(footer):
         raise ValueError("IPC file footer: block vector out of bounds")
     out = []
@@ -112,24 +114,6 @@ def _blocks(footer: memoryview, root: int, index: int, data: memoryview,
     return tuple(out)
 
 
-def _field(buf: memoryview, table: int, index: int) -> int | None:
-    """Position of a table's field ``index``, or None when absent (flatbuffers vtable)."""
-    vtable = table - _read("<i", buf, table)
-    vtable_len = _read("<H", buf, vtable)
-    slot = 4 + 2 * index
-    if slot + 2 > vtable_len:
-        return None
-    offset = _read("<H", buf, vtable + slot)
-    return table + offset if offset else None
 
 
-def _table_at(buf: memoryview, pos: int) -> int:
-    return pos + _read("<I", buf, pos)
 
-
-def _read(fmt: str, buf: memoryview, pos: int) -> int:
-    size = struct.calcsize(fmt)
-    if not 0 <= pos <= len(buf) - size:
-        raise ValueError("IPC flatbuffer: offset out of bounds")
-    value: int = struct.unpack_from(fmt, buf, pos)[0]
-    return value

@@ -32,6 +32,7 @@ from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentInfo, SegmentTable
 from quiverd_actors import ack_logger, scrubber
 from quiverd_actors.messages import AckLogRequest, SegmentsDeleted
+from tests.daemon.helpers import flip
 from tests.recording import Log
 
 SEGMENT_BYTES = 1 << 20
@@ -51,13 +52,6 @@ def make_segment(shard: ShardLayout, seq: int) -> SegmentInfo:
         return segment_info(path, seq, reader)
 
 
-def flip(path: Path, offset: int) -> None:
-    os.chmod(path, 0o640)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 async def tap(rx: MemoryObjectReceiveStream[AckLogRequest],

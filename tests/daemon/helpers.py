@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,13 @@ def stored_bundles(data_dir: Path) -> dict[tuple[int, int], Any]:
                     assert key not in out, f"bundle {key} stored twice"
                     out[key] = b
     return out
+
+
+def flip(path: Path, offset: int) -> None:
+    """Flip one bit of the byte at ``offset`` in a (read-only) file: damage on disk."""
+    os.chmod(path, 0o640)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from quiverd.net.admin import request
 from quiverd.segments.reader import SegmentReader
 from quiverd.wal import format as wf
 from quiverd.wal.dump import dump_wal
-from tests.daemon.helpers import stored_bundles, tagged_table
+from tests.daemon.helpers import flip, stored_bundles, tagged_table
 from tests.daemon.test_subscribers import consume
 
 
@@ -35,11 +34,6 @@ def wal_released(d: Any) -> bool:
     return sidecar.truncate_offset == (wal_dir / "quiver.wal").stat().st_size
 
 
-def flip(path: Path, offset: int) -> None:
-    os.chmod(path, 0o640)
-    raw = bytearray(path.read_bytes())
-    raw[offset] ^= 0x40
-    path.write_bytes(raw)
 
 
 def test_wal_entry_length_past_eof_loses_only_that_entry_and_reports_it(daemon_factory):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from quiverd.client import Client
-from tests.daemon.helpers import stored_bundles, tagged_table
+from tests.daemon.helpers import flip, stored_bundles, tagged_table
 
 FINALIZE_STEPS = ["finalize=kill:tmp_written", "finalize=kill:tmp_fsynced",
                   "finalize=kill:renamed", "finalize=kill:dir_fsynced",
@@ -40,13 +40,6 @@ def test_crash_at_each_finalize_step_keeps_every_bundle_exactly_once(daemon_fact
     assert not list((d.data_dir / "shard-0/segments").glob("*.tmp"))
 
 
-def _flip(path, offset):
-    os.chmod(path, 0o640)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip_first", "flip_middle", "bad_magic",
@@ -64,13 +57,13 @@ def test_corrupt_segment_is_quarantined_and_recovered_from_the_wal(daemon_factor
         os.chmod(seg, 0o640)
         os.truncate(seg, size // 2)
     elif damage == "flip_first":
-        _flip(seg, 0)
+        flip(seg, 0)
     elif damage == "flip_middle":
-        _flip(seg, size // 2)
+        flip(seg, size // 2)
     elif damage == "bad_magic":
-        _flip(seg, size - 8)
+        flip(seg, size - 8)
     else:
-        _flip(seg, size - 20)  # inside the footer
+        flip(seg, size - 20)  # inside the footer
     d.start()
     status = d.status()["shards"][0]
     assert status["quarantined_segments"], status
