@@ -20,6 +20,7 @@ Two ways to hold a bundle's data:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,8 +86,8 @@ class ChunkRef:
 
 @dataclass(frozen=True, slots=True)
 class BundleEntry:
-    """One manifest row as held in memory. ``in_wal``: its batches are not held yet
-    (``OpenSegment.load`` reads them back from WAL entry ``sequence``)."""
+    """One manifest row as held in memory. ``in_wal``: ``add`` left its batches in WAL
+    entry ``sequence`` (``OpenSegment.load`` reads them back)."""
 
     client: str
     ingestion_ts_ns: int
@@ -215,10 +216,9 @@ class OpenSegment:
             slots = payloads.get(e.sequence)
             if slots is None:
                 raise ValueError(f"WAL entry {e.sequence} could not be read back")
-            pos = 0
-            for slot_id in sorted({r.slot for r in e.refs}):
-                refs = [r for r in e.refs[pos:] if r.slot == slot_id]
-                pos += len(refs)
+            # add() gave each slot's batches consecutive refs, slots ascending.
+            for slot_id, group in itertools.groupby(e.refs, key=lambda r: r.slot):
+                refs = list(group)
                 if slot_id not in slots:
                     raise ValueError(f"WAL entry {e.sequence} has no slot {slot_id}")
                 _, batches = _decode(slots[slot_id])
@@ -227,9 +227,7 @@ class OpenSegment:
                                      f"batches read back, {len(refs)} validated at ingest")
                 for ref, batch in zip(refs, batches, strict=True):
                     self._streams[ref.stream].batches[ref.chunk] = batch
-        self.entries = [BundleEntry(e.client, e.ingestion_ts_ns, e.sequence, e.txn, e.refs)
-                        if e.in_wal else e for e in self.entries]
-        self.unloaded = 0
+        self.unloaded = 0  # in_wal stays on the entries: it is only read by load()
         for stream in self._streams:  # solo streams learn their per-batch rows only now
             stream.rows = sum(b.num_rows for b in stream.batches)
 
