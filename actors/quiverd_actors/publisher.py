@@ -9,7 +9,10 @@ store's own retries cover throttling, 5xx, timeouts and resets; after them the u
 is tried again with a longer backoff, forever: the local file and the WAL/segments keep
 the data. An authorization error is not retried by the store: it is logged and counted
 (``quiver_lake_store_denied`` = 1) and checked again at the store's slowest retry
-pace, so fixed credentials are noticed without a restart.
+pace, so fixed credentials are noticed without a restart. A store that rejects the
+configuration at run time (a missing bucket) is retried the same way, never an exit.
+Every failure after the store's own retries marks the lake's ``store`` part degraded
+(``LakeHealth``); the next verified upload clears it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from quiverd.kernel.errors import (
     CorruptRecord,
     ObjectExists,
     StoreDenied,
+    StoreMisconfigured,
     StoreUnavailable,
     VerifyFailed,
 )
@@ -30,6 +34,7 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.bundles import coverage
 from quiverd.lake.catalog import DuplicateCoverage
+from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import FileState
 from quiverd.lake.parquet import FileFacts
 from quiverd.lake.tier import Tier
@@ -37,8 +42,10 @@ from quiverd_actors.lake_files import OpenFile, Sealed, Steps, backoff, file_row
 
 
 class Publisher:
-    def __init__(self, tier: Tier, steps: Steps, *, log: Logger, metrics: Metrics) -> None:
+    def __init__(self, tier: Tier, steps: Steps, *, log: Logger, metrics: Metrics,
+                 health: LakeHealth) -> None:
         self.tier, self.steps, self.log, self.m = tier, steps, log, metrics
+        self.health = health
         self.denied_retry_s = max(1.0, tier.cfg.lake.store.retry_max_ms / 1000)
 
     async def publish(self, s: Sealed) -> bool:
@@ -73,10 +80,12 @@ class Publisher:
             try:
                 await self.tier.store.put_file(key, path, size=facts.compressed_size,
                                                crc32c=facts.crc32c)
-            except StoreDenied as exc:
-                self.m.lake_denied.labels().set(1)
-                self.m.lake_errors.labels("denied").inc()
-                self.log.error("lake_upload_denied", file_id=f.file_id, key=key,
+            except (StoreDenied, StoreMisconfigured) as exc:
+                kind = "denied" if isinstance(exc, StoreDenied) else exc.kind
+                self.m.lake_denied.labels().set(kind == "denied")
+                self.m.lake_errors.labels(kind).inc()
+                self.health.fail("store", kind, exc)
+                self.log.error(f"lake_upload_{kind}", file_id=f.file_id, key=key,
                                error=str(exc), local_path=str(path), hint=exc.hint)
                 await anyio.sleep(self.denied_retry_s)
                 continue
@@ -84,6 +93,8 @@ class Publisher:
                 attempt += 1
                 kind = "verify" if isinstance(exc, VerifyFailed) else "unavailable"
                 self.m.lake_errors.labels(kind).inc()
+                if kind == "unavailable":
+                    self.health.fail("store", kind, exc)
                 delay = backoff(attempt)
                 self.log.warning("lake_upload_failed", file_id=f.file_id, key=key,
                                  error=str(exc), retry_in_s=round(delay, 2))
@@ -101,6 +112,7 @@ class Publisher:
                 await self.tier.abandon(row, reason=f"{kind}: {exc}")
                 return None
             took = anyio.current_time() - started
+            self.health.ok("store")
             self.m.lake_denied.labels().set(0)
             self.m.lake_upload_latency.observe(took)
             self.m.lake_files_uploaded.labels().inc()

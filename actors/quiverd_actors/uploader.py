@@ -23,8 +23,11 @@ encode in parallel.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import ParamSpec, TypeVar
 
 import anyio
 import pyarrow as pa
@@ -32,11 +35,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ulid import ULID
 
 from quiverd.acks import format as ackfmt
+from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.bundles import EXTRA_FIELDS, close_to_stable, slot_table, with_extras
 from quiverd.lake.drift import conform, normalize, unify
+from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import (
     INGESTED_AT,
     FileRow,
@@ -53,19 +58,44 @@ SUBSCRIBER = "uploader"
 MAX_OPEN_FILES = 128
 COVERAGE_CACHE = 1024
 PUBLISH_QUEUE = 8
+P = ParamSpec("P")
+T = TypeVar("T")
 
 BundleKey = tuple[int, int, int]  # (shard, segment_seq, bundle_index)
+
+
+class WatchedSteps(Steps):
+    """``Steps`` whose catalog calls also keep the lake's ``catalog`` part's health."""
+
+    def __init__(self, tier: Tier, *, log: Logger, metrics: Metrics, hook: Hook | None,
+                 health: LakeHealth) -> None:
+        super().__init__(tier, log=log, metrics=metrics, hook=hook)
+        self.health = health
+
+    async def catalog(self, fn: Callable[P, Awaitable[T]], *args: P.args,
+                      **kwargs: P.kwargs) -> T:
+        async def watched(*a: P.args, **k: P.kwargs) -> T:
+            try:
+                result = await fn(*a, **k)
+            except CatalogUnavailable as exc:
+                self.health.fail("catalog", "unavailable", exc)
+                raise
+            self.health.ok("catalog")
+            return result
+
+        return await super().catalog(watched, *args, **kwargs)
 
 
 class Uploader:
     def __init__(self, tier: Tier, dispatchers: list[Dispatcher], session: Session, *,
                  limiter: anyio.CapacityLimiter, log: Logger, metrics: Metrics,
-                 hook: Hook | None = None) -> None:
+                 health: LakeHealth, hook: Hook | None = None) -> None:
         lake = tier.cfg.lake
         self.tier, self.lake, self.dispatchers, self.session = tier, lake, dispatchers, session
-        self.limiter, self.log, self.m = limiter, log, metrics
-        self.steps = Steps(tier, log=log, metrics=metrics, hook=hook)
-        self.publisher = Publisher(tier, self.steps, log=log, metrics=metrics)
+        self.limiter, self.log, self.m, self.health = limiter, log, metrics, health
+        self.steps = WatchedSteps(tier, log=log, metrics=metrics, hook=hook, health=health)
+        self.publisher = Publisher(tier, self.steps, log=log, metrics=metrics, health=health)
+        self.pending_bytes = 0  # sealed files waiting for upload + registration
         self.settings = ParquetSettings(
             compression_level=lake.compression_level,
             bloom_filter_columns=tuple(lake.index.bloom_filter_columns),
@@ -187,6 +217,10 @@ class Uploader:
                     self._start_rotation(f, "time")
 
     # ---- Parquet ------------------------------------------------------------------
+    def _pending(self, delta: int) -> None:
+        self.pending_bytes += delta
+        self.m.lake_pending_bytes.labels().set(self.pending_bytes)
+
     def _buffer(self, delta: int) -> None:
         self.buffered += delta
         self.m.lake_buffered_bytes.labels().set(self.buffered)
@@ -245,6 +279,10 @@ class Uploader:
         f.active.append(table)
 
     def _start_rotation(self, f: OpenFile, reason: str) -> None:
+        if f.active is None and not f.parts:
+            # Still being opened (its catalog row is being inserted, perhaps waiting out
+            # a catalog outage): nothing to seal yet, and its first part is on the way.
+            return
         if self.files.get(f.key) is f:
             del self.files[f.key]
             f.frozen = True
@@ -255,7 +293,9 @@ class Uploader:
         async with f.lock:
             if f.failed:
                 return
-            assert f.active is not None, "a file is opened for a part, flushed before rotating"
+            if f.active is None:  # no row group was written: nothing to seal
+                await self._fail(f, LakeError("rotated before its first row group"), "rotate")
+                return
             started = anyio.current_time()
             stable = self.tier.data.staging_stable / file_name(f.client, f.created_ns,
                                                                f.file_id, "stable")
@@ -266,6 +306,7 @@ class Uploader:
                 await self._fail(f, exc, "rotate")
                 return
             self.live.discard(f)
+        self.health.ok("staging")
         self.m.lake_rotations.labels(reason).inc()
         self.m.lake_rows.labels().inc(facts.rows)
         await self.steps.transition(f, FileState.ROTATED, anyio.current_time() - started,
@@ -275,6 +316,7 @@ class Uploader:
                                start_ts=facts.start_ts, end_ts=facts.end_ts,
                                schema_hash=facts.schema_hash, reason=reason)
         self.m.lake_pending_uploads.labels().inc()
+        self._pending(facts.compressed_size)
         await self.publish_tx.send(Sealed(file=f, facts=facts, path=stable))
 
     async def _fail(self, f: OpenFile, exc: BaseException, step: str) -> None:
@@ -286,6 +328,11 @@ class Uploader:
         if self.files.get(f.key) is f:
             del self.files[f.key]
         self.m.lake_errors.labels("write").inc()
+        if isinstance(exc, OSError):  # the staging filesystem (full, read-only, failing)
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            self.health.fail("staging", "no_space" if full else "io", exc,
+                             hint="free space on the data directory's filesystem; the "
+                             "bundles are nacked and retried")
         self.log.error("lake_file_failed", file_id=f.file_id, client=f.client, slot=f.slot,
                        shard=f.shard, step=step, error=f"{type(exc).__name__}: {exc}",
                        bundles=[list(b) for b in f.bundles[:16]],
@@ -306,6 +353,7 @@ class Uploader:
                 registered = await self.publisher.publish(sealed)
             finally:
                 self.m.lake_pending_uploads.labels().inc(-1)
+                self._pending(-sealed.facts.compressed_size)
             if registered:
                 self._remember(sealed.file)
                 await self.steps.fault("registered")

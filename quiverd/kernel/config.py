@@ -48,6 +48,8 @@ class IngestConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     socket_path: str = ""  # "" → <data_dir>/admin.sock (always mode 0600)
+    request_timeout_ms: int = 5_000  # the request line must arrive within this
+    max_connections: int = 16  # beyond: refused with an error line
 
 
 class WalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -276,6 +278,8 @@ def validate(cfg: Config) -> None:
          "the directory quiverd happens to start in)"),
         (0 <= cfg.shards <= 256, "shards", "must be between 0 (= cores) and 256"),
         (cfg.shutdown_timeout_ms > 0, "shutdown_timeout_ms", "must be > 0"),
+        (cfg.admin.request_timeout_ms >= 1, "admin.request_timeout_ms", "must be >= 1"),
+        (cfg.admin.max_connections >= 1, "admin.max_connections", "must be >= 1"),
         (0 <= cfg.ingest.socket_mode <= 0o777, "ingest.socket_mode", "must be a file mode"),
         (cfg.ingest.max_bundle_bytes >= 1 * KiB, "ingest.max_bundle_bytes", "must be >= 1024"),
         (1 <= cfg.ingest.max_inflight_per_connection <= 4096,

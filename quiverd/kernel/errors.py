@@ -146,6 +146,20 @@ class StoreDenied(LakeError):
             "uploaded once access works")
 
 
+class StoreMisconfigured(LakeError):
+    """The object store rejects the configuration at run time (a missing bucket, an
+    unsupported option): the lake is degraded and retries; the daemon never exits."""
+
+    retryable = True
+    hint = ("fix lake.store (bucket name, endpoint, region) or create the bucket; the "
+            "uploader retries and the segments keep the data meanwhile; "
+            "`quiverd check-config --probe` checks the store")
+
+    def __init__(self, message: str, *, kind: str = "config", hint: str | None = None) -> None:
+        self.kind = kind  # "missing" (no such bucket) or "config"
+        super().__init__(message, hint=hint)
+
+
 class ObjectExists(LakeError):
     """A conditional create found the key taken: an object is never overwritten."""
 

@@ -221,6 +221,8 @@ class Metrics:
                               "bundles the uploader holds until their files are registered", ())
         self.lake_pending_uploads = g("quiver_lake_pending_files",
                                       "Stable files not yet registered", ())
+        self.lake_pending_bytes = g("quiver_lake_pending_bytes",
+                                    "bytes of Stable files not yet registered", ())
         self.lake_denied = g("quiver_lake_store_denied",
                              "1 while the object store refuses our credentials", ())
         # staging: transactional (Spark) writes held until their job is decided

@@ -51,6 +51,7 @@ from quiverd.kernel.errors import (
     CorruptRecord,
     ObjectExists,
     StoreDenied,
+    StoreMisconfigured,
     StoreUnavailable,
     VerifyFailed,
 )
@@ -66,7 +67,8 @@ LIST_LIMIT = 100_000
 CRC_KEY = "crc32c"  # user metadata key of the whole-file CRC-32C, 8 lowercase hex digits
 PARQUET_TYPE = "application/vnd.apache.parquet"
 RETRIED = frozenset({"throttled", "server", "timeout", "connection", "verify"})
-KINDS = ("throttled", "server", "timeout", "connection", "denied", "verify", "exists", "other")
+KINDS = ("throttled", "server", "timeout", "connection", "denied", "verify", "exists", "missing",
+         "other")
 
 
 class ObjectStore:
@@ -222,7 +224,7 @@ class ObjectStore:
                         self.in_flight -= 1
             except Exception as exc:
                 kind = classify(exc) or "local"
-                if cleanup is not None and kind not in ("exists", "denied"):
+                if cleanup is not None and kind not in ("exists", "denied", "missing"):
                     await cleanup(key)
                 if kind == "local":
                     raise  # the local file or our own error: retrying the store cannot help
@@ -252,8 +254,13 @@ class ObjectStore:
                                      "that names this key")
         if kind == "denied":
             return StoreDenied(f"{where}: {brief(exc)}")
+        if kind == "missing":
+            return StoreMisconfigured(f"{where}: the bucket does not exist: {brief(exc)}",
+                                      kind="missing")
         if isinstance(exc, oe.ConfigInvalid | oe.Unsupported):
-            return ConfigError("lake.store", f"{where}: {brief(exc)}")
+            # Found at run time (the config was valid on paper): the lake is degraded and
+            # retries; exiting would stop ingest for every producer.
+            return StoreMisconfigured(f"lake.store: {where}: {brief(exc)}")
         if isinstance(exc, VerifyFailed):
             return exc
         if kind in RETRIED:

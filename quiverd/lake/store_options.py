@@ -37,6 +37,8 @@ def classify(exc: BaseException) -> str | None:
         return "throttled"
     if isinstance(exc, oe.ConditionNotMatch | oe.AlreadyExists):
         return "exists"
+    if "NoSuchBucket" in str(exc):
+        return "missing"  # S3 answers 404 with this code: the bucket is not there
     # Fallback on the text, because OpenDAL 0.47's Python exceptions carry neither the
     # HTTP status nor is_temporary(): 5xx answers, resets and undecodable replies all
     # arrive as Unexpected, and a HEAD answer (no body) even loses S3's error code

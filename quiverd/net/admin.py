@@ -2,21 +2,29 @@
 
     → {"cmd": "status"}                      ← {"ok": true, "result": {...}}
     → {"cmd": "segments"}                    ← {"ok": true, "result": [...]}
+    → {"cmd": "subscribers.add", "args": {"name": "x", "start": "latest"}}
     → {"cmd": "<unknown>"}                   ← {"ok": false, "error": "...", "hint": "..."}
 
 Used by ``quiverd status``, ``quiverd segments list`` and ``quiverd subscribers``.
+Each command is a typed request (``AdminRequest``, a tagged msgspec union decoded
+from ``cmd`` + ``args``) served by one method of ``AdminTarget``.
+
+Bounded: a request line of at most 64 KiB must arrive within
+``admin.request_timeout_ms`` (a client that connects and sends nothing, or half a
+line, is closed); at most ``admin.max_connections`` are served at once, one more
+gets ``{"ok": false, "error": "too many admin connections"}`` and is closed.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import anyio
 import msgspec
 
+from quiverd.kernel.config import AdminConfig
 from quiverd.kernel.errors import DaemonUnreachable, QuiverError
 from quiverd.kernel.logs import Logger
 from quiverd.net.rawsock import bind_unix, unlink_if_ours
@@ -24,31 +32,62 @@ from quiverd.net.rawsock import bind_unix, unlink_if_ours
 MAX_REQUEST_BYTES = 64 * 1024
 
 
-class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Envelope(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The wire shape: a command name and its arguments."""
+
     cmd: str
     args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-Handler = Callable[[dict[str, Any]], Any]  # args -> JSON-able result (or an awaitable of one)
+class _Cmd(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+           tag_field="cmd"):
+    pass
+
+
+class Status(_Cmd, tag="status", frozen=True):
+    pass
+
+
+class Segments(_Cmd, tag="segments", frozen=True):
+    pass
+
+
+class SubscribersList(_Cmd, tag="subscribers.list", frozen=True):
+    pass
+
+
+class SubscribersAdd(_Cmd, tag="subscribers.add", frozen=True):
+    name: str
+    start: Literal["earliest", "latest"] = "earliest"
+
+
+class SubscribersRemove(_Cmd, tag="subscribers.remove", frozen=True):
+    name: str
+
+
+AdminRequest = Status | Segments | SubscribersList | SubscribersAdd | SubscribersRemove
+COMMANDS = sorted(str(t.__struct_config__.tag) for t in AdminRequest.__args__)
 
 
 class AdminTarget(Protocol):
-    """What the admin socket serves; the runtime's Daemon is one."""
+    """What the admin socket serves, one method per command; the runtime's Daemon is one."""
 
     def status(self) -> dict[str, Any]: ...
     def segments(self) -> list[dict[str, Any]]: ...
-    def admin_handlers(self) -> dict[str, Handler]: ...
+    def subscribers(self) -> list[dict[str, Any]]: ...
+    async def subscriber_op(self, op: str, name: str, start: str = "earliest"
+                            ) -> dict[str, Any]: ...
 
 
 class AdminServer:
-    def __init__(self, path: Path, daemon: AdminTarget, *, log: Logger) -> None:
-        self.path, self.daemon, self.log = path, daemon, log
-        self.handlers: dict[str, Handler] = {
-            "status": lambda args: daemon.status(),
-            "segments": lambda args: daemon.segments(),
-            **daemon.admin_handlers(),
-        }
-        self.decoder = msgspec.json.Decoder(Request)
+    def __init__(self, path: Path, target: AdminTarget, cfg: AdminConfig | None = None, *,
+                 log: Logger) -> None:
+        cfg = cfg or AdminConfig()
+        self.path, self.target, self.log = path, target, log
+        self.timeout_s = cfg.request_timeout_ms / 1000
+        self.max_connections = cfg.max_connections
+        self.connections = 0
+        self.decoder = msgspec.json.Decoder(Envelope)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -65,28 +104,66 @@ class AdminServer:
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         async with stream:
-            try:
-                line = await _read_line(stream)
-                reply = await self._dispatch(line)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+            if self.connections >= self.max_connections:
+                self.log.warning("admin_connection_refused", connections=self.connections,
+                                 max_connections=self.max_connections)
+                await _reply(stream, {"ok": False, "error": "too many admin connections "
+                                      f"(admin.max_connections = {self.max_connections})",
+                                      "hint": "retry in a moment; raise admin.max_connections "
+                                      "if many monitors poll at once"})
                 return
-            await stream.send(msgspec.json.encode(reply) + b"\n")
+            self.connections += 1
+            try:
+                await self._serve_one(stream)
+            finally:
+                self.connections -= 1
 
-    async def _dispatch(self, line: bytes) -> dict[str, Any]:
+    async def _serve_one(self, stream: anyio.abc.ByteStream) -> None:
         try:
-            req = self.decoder.decode(line)
-            handler = self.handlers.get(req.cmd)
-            if handler is None:
-                return {"ok": False, "error": f"unknown command {req.cmd!r}",
-                        "hint": f"known: {', '.join(sorted(self.handlers))}"}
-            result = handler(req.args)
-            if hasattr(result, "__await__"):
-                result = await result
-            return {"ok": True, "result": result}
-        except msgspec.DecodeError as exc:
+            with anyio.fail_after(self.timeout_s):
+                line = await _read_line(stream)
+        except TimeoutError:
+            await _reply(stream, {"ok": False, "error": "no complete request line within "
+                                  f"admin.request_timeout_ms ({round(self.timeout_s * 1000)})",
+                                  "hint": "send one JSON line ending in a newline"})
+            return
+        except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+            return
+        await _reply(stream, await self.dispatch(line))
+
+    async def dispatch(self, line: bytes) -> dict[str, Any]:
+        try:
+            env = self.decoder.decode(line)
+            if env.cmd not in COMMANDS:
+                return {"ok": False, "error": f"unknown command {env.cmd!r}",
+                        "hint": f"known: {', '.join(COMMANDS)}"}
+            req = msgspec.convert({**env.args, "cmd": env.cmd}, AdminRequest)
+            return {"ok": True, "result": await self._run(req)}
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return {"ok": False, "error": f"bad request: {exc}", "hint": ""}
         except QuiverError as exc:
             return {"ok": False, "error": str(exc), "hint": exc.hint}
+
+    async def _run(self, req: AdminRequest) -> Any:
+        t = self.target
+        match req:
+            case Status():
+                return t.status()
+            case Segments():
+                return t.segments()
+            case SubscribersList():
+                return t.subscribers()
+            case SubscribersAdd(name=name, start=start):
+                return await t.subscriber_op("add", name, start)
+            case SubscribersRemove(name=name):
+                return await t.subscriber_op("remove", name)
+
+
+async def _reply(stream: anyio.abc.ByteStream, reply: dict[str, Any]) -> None:
+    try:
+        await stream.send(msgspec.json.encode(reply) + b"\n")
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+        pass  # the client hung up
 
 
 async def _read_line(stream: anyio.abc.ByteStream) -> bytes:

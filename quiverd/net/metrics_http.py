@@ -1,16 +1,23 @@
-"""``GET /metrics``: the Prometheus text exposition of the daemon's one registry.
+"""``GET /metrics``: the Prometheus text exposition of the daemon's one registry;
+``GET /healthz``: 200 ``{"status": "ok", ...}`` while nothing is degraded, else 503
+``{"status": "degraded", "degraded": {"lake.store": {"kind", "error", "hint",
+"since_ns", "last_ns", "attempts"}, ...}}`` (JSON; parts as in ``quiverd.lake.health``).
 
 A minimal HTTP/1.0 responder on the event loop (``[metrics] listen``, off by
 default; loopback is the sensible address): one request per connection, a
 bounded request head, a read timeout. Collecting runs on the event loop, where
-every value changes, so a scrape never reads a table mid-update. Anything but
-``GET /metrics`` gets 404 (``GET /`` a pointer to /metrics).
+every value changes, so a scrape never reads a table mid-update. Anything else
+gets 404 (``GET /`` a pointer to /metrics and /healthz).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import anyio
 import anyio.abc
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from quiverd.kernel.config import parse_listen
@@ -23,9 +30,11 @@ READ_TIMEOUT_S = 5.0
 
 
 class MetricsServer:
-    def __init__(self, listen: str, metrics: Metrics, *, log: Logger) -> None:
+    def __init__(self, listen: str, metrics: Metrics, *, log: Logger,
+                 health: Callable[[], dict[str, Any]] | None = None) -> None:
         self.host, self.port = parse_listen(listen)
         self.metrics, self.log = metrics, log
+        self.health = health or (lambda: {"status": "ok", "degraded": {}})
         self.address = ""
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -57,8 +66,14 @@ class MetricsServer:
             if method == b"GET" and path == b"/metrics":
                 body = generate_latest(self.metrics.registry)
                 await _respond(stream, b"200 OK", CONTENT_TYPE_LATEST.encode(), body)
+            elif method == b"GET" and path == b"/healthz":
+                health = self.health()
+                status = b"200 OK" if health.get("status") == "ok" else b"503 Service Unavailable"
+                await _respond(stream, status, b"application/json",
+                               msgspec.json.encode(health) + b"\n")
             elif method == b"GET" and path == b"/":
-                await _respond(stream, b"200 OK", b"text/plain", b"quiverd: see /metrics\n")
+                await _respond(stream, b"200 OK", b"text/plain",
+                               b"quiverd: see /metrics and /healthz\n")
             else:
                 await _respond(stream, b"404 Not Found", b"text/plain", b"not found\n")
 

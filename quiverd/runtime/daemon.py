@@ -3,7 +3,7 @@
     ingest listener ─▶ wal_writer[n] ─▶ segment_builder[n] ─▶ finalizer[n] ─▶ ack_logger[n]
                             ▲                                    │               │ (Changes)
                             └────────── WalReleased ─────────────┘    dispatcher[n], gc_sweeper[n]
-    admin socket (status, subscribers) reads every actor's counters.
+    admin socket (status, subscribers), /metrics, /healthz: runtime.status.StatusView
 
 (each shard's wiring: ``quiverd.runtime.shard``)
 
@@ -18,11 +18,10 @@ exits at once.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
 
@@ -41,7 +40,11 @@ from quiverd.net.metrics_http import MetricsServer
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 from quiverd.runtime.staging import Staging
+from quiverd.runtime.status import StatusView
 from quiverd_actors.messages import ChangeSubscriber
+
+if TYPE_CHECKING:
+    from quiverd.runtime.lake import Lake
 
 SubscriberOp = Literal["add", "remove"]
 SubscriberStart = Literal["earliest", "latest"]
@@ -61,14 +64,14 @@ class Daemon:
         self.faults = faults or {}
         self.metrics = Metrics()
         self.metrics_server: MetricsServer | None = None
-        self._derive_gauges()
         self.stop = stop
         self.handle_signals = handle_signals
         self.shards: list[Shard] = []
         self.ingest: IngestServer | None = None
-        self.lake: Any = None  # runtime.lake.Lake, imported only when the lake is on
+        self.lake: Lake | None = None  # imported only when the lake is on
         self.staging: Staging | None = None
         self.stopping = False
+        self.view = StatusView(self, self.metrics)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -107,13 +110,14 @@ class Daemon:
                                            log=logs.get("ingest"),
                                            metrics=IngestMetrics(self.metrics))
                 self.ingest.jobs = self.staging
-                admin = AdminServer(cfg.admin_socket, self, log=logs.get("admin"))
+                admin = AdminServer(cfg.admin_socket, self, cfg.admin, log=logs.get("admin"))
                 self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards
                                                if s.dispatcher is not None]
                 await pipelines.start(self.ingest.serve)
                 if cfg.metrics.listen:  # before the admin socket: ready means scrapeable
                     self.metrics_server = MetricsServer(cfg.metrics.listen, self.metrics,
-                                                        log=logs.get("metrics"))
+                                                        log=logs.get("metrics"),
+                                                        health=self.view.health)
                     await root.start(self.metrics_server.serve)
                 await root.start(admin.serve)
                 self.log.info("quiverd_ready", shards=count, data_dir=cfg.data_dir,
@@ -152,7 +156,8 @@ class Daemon:
             return
         from quiverd.runtime.lake import Lake
 
-        self.lake = Lake(self, metrics=self.metrics, faults=self.faults)
+        self.lake = Lake(self.cfg, self.shards, subscribe=self.subscriber_op,
+                         metrics=self.metrics, faults=self.faults)
         await group.start(self.lake.run)
 
     async def _signals(self, root_scope: anyio.CancelScope) -> None:
@@ -213,26 +218,13 @@ class Daemon:
             await anyio.sleep(interval)
 
     def status(self) -> dict[str, Any]:
-        ingest = self.ingest.stats if self.ingest else None
-        return {
-            "pid": os.getpid(),
-            "data_dir": self.cfg.data_dir,
-            "stopping": self.stopping,
-            "connections": int(ingest.connections.value) if ingest else 0,
-            "ingest": ingest.as_dict() if ingest else {},
-            "shards": [s.status() for s in self.shards],
-            "lake": self.lake.status() if self.lake else {"enabled": False},
-            "staging": self.staging.status() if self.staging else {},
-            "metrics": self.metrics_summary(),
-        }
+        return self.view.status()
 
-    def admin_handlers(self) -> dict[str, Any]:
-        return {
-            "subscribers.add": lambda a: self.subscriber_op("add", a["name"],
-                                                            a.get("start", "earliest")),
-            "subscribers.remove": lambda a: self.subscriber_op("remove", a["name"]),
-            "subscribers.list": lambda a: self.subscribers(),
-        }
+    def subscribers(self) -> list[dict[str, Any]]:
+        return self.view.subscribers()
+
+    def segments(self) -> list[dict[str, Any]]:
+        return self.view.segments()
 
     async def subscriber_op(self, op: str, name: str, start: str = "earliest") -> dict[str, Any]:
         """Add or remove a subscriber on every shard (each shard's ack.log records it)."""
@@ -257,88 +249,6 @@ class Daemon:
                       start=start)
         return {"name": name, "op": op, "shards": len(self.shards) - len(errors)}
 
-    def subscribers(self) -> list[dict[str, Any]]:
-        names = sorted({sub.name for s in self.shards for sub in s.acks.registry})
-        return [{"name": n, **self._lag(n)} for n in names]
-
-    def _lag(self, name: str) -> dict[str, Any]:
-        segments = bundles = nbytes = 0
-        dropped = 0
-        for shard in self.shards:
-            if name not in shard.acks.registry:
-                continue
-            lag = shard.acks.lag(name)
-            segments += lag.segments_behind
-            bundles += lag.bundles_pending
-            nbytes += shard.segments.bytes_from(shard.acks.covered_below(name))
-        dropped = int(self.metrics.subscriber_dropped.by_label("subscriber").get(name, 0))
-        return {"lag_segments": segments, "lag_bytes": nbytes, "lag_bundles": bundles,
-                "dropped_bundles": dropped}
-
-    def metrics_summary(self) -> dict[str, Any]:
-        """The registry's design-document series, summed over shards, for `status --json`."""
-        m = self.metrics
-        return {
-            "quiver_gc_evictions_total": _ints(m.gc_evictions.by_label("reason")),
-            "quiver_ingest_throttle_total": int(m.ingest_throttle.total()),
-            "quiver_subscriber_dropped_bundles_total":
-                _ints(m.subscriber_dropped.by_label("subscriber")),
-            "quiver_segment_dropped_total": int(m.segments_dropped.total()),
-            "quiver_wal_corrupt_entries_total": int(m.wal_corrupt_entries.total()),
-            "quiver_bundles_lost_total": int(m.bundles_lost.total()),
-            "quiver_bundles_acked_total": int(m.bundles_acked.total()),
-            "quiver_acked_bytes_total": int(m.bytes_acked.total()),
-            "quiver_core_bytes": {str(s.index): s.usage_bytes() for s in self.shards},
-            "quiver_subscriber_lag": {sub["name"]: {k: v for k, v in sub.items() if k != "name"}
-                                      for sub in self.subscribers()},
-        }
-
-    def _derive_gauges(self) -> None:
-        """Gauges read from live state when collected (on the event loop)."""
-        m = self.metrics
-        m.derive("quiver_core_bytes", "bytes a shard holds: WAL + segments + ack.log",
-                 ("core_id",), lambda: {(str(s.index),): s.usage_bytes() for s in self.shards})
-        m.derive("quiver_core_cap_fraction", "a shard's bytes over its share of the size cap "
-                 "(0 without a cap)", ("core_id",),
-                 lambda: {(str(s.index),): (s.usage_bytes() / s.gate.cap_bytes
-                                            if s.gate.cap_bytes else 0.0) for s in self.shards})
-        m.derive("quiver_wal_bytes", "live WAL bytes", ("shard",),
-                 lambda: {(str(s.index),): s.status_wal("wal_bytes") for s in self.shards})
-        m.derive("quiver_wal_files", "WAL files", ("shard",),
-                 lambda: {(str(s.index),): s.status_wal("wal_files") for s in self.shards})
-        m.derive("quiver_segments", "finalized segments on disk", ("shard",),
-                 lambda: {(str(s.index),): len(s.segments) for s in self.shards})
-        m.derive("quiver_segment_bytes", "bytes of finalized segments on disk", ("shard",),
-                 lambda: {(str(s.index),): s.segments.total_bytes() for s in self.shards})
-        m.derive("quiver_segments_unverified", "segments whose stream bytes no CRC has "
-                 "checked since startup (first read or scrubber to come)", ("shard",),
-                 lambda: {(str(s.index),): s.checks.unverified_count for s in self.shards})
-        m.derive("quiver_scrub_pass_progress", "fraction of the current scrub pass's bytes "
-                 "checked", ("shard",),
-                 lambda: {(str(s.index),): (s.checks.pass_done_bytes / s.checks.pass_bytes
-                                            if s.checks.pass_bytes else 1.0)
-                          for s in self.shards})
-        for key, doc in (("lag_bundles", "bundles a subscriber has not acked"),
-                         ("lag_segments", "segments a subscriber's mark is behind"),
-                         ("lag_bytes", "bytes of the segments a subscriber still needs")):
-            m.derive(f"quiver_subscriber_{key}", doc, ("subscriber",),
-                     functools.partial(self._lag_gauge, key))
-
-    def _lag_gauge(self, key: str) -> dict[tuple[str, ...], float]:
-        return {(sub["name"],): sub[key] for sub in self.subscribers()}
-
-    def segments(self) -> list[dict[str, Any]]:
-        rows = []
-        for shard in self.shards:
-            for seg in shard.segments:
-                rows.append({"shard": shard.index, "segment_seq": seg.segment_seq,
-                             "bundles": seg.bundle_count, "bytes": seg.size_bytes,
-                             "first_sequence": seg.first_sequence,
-                             "last_sequence": seg.last_sequence,
-                             "min_ts_ns": seg.min_ts_ns, "max_ts_ns": seg.max_ts_ns,
-                             "path": str(seg.path)})
-        return rows
-
 
 def shards_to_serve(cfg: Config, log: Logger) -> int:
     """The configured shard count, raised to cover every shard directory on disk.
@@ -358,7 +268,3 @@ def shards_to_serve(cfg: Config, log: Logger) -> int:
                     "subscribers drain the extra shards first, then move the directory away")
     return count
 
-
-def _ints(values: dict[str, float]) -> dict[str, int]:
-    """Counters by label for status, without the ones still at 0."""
-    return {k: int(v) for k, v in values.items() if v}

@@ -8,19 +8,32 @@ the store is down (the WAL and segments hold the data, within retention), and th
 lake connects, recovers and starts once the catalog answers, retrying with backoff.
 The built-in subscriber ``uploader`` is registered on every shard the first time
 the lake runs (start "earliest": everything still retained goes to the lake).
+
+The lake never stops the daemon: whatever it raises (catalog down, store
+misconfigured, staging disk full, a bug) marks a part of ``health`` degraded, is
+logged (``lake_unavailable``) and retried with backoff; ``state`` is ``degraded``
+while any part is, as ``status``, ``/metrics`` and ``/healthz`` show.
 """
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from quiverd.kernel import logs
-from quiverd.kernel.errors import CatalogUnavailable, LakeError
+from quiverd.kernel.config import Config
+from quiverd.kernel.errors import (
+    CatalogUnavailable,
+    StoreDenied,
+    StoreMisconfigured,
+    StoreUnavailable,
+)
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.metrics import Metrics
+from quiverd.lake.health import LakeHealth
 from quiverd.lake.tier import Tier, open_tier
 from quiverd_actors.dispatcher import Session
 from quiverd_actors.indexer import Indexer
@@ -29,15 +42,19 @@ from quiverd_actors.messages import LocalDelivery
 from quiverd_actors.uploader import INGESTED_AT, SUBSCRIBER, Uploader
 
 if TYPE_CHECKING:
-    from quiverd.runtime.daemon import Daemon
+    from quiverd.runtime.shard import Shard
 
 RETRY_MAX_S = 30.0
+Subscribe = Callable[[str, str, str], Awaitable[Any]]  # (op, name, start): Daemon.subscriber_op
 
 
 class Lake:
-    def __init__(self, daemon: Daemon, *, metrics: Metrics, faults: Hooks) -> None:
-        self.daemon, self.cfg, self.m, self.faults = daemon, daemon.cfg, metrics, faults
+    def __init__(self, cfg: Config, shards: list[Shard], *, subscribe: Subscribe,
+                 metrics: Metrics, faults: Hooks) -> None:
+        self.cfg, self.shards, self.subscribe = cfg, shards, subscribe
+        self.m, self.faults = metrics, faults
         self.log = logs.get("lake")
+        self.health = LakeHealth(log=self.log)
         self.tier: Tier | None = None
         self.uploader: Uploader | None = None
         self.janitor: Janitor | None = None
@@ -54,13 +71,17 @@ class Lake:
             while True:
                 try:
                     await self._serve()
-                except (CatalogUnavailable, LakeError, OSError) as exc:
+                except Exception as raised:  # noqa: BLE001 - the lake must never stop ingest
+                    exc = _first(raised)
                     attempt += 1
                     delay = random.uniform(0.5, 1.0) * min(RETRY_MAX_S, 0.5 * 2 ** attempt)
+                    part, kind = _part_of(exc)
+                    self.health.fail(part, kind, exc)
                     self.state = f"waiting: {exc}"
                     self.m.lake_errors.labels("start").inc()
-                    self.log.error("lake_unavailable", error=str(exc), retry_in_s=round(delay, 1),
-                                   hint=getattr(exc, "hint", ""))
+                    self.log.error("lake_unavailable", part=part, kind=kind, error=str(exc),
+                                   retry_in_s=round(delay, 1), hint=getattr(exc, "hint", ""),
+                                   exc_info=part == "lake")
                     await anyio.sleep(delay)
 
     def stop(self) -> None:
@@ -72,6 +93,8 @@ class Lake:
             self.tier = tier
             try:
                 await tier.recover()
+                self.health.ok("catalog")  # it answered: start-up faults are over
+                self.health.ok("lake")
                 await self._run_actors(tier)
             finally:
                 self.tier = None
@@ -79,12 +102,13 @@ class Lake:
 
     async def _run_actors(self, tier: Tier) -> None:
         cfg = self.cfg.lake
-        dispatchers = [s.dispatcher for s in self.daemon.shards if s.dispatcher is not None]
+        dispatchers = [s.dispatcher for s in self.shards if s.dispatcher is not None]
         tx, rx = anyio.create_memory_object_stream[LocalDelivery](cfg.window_bundles)
         session = Session(name=SUBSCRIBER, window=cfg.window_bundles, deliveries=tx, local=True)
         encoders = anyio.CapacityLimiter(cfg.parallelism)
         self.uploader = Uploader(tier, dispatchers, session, limiter=encoders,
-                                 log=self.log, metrics=self.m, hook=self.faults.get("lake"))
+                                 log=self.log, metrics=self.m, health=self.health,
+                                 hook=self.faults.get("lake"))
         indexer = Indexer(tier, limiter=encoders, log=self.log, metrics=self.m,
                           time_column=cfg.time_column or INGESTED_AT,
                           hook=self.faults.get("lake"))
@@ -105,17 +129,17 @@ class Lake:
             tx.close()
 
     async def _ensure_subscriber(self) -> None:
-        shards = self.daemon.shards
-        if all(SUBSCRIBER in s.acks.registry for s in shards):
+        if all(SUBSCRIBER in s.acks.registry for s in self.shards):
             return
-        await self.daemon.subscriber_op("add", SUBSCRIBER, "earliest")
+        await self.subscribe("add", SUBSCRIBER, "earliest")
 
     def status(self) -> dict[str, object]:
         m = self.m
         tier = self.tier
         return {
             "enabled": True,
-            "state": self.state,
+            "state": "degraded" if self.health.degraded else self.state,
+            "degraded": self.health.status(),
             "node_id": tier.node_id if tier else None,
             "source_id": tier.source_id if tier else None,
             "store": tier.store.uri("") if tier else None,
@@ -128,7 +152,30 @@ class Lake:
             "buffered_bytes": int(m.lake_buffered_bytes.total()),
             "unacked_bundles": int(m.lake_unacked.total()),
             "pending_files": int(m.lake_pending_uploads.total()),
+            "pending_bytes": int(m.lake_pending_bytes.total()),
             "store_denied": bool(m.lake_denied.total()),
             "errors": {k: int(v) for k, v in m.lake_errors.by_label("kind").items() if v},
             "transitions": {k: int(v) for k, v in m.lake_transitions.by_label("state").items()},
         }
+
+
+def _first(exc: Exception) -> Exception:
+    """The first error inside task-group wrapping (anyio groups even a single error)."""
+    while isinstance(exc, ExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _part_of(exc: Exception) -> tuple[str, str]:
+    """Which part of the lake an error that ended the lake's run belongs to."""
+    if isinstance(exc, CatalogUnavailable):
+        return "catalog", "unavailable"
+    if isinstance(exc, StoreMisconfigured):
+        return "store", exc.kind
+    if isinstance(exc, StoreDenied):
+        return "store", "denied"
+    if isinstance(exc, StoreUnavailable):
+        return "store", "unavailable"
+    if isinstance(exc, OSError):
+        return "staging", "io"
+    return "lake", "internal"

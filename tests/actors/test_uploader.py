@@ -15,6 +15,7 @@ import pytest
 
 from quiverd.acks import format as ackfmt
 from quiverd.kernel.metrics import Metrics
+from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import REGISTERED, Coverage, FileRow, FileState
 from quiverd.lake.tier import Tier
 from quiverd_actors.dispatcher import Session
@@ -60,7 +61,8 @@ async def running(tier: Tier) -> AsyncIterator[tuple[Acks, Uploader, Any]]:
     unused_tx, unused_rx = anyio.create_memory_object_stream[LocalDelivery](1)
     session = Session(name="uploader", window=256, deliveries=unused_tx, local=True)
     uploader = Uploader(tier, [acks], session,  # type: ignore[list-item]
-                        limiter=anyio.CapacityLimiter(2), log=LOG, metrics=Metrics())
+                        limiter=anyio.CapacityLimiter(2), log=LOG, metrics=Metrics(),
+                        health=LakeHealth(log=LOG))
     async with anyio.create_task_group() as tg:
         await tg.start(uploader.run, rx)
         try:

@@ -1,0 +1,162 @@
+"""What the daemon reports about itself: ``status``, subscribers and their lag, segment
+listings, the metrics summary, the gauges read at scrape time, and ``/healthz``.
+
+    admin socket  status, segments, subscribers.list ─┐
+    GET /metrics  derived gauges (lag, usage, lake)  ─┼─▶ StatusView ─▶ shards, ingest,
+    GET /healthz  health()                           ─┘                 lake, staging
+
+Read-only and on the event loop: every value is read where it changes, so no
+report ever sees a table mid-update. The view reads the daemon's parts through
+``Parts`` (a Protocol), not the daemon itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import TYPE_CHECKING, Any, Protocol
+
+from quiverd.kernel.config import Config
+from quiverd.kernel.metrics import Metrics
+
+if TYPE_CHECKING:
+    from quiverd.net.ingest import IngestServer
+    from quiverd.runtime.lake import Lake
+    from quiverd.runtime.shard import Shard
+    from quiverd.runtime.staging import Staging
+
+
+class Parts(Protocol):
+    """The daemon's live parts the view reads (the runtime's Daemon is one)."""
+
+    cfg: Config
+    shards: list[Shard]
+    ingest: IngestServer | None
+    lake: Lake | None
+    staging: Staging | None
+    stopping: bool
+
+
+class StatusView:
+    def __init__(self, parts: Parts, metrics: Metrics) -> None:
+        self.parts, self.metrics = parts, metrics
+        self._derive_gauges()
+
+    def status(self) -> dict[str, Any]:
+        p = self.parts
+        ingest = p.ingest.stats if p.ingest else None
+        return {
+            "pid": os.getpid(),
+            "data_dir": p.cfg.data_dir,
+            "stopping": p.stopping,
+            "connections": int(ingest.connections.value) if ingest else 0,
+            "ingest": ingest.as_dict() if ingest else {},
+            "shards": [s.status() for s in p.shards],
+            "lake": p.lake.status() if p.lake else {"enabled": False},
+            "staging": p.staging.status() if p.staging else {},
+            "metrics": self.metrics_summary(),
+        }
+
+    def health(self) -> dict[str, Any]:
+        """``/healthz``: ``ok``, or ``degraded`` with each degraded part by name
+        (``lake.store``, ``lake.catalog``, ``lake.staging``, ``lake.lake``)."""
+        lake = self.parts.lake
+        degraded = {f"lake.{part}": fault for part, fault in
+                    (lake.health.status().items() if lake else ())}
+        return {"status": "degraded" if degraded else "ok", "degraded": degraded,
+                "stopping": self.parts.stopping}
+
+    def subscribers(self) -> list[dict[str, Any]]:
+        shards = self.parts.shards
+        names = sorted({sub.name for s in shards for sub in s.acks.registry})
+        return [{"name": n, **self._lag(n)} for n in names]
+
+    def _lag(self, name: str) -> dict[str, Any]:
+        segments = bundles = nbytes = 0
+        for shard in self.parts.shards:
+            if name not in shard.acks.registry:
+                continue
+            lag = shard.acks.lag(name)
+            segments += lag.segments_behind
+            bundles += lag.bundles_pending
+            nbytes += shard.segments.bytes_from(shard.acks.covered_below(name))
+        dropped = int(self.metrics.subscriber_dropped.by_label("subscriber").get(name, 0))
+        return {"lag_segments": segments, "lag_bytes": nbytes, "lag_bundles": bundles,
+                "dropped_bundles": dropped}
+
+    def metrics_summary(self) -> dict[str, Any]:
+        """The registry's design-document series, summed over shards, for `status --json`."""
+        m = self.metrics
+        return {
+            "quiver_gc_evictions_total": _ints(m.gc_evictions.by_label("reason")),
+            "quiver_ingest_throttle_total": int(m.ingest_throttle.total()),
+            "quiver_subscriber_dropped_bundles_total":
+                _ints(m.subscriber_dropped.by_label("subscriber")),
+            "quiver_segment_dropped_total": int(m.segments_dropped.total()),
+            "quiver_wal_corrupt_entries_total": int(m.wal_corrupt_entries.total()),
+            "quiver_bundles_lost_total": int(m.bundles_lost.total()),
+            "quiver_bundles_acked_total": int(m.bundles_acked.total()),
+            "quiver_acked_bytes_total": int(m.bytes_acked.total()),
+            "quiver_core_bytes": {str(s.index): s.usage_bytes() for s in self.parts.shards},
+            "quiver_subscriber_lag": {sub["name"]: {k: v for k, v in sub.items() if k != "name"}
+                                      for sub in self.subscribers()},
+        }
+
+    def segments(self) -> list[dict[str, Any]]:
+        rows = []
+        for shard in self.parts.shards:
+            for seg in shard.segments:
+                rows.append({"shard": shard.index, "segment_seq": seg.segment_seq,
+                             "bundles": seg.bundle_count, "bytes": seg.size_bytes,
+                             "first_sequence": seg.first_sequence,
+                             "last_sequence": seg.last_sequence,
+                             "min_ts_ns": seg.min_ts_ns, "max_ts_ns": seg.max_ts_ns,
+                             "path": str(seg.path)})
+        return rows
+
+    def _derive_gauges(self) -> None:
+        """Gauges read from live state when collected (on the event loop)."""
+        m = self.metrics
+
+        def per_shard(name: str, doc: str, label: str, read: Any) -> None:
+            m.derive(name, doc, (label,),
+                     lambda: {(str(s.index),): read(s) for s in self.parts.shards})
+
+        per_shard("quiver_core_bytes", "bytes a shard holds: WAL + segments + ack.log",
+                  "core_id", lambda s: s.usage_bytes())
+        per_shard("quiver_core_cap_fraction", "a shard's bytes over its share of the size "
+                  "cap (0 without a cap)", "core_id",
+                  lambda s: s.usage_bytes() / s.gate.cap_bytes if s.gate.cap_bytes else 0.0)
+        per_shard("quiver_wal_bytes", "live WAL bytes", "shard",
+                  lambda s: s.status_wal("wal_bytes"))
+        per_shard("quiver_wal_files", "WAL files", "shard", lambda s: s.status_wal("wal_files"))
+        per_shard("quiver_segments", "finalized segments on disk", "shard",
+                  lambda s: len(s.segments))
+        per_shard("quiver_segment_bytes", "bytes of finalized segments on disk", "shard",
+                  lambda s: s.segments.total_bytes())
+        per_shard("quiver_segments_unverified", "segments whose stream bytes no CRC has "
+                  "checked since startup (first read or scrubber to come)", "shard",
+                  lambda s: s.checks.unverified_count)
+        per_shard("quiver_scrub_pass_progress", "fraction of the current scrub pass's bytes "
+                  "checked", "shard", lambda s: (s.checks.pass_done_bytes / s.checks.pass_bytes
+                                                 if s.checks.pass_bytes else 1.0))
+        for key, doc in (("lag_bundles", "bundles a subscriber has not acked"),
+                         ("lag_segments", "segments a subscriber's mark is behind"),
+                         ("lag_bytes", "bytes of the segments a subscriber still needs")):
+            m.derive(f"quiver_subscriber_{key}", doc, ("subscriber",),
+                     functools.partial(self._lag_gauge, key))
+        m.derive("quiver_lake_degraded", "1 while a part of the lake (store, catalog, "
+                 "staging) is degraded, with the kind of fault; 0 per part otherwise",
+                 ("part", "kind"), self._lake_gauge)
+
+    def _lag_gauge(self, key: str) -> dict[tuple[str, ...], float]:
+        return {(sub["name"],): sub[key] for sub in self.subscribers()}
+
+    def _lake_gauge(self) -> dict[tuple[str, ...], float]:
+        lake = self.parts.lake
+        return lake.health.gauge() if lake is not None else {}
+
+
+def _ints(values: dict[str, float]) -> dict[str, int]:
+    """Counters by label for status, without the ones still at 0."""
+    return {k: int(v) for k, v in values.items() if v}
