@@ -1,7 +1,7 @@
 """The ``quiverd`` command line: daemon, producer tool and admin commands.
 
     quiverd serve --config PATH            run the daemon
-    quiverd check-config PATH              validate a config file
+    quiverd check-config PATH [--probe]    validate a config file (--probe: reach the lake)
     quiverd send --socket S --client C FILE...   send Arrow IPC / Parquet files
     quiverd status [--json]                daemon, per-shard counters (admin socket)
     quiverd wal dump PATH [--json]         every WAL entry, with CRC ok/bad
@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("check-config", help="validate a config file")
     s.add_argument("path")
+    s.add_argument("--probe", action="store_true",
+                   help="also reach the lake's store (write and delete a probe object) "
+                   "and catalog (connect, migrations)")
     s.set_defaults(func=_check_config)
 
     s = sub.add_parser("send", help="send Arrow IPC or Parquet files, one bundle per batch")
@@ -214,6 +217,14 @@ def _check_config(args: argparse.Namespace) -> int:
 
     cfg = config_mod.load(args.path)
     check_lake_config(cfg)
+    if args.probe:
+        import anyio
+
+        from quiverd.kernel import logs
+        from quiverd.lake.tier import probe
+
+        for line in anyio.run(probe, cfg, logs.get("check-config")):
+            print(line)
     print(f"{args.path}: ok ({cfg.shard_count} shards, data_dir {cfg.data_dir})")
     return 0
 
@@ -240,8 +251,10 @@ def _status(args: argparse.Namespace) -> int:
     if lake.get("enabled"):
         print(f"lake {lake['state']}  store {lake['store']}  catalog {lake['catalog']}  "
               f"files_uploaded {lake['files_uploaded']}  pending_files {lake['pending_files']}  "
+              f"pending_bytes {lake.get('pending_bytes', 0)}  "
               f"open_files {lake['open_files']}  unacked_bundles {lake['unacked_bundles']}"
               + ("  STORE DENIED (check lake.store credentials)" if lake["store_denied"] else ""))
+        _print_degraded(lake.get("degraded") or {})
     else:
         print("lake off (lake.enabled = false)")
     staging = result.get("staging") or {}
@@ -250,6 +263,17 @@ def _status(args: argparse.Namespace) -> int:
               f"undecided {staging['undecided_jobs']}  "
               f"staged_bytes {staging['staged_bytes']}")
     return 0
+
+
+def _print_degraded(degraded: dict[str, dict[str, Any]]) -> None:
+    """One line per degraded part of the lake: kind, since when, the last error, the hint."""
+    import datetime
+
+    for part, fault in sorted(degraded.items()):
+        since = datetime.datetime.fromtimestamp(fault["since_ns"] / 1e9, datetime.UTC)
+        print(f"  DEGRADED {part} ({fault['kind']}) since {since:%Y-%m-%dT%H:%M:%SZ}, "
+              f"{fault['attempts']} attempts; last error: {fault['error']}"
+              + (f"  hint: {fault['hint']}" if fault.get("hint") else ""))
 
 
 def _segments_list(args: argparse.Namespace) -> int:

@@ -204,6 +204,21 @@ class ObjectStore:
                                               older_than_ns, remove,
                                               limiter=self._file_limiter)
 
+    async def probe(self, key: str) -> None:
+        """Write, stat and delete a small object at ``key`` (``check-config --probe``):
+        raises what an upload would (StoreMisconfigured for a missing bucket, StoreDenied,
+        StoreUnavailable), so a bad store is found before the daemon runs."""
+        _check_key(key)
+        body = b"quiverd check-config --probe\n"
+
+        async def write(_: int) -> None:
+            await self._op.write(key, body)
+
+        await self._retrying("probe", key, write)
+        if await self._retrying("stat", key, lambda _: self._stat(key)) is None:
+            raise StoreUnavailable(f"probe {key!r}: written, then not found")
+        await self.delete(key)
+
     async def close(self) -> None:
         """Nothing is held between operations: OpenDAL pools connections per operator."""
 

@@ -35,7 +35,7 @@ from ulid import ULID
 
 from quiverd.kernel.config import Config
 from quiverd.kernel.durable import atomic_write
-from quiverd.kernel.errors import ConfigError
+from quiverd.kernel.errors import CatalogUnavailable, ConfigError, LakeError
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import node_id_problem
@@ -115,6 +115,35 @@ def check_config(cfg: Config) -> None:
     root = cfg.lake.store.root or (str(DataDir(Path(cfg.data_dir)).objects)
                                    if cfg.lake.store.scheme == "fs" else "")
     service_options(cfg.lake.store, root)
+
+
+async def probe(cfg: Config, log: Logger) -> list[str]:
+    """``check-config --probe``: reach the store (write and delete a probe object under
+    ``quiverd-probe/``) and the catalog (connect, apply migrations as the daemon would).
+    One line per part on success; raises the part's error (with its hint) otherwise."""
+    check_config(cfg)
+    if not cfg.lake.enabled:
+        return ["lake: off (lake.enabled = false), nothing to probe"]
+    data = DataDir(Path(cfg.data_dir))
+    node_id = cfg.lake.node_id or socket.gethostname()
+    store = ObjectStore(cfg.lake.store, data_dir=data.root, log=log)
+    key = f"quiverd-probe/{node_id}-{ULID()}"
+    try:
+        await store.probe(key)
+    except LakeError as exc:
+        raise type(exc)(f"probe of lake.store ({store.uri('')}) failed: {exc}") from exc
+    lines = [f"store {store.uri('')}: ok (wrote, read back and deleted {key})"]
+    catalog = open_catalog(cfg.catalog, data.catalog_db, log=log)
+    try:
+        await catalog.start()
+    except CatalogUnavailable as exc:
+        raise CatalogUnavailable(f"probe of the catalog ({catalog.backend}) failed: {exc}"
+                                 ) from exc
+    finally:
+        with anyio.CancelScope(shield=True):
+            await catalog.close()
+    lines.append(f"catalog {catalog.backend}: ok (connected, schema migrated)")
+    return lines
 
 
 def validate_node_id(node_id: str) -> None:

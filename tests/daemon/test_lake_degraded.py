@@ -5,6 +5,7 @@ daemons; ``status``, ``/metrics`` and ``/healthz`` say what is degraded and why.
 from __future__ import annotations
 
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +18,7 @@ from tests.daemon.lake_helpers import (
     FAST_LAKE,
     assert_exactly_once,
     lake_contents,
+    quiverd_cli,
     send_logs,
     wait_for_lake,
 )
@@ -97,3 +99,50 @@ def test_lake_missing_bucket_degraded_ingest_goes_on_then_catches_up(
             for obj in page.get("Contents", []):
                 s3.delete_object(Bucket=missing, Key=obj["Key"])
         s3.delete_bucket(Bucket=missing)
+
+
+def test_lake_unreachable_store_status_shows_last_error_and_since(
+        daemon_factory: Any, s3_bucket: dict[str, str]) -> None:
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = daemon_factory({**FAST_LAKE, **s3_settings(
+        {**s3_bucket, "endpoint": f"http://127.0.0.1:{port}"})}).start()
+    before = time.time_ns()
+    send_logs(d, clients=1, batches=2)
+    lake = wait_degraded(d, "store")
+    store = lake["degraded"]["store"]
+    assert store["kind"] == "unavailable", store
+    assert store["error"] and store["since_ns"] >= before - 10**9, store
+    assert lake["pending_files"] >= 1 and lake["pending_bytes"] > 0, lake
+    cli = quiverd_cli("status", "--socket", str(d.admin_socket))
+    assert cli.returncode == 0, cli.stderr
+    assert "degraded" in cli.stdout and "store" in cli.stdout, cli.stdout
+    assert d.events("lake_degraded")
+    assert d.stop() == 0
+
+
+def test_lake_postgres_down_degraded_catalog_then_recovers(
+        daemon_factory: Any, postgres_server: Any, pg_catalog_dsn: str) -> None:
+    d = daemon_factory({**FAST_LAKE, "catalog.dsn": pg_catalog_dsn,
+                        "metrics.listen": "127.0.0.1:0"}).start()
+    [event] = d.events("metrics_listening")
+    sent = send_logs(d, clients=1, batches=2)
+    wait_for_lake(d, sent)
+    postgres_server.stop("immediate")
+    try:
+        sent.update(send_logs(d, clients=1, batches=3, start=2))
+        lake = wait_degraded(d, "catalog")
+        assert lake["degraded"]["catalog"]["kind"] == "unavailable"
+        code, body = healthz(event["address"])
+        assert code == 503 and "lake.catalog" in body["degraded"], body
+    finally:
+        postgres_server.start()
+    wait_for_lake(d, sent, timeout=90)
+    deadline = time.monotonic() + 30
+    while d.status()["lake"]["degraded"]:
+        assert time.monotonic() < deadline, d.status()["lake"]
+        time.sleep(0.2)
+    assert healthz(event["address"])[0] == 200
+    assert d.events("lake_recovered")
+    assert d.stop() == 0
