@@ -8,7 +8,7 @@
 
 The lake is a subscriber like any other: a fault in one of its parts never stops the
 daemon, ingest or other subscribers. The part that failed is marked degraded (one log
-line ``lake_degraded`` when it starts, ``lake_recovered`` when it ends), the work is
+line ``lake_degraded`` when it starts, ``lake_restored`` when it ends), the work is
 retried with backoff, and the bundles wait in segments under the retention rules.
 ``status`` shows each degraded part (kind, last error, since when, attempts),
 ``/metrics`` the gauge ``quiver_lake_degraded{part,kind}``, ``/healthz`` answers 503.
@@ -59,10 +59,10 @@ class LakeHealth:
         fault.attempts += 1
 
     def ok(self, part: str) -> None:
-        """``part`` worked again: log ``lake_recovered`` if it was degraded."""
+        """``part`` worked again: log ``lake_restored`` if it was degraded."""
         fault = self.faults.pop(part, None)
         if fault is not None:
-            self.log.info("lake_recovered", part=part, kind=fault.kind,
+            self.log.info("lake_restored", part=part, kind=fault.kind,
                           degraded_s=round((time.time_ns() - fault.since_ns) / 1e9, 1),
                           attempts=fault.attempts)
 

@@ -144,5 +144,5 @@ def test_lake_postgres_down_degraded_catalog_then_recovers(
         assert time.monotonic() < deadline, d.status()["lake"]
         time.sleep(0.2)
     assert healthz(event["address"])[0] == 200
-    assert d.events("lake_recovered")
+    assert d.events("lake_restored")
     assert d.stop() == 0

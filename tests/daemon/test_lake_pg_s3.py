@@ -94,13 +94,16 @@ def test_lake_s3_denied_keeps_local_file_then_uploads(
     while not d.events("lake_upload_denied"):
         assert time.monotonic() < deadline, d.log()[-3000:]
         time.sleep(0.1)
-    assert d.status()["lake"]["store_denied"] is True
+    lake = d.status()["lake"]
+    assert lake["store_denied"] is True
+    assert lake["state"] == "degraded" and lake["degraded"]["store"]["kind"] == "denied"
     kept = list((d.data_dir / "staging" / "stable").iterdir())
     assert len(kept) == 1 and kept[0].stat().st_size > 0  # the local file is kept
     assert registered_rows(d) == []
     s3_faults.pass_through()  # credentials fixed: the next check uploads it
     rows = wait_for_lake(d, Counter({("denied", 0): 50}), timeout=30)
     assert len(rows) == 1 and d.status()["lake"]["store_denied"] is False
+    assert d.status()["lake"]["degraded"] == {}
     assert d.stop() == 0
 
 
