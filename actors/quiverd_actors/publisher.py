@@ -12,17 +12,21 @@ the data. An authorization error is not retried by the store: it is logged and c
 pace, so fixed credentials are noticed without a restart. A store that rejects the
 configuration at run time (a missing bucket) is retried the same way, never an exit.
 Every failure after the store's own retries marks the lake's ``store`` part degraded
-(``LakeHealth``); the next verified upload clears it.
+(``LakeHealth``); the next verified upload clears it. ``WatchedSteps`` (below) does the
+same for the ``catalog`` part around every catalog step the uploader retries.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import anyio
 
 from quiverd.kernel.errors import (
+    CatalogUnavailable,
     CorruptRecord,
     ObjectExists,
     StoreDenied,
@@ -30,6 +34,7 @@ from quiverd.kernel.errors import (
     StoreUnavailable,
     VerifyFailed,
 )
+from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.bundles import coverage
@@ -39,6 +44,9 @@ from quiverd.lake.model import FileState
 from quiverd.lake.parquet import FileFacts
 from quiverd.lake.tier import Tier
 from quiverd_actors.lake_files import OpenFile, Sealed, Steps, backoff, file_row
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class Publisher:
@@ -119,3 +127,25 @@ class Publisher:
             self.m.lake_upload_bytes.labels().inc(facts.compressed_size)
             await self.steps.fault("object_written")
             return took
+
+
+class WatchedSteps(Steps):
+    """``Steps`` whose catalog calls also keep the lake's ``catalog`` part's health."""
+
+    def __init__(self, tier: Tier, *, log: Logger, metrics: Metrics, hook: Hook | None,
+                 health: LakeHealth) -> None:
+        super().__init__(tier, log=log, metrics=metrics, hook=hook)
+        self.health = health
+
+    async def catalog(self, fn: Callable[P, Awaitable[T]], *args: P.args,
+                      **kwargs: P.kwargs) -> T:
+        async def watched(*a: P.args, **k: P.kwargs) -> T:
+            try:
+                result = await fn(*a, **k)
+            except CatalogUnavailable as exc:
+                self.health.fail("catalog", "unavailable", exc)
+                raise
+            self.health.ok("catalog")
+            return result
+
+        return await super().catalog(watched, *args, **kwargs)

@@ -26,8 +26,6 @@ from __future__ import annotations
 import errno
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from typing import ParamSpec, TypeVar
 
 import anyio
 import pyarrow as pa
@@ -35,7 +33,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ulid import ULID
 
 from quiverd.acks import format as ackfmt
-from quiverd.kernel.errors import CatalogUnavailable, LakeError
+from quiverd.kernel.errors import LakeError
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
@@ -50,40 +48,16 @@ from quiverd.lake.model import (
 from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
 from quiverd.lake.tier import Tier
 from quiverd_actors.dispatcher import Dispatcher, Session
-from quiverd_actors.lake_files import FileKey, OpenFile, Part, Sealed, Steps
+from quiverd_actors.lake_files import FileKey, OpenFile, Part, Sealed
 from quiverd_actors.messages import LocalDelivery
-from quiverd_actors.publisher import Publisher
+from quiverd_actors.publisher import Publisher, WatchedSteps
 
 SUBSCRIBER = "uploader"
 MAX_OPEN_FILES = 128
 COVERAGE_CACHE = 1024
 PUBLISH_QUEUE = 8
-P = ParamSpec("P")
-T = TypeVar("T")
 
 BundleKey = tuple[int, int, int]  # (shard, segment_seq, bundle_index)
-
-
-class WatchedSteps(Steps):
-    """``Steps`` whose catalog calls also keep the lake's ``catalog`` part's health."""
-
-    def __init__(self, tier: Tier, *, log: Logger, metrics: Metrics, hook: Hook | None,
-                 health: LakeHealth) -> None:
-        super().__init__(tier, log=log, metrics=metrics, hook=hook)
-        self.health = health
-
-    async def catalog(self, fn: Callable[P, Awaitable[T]], *args: P.args,
-                      **kwargs: P.kwargs) -> T:
-        async def watched(*a: P.args, **k: P.kwargs) -> T:
-            try:
-                result = await fn(*a, **k)
-            except CatalogUnavailable as exc:
-                self.health.fail("catalog", "unavailable", exc)
-                raise
-            self.health.ok("catalog")
-            return result
-
-        return await super().catalog(watched, *args, **kwargs)
 
 
 class Uploader:

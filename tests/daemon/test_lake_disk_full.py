@@ -75,6 +75,10 @@ def test_lake_staging_fs_full_degraded_ingest_goes_on_then_catches_up(
         d.start()
         sent = send_logs(d, clients=2, batches=2)
         wait_for_lake(d, sent)
+        deadline = time.monotonic() + 20  # evictions free space: let them finish first
+        while any((fs / "stable").iterdir()) or any((fs / "active").iterdir()):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         ballast = fs / "ballast"
         fill(ballast)
         sent.update(send_logs(d, clients=2, batches=4, start=2))
