@@ -46,6 +46,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from quiverd.kernel.crc import crc32c
+from quiverd.kernel.errors import LakeFileCorrupt
 from quiverd.kernel.names import CLIENT_NAME_RULE, client_name_problem
 from quiverd.lake.drift import schema_hash
 from quiverd.lake.model import ZoneMap
@@ -212,6 +213,51 @@ class ActiveFile:
         self.path.unlink(missing_ok=True)
 
 
+# ---- reading lake files back ----------------------------------------------------------
+
+def open_verified(source: str | Path | pa.NativeFile, *, file_id: str, uri: str
+                  ) -> pq.ParquetFile:
+    """A ParquetFile whose page reads verify each page's checksum (the writer puts one on
+    every page): damaged bytes raise LakeFileCorrupt instead of reading as wrong values.
+    The footer has no checksum of its own; damage there fails to decode, and is turned
+    into LakeFileCorrupt too."""
+    try:
+        return pq.ParquetFile(source, page_checksum_verification=True)
+    except (OSError, pa.ArrowInvalid) as exc:
+        if not is_damage(exc):
+            raise
+        raise corrupt_error(exc, file_id=file_id, uri=uri) from exc
+
+
+def read_verified(path: Path, *, file_id: str = "", uri: str = "") -> pa.Table:
+    """The whole file as one table, every page checksum verified (see open_verified)."""
+    try:
+        return open_verified(path, file_id=file_id, uri=uri or path.as_uri()).read()
+    except (OSError, pa.ArrowInvalid) as exc:
+        if not is_damage(exc):
+            raise
+        raise corrupt_error(exc, file_id=file_id, uri=uri or path.as_uri()) from exc
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Is this pyarrow read error about the bytes (checksum, thrift, decompression,
+    magic), rather than I/O (errno set) or the store (its own exception types)?"""
+    if isinstance(exc, LakeFileCorrupt | pa.ArrowInvalid):
+        return True
+    return type(exc) is OSError and exc.errno is None
+
+
+def corrupt_error(exc: BaseException, *, file_id: str, uri: str) -> LakeFileCorrupt:
+    """One clear error for a damaged lake file: which file, what failed, what to do."""
+    if isinstance(exc, LakeFileCorrupt):
+        return exc
+    text = " ".join(str(exc).split())
+    what = ("failed its page checksum" if "checksum" in text.lower()
+            else "cannot be decoded (damaged Parquet)")
+    name = f"lake file {file_id} ({uri})" if file_id else f"lake file {uri}"
+    return LakeFileCorrupt(f"{name} {what}: {text}; none of its rows were returned")
+
+
 def bloom_columns(schema: pa.Schema, wanted: tuple[str, ...]) -> list[str]:
     """The configured bloom filter columns this schema has as flat (leaf) columns."""
     return [c for c in dict.fromkeys(wanted)
@@ -295,7 +341,7 @@ def zone_maps(path: Path, columns: list[str]) -> list[ZoneMap]:
     row groups from the footer statistics (computed from the data when a row group has
     none). Values are JSON scalars: timestamps and times as ns ints, dates as day ints,
     decimals as str; binary columns are skipped (no JSON form that keeps their order)."""
-    pf = pq.ParquetFile(path)
+    pf = open_verified(path, file_id="", uri=path.as_uri())
     meta, arrow = pf.metadata, pf.schema_arrow
     out: list[ZoneMap] = []
     for name in dict.fromkeys(columns):
@@ -311,7 +357,7 @@ def zone_maps(path: Path, columns: list[str]) -> list[ZoneMap]:
             continue
         bounds = _from_statistics(meta, leaf, kind, arrow.field(name).type)
         if bounds is None:
-            bounds = _from_data(pf, name, kind)
+            bounds = _from_data(pf, name, kind, path)
         lo, hi, nulls = bounds
         out.append(ZoneMap(column=name, min_value=_json(lo), max_value=_json(hi),
                            null_count=nulls))
@@ -390,10 +436,15 @@ def _json_unit(logical: str) -> int:
     return {"milliseconds": 10**6, "microseconds": 10**3, "nanoseconds": 1}[unit]
 
 
-def _from_data(pf: pq.ParquetFile, name: str, kind: str
+def _from_data(pf: pq.ParquetFile, name: str, kind: str, path: Path
                ) -> tuple[_Native | None, _Native | None, int]:
     """Bounds computed from the column itself (only that column is read)."""
-    column = pf.read(columns=[name]).column(name)
+    try:
+        column = pf.read(columns=[name]).column(name)
+    except (OSError, pa.ArrowInvalid) as exc:
+        if not is_damage(exc):
+            raise
+        raise corrupt_error(exc, file_id="", uri=path.as_uri()) from exc
     if pa.types.is_dictionary(column.type):
         column = column.cast(column.type.value_type)
     t = column.type

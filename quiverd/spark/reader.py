@@ -64,7 +64,6 @@ import anyio
 import opendal
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from opendal.layers import RetryLayer, TimeoutLayer
 
 try:
@@ -76,11 +75,13 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config, load
+from quiverd.kernel.errors import LakeFileCorrupt, LakeFileMissing
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import unify
-from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, ZoneMap
+from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
+from quiverd.lake.parquet import corrupt_error, is_damage, open_verified
 from quiverd.lake.store_options import service_options
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, to_bound
 from quiverd.spark.types import as_ns, spark_schema, to_spark
@@ -91,6 +92,7 @@ DEFAULT_CONFIG = "/etc/quiverd/config.toml"
 BATCH_ROWS = 64 * 1024  # rows per RecordBatch handed to Spark
 MAX_FILES = 100_000  # files one read may plan; more: narrow it with since/until
 TRACE_FILE = "opened.log"
+QUARANTINED_SHOWN = 100  # quarantined files one read's error looks up
 
 
 
@@ -133,6 +135,9 @@ class FilePartition(InputPartition):
     store_options: dict[str, str]  # OpenDAL's service options, root included
     timeout_ms: int
     max_attempts: int
+    file_id: str = ""  # for errors: which lake file, where
+    uri: str = ""
+    size: int = 0  # the catalog's compressed_size; 0: not checked
 
 
 class QuiverReader(DataSourceReader):
@@ -156,19 +161,19 @@ class QuiverReader(DataSourceReader):
         rows, maps = lake.query(self.sel, zone_maps=bool(self.bounds))
         kept = [r for r in rows if may_match(r, maps.get(r.file_id, []), self.bounds,
                                              lake.time_column)]
-        store = lake.cfg.lake.store
-        return [FilePartition(key=r.object_key, scheme=store.scheme,
-                              store_options=lake.store_options, timeout_ms=store.timeout_ms,
-                              max_attempts=store.max_attempts) for r in kept]
+        return [lake.partition(r) for r in kept]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, FilePartition), partition
         if self.sel.trace_dir:
             _trace(Path(self.sel.trace_dir), partition.key)
         target = to_arrow_schema(self.schema, timezone="UTC")
-        source = open_object(partition)
+        p = partition
+        reads = open_reads(p)
+        source = pa.PythonFile(reads, mode="r")
         try:
-            pf = pq.ParquetFile(source)
+            # Page checksums verified: a damaged page fails the read, never wrong values.
+            pf = open_verified(source, file_id=p.file_id, uri=p.uri or p.key)
             names = set(pf.schema_arrow.names)
             columns = [n for n in target.names if n in names]
             ranged = self.sel.since_ns is not None or self.sel.until_ns is not None
@@ -179,6 +184,15 @@ class QuiverReader(DataSourceReader):
                     batch = batch.filter(self._in_range(batch))
                 if batch.num_rows:
                     yield from to_spark(batch, target).to_batches()
+        except opendal.exceptions.NotFound:
+            raise missing_error(p) from None
+        except (OSError, pa.ArrowInvalid) as exc:
+            if reads.gone:
+                raise missing_error(p) from None
+            if not is_damage(exc):
+                raise
+            raise with_hint(corrupt_error(exc, file_id=p.file_id, uri=p.uri or p.key)
+                            ) from None
         finally:
             source.close()
 
@@ -208,6 +222,7 @@ class Selection:
     since_ns: int | None = None
     until_ns: int | None = None
     trace_dir: str = ""
+    skip_quarantined: bool = False
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Selection:
@@ -224,8 +239,12 @@ class Selection:
         if since is not None and until is not None and until <= since:
             raise ValueError(f'option "until" ({opts["until"]}) must be after "since" '
                              f'({opts["since"]})')
+        skip = opts.get("skip_quarantined", "false").strip().lower()
+        if skip not in ("true", "false"):
+            raise ValueError(f'option "skip_quarantined" must be true or false, not {skip!r}')
         return cls(config_path=opts.get("config", DEFAULT_CONFIG), client=client, slot=slot,
-                   since_ns=since, until_ns=until, trace_dir=opts.get("_trace_dir", ""))
+                   since_ns=since, until_ns=until, trace_dir=opts.get("_trace_dir", ""),
+                   skip_quarantined=skip == "true")
 
     def range_text(self) -> str:
         if self.since_ns is None and self.until_ns is None:
@@ -259,34 +278,48 @@ class Lake:
             raise FileNotFoundError(f"no lake catalog at {db}: is data_dir in "
                                     f"{sel.config_path} the daemon's?")
 
-        async def ask() -> tuple[list[FileRow], dict[str, list[ZoneMap]]]:
+        async def ask() -> tuple[list[FileRow], list[FileRow], dict[str, list[ZoneMap]]]:
             async with open_catalog(self.cfg.catalog, db, log=_quiet_log()) as catalog:
                 rows = await catalog.list_files(
                     client=sel.client, slot=sel.slot, since_ns=sel.since_ns,
                     until_ns=sel.until_ns, states=REGISTERED, limit=MAX_FILES + 1)
+                bad = [] if sel.skip_quarantined else await catalog.list_files(
+                    client=sel.client, slot=sel.slot, since_ns=sel.since_ns,
+                    until_ns=sel.until_ns, states=[FileState.QUARANTINED], limit=QUARANTINED_SHOWN)
                 maps = await catalog.zone_maps([r.file_id for r in rows]) if zone_maps else {}
-                return rows, maps
+                return rows, bad, maps
 
-        rows, maps = anyio.run(ask)
+        rows, quarantined, maps = anyio.run(ask)
+        if quarantined:
+            raise quarantined_error(sel, quarantined)
         if len(rows) > MAX_FILES:
             raise ValueError(f"more than {MAX_FILES} lake files match: narrow the read "
                              'with the "since" and "until" options')
         return rows, maps
 
+    def partition(self, row: FileRow) -> FilePartition:
+        store = self.cfg.lake.store
+        return FilePartition(key=row.object_key, scheme=store.scheme,
+                             store_options=self.store_options, timeout_ms=store.timeout_ms,
+                             max_attempts=store.max_attempts, file_id=row.file_id, uri=row.uri,
+                             size=row.compressed_size)
+
     def representative_schema(self, rows: list[FileRow]) -> pa.Schema:
         """drift.unify over the footers of ``rows``, one per distinct schema_hash."""
-        store = self.cfg.lake.store
         firsts: dict[str, FileRow] = {}
         for row in rows:
             firsts.setdefault(row.schema_hash or row.file_id, row)
         schema: pa.Schema | None = None
         for row in firsts.values():
-            part = FilePartition(key=row.object_key, scheme=store.scheme,
-                                 store_options=self.store_options,
-                                 timeout_ms=store.timeout_ms, max_attempts=store.max_attempts)
+            part = self.partition(row)
             source = open_object(part)
             try:
-                found = pq.read_schema(source)  # the footer: ranged reads at the tail
+                # The footer: ranged reads at the tail.
+                found = open_verified(source, file_id=row.file_id, uri=row.uri).schema_arrow
+            except opendal.exceptions.NotFound:
+                raise missing_error(part) from None
+            except LakeFileCorrupt as exc:
+                raise with_hint(exc) from None
             finally:
                 source.close()
             merged = unify(schema, found)
@@ -300,15 +333,51 @@ class Lake:
 
 def open_object(p: FilePartition) -> pa.PythonFile:
     """A seekable file over the object: pyarrow's reads become OpenDAL range reads."""
+    return pa.PythonFile(open_reads(p), mode="r")
+
+
+def open_reads(p: FilePartition) -> FullReads:
+    """The object, opened for reads, after a stat: LakeFileMissing when it is absent,
+    LakeFileCorrupt when its size is not the catalog's (one request, no data read)."""
     op = opendal.Operator(p.scheme, **p.store_options)
     timeout_s = p.timeout_ms / 1000
     op = op.layer(RetryLayer(max_times=max(p.max_attempts - 1, 0), jitter=True))
     op = op.layer(TimeoutLayer(timeout=timeout_s, io_timeout=timeout_s))
     try:
-        return pa.PythonFile(FullReads(op.open(p.key, "rb")), mode="r")
+        size = op.stat(p.key).content_length
+        if p.size and size != p.size:
+            raise with_hint(LakeFileCorrupt(
+                f"lake file {p.file_id} ({p.uri}) is {size} bytes in the store, the catalog "
+                f"says {p.size}; none of its rows were returned"))
+        return FullReads(op.open(p.key, "rb"))
     except opendal.exceptions.NotFound:
-        raise FileNotFoundError(f"lake object {p.key!r} is gone: compacted away since "
-                                "the read was planned? Run the query again") from None
+        raise missing_error(p) from None
+
+
+def missing_error(p: FilePartition) -> LakeFileMissing:
+    """The catalog lists the file, the store has no object: say which and what to do."""
+    name = f"lake file {p.file_id} ({p.uri})" if p.file_id else f"lake object {p.key!r}"
+    return LakeFileMissing(f"{name} is registered in the catalog but missing from the "
+                           f"object store: {LakeFileMissing.hint}")
+
+
+def with_hint(exc: LakeFileCorrupt) -> LakeFileCorrupt:
+    """The error with its hint in the message: Spark shows the message only."""
+    return LakeFileCorrupt(f"{exc} hint: {exc.hint}", hint=exc.hint)
+
+
+def quarantined_error(sel: Selection, rows: list[FileRow]) -> LakeFileCorrupt:
+    """Quarantined files in the selection: their rows cannot be read, so the read fails
+    rather than return a DataFrame silently missing them."""
+    files = ", ".join(f"{r.file_id} ({r.row_count} rows)" for r in rows[:5])
+    more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+    many = len(rows) > 1
+    return LakeFileCorrupt(
+        f"client {sel.client!r} slot {sel.slot}{sel.range_text()}: lake file{'s' * many} "
+        f"{files}{more} failed an integrity check and {'are' if many else 'is'} "
+        'quarantined; read the rest with .option("skip_quarantined", "true"), or restore '
+        "the object (quiverd files show FILE_ID names it; the damaged copy is under "
+        "quarantine/ in the store)")
 
 
 class FullReads:
@@ -321,8 +390,16 @@ class FullReads:
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
+        self.gone = False  # the object vanished while it was read (pyarrow hides why)
 
     def read(self, size: int = -1) -> bytes:
+        try:
+            return self._read(size)
+        except opendal.exceptions.NotFound:
+            self.gone = True
+            raise
+
+    def _read(self, size: int) -> bytes:
         if size is None or size < 0:
             return bytes(self.raw.read())
         parts: list[bytes] = []
