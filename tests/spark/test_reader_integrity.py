@@ -4,56 +4,24 @@ on disk, and Spark must fail with one clear error naming it, never return wrong 
 
 from __future__ import annotations
 
-import os
-from collections import Counter
+import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 pytest.importorskip("pyspark", reason="pip install 'quiverd[spark]' (scripts/setup)")
 
-from quiverd.client import Client  # noqa: E402 - after the skip
-from quiverd.lake.model import FileRow  # noqa: E402
-from tests.daemon.lake_helpers import FAST_LAKE, uri_path, wait_for_lake  # noqa: E402
+from tests.daemon.lake_damage import (  # noqa: E402
+    ROWS,
+    flip_in_data_page,
+    floats,
+    send_files,
+)
+from tests.daemon.lake_helpers import FAST_LAKE, uri_path  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
-ROWS = 20_000  # 160 KB of random float64 per bundle: pages far larger than 32 bytes
-
-
-def floats(seed: int) -> pa.Table:
-    return pa.table({"seed": pa.array([seed] * ROWS, pa.int64()),
-                     "x": np.random.default_rng(seed).random(ROWS)})
-
-
-def send_files(d: Any, files: int) -> list[FileRow]:
-    """``files`` lake files of client "floats", one bundle each (the lake rotates
-    between sends), ordered by time."""
-    sent: Counter[tuple[str, int]] = Counter()
-    for seed in range(files):
-        with Client.connect(d.socket) as c:
-            c.send({0: floats(seed)}, client="floats")
-        sent[("floats", 0)] += ROWS
-        rows = wait_for_lake(d, sent)
-    return sorted(rows, key=lambda r: (r.start_ts, r.file_id))
-
-
-def flip_in_data_page(path: str, column: str = "x", nbytes: int = 32) -> None:
-    """Flip ``nbytes`` bytes 4 KiB into the column chunk's first page body."""
-    meta = pq.read_metadata(path)
-    leaf = next(j for j in range(meta.num_columns) if meta.schema.column(j).path == column)
-    chunk = meta.row_group(0).column(leaf)
-    start = chunk.dictionary_page_offset or chunk.data_page_offset
-    assert chunk.total_compressed_size > 8192
-    os.chmod(path, 0o640)
-    with open(path, "r+b") as f:
-        f.seek(start + 4096)
-        data = bytearray(f.read(nbytes))
-        f.seek(start + 4096)
-        f.write(bytes(b ^ 0x5A for b in data))
 
 
 def load(spark: Any, d: Any, **options: str) -> Any:
@@ -96,4 +64,36 @@ def test_reader_missing_object_fails_with_one_clear_message(daemon_factory: Any,
     with pytest.raises(Exception, match=f"lake file {first.file_id} .* is registered in the "
                        "catalog but missing"):
         _ = load(spark, d).schema
+    assert d.stop() == 0
+
+
+def test_reader_quarantined_file_fails_the_read_unless_skipped(daemon_factory: Any,
+                                                               spark: Any) -> None:
+    # The daemon's own lake scrub finds the damage, quarantines the file and says so.
+    d = daemon_factory({**FAST_LAKE, "shards": 1, "lake.scrub.pass_interval_s": 1,
+                        "lake.scrub.rate_mb_per_s": 100}).start()
+    first, second, third = send_files(d, 3)
+    flip_in_data_page(uri_path(second.uri))
+    deadline = time.monotonic() + 60
+    while not (events := d.events("lake_object_corrupt")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    [event] = events
+    assert event["file_id"] == second.file_id and event["level"] == "error"
+    assert event["reason"].startswith("CRC-32C ") and event["rows"] == second.row_count
+    assert "rows are no longer in the lake" in event["hint"]
+    # Its segments were deleted once the lake (the only subscriber) acked them.
+    assert event["segments_still_held"] == [] and "re-ingest them" in event["hint"]
+    status = d.status()
+    assert status["lake"]["errors"]["corrupt_object"] == 1
+    assert not Path(uri_path(second.uri)).exists()
+    assert (d.data_dir / "objects" / "quarantine" / second.object_key).exists()
+
+    with pytest.raises(Exception) as caught:
+        _ = load(spark, d).schema
+    text = str(caught.value)
+    assert f"lake file {second.file_id} ({ROWS} rows) failed an integrity check and is " \
+        "quarantined" in text and 'option("skip_quarantined", "true")' in text
+    rest = load(spark, d, skip_quarantined="true").select("seed").collect()
+    assert sorted({r[0] for r in rest}) == [0, 2] and len(rest) == 2 * ROWS
+    assert first.file_id != third.file_id
     assert d.stop() == 0
