@@ -50,15 +50,9 @@ from quiverd.kernel.logs import Logger
 from quiverd.lake.catalog import ReplaceConflict
 from quiverd.lake.drift import conform, normalize, unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState
-from quiverd.lake.parquet import (
-    ActiveFile,
-    FileFacts,
-    ParquetSettings,
-    crc32c_file,
-    file_name,
-    read_verified,
-)
+from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, crc32c_file, file_name
 from quiverd.lake.tier import Tier
+from quiverd.lake.verified import read_verified
 
 CANDIDATES_MAX = 100_000  # registered rows read per run
 REPLACE_ATTEMPTS = 4  # catalog outages survived by one replace (it is idempotent)

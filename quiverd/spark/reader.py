@@ -6,6 +6,7 @@
           .option("slot", 0)                             # default 0
           .option("since", "2025-06-01T00:00:00Z")       # ISO-8601 (UTC if naive) or ns
           .option("until", "2025-06-02T00:00:00Z")       # rows with since <= time < until
+          .option("skip_quarantined", "true")            # default false: fail on them
           .load())
 
 Spark runs each step below in its own Python process; nothing crosses between them but
@@ -43,6 +44,15 @@ A timestamp literal v stands for the data values Spark reads as v: [v, v + 999] 
 one of its rows may pass. Strings compare by code point (= Parquet's UTF-8 byte order);
 decimals, times and nested columns are not pruned.
 
+Integrity. Pages are read with their checksums verified and each partition stats its
+object first, so damage is an error, never values: LakeFileCorrupt (a page checksum,
+undecodable Parquet, a size other than the catalog's) or LakeFileMissing (the store has
+no object), each naming the file id and URI with what to do, hint included in the
+message (Spark shows only that). Files the lake scrub quarantined fail the read at
+planning, naming them, unless ``skip_quarantined`` is true: never a silently smaller
+DataFrame. The whole-object CRC-32C is not checked here (pyarrow reads ranges, not the
+whole object); the lake scrub and ``quiverd fsck --lake`` check it.
+
 Test hook: option ``_trace_dir`` names a directory where ``read`` appends the key of
 every object it opens to ``opened.log`` (one line each, O_APPEND), so a test can assert
 which files a query opened.
@@ -64,7 +74,6 @@ import anyio
 import opendal
 import pyarrow as pa
 import pyarrow.compute as pc
-from opendal.layers import RetryLayer, TimeoutLayer
 
 try:
     from pyspark.sql import types as st
@@ -75,14 +84,22 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config, load
-from quiverd.kernel.errors import LakeFileCorrupt, LakeFileMissing
+from quiverd.kernel.errors import LakeFileCorrupt
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
-from quiverd.lake.parquet import corrupt_error, is_damage, open_verified
 from quiverd.lake.store_options import service_options
+from quiverd.lake.verified import corrupt_error, is_damage, open_verified
+from quiverd.spark.objects import (
+    FilePartition,
+    missing_error,
+    open_object,
+    open_reads,
+    quarantined_error,
+    with_hint,
+)
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, to_bound
 from quiverd.spark.types import as_ns, spark_schema, to_spark
 from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter
@@ -124,20 +141,6 @@ class QuiverDataSource(DataSource):
     def streamWriter(self, schema: st.StructType,  # noqa: N802 - Spark's name
                      overwrite: bool) -> QuiverStreamWriter:
         return QuiverStreamWriter(self.options, overwrite)
-
-
-@dataclass(frozen=True)
-class FilePartition(InputPartition):
-    """One lake file, and all an executor needs to read it."""
-
-    key: str
-    scheme: str
-    store_options: dict[str, str]  # OpenDAL's service options, root included
-    timeout_ms: int
-    max_attempts: int
-    file_id: str = ""  # for errors: which lake file, where
-    uri: str = ""
-    size: int = 0  # the catalog's compressed_size; 0: not checked
 
 
 class QuiverReader(DataSourceReader):
@@ -291,7 +294,8 @@ class Lake:
 
         rows, quarantined, maps = anyio.run(ask)
         if quarantined:
-            raise quarantined_error(sel, quarantined)
+            raise quarantined_error(f"client {sel.client!r} slot {sel.slot}{sel.range_text()}",
+                                    quarantined)
         if len(rows) > MAX_FILES:
             raise ValueError(f"more than {MAX_FILES} lake files match: narrow the read "
                              'with the "since" and "until" options')
@@ -329,91 +333,6 @@ class Lake:
             schema = merged
         assert schema is not None, "rows is not empty"
         return schema
-
-
-def open_object(p: FilePartition) -> pa.PythonFile:
-    """A seekable file over the object: pyarrow's reads become OpenDAL range reads."""
-    return pa.PythonFile(open_reads(p), mode="r")
-
-
-def open_reads(p: FilePartition) -> FullReads:
-    """The object, opened for reads, after a stat: LakeFileMissing when it is absent,
-    LakeFileCorrupt when its size is not the catalog's (one request, no data read)."""
-    op = opendal.Operator(p.scheme, **p.store_options)
-    timeout_s = p.timeout_ms / 1000
-    op = op.layer(RetryLayer(max_times=max(p.max_attempts - 1, 0), jitter=True))
-    op = op.layer(TimeoutLayer(timeout=timeout_s, io_timeout=timeout_s))
-    try:
-        size = op.stat(p.key).content_length
-        if p.size and size != p.size:
-            raise with_hint(LakeFileCorrupt(
-                f"lake file {p.file_id} ({p.uri}) is {size} bytes in the store, the catalog "
-                f"says {p.size}; none of its rows were returned"))
-        return FullReads(op.open(p.key, "rb"))
-    except opendal.exceptions.NotFound:
-        raise missing_error(p) from None
-
-
-def missing_error(p: FilePartition) -> LakeFileMissing:
-    """The catalog lists the file, the store has no object: say which and what to do."""
-    name = f"lake file {p.file_id} ({p.uri})" if p.file_id else f"lake object {p.key!r}"
-    return LakeFileMissing(f"{name} is registered in the catalog but missing from the "
-                           f"object store: {LakeFileMissing.hint}")
-
-
-def with_hint(exc: LakeFileCorrupt) -> LakeFileCorrupt:
-    """The error with its hint in the message: Spark shows the message only."""
-    return LakeFileCorrupt(f"{exc} hint: {exc.hint}", hint=exc.hint)
-
-
-def quarantined_error(sel: Selection, rows: list[FileRow]) -> LakeFileCorrupt:
-    """Quarantined files in the selection: their rows cannot be read, so the read fails
-    rather than return a DataFrame silently missing them."""
-    files = ", ".join(f"{r.file_id} ({r.row_count} rows)" for r in rows[:5])
-    more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
-    many = len(rows) > 1
-    return LakeFileCorrupt(
-        f"client {sel.client!r} slot {sel.slot}{sel.range_text()}: lake file{'s' * many} "
-        f"{files}{more} failed an integrity check and {'are' if many else 'is'} "
-        'quarantined; read the rest with .option("skip_quarantined", "true"), or restore '
-        "the object (quiverd files show FILE_ID names it; the damaged copy is under "
-        "quarantine/ in the store)")
-
-
-class FullReads:
-    """An OpenDAL file whose ``read(n)`` returns n bytes unless the object ends first.
-
-    OpenDAL's ``File.read(n)`` returns at most one chunk (2 MiB in 0.47), and pyarrow
-    takes a short read for the end of the file: a row group over 2 MiB then failed with
-    "File too short". Everything else is the wrapped file's.
-    """
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.gone = False  # the object vanished while it was read (pyarrow hides why)
-
-    def read(self, size: int = -1) -> bytes:
-        try:
-            return self._read(size)
-        except opendal.exceptions.NotFound:
-            self.gone = True
-            raise
-
-    def _read(self, size: int) -> bytes:
-        if size is None or size < 0:
-            return bytes(self.raw.read())
-        parts: list[bytes] = []
-        want = size
-        while want > 0:
-            chunk = bytes(self.raw.read(want))
-            if not chunk:
-                break
-            parts.append(chunk)
-            want -= len(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw, name)
 
 
 # ---- types: the lake's Arrow as Spark's ---------------------------------------------------

@@ -19,9 +19,9 @@ from quiverd.kernel.config import StoreConfig
 from quiverd.kernel.errors import LakeFileCorrupt
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.model import REGISTERED, FileRow, FileState
-from quiverd.lake.parquet import read_verified
 from quiverd.lake.scrub import QUARANTINE_PREFIX, check_object, scrub_pass
 from quiverd.lake.tier import Tier
+from quiverd.lake.verified import read_verified
 from quiverd_actors.janitor import Janitor
 from tests.daemon.lake_helpers import uri_path
 from tests.lake.helpers import LOG, add_file, open_test_tier

@@ -97,3 +97,16 @@ def test_reader_quarantined_file_fails_the_read_unless_skipped(daemon_factory: A
     assert sorted({r[0] for r in rest}) == [0, 2] and len(rest) == 2 * ROWS
     assert first.file_id != third.file_id
     assert d.stop() == 0
+
+
+def test_read_parquet_fast_path_verifies_page_checksums(daemon_factory: Any,
+                                                        spark: Any) -> None:
+    from quiverd.spark.paths import read_parquet
+
+    d = daemon_factory({**FAST_LAKE, "shards": 1}).start()
+    [row] = send_files(d, 1)
+    assert read_parquet(spark, str(d.config_path), client="floats").count() == ROWS
+    flip_in_data_page(uri_path(row.uri))
+    with pytest.raises(Exception, match="CRC checksum verification failed"):
+        read_parquet(spark, str(d.config_path), client="floats").select("x").collect()
+    assert d.stop() == 0
