@@ -85,7 +85,11 @@ async def scrub_pass(tier: Tier, *, rate_bytes_per_s: float, quarantine: bool = 
             reason = await check_object(tier, row, rate_bytes_per_s=rate_bytes_per_s,
                                         chunk_bytes=chunk)
         except FileNotFoundError:
-            report.missing.append(row.file_id)
+            # Replaced by a compaction since the listing (and its object deleted) is not
+            # missing: only a row still registered is.
+            now = await tier.catalog.get(row.file_id)
+            if now is not None and now.state in REGISTERED:
+                report.missing.append(row.file_id)
             continue
         except LakeError as exc:
             report.failures.append(f"check {row.file_id}: {exc}")

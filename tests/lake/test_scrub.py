@@ -132,3 +132,33 @@ async def test_scrub_s3_postgres_quarantines_damaged_object(
         assert [c.file_id for c in report.corrupt] == [bad.file_id]
         assert report.corrupt[0].quarantined_to.startswith("s3://")
         await assert_quarantined(tier, bad, rows[:2], original)
+
+
+def test_scrub_config_is_validated() -> None:
+    from quiverd.kernel.config import Config, LakeConfig, LakeScrubConfig, validate
+    from quiverd.kernel.errors import ConfigError
+
+    validate(Config(lake=LakeConfig(scrub=LakeScrubConfig(rate_mb_per_s=0))))  # off is fine
+    with pytest.raises(ConfigError, match="lake.scrub.rate_mb_per_s"):
+        validate(Config(lake=LakeConfig(scrub=LakeScrubConfig(rate_mb_per_s=-1))))
+    with pytest.raises(ConfigError, match="lake.scrub.pass_interval_s"):
+        validate(Config(lake=LakeConfig(scrub=LakeScrubConfig(pass_interval_s=-1))))
+
+
+@pytest.mark.asyncio
+async def test_compaction_refuses_a_damaged_input(tmp_path: Path) -> None:
+    from quiverd.lake.compaction import compact
+
+    # The local copy (compaction hard-links it instead of downloading) is damaged: only
+    # the catalog's CRC-32C can tell (a download is also checked against the store's).
+    async with open_test_tier(tmp_path) as tier:
+        rows = [await add_file(tier, floats(i), segment=i) for i in range(3)]
+        bad = rows[0]
+        original = await tier.store.read(bad.object_key)
+        await anyio.to_thread.run_sync(overwrite, Path(bad.local_path), damaged(original))
+        [result] = await compact(tier, limiter=anyio.CapacityLimiter(1), log=LOG)
+        assert result.outcome == "failed"
+        assert f"LakeFileCorrupt: lake file {bad.file_id}" in result.error
+        assert "the catalog says" in result.error
+        live = await tier.catalog.list_files(states=REGISTERED)
+        assert sorted(r.file_id for r in live) == sorted(r.file_id for r in rows)
