@@ -16,16 +16,21 @@ and retried at the next tick; rows whose object is missing are counted under
 ``last_compaction`` and ``last_scrub`` are what the status command shows.
 
 The scrub reads at ``lake.scrub.rate_mb_per_s``; a pass that takes longer than the
-interval is followed at once by the next one.
+interval is followed at once by the next one. Its passes keep their pace across
+restarts: each pass's start time is written to ``<data_dir>/lake.scrub`` first, and
+the first pass after a start waits until ``pass_interval_s`` after that time.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import anyio
 import pyarrow as pa
 
+from quiverd.kernel.durable import atomic_write
 from quiverd.kernel.errors import LakeError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
@@ -36,6 +41,7 @@ from quiverd.lake.tier import Tier
 
 FIRST_RUN_MAX_S = 60.0
 MIN_GAP_S = 1.0
+NS_PER_S = 1_000_000_000
 
 
 class Janitor:
@@ -58,7 +64,8 @@ class Janitor:
                 tg.start_soon(self._every, lake.compaction.interval_s, self.compact_once,
                               "compaction")
             if lake.scrub.rate_mb_per_s > 0:
-                tg.start_soon(self._every, lake.scrub.pass_interval_s, self.scrub_once, "scrub")
+                tg.start_soon(self._every, lake.scrub.pass_interval_s, self._scrub_pass,
+                              "scrub", await self._scrub_due_in())
             task_status.started()
 
     async def sweep_once(self) -> JanitorReport:
@@ -91,9 +98,25 @@ class Janitor:
             self.m.lake_errors.labels("scrub").inc(len(report.failures))
         return report
 
+    async def _scrub_due_in(self) -> float:
+        """Seconds until the next scrub pass: ``pass_interval_s`` after the last one
+        started (kept in <data_dir>/lake.scrub), so a daemon restarted often does not
+        read the whole lake again at every start; soon when no pass ever ran."""
+        interval = self.tier.cfg.lake.scrub.pass_interval_s
+        last_ns = await anyio.to_thread.run_sync(_read_ns, self.tier.data.lake_scrub)
+        if last_ns is None:
+            return min(interval, FIRST_RUN_MAX_S)
+        return max(MIN_GAP_S, (last_ns + interval * NS_PER_S - time.time_ns()) / NS_PER_S)
+
+    async def _scrub_pass(self) -> ScrubReport:
+        """Record the start first: a pass cut short by a restart counts as run."""
+        stamp = f"{time.time_ns()}\n".encode()
+        await anyio.to_thread.run_sync(atomic_write, self.tier.data.lake_scrub, stamp)
+        return await self.scrub_once()
+
     async def _every(self, interval_s: float, job: Callable[[], Awaitable[object]],
-                     kind: str) -> None:
-        delay = min(interval_s, FIRST_RUN_MAX_S)
+                     kind: str, first_delay_s: float | None = None) -> None:
+        delay = min(interval_s, FIRST_RUN_MAX_S) if first_delay_s is None else first_delay_s
         while True:
             await anyio.sleep(delay)
             started = anyio.current_time()
@@ -106,6 +129,14 @@ class Janitor:
             # From start to start: a run longer than the interval is followed at once
             # (after MIN_GAP_S, so an interval of 0 cannot spin on an empty lake).
             delay = max(MIN_GAP_S, started + interval_s - anyio.current_time())
+
+
+def _read_ns(path: Path) -> int | None:
+    """The integer in ``path``; None when absent or unreadable (then a pass runs soon)."""
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 __all__ = ["Janitor"]

@@ -162,3 +162,18 @@ async def test_compaction_refuses_a_damaged_input(tmp_path: Path) -> None:
         assert "the catalog says" in result.error
         live = await tier.catalog.list_files(states=REGISTERED)
         assert sorted(r.file_id for r in live) == sorted(r.file_id for r in rows)
+
+
+@pytest.mark.asyncio
+async def test_scrub_passes_keep_their_pace_across_restarts(tmp_path: Path) -> None:
+    from quiverd.kernel.config import LakeScrubConfig
+
+    day = 86_400
+    async with open_test_tier(tmp_path, scrub=LakeScrubConfig(pass_interval_s=day)) as tier:
+        janitor = Janitor(tier, log=LOG, metrics=Metrics())
+        assert await janitor._scrub_due_in() == 60  # no pass ever: soon after the start
+        await janitor._scrub_pass()  # records its start in <data_dir>/lake.scrub first
+        assert tier.data.lake_scrub.exists()
+        # A restarted daemon (a new Janitor) waits for the rest of the interval.
+        due = await Janitor(tier, log=LOG, metrics=Metrics())._scrub_due_in()
+        assert day - 60 < due <= day
