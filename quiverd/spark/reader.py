@@ -189,6 +189,8 @@ class QuiverReader(DataSourceReader):
                     yield from to_spark(batch, target).to_batches()
         except opendal.exceptions.NotFound:
             raise missing_error(p) from None
+        except LakeFileCorrupt as exc:  # the footer: open_verified's own error
+            raise with_hint(exc) from None
         except (OSError, pa.ArrowInvalid) as exc:
             if reads.gone:
                 raise missing_error(p) from None

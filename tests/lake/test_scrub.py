@@ -177,3 +177,15 @@ async def test_scrub_passes_keep_their_pace_across_restarts(tmp_path: Path) -> N
         # A restarted daemon (a new Janitor) waits for the rest of the interval.
         due = await Janitor(tier, log=LOG, metrics=Metrics())._scrub_due_in()
         assert day - 60 < due <= day
+
+
+def test_read_verified_damaged_footer_is_lake_file_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "f.parquet"
+    pq.write_table(floats(1), path, write_page_checksum=True)
+    data = bytearray(path.read_bytes())
+    footer_len = int.from_bytes(data[-8:-4], "little")
+    at = len(data) - 8 - footer_len + 8  # inside the footer's thrift bytes
+    data[at:at + 32] = bytes(b ^ 0x5A for b in data[at:at + 32])
+    path.write_bytes(bytes(data))
+    with pytest.raises(LakeFileCorrupt, match="lake file F1 .*: .*none of its rows"):
+        read_verified(path, file_id="F1", uri="s3://b/k")
