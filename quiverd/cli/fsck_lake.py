@@ -100,7 +100,7 @@ def run_fsck_lake(args: argparse.Namespace) -> int:
 
 def _config(data_dir: Path, path: str | None) -> Config:
     if path is None:
-        return Config(data_dir=str(data_dir))
+        return Config(data_dir=str(data_dir.resolve()))
     cfg = config_mod.load(path)
     if Path(cfg.data_dir).resolve() != data_dir.resolve():
         raise ConfigError("data_dir", f"{path} names {cfg.data_dir}, not {data_dir}",
