@@ -1,32 +1,47 @@
-"""Janitor: timers in, a reconciled lake out (orphans deleted, small files compacted).
+"""Janitor: timers in, a reconciled lake out (orphans deleted, small files compacted,
+damaged objects quarantined).
 
     every lake.janitor.interval_s     ──▶ lake.janitor.sweep     (objects <-> rows, staging)
     every lake.compaction.interval_s  ──▶ lake.compaction.compact (small files -> larger)
+    every lake.scrub.pass_interval_s  ──▶ lake.scrub.scrub_pass  (objects vs size, CRC-32C)
 
-Both are periodic work with nothing to consume, so each runs on its own timer (0 turns
-it off; ``quiverd janitor`` / ``quiverd compact`` still run it by hand). The first run
-comes ``min(interval, FIRST_RUN_MAX_S)`` after the start, so a daemon restarted more
-often than the interval still gets swept. A failed run is logged, counted in
-``quiver_lake_errors_total{kind="janitor"|"compaction"}``, and retried at the next tick;
-rows whose object is missing are counted under ``kind="missing_object"`` at every sweep
-that finds them. ``last_report`` and ``last_compaction`` are what the status command shows.
+All are periodic work with nothing to consume, so each runs on its own timer (0 turns
+it off; ``quiverd janitor`` / ``quiverd compact`` / ``quiverd fsck --lake`` still run
+them by hand). The first run comes ``min(interval, FIRST_RUN_MAX_S)`` after the start,
+so a daemon restarted more often than the interval still gets swept. A failed run is
+logged, counted in ``quiver_lake_errors_total{kind="janitor"|"compaction"|"scrub"}``,
+and retried at the next tick; rows whose object is missing are counted under
+``kind="missing_object"`` at every sweep that finds them, quarantined objects under
+``kind="corrupt_object"`` and ``quiver_lake_objects_corrupt_total``. ``last_report``,
+``last_compaction`` and ``last_scrub`` are what the status command shows.
+
+The scrub reads at ``lake.scrub.rate_mb_per_s``; a pass that takes longer than the
+interval is followed at once by the next one. Its passes keep their pace across
+restarts: each pass's start time is written to ``<data_dir>/lake.scrub`` first, and
+the first pass after a start waits until ``pass_interval_s`` after that time.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import anyio
 import pyarrow as pa
 
+from quiverd.kernel.durable import atomic_write
 from quiverd.kernel.errors import LakeError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.compaction import CompactionResult, compact
 from quiverd.lake.janitor import JanitorReport, sweep
+from quiverd.lake.scrub import Corrupt, ScrubReport, scrub_pass
 from quiverd.lake.tier import Tier
 
 FIRST_RUN_MAX_S = 60.0
+MIN_GAP_S = 1.0
+NS_PER_S = 1_000_000_000
 
 
 class Janitor:
@@ -36,6 +51,7 @@ class Janitor:
         self.limiter = anyio.CapacityLimiter(max(1, tier.cfg.lake.compaction.parallelism))
         self.last_report: JanitorReport | None = None
         self.last_compaction: list[CompactionResult] = []
+        self.last_scrub: ScrubReport | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -47,6 +63,9 @@ class Janitor:
             if lake.compaction.interval_s > 0:
                 tg.start_soon(self._every, lake.compaction.interval_s, self.compact_once,
                               "compaction")
+            if lake.scrub.rate_mb_per_s > 0:
+                tg.start_soon(self._every, lake.scrub.pass_interval_s, self._scrub_pass,
+                              "scrub", await self._scrub_due_in())
             task_status.started()
 
     async def sweep_once(self) -> JanitorReport:
@@ -66,18 +85,58 @@ class Janitor:
             self.m.lake_errors.labels("compaction").inc(failed)
         return results
 
+    async def scrub_once(self) -> ScrubReport:
+        async def corrupt(found: Corrupt) -> None:
+            self.m.lake_objects_corrupt.labels().inc()
+            self.m.lake_errors.labels("corrupt_object").inc()
+
+        report = await scrub_pass(self.tier, on_corrupt=corrupt,
+                                  rate_bytes_per_s=self.tier.cfg.lake.scrub.rate_mb_per_s * 1e6)
+        self.m.lake_scrub_bytes.labels().inc(report.bytes_checked)
+        self.last_scrub = report
+        if report.failures:
+            self.m.lake_errors.labels("scrub").inc(len(report.failures))
+        return report
+
+    async def _scrub_due_in(self) -> float:
+        """Seconds until the next scrub pass: ``pass_interval_s`` after the last one
+        started (kept in <data_dir>/lake.scrub), so a daemon restarted often does not
+        read the whole lake again at every start; soon when no pass ever ran."""
+        interval = self.tier.cfg.lake.scrub.pass_interval_s
+        last_ns = await anyio.to_thread.run_sync(_read_ns, self.tier.data.lake_scrub)
+        if last_ns is None:
+            return min(interval, FIRST_RUN_MAX_S)
+        return max(MIN_GAP_S, (last_ns + interval * NS_PER_S - time.time_ns()) / NS_PER_S)
+
+    async def _scrub_pass(self) -> ScrubReport:
+        """Record the start first: a pass cut short by a restart counts as run."""
+        stamp = f"{time.time_ns()}\n".encode()
+        await anyio.to_thread.run_sync(atomic_write, self.tier.data.lake_scrub, stamp)
+        return await self.scrub_once()
+
     async def _every(self, interval_s: float, job: Callable[[], Awaitable[object]],
-                     kind: str) -> None:
-        delay = min(interval_s, FIRST_RUN_MAX_S)
+                     kind: str, first_delay_s: float | None = None) -> None:
+        delay = min(interval_s, FIRST_RUN_MAX_S) if first_delay_s is None else first_delay_s
         while True:
             await anyio.sleep(delay)
-            delay = interval_s
+            started = anyio.current_time()
             try:
                 await job()
             except (LakeError, OSError, pa.ArrowException) as exc:
                 self.m.lake_errors.labels(kind).inc()
                 self.log.error("lake_janitor_run_failed", job=kind, error=str(exc),
                                retry_in_s=interval_s, hint=getattr(exc, "hint", "") or None)
+            # From start to start: a run longer than the interval is followed at once
+            # (after MIN_GAP_S, so an interval of 0 cannot spin on an empty lake).
+            delay = max(MIN_GAP_S, started + interval_s - anyio.current_time())
+
+
+def _read_ns(path: Path) -> int | None:
+    """The integer in ``path``; None when absent or unreadable (then a pass runs soon)."""
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 __all__ = ["Janitor"]

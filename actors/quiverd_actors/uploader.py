@@ -134,6 +134,11 @@ class Uploader:
         incoming = with_extras(table.schema)
         fkey = (d.shard, d.client, slot)
         f = self.files.get(fkey)
+        if f is not None and (f.lock.locked() or f.buffered_bytes >= self.lake.row_group_bytes):
+            # A row group of this file is due or being written: wait for it and its size
+            # check, so a burst (a job's commit) cannot pile row groups past the size.
+            await self._flush_then_check(f)
+            f = self.files.get(fkey)
         if f is not None:
             rep = unify(f.schema, incoming)
             if rep is None or (f.frozen and rep != f.schema):

@@ -26,13 +26,16 @@ from quiverd.kernel import config as config_mod
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import ConfigError
-from quiverd.lake.model import FileRow, FileState
+from quiverd.lake.model import REGISTERED, FileRow, FileState
 
 if TYPE_CHECKING:  # the lake's code (OpenDAL, Parquet) loads only for a lake command
     from quiverd.lake.tier import Tier
 
 T = TypeVar("T")
 LIST_COLUMNS = ["file_id", "client_name", "slot", "state", "rows", "bytes", "start", "end"]
+STORE_LIST_LIMIT = 200_000  # objects one `files list` lists; the rest are stat'ed
+MISSING = "MISSING"
+QUARANTINED = "quarantined"
 
 
 def add_parsers(sub: Any, default_config: str) -> None:
@@ -43,7 +46,8 @@ def add_parsers(sub: Any, default_config: str) -> None:
     s.add_argument("--since", type=parse_time, help="files ending at or after this time")
     s.add_argument("--until", type=parse_time, help="files starting before this time")
     s.add_argument("--state", action="append", choices=[st.value for st in FileState],
-                   help="only these states (repeatable; default: the registered ones)")
+                   help="only these states (repeatable; default: the registered and the "
+                   "quarantined ones); column object: ok, MISSING from the store, quarantined")
     s.add_argument("--limit", type=int, default=None)
     _common(s, default_config)
     s.set_defaults(func=files_list)
@@ -85,21 +89,46 @@ def parse_time(text: str) -> int:
 
 def files_list(args: argparse.Namespace) -> int:
     states = ([FileState(s) for s in args.state] if args.state
-              else [FileState.META_REGISTERED, FileState.INDEXED, FileState.EVICTED])
+              else [FileState.META_REGISTERED, FileState.INDEXED, FileState.EVICTED,
+                    FileState.QUARANTINED])
 
-    async def go(tier: Tier) -> list[FileRow]:
-        return await tier.catalog.list_files(client=args.client, since_ns=args.since,
+    async def go(tier: Tier) -> tuple[list[FileRow], dict[str, str]]:
+        rows = await tier.catalog.list_files(client=args.client, since_ns=args.since,
                                              until_ns=args.until, states=states,
                                              limit=args.limit)
+        return rows, await _object_marks(tier, rows, args.client)
 
-    rows = _with_tier(args, go)
+    rows, marks = _with_tier(args, go)
     if args.json:
-        print(json.dumps([msgspec.to_builtins(r) for r in rows], indent=2))
+        print(json.dumps([{**msgspec.to_builtins(r), "object": marks.get(r.file_id, "")}
+                          for r in rows], indent=2))
         return 0
-    table(LIST_COLUMNS, [_summary(r) for r in rows], left=True)
+    table([*LIST_COLUMNS, "object"], [{**_summary(r), "object": marks.get(r.file_id, "")}
+                                      for r in rows], left=True)
     if not rows:
         print("(no files)")
+    bad = sum(1 for m in marks.values() if m in (MISSING, QUARANTINED))
+    if bad:
+        print(f"{bad} file{'s' * (bad != 1)} without a readable object (MISSING: the store "
+              "has none; quarantined: damaged, moved to quarantine/): `quiverd fsck "
+              "DATA_DIR --lake` lists them with what to do")
     return 0
+
+
+async def _object_marks(tier: Tier, rows: list[FileRow], client: str | None
+                        ) -> dict[str, str]:
+    """file_id -> "ok" | MISSING | QUARANTINED for rows that should have an object
+    (registered or quarantined); one listing of the store, a stat for what it lacks."""
+    marks = {r.file_id: QUARANTINED for r in rows if r.state is FileState.QUARANTINED}
+    wanted = [r for r in rows if r.state in REGISTERED and r.object_key]
+    if not wanted:
+        return marks
+    prefix = f"client={client}/" if client else ""
+    listed = {o.key for o in await tier.store.list(prefix, limit=STORE_LIST_LIMIT)}
+    for r in wanted:
+        present = r.object_key in listed or await tier.store.stat(r.object_key) is not None
+        marks[r.file_id] = "ok" if present else MISSING
+    return marks
 
 
 def files_show(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@
     quiverd subscribers remove NAME        unregister (releases its hold on segments)
     quiverd subscribers list [--json]      subscribers and their lag (admin socket)
     quiverd subscribe NAME (--out DIR | --count N)   console consumer (ingest socket)
-    quiverd fsck DATA_DIR [--repair]       verify WAL, sidecars, segments
+    quiverd fsck DATA_DIR [--repair] [--lake]   verify WAL, sidecars, segments (+ lake)
     quiverd files list|show ...            lake files in the catalog (cli/lake.py)
     quiverd janitor [--dry-run]            reconcile objects and catalog rows
     quiverd compact [--client C]           merge small lake files
@@ -167,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("data_dir")
     s.add_argument("--repair", action="store_true", help="move damaged files to quarantine/")
     s.add_argument("--json", action="store_true")
+    from quiverd.cli.fsck_lake import add_lake_arguments
+
+    add_lake_arguments(s)
     s.set_defaults(func=_fsck)
 
     from quiverd.cli.lake import add_parsers as add_lake_parsers
@@ -361,7 +364,12 @@ def _segment_dump(args: argparse.Namespace) -> int:
 def _fsck(args: argparse.Namespace) -> int:
     from quiverd.cli.fsck import run_fsck
 
-    return run_fsck(Path(args.data_dir), repair=args.repair, as_json=args.json)
+    rc = run_fsck(Path(args.data_dir), repair=args.repair, as_json=args.json)
+    if args.lake:
+        from quiverd.cli.fsck_lake import run_fsck_lake
+
+        rc = max(rc, run_fsck_lake(args))
+    return rc
 
 
 if __name__ == "__main__":

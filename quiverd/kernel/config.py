@@ -124,6 +124,14 @@ class JanitorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     grace_s: int = 86_400  # an object without a row is an orphan only when older than this
 
 
+class LakeScrubConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    # Background passes reading this node's registered lake objects back through the store
+    # and checking size and whole-file CRC-32C against the catalog; a damaged object is
+    # quarantined (quiverd.lake.scrub). 0 = no passes. MB = 10**6 bytes.
+    rate_mb_per_s: float = 20.0
+    pass_interval_s: int = 86_400  # a pass starts this long after the previous one did
+
+
 class CompactionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     interval_s: int = 3600  # 0 = only `quiverd compact`
     min_files: int = 4  # fewer small files than this: nothing to do
@@ -153,6 +161,7 @@ class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
     janitor: JanitorConfig = msgspec.field(default_factory=JanitorConfig)
     compaction: CompactionConfig = msgspec.field(default_factory=CompactionConfig)
+    scrub: LakeScrubConfig = msgspec.field(default_factory=LakeScrubConfig)
 
 
 class CatalogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -363,6 +372,9 @@ def _lake_checks(cfg: Config) -> list[tuple[bool, str, str]]:
          "must be between 0 and 1"),
         (lake.janitor.interval_s >= 0, "lake.janitor.interval_s", "must be >= 0 (0 = off)"),
         (lake.janitor.grace_s >= 0, "lake.janitor.grace_s", "must be >= 0"),
+        (0 <= lake.scrub.rate_mb_per_s <= 100_000, "lake.scrub.rate_mb_per_s",
+         "must be 0..100000 (0 = off)"),
+        (lake.scrub.pass_interval_s >= 0, "lake.scrub.pass_interval_s", "must be >= 0"),
         (comp.interval_s >= 0, "lake.compaction.interval_s", "must be >= 0 (0 = off)"),
         (2 <= comp.min_files <= comp.max_files, "lake.compaction.min_files",
          "must be >= 2 and <= lake.compaction.max_files"),

@@ -185,3 +185,20 @@ class JobConflict(QuiverError):
     hint = ("a job is decided once (first writer wins): a committed job cannot be "
             "aborted, an aborted or expired one cannot be committed; write it again "
             "under a new job id")
+
+
+class LakeFileCorrupt(LakeError):
+    """A lake file's bytes are not what was written: a Parquet page checksum, the
+    file's structure, or its whole-object size or CRC-32C against the catalog."""
+
+    hint = ("the lake scrub quarantines such a file (lake.scrub) and `quiverd fsck "
+            "DATA_DIR --lake` lists every damaged object; restore the object from a backup "
+            "or versioning, or re-ingest its rows (segments may still hold them)")
+
+
+class LakeFileMissing(LakeError):
+    """The catalog names a lake file whose object the store does not have."""
+
+    hint = ("restore the object from a backup or versioning; `quiverd fsck DATA_DIR --lake` "
+            "and `quiverd files list` show every missing one; if a compaction replaced it "
+            "while the query ran, run the query again")

@@ -14,6 +14,7 @@
         ack.log                         subscriber outcomes + checkpoints
         quarantine/                     bytes cut out during recovery
       lake.id                           this data directory's incarnation (a ULID)
+      lake.scrub                        when the last lake scrub pass started (ns, text)
       staging/active/                   Parquet files being appended (Active)
       staging/stable/                   closed Parquet files awaiting upload / eviction
       objects/                          the default object store (OpenDAL fs)
@@ -44,6 +45,7 @@ DELETED = "DELETED"
 ACK_LOG = "ack.log"
 QUARANTINE_DIR = "quarantine"
 LAKE_ID = "lake.id"
+LAKE_SCRUB = "lake.scrub"
 STAGING_DIR = "staging"
 ACTIVE_DIR = "active"
 STABLE_DIR = "stable"
@@ -88,6 +90,10 @@ class DataDir:
     @property
     def staging_stable(self) -> Path:
         return self.root / STAGING_DIR / STABLE_DIR
+
+    @property
+    def lake_scrub(self) -> Path:
+        return self.root / LAKE_SCRUB
 
     @property
     def objects(self) -> Path:

@@ -225,6 +225,11 @@ class Metrics:
                                     "bytes of Stable files not yet registered", ())
         self.lake_denied = g("quiver_lake_store_denied",
                              "1 while the object store refuses our credentials", ())
+        self.lake_objects_corrupt = c("quiver_lake_objects_corrupt_total",
+                                      "lake objects whose size or CRC-32C failed the lake "
+                                      "scrub (quarantined)", ())
+        self.lake_scrub_bytes = c("quiver_lake_scrub_bytes_total",
+                                  "lake object bytes read back and checked by the scrub", ())
         # staging: transactional (Spark) writes held until their job is decided
         self.staged_jobs = g("quiver_staged_jobs",
                              "jobs with staged bundles in segments, by decision state",

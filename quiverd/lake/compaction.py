@@ -45,13 +45,14 @@ from ulid import ULID
 
 from quiverd.kernel.config import LakeConfig
 from quiverd.kernel.durable import fsync_dir
-from quiverd.kernel.errors import CatalogUnavailable, LakeError
+from quiverd.kernel.errors import CatalogUnavailable, LakeError, LakeFileCorrupt
 from quiverd.kernel.logs import Logger
 from quiverd.lake.catalog import ReplaceConflict
 from quiverd.lake.drift import conform, normalize, unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState
-from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, file_name
+from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, crc32c_file, file_name
 from quiverd.lake.tier import Tier
+from quiverd.lake.verified import read_verified
 
 CANDIDATES_MAX = 100_000  # registered rows read per run
 REPLACE_ATTEMPTS = 4  # catalog outages survived by one replace (it is idempotent)
@@ -179,6 +180,13 @@ async def _fetch(tier: Tier, rows: list[FileRow], paths: list[Path],
     for row, path, ok in zip(rows, paths, linked, strict=True):
         if not ok:
             await tier.store.get_file(row.object_key, path)
+    # The whole input is read anyway: check it against the catalog's CRC-32C, so a
+    # damaged object (or local copy) fails the task instead of going into the output.
+    for row, path in zip(rows, paths, strict=True):
+        crc = await anyio.to_thread.run_sync(crc32c_file, path, limiter=limiter)
+        if row.crc32c and crc != row.crc32c:
+            raise LakeFileCorrupt(f"lake file {row.file_id} ({row.uri}): CRC-32C {crc:08x}, "
+                                  f"the catalog says {row.crc32c:08x}; not compacted")
 
 
 async def _merge(tier: Tier, task: Task, paths: list[Path], schema: pa.Schema,
@@ -324,7 +332,7 @@ def _write(paths: list[Path], schema: pa.Schema, active: Path, stable: Path,
         pending: list[pa.Table] = []
         held = 0
         for path in paths:
-            table = conform(pq.read_table(path), schema)
+            table = conform(read_verified(path), schema)
             pending.append(table)
             held += table.nbytes
             if held >= row_group_bytes:

@@ -9,6 +9,9 @@ redelivered bundle was already uploaded (exactly once into the lake, SPEC §6).
     Received ─▶ Appended ─▶ Rotated ─▶ Uploaded ─▶ MetaRegistered ─▶ Indexed ─▶ Evicted
         └──────────┴───────────┴──────────┴─▶ Abandoned   (crash before registration)
                                MetaRegistered / Indexed / Evicted ─▶ Compacted
+                               MetaRegistered / Indexed / Evicted ─▶ Quarantined
+                                   (the object failed its CRC-32C or size check: moved to
+                                    quarantine/<key> in the store, see lake.scrub)
 
 Times are integer nanoseconds since the Unix epoch (UTC) in every backend.
 """
@@ -37,6 +40,7 @@ class FileState(enum.StrEnum):
     EVICTED = "Evicted"  # local copy deleted; the object stays authoritative
     ABANDONED = "Abandoned"  # never registered (crash or error); its object is deleted
     COMPACTED = "Compacted"  # replaced by ``compacted_into``; object deleted after a grace
+    QUARANTINED = "Quarantined"  # object damaged: moved to quarantine/, rows not readable
 
 
 UNFINISHED = frozenset({FileState.RECEIVED, FileState.APPENDED, FileState.ROTATED,

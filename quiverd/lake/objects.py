@@ -164,6 +164,36 @@ class ObjectStore:
 
         return await self._retrying("read", key, attempt)
 
+    async def read_range(self, key: str, offset: int, size: int) -> bytes:
+        """``size`` bytes of the object from ``offset`` (fewer at its end); FileNotFoundError
+        if absent. For the lake scrub, which reads objects at a bounded rate."""
+        _check_key(key)
+
+        async def attempt(_: int) -> bytes:
+            try:
+                return bytes(await self._op.read(key, offset=offset, size=size))
+            except oe.NotFound:
+                raise _absent(self.uri(key)) from None
+
+        return await self._retrying("read", key, attempt)
+
+    async def copy(self, source: str, target: str) -> None:
+        """Server-side copy of ``source`` to ``target`` (overwritten if present); for the
+        lake scrub's quarantine. FileNotFoundError if ``source`` is absent."""
+        _check_key(source)
+        _check_key(target)
+
+        async def attempt(_: int) -> None:
+            try:
+                await self._op.copy(source, target)
+            except oe.NotFound:
+                raise _absent(self.uri(source)) from None
+            if self.cfg.scheme == "fs":
+                await anyio.to_thread.run_sync(_fsync_parents, Path(self.root), target,
+                                               limiter=self._file_limiter)
+
+        await self._retrying("copy", target, attempt)
+
     async def stat(self, key: str) -> ObjectInfo | None:
         _check_key(key)
         meta = await self._retrying("stat", key, lambda _: self._stat(key))

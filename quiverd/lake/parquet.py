@@ -49,6 +49,7 @@ from quiverd.kernel.crc import crc32c
 from quiverd.kernel.names import CLIENT_NAME_RULE, client_name_problem
 from quiverd.lake.drift import schema_hash
 from quiverd.lake.model import ZoneMap
+from quiverd.lake.verified import corrupt_error, is_damage, open_verified
 
 Status = Literal["active", "stable"]
 SUFFIX = ".parquet"
@@ -295,7 +296,7 @@ def zone_maps(path: Path, columns: list[str]) -> list[ZoneMap]:
     row groups from the footer statistics (computed from the data when a row group has
     none). Values are JSON scalars: timestamps and times as ns ints, dates as day ints,
     decimals as str; binary columns are skipped (no JSON form that keeps their order)."""
-    pf = pq.ParquetFile(path)
+    pf = open_verified(path, file_id="", uri=path.as_uri())
     meta, arrow = pf.metadata, pf.schema_arrow
     out: list[ZoneMap] = []
     for name in dict.fromkeys(columns):
@@ -311,7 +312,7 @@ def zone_maps(path: Path, columns: list[str]) -> list[ZoneMap]:
             continue
         bounds = _from_statistics(meta, leaf, kind, arrow.field(name).type)
         if bounds is None:
-            bounds = _from_data(pf, name, kind)
+            bounds = _from_data(pf, name, kind, path)
         lo, hi, nulls = bounds
         out.append(ZoneMap(column=name, min_value=_json(lo), max_value=_json(hi),
                            null_count=nulls))
@@ -390,10 +391,15 @@ def _json_unit(logical: str) -> int:
     return {"milliseconds": 10**6, "microseconds": 10**3, "nanoseconds": 1}[unit]
 
 
-def _from_data(pf: pq.ParquetFile, name: str, kind: str
+def _from_data(pf: pq.ParquetFile, name: str, kind: str, path: Path
                ) -> tuple[_Native | None, _Native | None, int]:
     """Bounds computed from the column itself (only that column is read)."""
-    column = pf.read(columns=[name]).column(name)
+    try:
+        column = pf.read(columns=[name]).column(name)
+    except (OSError, pa.ArrowInvalid) as exc:
+        if not is_damage(exc):
+            raise
+        raise corrupt_error(exc, file_id="", uri=path.as_uri()) from exc
     if pa.types.is_dictionary(column.type):
         column = column.cast(column.type.value_type)
     t = column.type

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from quiverd.spark.reader import Lake, Selection
 
 NANOS_AS_LONG = "spark.sql.legacy.parquet.nanosAsLong"
+VERIFY_CHECKSUMS = "parquet.page.verify-checksum.enabled"  # parquet-mr's read option
 
 
 def local_paths(config: str, *, client: str, slot: int = 0, since: str | None = None,
@@ -61,7 +62,9 @@ def read_parquet(spark: Any, config: str, *, client: str, slot: int = 0,
     nanos = {f.name for p in paths[:1] for f in pq.read_schema(p)
              if pa.types.is_timestamp(f.type) and f.type.unit == "ns"}
     spark.conf.set(NANOS_AS_LONG, "true")
-    df = spark.read.option("mergeSchema", "true").parquet(*paths)
+    # Spark's reader skips page checksums unless told: damaged pages read as wrong values.
+    df = (spark.read.option("mergeSchema", "true").option(VERIFY_CHECKSUMS, "true")
+          .parquet(*paths))
     for name in sorted(nanos):
         # Integer division: a double would round 19-digit nanoseconds.
         df = df.withColumn(name, F.timestamp_micros(F.expr(f"div(`{name}`, 1000)")))

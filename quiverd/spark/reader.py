@@ -6,6 +6,7 @@
           .option("slot", 0)                             # default 0
           .option("since", "2025-06-01T00:00:00Z")       # ISO-8601 (UTC if naive) or ns
           .option("until", "2025-06-02T00:00:00Z")       # rows with since <= time < until
+          .option("skip_quarantined", "true")            # default false: fail on them
           .load())
 
 Spark runs each step below in its own Python process; nothing crosses between them but
@@ -43,6 +44,15 @@ A timestamp literal v stands for the data values Spark reads as v: [v, v + 999] 
 one of its rows may pass. Strings compare by code point (= Parquet's UTF-8 byte order);
 decimals, times and nested columns are not pruned.
 
+Integrity. Pages are read with their checksums verified and each partition stats its
+object first, so damage is an error, never values: LakeFileCorrupt (a page checksum,
+undecodable Parquet, a size other than the catalog's) or LakeFileMissing (the store has
+no object), each naming the file id and URI with what to do, hint included in the
+message (Spark shows only that). Files the lake scrub quarantined fail the read at
+planning, naming them, unless ``skip_quarantined`` is true: never a silently smaller
+DataFrame. The whole-object CRC-32C is not checked here (pyarrow reads ranges, not the
+whole object); the lake scrub and ``quiverd fsck --lake`` check it.
+
 Test hook: option ``_trace_dir`` names a directory where ``read`` appends the key of
 every object it opens to ``opened.log`` (one line each, O_APPEND), so a test can assert
 which files a query opened.
@@ -64,8 +74,6 @@ import anyio
 import opendal
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
-from opendal.layers import RetryLayer, TimeoutLayer
 
 try:
     from pyspark.sql import types as st
@@ -76,12 +84,22 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config, load
+from quiverd.kernel.errors import LakeFileCorrupt
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import unify
-from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, ZoneMap
+from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
 from quiverd.lake.store_options import service_options
+from quiverd.lake.verified import corrupt_error, is_damage, open_verified
+from quiverd.spark.objects import (
+    FilePartition,
+    missing_error,
+    open_object,
+    open_reads,
+    quarantined_error,
+    with_hint,
+)
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, to_bound
 from quiverd.spark.types import as_ns, spark_schema, to_spark
 from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter
@@ -91,6 +109,7 @@ DEFAULT_CONFIG = "/etc/quiverd/config.toml"
 BATCH_ROWS = 64 * 1024  # rows per RecordBatch handed to Spark
 MAX_FILES = 100_000  # files one read may plan; more: narrow it with since/until
 TRACE_FILE = "opened.log"
+QUARANTINED_SHOWN = 100  # quarantined files one read's error looks up
 
 
 
@@ -124,17 +143,6 @@ class QuiverDataSource(DataSource):
         return QuiverStreamWriter(self.options, overwrite)
 
 
-@dataclass(frozen=True)
-class FilePartition(InputPartition):
-    """One lake file, and all an executor needs to read it."""
-
-    key: str
-    scheme: str
-    store_options: dict[str, str]  # OpenDAL's service options, root included
-    timeout_ms: int
-    max_attempts: int
-
-
 class QuiverReader(DataSourceReader):
     def __init__(self, sel: Selection, schema: st.StructType) -> None:
         self.sel = sel
@@ -156,19 +164,19 @@ class QuiverReader(DataSourceReader):
         rows, maps = lake.query(self.sel, zone_maps=bool(self.bounds))
         kept = [r for r in rows if may_match(r, maps.get(r.file_id, []), self.bounds,
                                              lake.time_column)]
-        store = lake.cfg.lake.store
-        return [FilePartition(key=r.object_key, scheme=store.scheme,
-                              store_options=lake.store_options, timeout_ms=store.timeout_ms,
-                              max_attempts=store.max_attempts) for r in kept]
+        return [lake.partition(r) for r in kept]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, FilePartition), partition
         if self.sel.trace_dir:
             _trace(Path(self.sel.trace_dir), partition.key)
         target = to_arrow_schema(self.schema, timezone="UTC")
-        source = open_object(partition)
+        p = partition
+        reads = open_reads(p)
+        source = pa.PythonFile(reads, mode="r")
         try:
-            pf = pq.ParquetFile(source)
+            # Page checksums verified: a damaged page fails the read, never wrong values.
+            pf = open_verified(source, file_id=p.file_id, uri=p.uri or p.key)
             names = set(pf.schema_arrow.names)
             columns = [n for n in target.names if n in names]
             ranged = self.sel.since_ns is not None or self.sel.until_ns is not None
@@ -179,6 +187,17 @@ class QuiverReader(DataSourceReader):
                     batch = batch.filter(self._in_range(batch))
                 if batch.num_rows:
                     yield from to_spark(batch, target).to_batches()
+        except opendal.exceptions.NotFound:
+            raise missing_error(p) from None
+        except LakeFileCorrupt as exc:  # the footer: open_verified's own error
+            raise with_hint(exc) from None
+        except (OSError, pa.ArrowInvalid) as exc:
+            if reads.gone:
+                raise missing_error(p) from None
+            if not is_damage(exc):
+                raise
+            raise with_hint(corrupt_error(exc, file_id=p.file_id, uri=p.uri or p.key)
+                            ) from None
         finally:
             source.close()
 
@@ -208,6 +227,7 @@ class Selection:
     since_ns: int | None = None
     until_ns: int | None = None
     trace_dir: str = ""
+    skip_quarantined: bool = False
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Selection:
@@ -224,8 +244,12 @@ class Selection:
         if since is not None and until is not None and until <= since:
             raise ValueError(f'option "until" ({opts["until"]}) must be after "since" '
                              f'({opts["since"]})')
+        skip = opts.get("skip_quarantined", "false").strip().lower()
+        if skip not in ("true", "false"):
+            raise ValueError(f'option "skip_quarantined" must be true or false, not {skip!r}')
         return cls(config_path=opts.get("config", DEFAULT_CONFIG), client=client, slot=slot,
-                   since_ns=since, until_ns=until, trace_dir=opts.get("_trace_dir", ""))
+                   since_ns=since, until_ns=until, trace_dir=opts.get("_trace_dir", ""),
+                   skip_quarantined=skip == "true")
 
     def range_text(self) -> str:
         if self.since_ns is None and self.until_ns is None:
@@ -259,34 +283,49 @@ class Lake:
             raise FileNotFoundError(f"no lake catalog at {db}: is data_dir in "
                                     f"{sel.config_path} the daemon's?")
 
-        async def ask() -> tuple[list[FileRow], dict[str, list[ZoneMap]]]:
+        async def ask() -> tuple[list[FileRow], list[FileRow], dict[str, list[ZoneMap]]]:
             async with open_catalog(self.cfg.catalog, db, log=_quiet_log()) as catalog:
                 rows = await catalog.list_files(
                     client=sel.client, slot=sel.slot, since_ns=sel.since_ns,
                     until_ns=sel.until_ns, states=REGISTERED, limit=MAX_FILES + 1)
+                bad = [] if sel.skip_quarantined else await catalog.list_files(
+                    client=sel.client, slot=sel.slot, since_ns=sel.since_ns,
+                    until_ns=sel.until_ns, states=[FileState.QUARANTINED], limit=QUARANTINED_SHOWN)
                 maps = await catalog.zone_maps([r.file_id for r in rows]) if zone_maps else {}
-                return rows, maps
+                return rows, bad, maps
 
-        rows, maps = anyio.run(ask)
+        rows, quarantined, maps = anyio.run(ask)
+        if quarantined:
+            raise quarantined_error(f"client {sel.client!r} slot {sel.slot}{sel.range_text()}",
+                                    quarantined)
         if len(rows) > MAX_FILES:
             raise ValueError(f"more than {MAX_FILES} lake files match: narrow the read "
                              'with the "since" and "until" options')
         return rows, maps
 
+    def partition(self, row: FileRow) -> FilePartition:
+        store = self.cfg.lake.store
+        return FilePartition(key=row.object_key, scheme=store.scheme,
+                             store_options=self.store_options, timeout_ms=store.timeout_ms,
+                             max_attempts=store.max_attempts, file_id=row.file_id, uri=row.uri,
+                             size=row.compressed_size)
+
     def representative_schema(self, rows: list[FileRow]) -> pa.Schema:
         """drift.unify over the footers of ``rows``, one per distinct schema_hash."""
-        store = self.cfg.lake.store
         firsts: dict[str, FileRow] = {}
         for row in rows:
             firsts.setdefault(row.schema_hash or row.file_id, row)
         schema: pa.Schema | None = None
         for row in firsts.values():
-            part = FilePartition(key=row.object_key, scheme=store.scheme,
-                                 store_options=self.store_options,
-                                 timeout_ms=store.timeout_ms, max_attempts=store.max_attempts)
+            part = self.partition(row)
             source = open_object(part)
             try:
-                found = pq.read_schema(source)  # the footer: ranged reads at the tail
+                # The footer: ranged reads at the tail.
+                found = open_verified(source, file_id=row.file_id, uri=row.uri).schema_arrow
+            except opendal.exceptions.NotFound:
+                raise missing_error(part) from None
+            except LakeFileCorrupt as exc:
+                raise with_hint(exc) from None
             finally:
                 source.close()
             merged = unify(schema, found)
@@ -296,47 +335,6 @@ class Lake:
             schema = merged
         assert schema is not None, "rows is not empty"
         return schema
-
-
-def open_object(p: FilePartition) -> pa.PythonFile:
-    """A seekable file over the object: pyarrow's reads become OpenDAL range reads."""
-    op = opendal.Operator(p.scheme, **p.store_options)
-    timeout_s = p.timeout_ms / 1000
-    op = op.layer(RetryLayer(max_times=max(p.max_attempts - 1, 0), jitter=True))
-    op = op.layer(TimeoutLayer(timeout=timeout_s, io_timeout=timeout_s))
-    try:
-        return pa.PythonFile(FullReads(op.open(p.key, "rb")), mode="r")
-    except opendal.exceptions.NotFound:
-        raise FileNotFoundError(f"lake object {p.key!r} is gone: compacted away since "
-                                "the read was planned? Run the query again") from None
-
-
-class FullReads:
-    """An OpenDAL file whose ``read(n)`` returns n bytes unless the object ends first.
-
-    OpenDAL's ``File.read(n)`` returns at most one chunk (2 MiB in 0.47), and pyarrow
-    takes a short read for the end of the file: a row group over 2 MiB then failed with
-    "File too short". Everything else is the wrapped file's.
-    """
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-
-    def read(self, size: int = -1) -> bytes:
-        if size is None or size < 0:
-            return bytes(self.raw.read())
-        parts: list[bytes] = []
-        want = size
-        while want > 0:
-            chunk = bytes(self.raw.read(want))
-            if not chunk:
-                break
-            parts.append(chunk)
-            want -= len(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw, name)
 
 
 # ---- types: the lake's Arrow as Spark's ---------------------------------------------------

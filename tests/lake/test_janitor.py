@@ -21,6 +21,7 @@ from ulid import ULID
 from quiverd.kernel.config import (
     CompactionConfig,
     JanitorConfig,
+    LakeScrubConfig,
     StoreConfig,
 )
 from quiverd.kernel.errors import CatalogUnavailable
@@ -286,9 +287,10 @@ async def test_janitor_actor_sweeps_on_its_timer_and_counts_failures(
 
 
 @pytest.mark.asyncio
-async def test_janitor_actor_returns_when_both_timers_are_off(tmp_path: Path) -> None:
+async def test_janitor_actor_returns_when_every_timer_is_off(tmp_path: Path) -> None:
     async with open_test_tier(tmp_path / "d", janitor=JanitorConfig(interval_s=0),
-                              compaction=CompactionConfig(interval_s=0)) as tier:
+                              compaction=CompactionConfig(interval_s=0),
+                              scrub=LakeScrubConfig(rate_mb_per_s=0)) as tier:
         with anyio.fail_after(5):
             async with anyio.create_task_group() as tg:
                 await tg.start(Janitor(tier, log=LOG, metrics=Metrics()).run)
