@@ -64,15 +64,21 @@ async def run(
     stats: AckLogMetrics,
     log: Logger,
     compact_threshold_bytes: int = COMPACT_THRESHOLD_BYTES,
+    pending: list[fmt.Record] | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Make requests durable in ack.log, apply them, answer, notify; until ``inbox`` ends."""
+    """Make requests durable in ack.log, apply them, answer, notify; until ``inbox`` ends.
+
+    ``pending``: records recovery applied to ``state`` but could not write (a start on a
+    full disk); they are appended first, so every request waits behind them."""
     stats.log_bytes.set(file.size)
     committer = _Committer(state, file, segments, limiter, stats, log)
     compact_not_before = 0.0
     async with inbox:
         task_status.started()
         try:
+            if pending:
+                await committer.append(pending)
             async for first in inbox:
                 batch = [first]
                 while len(batch) < MAX_BATCH:
@@ -137,7 +143,7 @@ class _Committer:
             if answer is not None:
                 answers.append(answer)
         if records:
-            await self._append(records)
+            await self.append(records)
             for r in records:
                 self.state.apply(r)
         for msg in accepted:
@@ -200,7 +206,8 @@ class _Committer:
             for seq in msg.segment_seqs:
                 self.segments.remove(seq)
 
-    async def _append(self, records: list[fmt.Record]) -> None:
+    async def append(self, records: list[fmt.Record]) -> None:
+        """Append and fdatasync; while no space, cut back and try again with backoff."""
         encoded = [fmt.encode(r) for r in records]
         delay = NO_SPACE_RETRY_S
         waited = False

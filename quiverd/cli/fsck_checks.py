@@ -98,6 +98,7 @@ class ShardFacts:
         self.bad_segments: list[int] = []  # startup (and --repair) quarantines them
         self.wal: list[int] = []  # sequences of the entries replay keeps
         self.deleted = 0
+        self.deleting: list[int] = []  # the DELETED marker's batch (runtime.recovery)
         self.acks: AckState | None = None
         self.unknowable = ""  # why loss cannot be assessed (a file fsck cannot read)
 
@@ -108,7 +109,8 @@ class ShardFacts:
         if self.unknowable:
             return None
         on_disk = {s.segment_seq: s.bundle_count for s in self.segments}
-        gone = gone_segments(self.acks or AckState(), on_disk, self.bad_segments)
+        gone = gone_segments(self.acks or AckState(), on_disk, self.bad_segments,
+                             self.deleting)
         return find_loss(segments=self.segments, deleted_sequence=self.deleted,
                          wal_sequences=self.wal, gone=gone)
 
@@ -238,7 +240,7 @@ def _check_segment_dir(path: Path, report: Report, facts: ShardFacts) -> None:
             facts.unknowable = f"{path.name} is unreadable"
             return
         if isinstance(marker, Deleted):
-            facts.deleted = marker.wal_sequence
+            facts.deleted, facts.deleting = marker.wal_sequence, marker.segment_seqs
         return
     seq = layout.segment_seq_of(path.name)
     if seq is None or not path.is_file():

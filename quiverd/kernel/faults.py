@@ -22,6 +22,8 @@ Points (component.step):
     finalize   tmp_written, tmp_fsynced, renamed, dir_fsynced (the segment file),
                floor_tmp_written ... floor_dir_fsynced, floor_written
     acklog     fdatasync
+    gc         marker_tmp_written ... marker_dir_fsynced (the DELETED marker),
+               unlinked_first, unlinked, dir_fsynced (a deletion batch's files)
     lake       received, appended, rotated, object_written, uploaded, registered, acked,
                indexed, evicted (after that lifecycle step of a lake file; e.g.
                ``lake=kill:registered``)

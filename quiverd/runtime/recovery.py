@@ -38,6 +38,7 @@ import bisect
 
 import msgspec
 
+from quiverd.acks import format as ackformat
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.recovery import gone_segments, replay_acks, settle_acks
 from quiverd.acks.state import AckState
@@ -77,6 +78,8 @@ class Recovered(msgspec.Struct, kw_only=True):
     # Segments whose stream bytes no CRC has checked yet (only their metadata's).
     unverified: set[int] = msgspec.field(default_factory=set)
     ack_file: AckLogFile
+    # Applied to ``acks`` but not yet in ack.log (startup compaction found no space).
+    ack_pending: list[ackformat.Record] = msgspec.field(default_factory=list)
     quarantined_segments: list[str] = msgspec.field(default_factory=list)
     lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
     # Gone segments whose bundles (shard, segment_seq, 0..bundle_count-1) are lost.
@@ -106,7 +109,8 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
     ack_scan = replay_acks(shard, log)
     loss = find_loss(segments=segments, deleted_sequence=deleted.wal_sequence,
                      wal_sequences=(e.sequence for e in state.entries),
-                     gone=gone_segments(ack_scan.state, on_disk, quarantined))
+                     gone=gone_segments(ack_scan.state, on_disk, quarantined,
+                                          deleted.segment_seqs))
     # Logged before settle_acks makes ack.log forget the gone segments: a crash in
     # between reports the loss again rather than never.
     _report_loss(index, loss, log)
@@ -118,7 +122,7 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
     next_segment_seq = _next_segment_seq(shard, floor, segments, quarantined,
                                          acks.state.segment_floor, log)
     orphans = [by_seq.pop(seq) for seq in acks.orphans]
-    delete_segments(shard, orphans)
+    delete_segments(shard, orphans, mark=False)  # ack.log recorded them deleted
     segments = sorted(by_seq.values(), key=lambda s: s.segment_seq)
     log.info("shard_recovered", segments=len(segments), open_bundles=len(open_bundles),
              wal_entries=len(state.entries), corrupt_entries=state.corrupt_entries,
@@ -127,7 +131,7 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
         # Never reuse a sequence the lost bundles had: producers hold acks naming them.
         wal=wal, next_sequence=max(state.next_sequence, loss.highest_sequence + 1),
         next_segment_seq=next_segment_seq, open_bundles=open_bundles, segments=segments,
-        acks=acks.state, ack_file=acks.file,
+        acks=acks.state, ack_file=acks.file, ack_pending=acks.pending,
         unverified={s.segment_seq for s in segments} & scan.unverified,
         quarantined_segments=[str(q) for q in quarantined], lost_sequences=loss.sequences,
         lost_bundles=loss.segments,

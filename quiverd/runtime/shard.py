@@ -126,6 +126,7 @@ class Shard:
         async with anyio.create_task_group() as tg:
             await tg.start(lambda task_status: ack_logger.run(
                 self._ack_rx, state=rec.acks, file=rec.ack_file, segments=self._table,
+                pending=rec.ack_pending,
                 changes=self.changes, limiter=acklog, stats=self.ack_stats, log=self.log,
                 task_status=task_status))
             async with anyio.create_task_group() as services:
@@ -144,7 +145,8 @@ class Shard:
                     self.ack_tx.clone(), state=rec.acks, segments=self.segments,
                     shard=self.layout, cfg=self.cfg.retention, gate=self.gate,
                     over_cap=self.over_cap, changes=self.changes, limiter=gc,
-                    stats=self.gc_stats, log=self.log, task_status=task_status))
+                    stats=self.gc_stats, log=self.log, hook=self.faults.get("gc"),
+                    task_status=task_status))
                 await self._run_ingest_chain(rec, task_status)
                 services.cancel_scope.cancel()
             await self.ack_tx.aclose()

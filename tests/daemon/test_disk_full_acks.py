@@ -1,0 +1,81 @@
+"""ack.log and the DELETED marker on a 100 % full data filesystem, for real (tmpfs, root only).
+
+The daemon must start (ack.log compaction at startup is deferred, not fatal), serve
+reads: a subscriber attaches and drains what is stored, its acks wait for ack.log space
+(``acklog_disk_full``) and become durable once space returns, and ingest resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from quiverd.client import Client
+from tests.daemon.helpers import tagged_table
+from tests.daemon.mounts import MiB, fill, mounted_tmpfs
+from tests.daemon.test_subscribers import add, consume, produce, wait_for
+
+N = 300  # their acks outgrow the last page ack.log has: appends find no space
+
+
+def test_daemon_starts_on_a_full_disk_serves_a_drain_and_resumes_when_space_returns(
+        daemon_factory: Any, short_dir: Path) -> None:
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50,
+                        "subscribers": []})
+    with mounted_tmpfs(d.data_dir, 64 * MiB):
+        d.start()
+        add(d, "sub")
+        produce(d, list(range(N)))
+        wait_for(lambda: d.status()["shards"][0]["segments"] >= 1)
+        assert d.stop() == 0
+        ballast = d.data_dir / "ballast"
+        fill(ballast)  # 100 % full: not one more page (tmpfs counts pages exactly)
+        assert os.statvfs(d.data_dir).f_bavail == 0
+        d.start()
+        got = consume(d, "sub", want=N)
+        assert sorted(b.tables[0].column("tag")[0].as_py() for b in got) == list(range(N))
+        wait_for(lambda: bool(d.events("acklog_disk_full")), 10)
+        assert d.proc is not None and d.proc.poll() is None, d.log()[-3000:]
+        ballast.unlink()
+        wait_for(lambda: bool(d.events("acklog_disk_space_back")), 30)
+        with Client.connect(d.socket) as c:
+            c.send(tagged_table(99), client="p")  # writes are taken again
+        time.sleep(0.3)
+        assert d.stop() == 0, d.log()[-3000:]
+        assert not d.events("quiverd_fatal_durability")
+        d.start()
+        # The drained acks were made durable: nothing of the first N comes back.
+        again = consume(d, "sub", want=N + 1, idle_s=1.5)
+        assert [b.tables[0].column("tag")[0].as_py() for b in again] == [99]
+        assert d.stop() == 0
+
+
+def test_deleted_marker_without_space_waits_and_deletes_once_space_returns(
+        daemon_factory: Any, short_dir: Path) -> None:
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50})
+    with mounted_tmpfs(d.data_dir, 64 * MiB):
+        d.start()
+        add(d, "sub")
+        produce(d, [1, 2, 3, 4])
+        wait_for(lambda: d.status()["shards"][0]["segments"] == 1)
+        time.sleep(0.3)  # the WAL's release after the segment write is done
+        ballast = d.data_dir / "ballast"
+        fill(ballast)
+        assert os.statvfs(d.data_dir).f_bavail == 0
+        consume(d, "sub", want=4)  # 4 acks fit in ack.log's last page; the marker does not
+        wait_for(lambda: bool(d.events("segment_delete_deferred")), 10)
+        time.sleep(0.3)
+        assert d.proc is not None and d.proc.poll() is None, d.log()[-3000:]
+        [deferred] = d.events("segment_delete_deferred")[:1]
+        assert deferred["no_space"] is True and deferred["path"].endswith("DELETED")
+        assert list((d.data_dir / "shard-0/segments").glob("*.qseg"))  # kept meanwhile
+        ballast.unlink()
+        wait_for(lambda: bool(d.events("segments_deleted")), 10)
+        assert not list((d.data_dir / "shard-0/segments").glob("*.qseg"))
+        assert d.stop() == 0, d.log()[-3000:]
+        d.start()
+        assert consume(d, "sub", want=1, idle_s=1.0) == []
+        assert d.stop() == 0
+        assert not d.events("bundles_lost") and not d.events("quiverd_fatal_durability")
