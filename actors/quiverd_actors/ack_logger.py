@@ -32,6 +32,7 @@ from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.state import AckState
 from quiverd.kernel.changes import Changes
+from quiverd.kernel.durable import with_path
 from quiverd.kernel.errors import DurabilityLost, NoSpace, QuiverError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import AckLogMetrics
@@ -228,7 +229,8 @@ class _Committer:
                 delay = min(delay * 2, NO_SPACE_RETRY_MAX_S)
             except OSError as exc:
                 raise DurabilityLost(f"ack.log write/fdatasync failed at {self.file.path}: "
-                                     f"{exc.strerror or exc}; the shard stops") from exc
+                                     f"{exc.strerror or exc}; the shard stops"
+                                     ) from with_path(exc, self.file.path)
         if waited:
             self.log.info("acklog_disk_space_back", path=str(self.file.path))
         self.stats.fsyncs.inc()

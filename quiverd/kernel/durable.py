@@ -15,6 +15,16 @@ from quiverd.kernel.layout import tmp_path
 
 Buffer = bytes | bytearray | memoryview
 
+def with_path(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """``exc`` naming the file it concerns: an fsync or write by fd raises with no
+    filename, and the fatal event must say which file failed. Chain it with ``from``."""
+    if exc.filename is not None:
+        return exc
+    named = OSError(exc.errno, exc.strerror or str(exc), str(path))
+    named.__cause__ = exc
+    return named
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename or create inside it is durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

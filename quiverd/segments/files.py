@@ -26,7 +26,7 @@ import msgspec
 import pyarrow.compute as pc
 
 from quiverd.kernel import layout
-from quiverd.kernel.durable import atomic_write, fsync_dir
+from quiverd.kernel.durable import atomic_write, fsync_dir, with_path
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost, QuiverError
 from quiverd.kernel.faults import Hook, StepTracker, prefixed
 from quiverd.kernel.layout import ShardLayout
@@ -99,14 +99,16 @@ def checked_write(path: Path, chunks: list[Piece] | bytes, *, mode: int, hook: o
         if steps.renamed:
             raise DurabilityLost(f"{path} was renamed into place but the fsync of "
                                  f"{path.parent} failed: {exc.strerror or exc}; whether it "
-                                 "is durable is unknown, the shard stops") from exc
+                                 "is durable is unknown, the shard stops"
+                                 ) from with_path(exc, path)
         try:
             os.unlink(layout.tmp_path(path))
         except FileNotFoundError:
             pass
         except OSError as cleanup:
             raise DurabilityLost(f"removing {layout.tmp_path(path)} after a failed write "
-                                 f"failed: {cleanup.strerror or cleanup}") from exc
+                                 f"failed: {cleanup.strerror or cleanup}"
+                                 ) from with_path(cleanup, layout.tmp_path(path))
         raise NotWritten(path, exc) from exc
 
 
@@ -162,7 +164,8 @@ def delete_segments(shard: ShardLayout, segments: Iterable[SegmentInfo], *,
         fsync_dir(shard.segments_dir)
     except OSError as exc:
         raise DurabilityLost(f"fsync of {shard.segments_dir} after unlinking segments failed: "
-                             f"{exc.strerror or exc}; the shard stops") from exc
+                             f"{exc.strerror or exc}; the shard stops"
+                             ) from with_path(exc, shard.segments_dir)
     _step(hook, "dir_fsynced")
     return unlinked
 

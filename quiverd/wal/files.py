@@ -34,7 +34,7 @@ from typing import Any
 
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import META_SLOT, Buffer, Slot
-from quiverd.kernel.durable import fsync_dir, write_all
+from quiverd.kernel.durable import fsync_dir, with_path, write_all
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost
 from quiverd.kernel.faults import Hook
 from quiverd.wal import format as walformat
@@ -185,7 +185,8 @@ class WalFiles:
         try:
             free = free_bytes(self.wal_dir)
         except OSError as exc:
-            raise self._lost("statvfs of", exc) from exc
+            raise self._lost("statvfs of", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
         if free - nbytes < self.reserve_bytes:
             raise WalNoSpace(f"{free} bytes free on the filesystem of {self.wal_dir}: "
                              f"appending {nbytes} would leave less than the "
@@ -213,7 +214,8 @@ class WalFiles:
             self._write(pieces)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
-                raise self._lost("write to", exc) from exc
+                raise self._lost("write to", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
             self._cut_back(start, count, exc)
             raise WalNoSpace(f"no space left writing {layout.active_wal(self.wal_dir)} at "
                              f"offset {start}: {exc.strerror or exc}", written=done,
@@ -230,7 +232,8 @@ class WalFiles:
                 f"({cause.strerror or cause}) and cutting it back to offset {start} failed "
                 f"too: {exc.strerror or exc}; a torn entry may follow the last good one",
                 hint="check the disk (dmesg); replay cuts the torn tail into quarantine/ "
-                "and recovers every acknowledged entry") from exc
+                "and recovers every acknowledged entry") from with_path(
+                    exc, layout.active_wal(self.wal_dir))
         for _ in range(count):
             self._index.pop()
         self.end_offset = start
@@ -262,7 +265,7 @@ class WalFiles:
                     f"fdatasync of {layout.active_wal(self.wal_dir)} failed: "
                     f"{exc.strerror or exc}; "
                     "the shard stops without acknowledging the entries it covered"
-                ) from exc
+                ) from with_path(exc, layout.active_wal(self.wal_dir))
 
     def _fault(self, step: str) -> None:
         if self.fault_hook is not None:
@@ -293,7 +296,8 @@ class WalFiles:
             except OSError as exc:
                 os.close(fd)
                 raise DurabilityLost(f"rotating {active} failed: {exc.strerror or exc}; the "
-                                     "shard stops, replay finds every synced entry") from exc
+                                     "shard stops, replay finds every synced entry"
+                                     ) from with_path(exc, self.wal_dir)
             self._rotated.append(_Rotated(self.generation, self.end_offset - self._released_offset))
             os.close(self._fd)
             self.generation += 1
@@ -399,7 +403,8 @@ class WalFiles:
                 fsync_dir(self.wal_dir)
                 self._fault("unlink_dir_fsync")
         except OSError as exc:
-            raise self._lost("deleting released files beside", exc) from exc
+            raise self._lost("deleting released files beside", exc) from with_path(
+                exc, self.wal_dir)
         if gen == self.generation and offset > self._released_offset + walformat.HEADER_LEN:
             freed = self._reclaim_active(offset) or freed
         return freed
@@ -419,7 +424,8 @@ class WalFiles:
                     self.log.warning("wal_reclaim_deferred", error=exc.strerror or str(exc))
                     return False
                 if exc.errno not in PUNCH_UNSUPPORTED:
-                    raise self._lost("punching released bytes out of", exc) from exc
+                    raise self._lost("punching released bytes out of", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
                 self.punch_supported = False
         if offset - start >= max(self.chunk_bytes // 2, BLOCK):
             return self._rewrite_active(offset)
@@ -440,7 +446,8 @@ class WalFiles:
                                 offset, self.end_offset)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
-                raise self._lost("rewriting", exc) from exc
+                raise self._lost("rewriting", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
             self.log.warning("wal_rewrite_deferred", error=exc.strerror or str(exc))
             return False
         with self._lock:
@@ -449,7 +456,8 @@ class WalFiles:
                 fsync_dir(self.wal_dir)
             except OSError as exc:
                 os.close(fd)
-                raise self._lost("replacing", exc) from exc
+                raise self._lost("replacing", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
             os.close(self._fd)
             self._fd = fd
             shift = offset - start
