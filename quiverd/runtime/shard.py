@@ -233,6 +233,15 @@ class Shard:
             "scrub": self.scrub_status(),
         }
 
+    def left_at_stop(self) -> dict[str, int]:
+        """What a stop cut short left behind, for ``shutdown_timed_out``: bundles received
+        and not acked (their producers retry), and bundles in the WAL that no segment
+        holds yet (replay finalizes them at the next start)."""
+        rec = self.recovered
+        return {"shard": self.index, "bundles_not_acked": int(self.wal_stats.inflight.value),
+                "bundles_not_finalized": rec.wal.unreleased_entries if rec else 0,
+                "wal_bytes": rec.wal.live_bytes if rec else 0}
+
     def scrub_status(self) -> dict[str, Any]:
         """The scrubber's progress and the segments found corrupt since startup."""
         checks, st = self.checks, self.scrub_stats

@@ -468,6 +468,11 @@ class WalFiles:
         self.log.info("wal_rewritten", reclaimed_bytes=shift)
         return True
 
+    @property
+    def unreleased_entries(self) -> int:
+        """Entries written that no durable segment holds yet (replay would keep them)."""
+        return len(self._index)
+
     def stats(self) -> dict[str, int]:
         return {"wal_bytes": self.live_bytes, "wal_files": self.file_count,
                 "wal_generation": self.generation}
