@@ -169,6 +169,7 @@ class Shard:
                 limiter=fin, stats=self.segment_stats, log=self.log,
                 hook=self.faults.get("finalize"),
                 reserve_bytes=finalizer.METADATA_RESERVE_BYTES, fetch=rec.wal.read_back,
+                salvage=rec.wal, on_lost=self._lost_at_finalize,
                 task_status=task_status))
             await tg.start(lambda task_status: segment_builder.run(
                 durable_rx, sealed_tx, cfg=self.cfg.segment,
@@ -232,6 +233,12 @@ class Shard:
             "lost_bundles": rec.lost_bundles if rec else [],
             "scrub": self.scrub_status(),
         }
+
+    def _lost_at_finalize(self, sequence: int) -> None:
+        """A bundle the finalizer refused (quarantined): counted and listed in status."""
+        self.bundles_lost.inc()
+        if self.recovered is not None:
+            self.recovered.lost_sequences.append((sequence, sequence))
 
     def left_at_stop(self) -> dict[str, int]:
         """What a stop cut short left behind, for ``shutdown_timed_out``: bundles received

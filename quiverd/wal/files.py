@@ -317,6 +317,20 @@ class WalFiles:
         punched only once released, after the segment holding it is durable. Every
         entry's CRC is checked again: a mismatch raises CorruptRecord.
         """
+        return {seq: {sl.slot: sl.ipc for sl in slots}
+                for seq, slots in self.read_slots(sequences).items()}
+
+    def read_slots(self, sequences: list[int]) -> dict[int, tuple[Slot, ...]]:
+        """Like ``read_back``, with each user slot whole (fingerprint, row count)."""
+        return {seq: tuple(sl for sl in entry.slots if sl.slot != META_SLOT)
+                for seq, (entry, _) in self._read_entries(sequences).items()}
+
+    def entry_bytes(self, sequences: list[int]) -> dict[int, bytes]:
+        """Unreleased entries whole (length prefix to CRC), copied: for quarantine/."""
+        return {seq: bytes(raw) for seq, (_, raw) in self._read_entries(sequences).items()}
+
+    def _read_entries(self, sequences: list[int]
+                      ) -> dict[int, tuple[walformat.DecodedEntry, memoryview]]:
         with self._mutex:
             where = self._locate(sequences)
             files: dict[int, int] = {}
@@ -336,16 +350,17 @@ class WalFiles:
         finally:
             for fd in files.values():
                 os.close(fd)  # the maps keep the inodes
-        out: dict[int, dict[int, Buffer]] = {}
+        out: dict[int, tuple[walformat.DecodedEntry, memoryview]] = {}
         for seq, (gen, offset) in where.items():
             path = paths[gen]
-            entry = walformat.decode_entry(memoryview(maps[gen]), offset, path=path,
+            view = memoryview(maps[gen])
+            entry = walformat.decode_entry(view, offset, path=path,
                                            max_entry_bytes=walformat.MAX_ENTRY_LEN)
             if not entry.sound or entry.sequence != seq:
                 raise CorruptRecord(path, offset, f"WAL entry {seq} read back for its segment "
                                     f"is damaged ({entry.problem or 'crc mismatch'}, sequence "
                                     f"{entry.sequence})")
-            out[seq] = {sl.slot: sl.ipc for sl in entry.slots if sl.slot != META_SLOT}
+            out[seq] = (entry, view[offset:offset + entry.total_len])
         return out
 
     def _path_of(self, generation: int) -> Path:
