@@ -45,6 +45,7 @@ from quiverd.kernel.metrics import SegmentMetrics
 from quiverd.kernel.quarantine import keep_bytes
 from quiverd.segments.files import Floor, NotWritten, checked_write, write_segment
 from quiverd.segments.format import Arena, Piece, encode_segment
+from quiverd.segments.lost import add_sequences
 from quiverd.segments.open_segment import Fetch, OpenSegment
 from quiverd.segments.salvage import WalSource, is_refusal, without_refused
 from quiverd.segments.table import SegmentInfo, StagedRef
@@ -162,6 +163,7 @@ class _Finalize:
     arena: Arena | None = None
     salvage: WalSource | None = None
     refused: dict[int, tuple[str, Path]] = field(default_factory=dict)  # seq -> error, copy
+    refused_recorded: bool = False  # lost.json names them
     pieces: list[Piece] | None = None  # encoded once, kept until the file is durable
     staged: dict[int, StagedRef] | None = None
     size: int | None = None  # set once the segment file is durable
@@ -181,6 +183,11 @@ class _Finalize:
                     self.segment.load(self.fetch)
                 self.pieces = self._encode_or_salvage()
                 self.staged = self.segment.staged()
+            if self.refused and not self.refused_recorded:
+                # Durable before the WAL releases them: reported once (the next start
+                # lists them as known) and their sequences are never handed out again.
+                add_sequences(self.shard.lost_record, self.refused)
+                self.refused_recorded = True
             if self.segment.bundle_count == 0:
                 self.size = 0  # every bundle refused: nothing to write
             else:

@@ -231,6 +231,9 @@ class Shard:
             "quarantined_segments": rec.quarantined_segments if rec else [],
             "lost_sequences": rec.lost_sequences if rec else [],
             "lost_bundles": rec.lost_bundles if rec else [],
+            # Reported at an earlier start (lost.json): listed, not new.
+            "known_lost_sequences": rec.known_lost_sequences if rec else [],
+            "known_lost_bundles": rec.known_lost_bundles if rec else [],
             "scrub": self.scrub_status(),
         }
 
