@@ -30,6 +30,8 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise with_path(exc, path) from exc
     finally:
         os.close(fd)
 
@@ -69,6 +71,8 @@ def atomic_write(
         _step(hook, "tmp_written")
         os.fsync(fd)
         _step(hook, "tmp_fsynced")
+    except OSError as exc:  # by fd: no filename of its own; the fatal event names it
+        raise with_path(exc, tmp) from exc
     finally:
         os.close(fd)
     os.chmod(tmp, mode)

@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import META_SLOT, Slot, stream_facts
-from quiverd.kernel.durable import atomic_write
+from quiverd.kernel.durable import atomic_write, with_path
 from quiverd.kernel.quarantine import keep_bytes
 from quiverd.wal import format as wf
 from quiverd.wal.inventory import wal_inventory
@@ -342,6 +342,8 @@ class _Scan:
         try:
             os.ftruncate(fd, offset)
             os.fsync(fd)
+        except OSError as exc:
+            raise with_path(exc, path) from exc
         finally:
             os.close(fd)
         self.torn_bytes += cut
