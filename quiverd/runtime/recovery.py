@@ -60,12 +60,12 @@ from quiverd.segments.files import (
     Deleted,
     Floor,
     NotWritten,
+    checked_write,
     delete_segments,
     quarantine_segment,
     read_marker,
     scan_segments,
     verify_file,
-    write_marker,
 )
 from quiverd.segments.lost import MAX_SEGMENTS as MAX_LOST_SEGMENTS
 from quiverd.segments.lost import LostRecord, read_lost, write_lost
@@ -205,7 +205,15 @@ def _next_segment_seq(shard: ShardLayout, floor: Floor, segments: list[SegmentIn
     highest = max([floor.segment_seq, ack_floor - 1, *(s.segment_seq for s in segments),
                    *quarantined])
     if highest > floor.segment_seq:
-        write_marker(shard.floor, Floor(segment_seq=highest))
+        try:
+            checked_write(shard.floor, msgspec.json.encode(Floor(segment_seq=highest)),
+                          mode=0o644)
+        except NotWritten as exc:
+            # A full disk must not stop a start: the finalizer writes FLOOR with the next
+            # segment, and until then this start computes the same number again.
+            log.warning("segment_floor_deferred", path=str(shard.floor), error=str(exc),
+                        hint="free disk space; FLOOR is written with the next segment")
+            return highest + 1
         log.info("segment_floor_raised", from_segment_seq=floor.segment_seq,
                  to_segment_seq=highest, reason="a crash fell between a segment's rename "
                  "and its FLOOR write")

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from quiverd.client import Client
 from tests.daemon.helpers import tagged_table
 from tests.daemon.mounts import MiB, fill, mounted_tmpfs
@@ -20,10 +22,11 @@ from tests.daemon.test_subscribers import add, consume, produce, wait_for
 N = 300  # their acks outgrow the last page ack.log has: appends find no space
 
 
+@pytest.mark.parametrize("lake", [False, True], ids=["lake_off", "lake_on"])
 def test_daemon_starts_on_a_full_disk_serves_a_drain_and_resumes_when_space_returns(
-        daemon_factory: Any, short_dir: Path) -> None:
+        daemon_factory: Any, short_dir: Path, lake: bool) -> None:
     d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50,
-                        "subscribers": []})
+                        "subscribers": [], "lake.enabled": lake})
     with mounted_tmpfs(d.data_dir, 64 * MiB):
         d.start()
         add(d, "sub")
@@ -79,3 +82,25 @@ def test_deleted_marker_without_space_waits_and_deletes_once_space_returns(
         assert consume(d, "sub", want=1, idle_s=1.0) == []
         assert d.stop() == 0
         assert not d.events("bundles_lost") and not d.events("quiverd_fatal_durability")
+
+
+def test_start_on_a_full_disk_after_a_kill_before_the_floor_write(
+        daemon_factory: Any, short_dir: Path) -> None:
+    """FLOOR lags the newest segment (kill between its rename and FLOOR): raising it at
+    start finds no space; the start goes on and FLOOR follows with the next segment."""
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50})
+    with mounted_tmpfs(d.data_dir, 64 * MiB):
+        d.start(faults="finalize=kill:renamed")
+        add(d, "sub")
+        produce(d, [1, 2, 3])
+        assert d.wait(10) == -9
+        ballast = d.data_dir / "ballast"
+        fill(ballast)
+        assert os.statvfs(d.data_dir).f_bavail == 0
+        d.start()
+        assert d.events("segment_floor_deferred"), d.log()[-3000:]
+        got = consume(d, "sub", want=3)
+        assert sorted(b.tables[0].column("tag")[0].as_py() for b in got) == [1, 2, 3]
+        ballast.unlink()
+        assert d.stop() == 0, d.log()[-3000:]
+        assert not d.events("quiverd_fatal_durability")
