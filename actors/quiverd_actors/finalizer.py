@@ -216,10 +216,18 @@ class _Finalize:
         except Exception as exc:
             if self.salvage is None or not is_refusal(exc):
                 raise
-        self.segment, refused = without_refused(self.segment, self.salvage, self._encode)
+        salvaged, refused = without_refused(self.segment, self.salvage, self._encode)
         copies = self.salvage.entry_bytes(sorted(refused))
         for seq, error in refused.items():
-            kept = keep_bytes(copies[seq], self.shard.quarantine_dir,
-                              f"refused-{seq:016d}.walentry")
+            name = f"refused-{seq:016d}.walentry"
+            try:
+                kept = keep_bytes(copies[seq], self.shard.quarantine_dir, name)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # Nothing changed yet (the segment is still whole, nothing released):
+                # the next attempt refuses and copies again.
+                raise NotWritten(self.shard.quarantine_dir / name, exc) from exc
             self.refused[seq] = (error, kept)
-        return self._encode(self.segment) if self.segment.bundle_count else []
+        self.segment = salvaged
+        return self._encode(salvaged) if salvaged.bundle_count else []
