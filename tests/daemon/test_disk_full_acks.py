@@ -14,9 +14,13 @@ from typing import Any
 
 import pytest
 
+from quiverd.acks import format as af
+from quiverd.acks.log import AckLogFile, replay_ack_log
 from quiverd.client import Client
+from quiverd.kernel.errors import NoSpace
 from tests.daemon.helpers import tagged_table
 from tests.daemon.mounts import MiB, fill, mounted_tmpfs
+from tests.daemon.test_disk_full import Log
 from tests.daemon.test_subscribers import add, consume, produce, wait_for
 
 N = 300  # their acks outgrow the last page ack.log has: appends find no space
@@ -104,3 +108,27 @@ def test_start_on_a_full_disk_after_a_kill_before_the_floor_write(
         ballast.unlink()
         assert d.stop() == 0, d.log()[-3000:]
         assert not d.events("quiverd_fatal_durability")
+
+
+def test_ack_log_append_without_space_is_cut_back_and_succeeds_later(tmp_path: Path) -> None:
+    """The appender on a real full filesystem: NoSpace, the file as before, then the same
+    records appended once space returns; replay reads every one."""
+    records = [af.encode(af.SegmentFinalized(segment_seq=s, bundle_count=1))
+               for s in range(1, 400)]
+    with mounted_tmpfs(tmp_path / "fs", 1 * MiB) as fs:
+        path = fs / "ack.log"
+        with AckLogFile.open(path) as ack:
+            ack.append(records[:1])
+            ack.sync()
+            fill(fs / "ballast")
+            size = path.stat().st_size
+            with pytest.raises(NoSpace):
+                for r in records[1:]:  # fill the last page, then one record too many
+                    ack.append([r])
+            assert path.stat().st_size == ack.size  # no partial record
+            written = (ack.size - size) // len(records[1])
+            (fs / "ballast").unlink()
+            ack.append(records[1 + written:])
+            ack.sync()
+        state = replay_ack_log(path, fs / "q", log=Log())
+        assert sorted(state.live_segments()) == list(range(1, 400))
