@@ -32,6 +32,7 @@ from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.state import AckState
 from quiverd.kernel.changes import Changes
+from quiverd.kernel.durable import with_path
 from quiverd.kernel.errors import DurabilityLost, NoSpace, QuiverError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import AckLogMetrics
@@ -64,15 +65,21 @@ async def run(
     stats: AckLogMetrics,
     log: Logger,
     compact_threshold_bytes: int = COMPACT_THRESHOLD_BYTES,
+    pending: list[fmt.Record] | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Make requests durable in ack.log, apply them, answer, notify; until ``inbox`` ends."""
+    """Make requests durable in ack.log, apply them, answer, notify; until ``inbox`` ends.
+
+    ``pending``: records recovery applied to ``state`` but could not write (a start on a
+    full disk); they are appended first, so every request waits behind them."""
     stats.log_bytes.set(file.size)
     committer = _Committer(state, file, segments, limiter, stats, log)
     compact_not_before = 0.0
     async with inbox:
         task_status.started()
         try:
+            if pending:
+                await committer.append(pending)
             async for first in inbox:
                 batch = [first]
                 while len(batch) < MAX_BATCH:
@@ -137,7 +144,7 @@ class _Committer:
             if answer is not None:
                 answers.append(answer)
         if records:
-            await self._append(records)
+            await self.append(records)
             for r in records:
                 self.state.apply(r)
         for msg in accepted:
@@ -200,7 +207,8 @@ class _Committer:
             for seq in msg.segment_seqs:
                 self.segments.remove(seq)
 
-    async def _append(self, records: list[fmt.Record]) -> None:
+    async def append(self, records: list[fmt.Record]) -> None:
+        """Append and fdatasync; while no space, cut back and try again with backoff."""
         encoded = [fmt.encode(r) for r in records]
         delay = NO_SPACE_RETRY_S
         waited = False
@@ -221,7 +229,8 @@ class _Committer:
                 delay = min(delay * 2, NO_SPACE_RETRY_MAX_S)
             except OSError as exc:
                 raise DurabilityLost(f"ack.log write/fdatasync failed at {self.file.path}: "
-                                     f"{exc.strerror or exc}; the shard stops") from exc
+                                     f"{exc.strerror or exc}; the shard stops"
+                                     ) from with_path(exc, self.file.path)
         if waited:
             self.log.info("acklog_disk_space_back", path=str(self.file.path))
         self.stats.fsyncs.inc()

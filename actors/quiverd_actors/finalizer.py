@@ -18,12 +18,19 @@ with backoff (``actors.retry``), while the WAL still holds every bundle. A
 failed FLOOR write is retried on its own, the segment is not written twice.
 A failure after a rename (the directory fsync) leaves the durable state
 unknown: DurabilityLost, the daemon stops (exit 70) and replay sorts it out.
+
+A bundle that makes the encoder raise (it passed validation: an Arrow edge case, a
+bug) would stop the shard, and replay would bring it back: a crash loop. The segment
+is rebuilt without it (``segments.salvage``), its WAL entry copied to quarantine/, and
+it is reported lost with its id (``bundles_lost``, ``on_lost``); the WAL is released
+past it all the same, so the next start does not meet it again.
 """
 
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -35,9 +42,12 @@ from quiverd.kernel.faults import Hook, prefixed
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import SegmentMetrics
+from quiverd.kernel.quarantine import keep_bytes
 from quiverd.segments.files import Floor, NotWritten, checked_write, write_segment
 from quiverd.segments.format import Arena, Piece, encode_segment
+from quiverd.segments.lost import add_sequences
 from quiverd.segments.open_segment import Fetch, OpenSegment
+from quiverd.segments.salvage import WalSource, is_refusal, without_refused
 from quiverd.segments.table import SegmentInfo, StagedRef
 from quiverd_actors.messages import SealedSegment, SegmentWritten, WalReleased
 from quiverd_actors.retry import Retry
@@ -61,12 +71,16 @@ async def run(
     hook: Hook | None = None,
     reserve_bytes: int = 0,
     fetch: Fetch | None = None,
+    salvage: WalSource | None = None,
+    on_lost: Callable[[int], None] | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Write every sealed segment durably, then release its WAL region and announce it.
 
     ``fetch`` reads WAL entries back (``WalFiles.read_back``) for bundles the open
-    segment did not hold (``OpenSegment.load``).
+    segment did not hold (``OpenSegment.load``); ``salvage`` (the WalFiles) rebuilds a
+    segment around bundles that make the encoder raise, and ``on_lost(sequence)``
+    hears of each such bundle (status, metric).
     """
     retry = Retry(log)
     arena = Arena()  # warm memory the segments are encoded into, one after the other
@@ -75,8 +89,18 @@ async def run(
         async for sealed in inbox:
             segment = sealed.segment
             job = _Finalize(shard, sealed.segment_seq, segment, max_dictionary_cardinality,
-                            hook, reserve_bytes, fetch, arena)
+                            hook, reserve_bytes, fetch, arena, salvage)
             size = await _until_written(job, limiter, retry, stats)
+            assert segment.last_sequence is not None
+            released = segment.last_sequence  # refused bundles included: never met again
+            _report_refused(job, log, on_lost)
+            # Nothing may read the batches any more: the WAL region they map is released.
+            segment.drop_batches()
+            segment = job.segment  # rebuilt without refused bundles, or the same
+            segment.drop_batches()
+            if segment.bundle_count == 0:  # every bundle refused: no segment file
+                await releases.send(WalReleased(upto_sequence=released))
+                continue
             stats.finalized.inc()
             stats.finalized_bytes.inc(size)
             log.info("segment_finalized", segment_seq=sealed.segment_seq, bytes=size,
@@ -84,9 +108,7 @@ async def run(
                      reason=sealed.reason)
             assert segment.first_sequence is not None and segment.last_sequence is not None
             assert job.staged is not None
-            # Nothing may read the batches any more: the WAL region they map is released.
-            segment.drop_batches()
-            await releases.send(WalReleased(upto_sequence=segment.last_sequence))
+            await releases.send(WalReleased(upto_sequence=released))
             await outbox.send(SegmentWritten(info=SegmentInfo(
                 segment_seq=sealed.segment_seq, path=job.path,
                 bundle_count=segment.bundle_count, size_bytes=size,
@@ -114,6 +136,19 @@ async def _until_written(job: _Finalize, limiter: CapacityLimiter, retry: Retry,
         return size
 
 
+def _report_refused(job: _Finalize, log: Logger,
+                    on_lost: Callable[[int], None] | None) -> None:
+    """One ``bundles_lost`` event per refused bundle (a few per segment at most)."""
+    for seq, (error, kept) in sorted(job.refused.items()):
+        log.error("bundles_lost", first_sequence=seq, last_sequence=seq, bundles=1,
+                  segment_seq=job.segment_seq, error=error, quarantine=str(kept),
+                  hint="this bundle passed validation but the segment encoder refused it "
+                  "(a bug: report it with the quarantined WAL entry); the rest of its "
+                  "segment was finalized")
+        if on_lost is not None:
+            on_lost(seq)
+
+
 @dataclass
 class _Finalize:
     """One segment's way to disk; each attempt resumes after the last step that held."""
@@ -126,6 +161,9 @@ class _Finalize:
     reserve_bytes: int
     fetch: Fetch | None = None
     arena: Arena | None = None
+    salvage: WalSource | None = None
+    refused: dict[int, tuple[str, Path]] = field(default_factory=dict)  # seq -> error, copy
+    refused_recorded: bool = False  # lost.json names them
     pieces: list[Piece] | None = None  # encoded once, kept until the file is durable
     staged: dict[int, StagedRef] | None = None
     size: int | None = None  # set once the segment file is durable
@@ -143,12 +181,18 @@ class _Finalize:
                     if self.fetch is None:
                         raise AssertionError("open segment left bundles in the WAL, no fetch")
                     self.segment.load(self.fetch)
-                self.pieces = encode_segment(
-                    self.segment, max_dictionary_cardinality=self.max_dictionary_cardinality,
-                    arena=self.arena)
+                self.pieces = self._encode_or_salvage()
                 self.staged = self.segment.staged()
-            self.size = write_segment(self.path, self.pieces, hook=self.hook,
-                                      reserve_bytes=self.reserve_bytes)
+            if self.refused and not self.refused_recorded:
+                # Durable before the WAL releases them: reported once (the next start
+                # lists them as known) and their sequences are never handed out again.
+                add_sequences(self.shard.lost_record, self.refused)
+                self.refused_recorded = True
+            if self.segment.bundle_count == 0:
+                self.size = 0  # every bundle refused: nothing to write
+            else:
+                self.size = write_segment(self.path, self.pieces, hook=self.hook,
+                                          reserve_bytes=self.reserve_bytes)
             self.pieces = None  # the encoded copy is no longer needed
         if not self.floor_raised:
             floor = msgspec.json.encode(Floor(segment_seq=self.segment_seq))
@@ -158,3 +202,32 @@ class _Finalize:
             if self.hook is not None:
                 self.hook("floor_written")
         return self.size
+
+    def _encode(self, segment: OpenSegment) -> list[Piece]:
+        if self.hook is not None:  # tests: "finalize=raise:encode_sequence_7"
+            for e in segment.entries:
+                self.hook(f"encode_sequence_{e.sequence}")
+        return encode_segment(segment, max_dictionary_cardinality=self.max_dictionary_cardinality,
+                              arena=self.arena)
+
+    def _encode_or_salvage(self) -> list[Piece]:
+        try:
+            return self._encode(self.segment)
+        except Exception as exc:
+            if self.salvage is None or not is_refusal(exc):
+                raise
+        salvaged, refused = without_refused(self.segment, self.salvage, self._encode)
+        copies = self.salvage.entry_bytes(sorted(refused))
+        for seq, error in refused.items():
+            name = f"refused-{seq:016d}.walentry"
+            try:
+                kept = keep_bytes(copies[seq], self.shard.quarantine_dir, name)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # Nothing changed yet (the segment is still whole, nothing released):
+                # the next attempt refuses and copies again.
+                raise NotWritten(self.shard.quarantine_dir / name, exc) from exc
+            self.refused[seq] = (error, kept)
+        self.segment = salvaged
+        return self._encode(salvaged) if salvaged.bundle_count else []

@@ -15,7 +15,10 @@ One sweep deletes in batches, one per reason, each in three steps: the
 ack_logger retires the batch (``dropped`` outcomes durable first for a retention
 reason; the segments leave the table, so the dispatcher stops reading them) →
 one DELETED marker write, the unlinks, one directory fsync → SEGMENT_DELETED
-records in one ack.log commit. A crash between steps is reconciled at startup.
+records in one ack.log commit. A crash between steps is reconciled at startup: the
+marker names the batch, so its files, gone without their SEGMENT_DELETED records, read
+as deleted rather than lost. A marker write that finds no space (or fails before its
+rename) changed nothing: it is tried again with backoff, and the sweeper waits.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from anyio.streams.memory import MemoryObjectSendStream
 from quiverd.acks.state import AckState
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import RetentionConfig
+from quiverd.kernel.faults import Hook
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import GcMetrics
 from quiverd.kernel.reply import Reply
-from quiverd.segments.files import delete_segments
+from quiverd.segments.files import NotWritten, delete_segments
 from quiverd.segments.table import SegmentView
 from quiverd_actors.messages import (
     AckLogRequest,
@@ -45,6 +49,8 @@ from quiverd_actors.messages import (
 from quiverd_actors.retention_gate import RetentionGate
 
 SWEEP_INTERVAL_S = 1.0
+RETRY_S = 0.05  # a DELETED marker that could not be written: doubling up to RETRY_MAX_S
+RETRY_MAX_S = 2.0
 
 
 async def run(
@@ -60,10 +66,12 @@ async def run(
     limiter: CapacityLimiter,
     stats: GcMetrics,
     log: Logger,
+    hook: Hook | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Sweep on every ack state change, when ingest hits the cap, and once a second."""
     sweeper = _Sweeper(ack_log, state, segments, shard, cfg, gate, limiter, stats, log)
+    sweeper.hook = hook
     async with ack_log:
         task_status.started()
         while True:
@@ -86,6 +94,7 @@ class _Sweeper:
         self.ack_log, self.state, self.segments = ack_log, state, segments
         self.shard, self.cfg, self.gate, self.limiter = shard, cfg, gate, limiter
         self.stats, self.log = stats, log
+        self.hook: Hook | None = None  # tests: "gc=kill:unlinked"
 
     async def sweep(self) -> None:
         self.stats.sweeps.inc()
@@ -120,8 +129,7 @@ class _Sweeper:
         if not retired.segments:
             return
         self._count_drops(retired, reason)
-        await anyio.to_thread.run_sync(delete_segments, self.shard, retired.segments,
-                                       limiter=self.limiter)
+        await self._unlink(retired)
         self.stats.delete_batches.inc()
         n = len(retired.segments)
         self.stats.evictions(reason).inc(n)
@@ -131,6 +139,32 @@ class _Sweeper:
                       bytes=sum(s.size_bytes for s in retired.segments))
         await self.ack_log.send(SegmentsDeleted(
             segment_seqs=tuple(s.segment_seq for s in retired.segments), reason=reason))
+
+    async def _unlink(self, retired: Retired) -> None:
+        """delete_segments, again with backoff while its marker cannot be written.
+
+        The batch has already left the segment table, so nothing reads these files;
+        they stay on disk (and their bundles stay deliverable after a restart) until
+        the marker is written."""
+        delay, failed = RETRY_S, False
+        while True:
+            try:
+                await anyio.to_thread.run_sync(
+                    lambda: delete_segments(self.shard, retired.segments, hook=self.hook),
+                    limiter=self.limiter)
+                break
+            except NotWritten as exc:
+                if not failed:
+                    self.log.warning("segment_delete_deferred", path=str(self.shard.deleted),
+                                     error=str(exc), no_space=exc.no_space,
+                                     segments=len(retired.segments),
+                                     hint="free disk space; the deletion is tried again "
+                                     "with backoff")
+                failed = True
+                await anyio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+        if failed:
+            self.log.info("segment_delete_resumed", path=str(self.shard.deleted))
 
     def _count_drops(self, retired: Retired, reason: RetireReason) -> None:
         for sub, count in retired.dropped_by_subscriber.items():

@@ -31,7 +31,7 @@ import msgspec
 from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
 from quiverd.kernel import layout
-from quiverd.kernel.durable import atomic_write, write_all
+from quiverd.kernel.durable import atomic_write, with_path, write_all
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost, NoSpace
 from quiverd.kernel.faults import Hook, StepTracker
 from quiverd.kernel.quarantine import keep_bytes
@@ -143,7 +143,7 @@ def _cut_tail(path: Path, quarantine_dir: str | os.PathLike[str], good_end: int,
         os.ftruncate(fd, good_end)
         os.fsync(fd)
     except OSError as exc:
-        raise _lost(f"cutting the torn tail of {path}", exc) from exc
+        raise _lost(f"cutting the torn tail of {path}", exc) from with_path(exc, path)
     finally:
         os.close(fd)
     log.warning("ack_log_truncated", path=str(path), offset=good_end, bytes=size - good_end)
@@ -161,7 +161,8 @@ def compact(path: str | os.PathLike[str], state: AckState) -> int:
         return atomic_write(path, data, hook=steps)
     except OSError as exc:
         if steps.reached is not None:
-            raise _lost(f"compacting {path} (after step {steps.reached})", exc) from exc
+            raise _lost(f"compacting {path} (after step {steps.reached})", exc
+                        ) from with_path(exc, path)
         # The temp file was not even written: the old ack.log is untouched and whole.
         layout.tmp_path(Path(path)).unlink(missing_ok=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -21,6 +21,7 @@ from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile, ScanReport, compact, scan_ack_log
 from quiverd.acks.state import AckState
 from quiverd.kernel.config import SubscriberEntry
+from quiverd.kernel.errors import NoSpace
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
 
@@ -30,6 +31,10 @@ class RecoveredAcks(msgspec.Struct, kw_only=True):
     file: AckLogFile  # the open appender, after a compaction that bounds the next replay
     orphans: list[int]  # segment files ack.log already recorded deleted: unlink them
     counters: dict[str, int]  # the replay report
+    # Records applied to ``state`` that the startup compaction could not make durable
+    # (no space): the ack_logger appends them before any request, retrying like any
+    # append that finds no space. Until then a crash recomputes them at the next start.
+    pending: list[fmt.Record] = msgspec.field(default_factory=list)
 
 
 def recover_acks(shard: ShardLayout, on_disk: Mapping[int, int],
@@ -47,16 +52,21 @@ def replay_acks(shard: ShardLayout, log: Logger) -> ScanReport:
     return scan_ack_log(shard.ack_log, shard.quarantine_dir, log=log)
 
 
-def gone_segments(state: AckState, on_disk: Mapping[int, int],
-                  quarantined: Iterable[int]) -> dict[int, int | None]:
+def gone_segments(state: AckState, on_disk: Mapping[int, int], quarantined: Iterable[int],
+                  deleting: Iterable[int] = ()) -> dict[int, int | None]:
     """Segments that should exist but do not, segment_seq -> bundle_count (None: unknown).
 
     Those ack.log records as live without a valid file, and those quarantined just now
     that ack.log never heard of (a crash before their SEGMENT record); a quarantined
-    segment below ack.log's floor was already deleted on purpose.
+    segment below ack.log's floor was already deleted on purpose. ``deleting`` is the
+    DELETED marker's batch: a crash after its unlinks and before its SEGMENT_DELETED
+    records leaves those absent yet live in ack.log, and they were deleted on purpose.
     """
     live = state.live_segments()
-    gone: dict[int, int | None] = {seq: n for seq, n in live.items() if seq not in on_disk}
+    quarantined = list(quarantined)
+    deleted = set(deleting) - set(quarantined)
+    gone: dict[int, int | None] = {seq: n for seq, n in live.items()
+                                   if seq not in on_disk and seq not in deleted}
     for seq in quarantined:
         if seq not in live and seq >= state.segment_floor:
             gone[seq] = None
@@ -81,12 +91,21 @@ def settle_acks(shard: ShardLayout, report: ScanReport, on_disk: Mapping[int, in
         state.apply(rec)  # made durable by the compaction below, before anything acts on it
     for sub in subscribers:
         if sub.name not in state.registry:
-            state.apply(state.add_subscriber(sub.name, sub.start))
+            records.append(state.add_subscriber(sub.name, sub.start))
+            state.apply(records[-1])
             log.info("subscriber_registered", subscriber=sub.name, start=sub.start,
                      source="config")
-    compact(shard.ack_log, state)
+    pending: list[fmt.Record] = []
+    try:
+        compact(shard.ack_log, state)
+    except NoSpace as exc:
+        # A full disk must not stop a start: reads and drains need no new space. The
+        # old ack.log is whole; replay stays bounded by its size plus one batch.
+        pending = records
+        log.warning("ack_log_compaction_deferred", path=str(shard.ack_log), error=str(exc),
+                    pending_records=len(pending), hint=exc.hint)
     counters = {"corrupt_records": report.corrupt_records,
                 "truncated_bytes": report.truncated_bytes,
                 "records_replayed": report.records_since_checkpoint}
     return RecoveredAcks(state=state, file=AckLogFile.open(shard.ack_log),
-                         orphans=list(fix.orphans), counters=counters)
+                         orphans=list(fix.orphans), counters=counters, pending=pending)

@@ -106,9 +106,12 @@ def check_data_dir(shards: list[Path], progress: _Progress) -> tuple[Report, lis
         if loss is None:
             report.add(f.shard.dir, None, "loss_unknown", f"loss not assessed: {f.unknowable}",
                        note=True)
-        elif loss:
-            report.lost.append(ShardLoss(shard=f.index, count=loss.count,
-                                         sequences=loss.sequences, bundles=loss.segments))
+        else:
+            new, known = f.new_and_known(loss, report)
+            if new.sequences or new.bundles:
+                report.lost.append(new)
+            if known.sequences or known.bundles:
+                report.known_lost.append(known)
     return report, facts
 
 
@@ -215,6 +218,9 @@ def _print_summary(data_dir: Path, report: Report, repairs: list[dict[str, Any]]
     for loss in report.lost:
         for line in _loss_lines(loss):
             print(line)
+    for loss in report.known_lost:
+        for line in _loss_lines(loss):
+            print(line.replace("LOST ", "KNOWN", 1) + " (reported at an earlier start)")
     total = len(report.findings) + report.unlisted_findings
     after = " after repair" if repair and repairs else ""
     if report.healthy:

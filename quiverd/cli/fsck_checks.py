@@ -38,8 +38,9 @@ from quiverd.acks.state import AckState
 from quiverd.kernel import layout
 from quiverd.kernel.errors import CorruptRecord, FormatMismatch
 from quiverd.kernel.layout import ShardLayout
-from quiverd.runtime.loss import Coverage, Loss, LostSegment, find_loss
+from quiverd.runtime.loss import Coverage, Loss, LostSegment, find_loss, split_known
 from quiverd.segments.files import MARKER_TYPES, Deleted, read_marker, segment_info
+from quiverd.segments.lost import LostRecord, read_lost
 from quiverd.segments.reader import SegmentReader, verify_segment
 from quiverd.segments.table import SegmentInfo
 from quiverd.wal import dump as waldump
@@ -73,6 +74,8 @@ class Report(msgspec.Struct, kw_only=True):
     notes: list[Finding] = msgspec.field(default_factory=list)  # damage already handled
     unlisted_findings: int = 0
     lost: list[ShardLoss] = msgspec.field(default_factory=list)
+    # Losses the daemon already reported (shard-<n>/lost.json): listed, not unhealthy.
+    known_lost: list[ShardLoss] = msgspec.field(default_factory=list)
     checked: dict[str, int] = msgspec.field(default_factory=Counter)
 
     @property
@@ -98,6 +101,7 @@ class ShardFacts:
         self.bad_segments: list[int] = []  # startup (and --repair) quarantines them
         self.wal: list[int] = []  # sequences of the entries replay keeps
         self.deleted = 0
+        self.deleting: list[int] = []  # the DELETED marker's batch (runtime.recovery)
         self.acks: AckState | None = None
         self.unknowable = ""  # why loss cannot be assessed (a file fsck cannot read)
 
@@ -108,9 +112,27 @@ class ShardFacts:
         if self.unknowable:
             return None
         on_disk = {s.segment_seq: s.bundle_count for s in self.segments}
-        gone = gone_segments(self.acks or AckState(), on_disk, self.bad_segments)
+        gone = gone_segments(self.acks or AckState(), on_disk, self.bad_segments,
+                             self.deleting)
         return find_loss(segments=self.segments, deleted_sequence=self.deleted,
                          wal_sequences=self.wal, gone=gone)
+
+    def new_and_known(self, loss: Loss, report: Report) -> tuple[ShardLoss, ShardLoss]:
+        """``loss`` split as daemon recovery splits it: already reported (lost.json) or new."""
+        try:
+            known = read_lost(self.shard.lost_record)
+        except CorruptRecord as exc:
+            report.add(self.shard.lost_record, 0, "lost_record",
+                       f"{why(exc)}; startup reports known losses once more", note=True)
+            known = LostRecord()
+        new, old = split_known(loss, known.sequences, (q for q, _ in known.segments))
+        gone = {s.segment_seq for s in old.segments}
+        old_segments = [*old.segments, *(LostSegment(segment_seq=q, bundle_count=n)
+                                         for q, n in known.segments if q not in gone)]
+        return (ShardLoss(shard=self.index, count=new.count, sequences=new.sequences,
+                          bundles=new.segments),
+                ShardLoss(shard=self.index, count=old.count, sequences=old.sequences,
+                          bundles=old_segments))
 
 
 def plan_shard(facts: ShardFacts, report: Report) -> list[tuple[Path, Callable[[], None]]]:
@@ -238,7 +260,7 @@ def _check_segment_dir(path: Path, report: Report, facts: ShardFacts) -> None:
             facts.unknowable = f"{path.name} is unreadable"
             return
         if isinstance(marker, Deleted):
-            facts.deleted = marker.wal_sequence
+            facts.deleted, facts.deleting = marker.wal_sequence, marker.segment_seqs
         return
     seq = layout.segment_seq_of(path.name)
     if seq is None or not path.is_file():

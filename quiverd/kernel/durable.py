@@ -15,11 +15,23 @@ from quiverd.kernel.layout import tmp_path
 
 Buffer = bytes | bytearray | memoryview
 
+def with_path(exc: OSError, path: str | os.PathLike[str]) -> OSError:
+    """``exc`` naming the file it concerns: an fsync or write by fd raises with no
+    filename, and the fatal event must say which file failed. Chain it with ``from``."""
+    if exc.filename is not None:
+        return exc
+    named = OSError(exc.errno, exc.strerror or str(exc), str(path))
+    named.__cause__ = exc
+    return named
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename or create inside it is durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise with_path(exc, path) from exc
     finally:
         os.close(fd)
 
@@ -59,6 +71,8 @@ def atomic_write(
         _step(hook, "tmp_written")
         os.fsync(fd)
         _step(hook, "tmp_fsynced")
+    except OSError as exc:  # by fd: no filename of its own; the fatal event names it
+        raise with_path(exc, tmp) from exc
     finally:
         os.close(fd)
     os.chmod(tmp, mode)

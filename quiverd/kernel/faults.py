@@ -10,6 +10,8 @@ cut are made real by the tests). The variable holds ``;``-separated rules,
     finalize=eio:dir_fsynced     shorthand for finalize.dir_fsynced=eio@1
     wal.fdatasync=gate:/tmp/g    every WAL fdatasync waits while /tmp/g exists
     finalize=kill:renamed        the process dies (SIGKILL) right after that step
+    finalize=raise:encode_sequence_7   encoding a segment holding bundle 7 raises
+                                 RuntimeError (a bundle the encoder refuses)
 
 Errors: ``eio``, ``enospc``, ``edquot``. A step fails *at* the hook, which runs
 right after the real step, so a rule on step S stands for "S failed".
@@ -20,8 +22,11 @@ Points (component.step):
                sidecar_tmp_fsynced, sidecar_renamed, sidecar_dir_fsynced,
                sidecar_written, unlink_dir_fsync
     finalize   tmp_written, tmp_fsynced, renamed, dir_fsynced (the segment file),
+               encode_sequence_<n> (before encoding a segment that holds bundle n),
                floor_tmp_written ... floor_dir_fsynced, floor_written
     acklog     fdatasync
+    gc         marker_tmp_written ... marker_dir_fsynced (the DELETED marker),
+               unlinked_first, unlinked, dir_fsynced (a deletion batch's files)
     lake       received, appended, rotated, object_written, uploaded, registered, acked,
                indexed, evicted (after that lifecycle step of a lake file; e.g.
                ``lake=kill:registered``)
@@ -72,6 +77,11 @@ def _hook(step: str, action: str, rule: str) -> Callable[[str], None]:
                 while os.path.exists(arg):
                     time.sleep(GATE_POLL_S)
         return gate
+    if kind == "raise":
+        def refuse(at: str) -> None:
+            if at == arg:
+                raise RuntimeError(f"injected by {ENV}: {rule}")
+        return refuse
     if kind == "kill":
         def kill(at: str) -> None:
             if at == arg:

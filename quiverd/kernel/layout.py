@@ -12,6 +12,7 @@
         segments/FLOOR                  highest segment seq ever finalized
         segments/DELETED                highest WAL sequence of a deleted segment
         ack.log                         subscriber outcomes + checkpoints
+        lost.json                       losses already reported (reported once)
         quarantine/                     bytes cut out during recovery
       lake.id                           this data directory's incarnation (a ULID)
       lake.scrub                        when the last lake scrub pass started (ns, text)
@@ -43,6 +44,7 @@ TMP_SUFFIX = ".tmp"
 FLOOR = "FLOOR"
 DELETED = "DELETED"
 ACK_LOG = "ack.log"
+LOST_RECORD = "lost.json"
 QUARANTINE_DIR = "quarantine"
 LAKE_ID = "lake.id"
 LAKE_SCRUB = "lake.scrub"
@@ -125,6 +127,10 @@ class ShardLayout:
     @property
     def ack_log(self) -> Path:
         return self.dir / ACK_LOG
+
+    @property
+    def lost_record(self) -> Path:
+        return self.dir / LOST_RECORD
 
     @property
     def floor(self) -> Path:

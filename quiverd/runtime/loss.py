@@ -132,6 +132,34 @@ def _attribute(lost: Ranges, segments: Sequence[SegmentSpan], gone: Mapping[int,
     return out
 
 
+def split_known(loss: Loss, known_sequences: Ranges,
+                known_segments: Iterable[int]) -> tuple[Loss, Loss]:
+    """``loss`` as (new, known): what an earlier report already named is known."""
+    known = _merge(known_sequences)
+    old_seqs = [r for lo, hi in loss.sequences for r in _intersect(known, lo, hi)]
+    new_seqs = [r for lo, hi in loss.sequences for r in _complement(known, lo, hi)]
+    seen = set(known_segments)
+    new = Loss(sequences=new_seqs, segments=[s for s in loss.segments
+                                              if s.segment_seq not in seen],
+               highest_sequence=loss.highest_sequence)
+    old = Loss(sequences=old_seqs, segments=[s for s in loss.segments
+                                              if s.segment_seq in seen],
+               highest_sequence=loss.highest_sequence)
+    return new, old
+
+
+def remembered(loss: Loss, known_segments: Iterable[tuple[int, int | None]],
+               max_segments: int) -> tuple[Ranges, list[tuple[int, int | None]]]:
+    """What the lost record should hold after ``loss`` was reported: every range still
+    lost (a range gc passed drops out), and the gone segments reported so far (newest
+    ``max_segments``; none once no sequence is lost any more)."""
+    if not loss.sequences:
+        return [], [(s.segment_seq, s.bundle_count) for s in loss.segments][-max_segments:]
+    segments = dict(known_segments)
+    segments.update((s.segment_seq, s.bundle_count) for s in loss.segments)
+    return _merge(loss.sequences), sorted(segments.items())[-max_segments:]
+
+
 def _runs(sorted_values: list[int]) -> Ranges:
     """Consecutive values as inclusive ranges."""
     runs: Ranges = []

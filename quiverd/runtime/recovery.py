@@ -38,6 +38,7 @@ import bisect
 
 import msgspec
 
+from quiverd.acks import format as ackformat
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.recovery import gone_segments, replay_acks, settle_acks
 from quiverd.acks.state import AckState
@@ -47,17 +48,27 @@ from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
-from quiverd.runtime.loss import Coverage, Loss, LostSegment, find_loss
+from quiverd.runtime.loss import (
+    Coverage,
+    Loss,
+    LostSegment,
+    find_loss,
+    remembered,
+    split_known,
+)
 from quiverd.segments.files import (
     Deleted,
     Floor,
+    NotWritten,
+    checked_write,
     delete_segments,
     quarantine_segment,
     read_marker,
     scan_segments,
     verify_file,
-    write_marker,
 )
+from quiverd.segments.lost import MAX_SEGMENTS as MAX_LOST_SEGMENTS
+from quiverd.segments.lost import LostRecord, read_lost, write_lost
 from quiverd.segments.table import SegmentInfo
 from quiverd.wal import format as walformat
 from quiverd.wal.files import WalFiles
@@ -77,10 +88,16 @@ class Recovered(msgspec.Struct, kw_only=True):
     # Segments whose stream bytes no CRC has checked yet (only their metadata's).
     unverified: set[int] = msgspec.field(default_factory=set)
     ack_file: AckLogFile
+    # Applied to ``acks`` but not yet in ack.log (startup compaction found no space).
+    ack_pending: list[ackformat.Record] = msgspec.field(default_factory=list)
     quarantined_segments: list[str] = msgspec.field(default_factory=list)
     lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
     # Gone segments whose bundles (shard, segment_seq, 0..bundle_count-1) are lost.
     lost_bundles: list[LostSegment] = msgspec.field(default_factory=list)
+    # Losses an earlier start (or the finalizer) already reported (shard-<n>/lost.json):
+    # listed, not reported again.
+    known_lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    known_lost_bundles: list[tuple[int, int | None]] = msgspec.field(default_factory=list)
     replay: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -106,10 +123,19 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
     ack_scan = replay_acks(shard, log)
     loss = find_loss(segments=segments, deleted_sequence=deleted.wal_sequence,
                      wal_sequences=(e.sequence for e in state.entries),
-                     gone=gone_segments(ack_scan.state, on_disk, quarantined))
+                     gone=gone_segments(ack_scan.state, on_disk, quarantined,
+                                          deleted.segment_seqs))
     # Logged before settle_acks makes ack.log forget the gone segments: a crash in
-    # between reports the loss again rather than never.
-    _report_loss(index, loss, log)
+    # between reports the loss again rather than never. What an earlier start
+    # reported (lost.json) is only listed.
+    known = _read_known(shard, log)
+    new, old = split_known(loss, known.sequences, (q for q, _ in known.segments))
+    _report_loss(index, new, log)
+    if old:
+        log.info("bundles_lost_known", shard=index, bundles=old.count,
+                 ranges=len(old.sequences), path=str(shard.lost_record),
+                 hint="reported at an earlier start; listed in status as known")
+    known_segments = _remember(shard, loss, known, log)
     wal = WalFiles.open(shard.wal_dir, state, cfg_hash=walformat.DEFAULT_CFG_HASH,
                         max_size_bytes=cfg.wal.max_size_bytes,
                         max_chunks=cfg.wal.max_chunks, log=log)
@@ -118,22 +144,24 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
     next_segment_seq = _next_segment_seq(shard, floor, segments, quarantined,
                                          acks.state.segment_floor, log)
     orphans = [by_seq.pop(seq) for seq in acks.orphans]
-    delete_segments(shard, orphans)
+    delete_segments(shard, orphans, mark=False)  # ack.log recorded them deleted
     segments = sorted(by_seq.values(), key=lambda s: s.segment_seq)
     log.info("shard_recovered", segments=len(segments), open_bundles=len(open_bundles),
              wal_entries=len(state.entries), corrupt_entries=state.corrupt_entries,
              torn_tail_bytes=state.torn_tail_bytes, lost_bundles=loss.count)
     return Recovered(
         # Never reuse a sequence the lost bundles had: producers hold acks naming them.
-        wal=wal, next_sequence=max(state.next_sequence, loss.highest_sequence + 1),
+        wal=wal, next_sequence=max(state.next_sequence, loss.highest_sequence + 1,
+                                   known.highest_sequence + 1),
         next_segment_seq=next_segment_seq, open_bundles=open_bundles, segments=segments,
-        acks=acks.state, ack_file=acks.file,
+        acks=acks.state, ack_file=acks.file, ack_pending=acks.pending,
         unverified={s.segment_seq for s in segments} & scan.unverified,
-        quarantined_segments=[str(q) for q in quarantined], lost_sequences=loss.sequences,
-        lost_bundles=loss.segments,
+        quarantined_segments=[str(q) for q in quarantined], lost_sequences=new.sequences,
+        lost_bundles=new.segments, known_lost_sequences=old.sequences,
+        known_lost_bundles=known_segments,
         replay={"entries": len(state.entries), "corrupt_entries": state.corrupt_entries,
                 "torn_tail_bytes": state.torn_tail_bytes,
-                "resynced_bytes": state.resynced_bytes, "bundles_lost": loss.count,
+                "resynced_bytes": state.resynced_bytes, "bundles_lost": new.count,
                 **{f"ack_log_{k}": v for k, v in acks.counters.items()}})
 
 
@@ -177,11 +205,47 @@ def _next_segment_seq(shard: ShardLayout, floor: Floor, segments: list[SegmentIn
     highest = max([floor.segment_seq, ack_floor - 1, *(s.segment_seq for s in segments),
                    *quarantined])
     if highest > floor.segment_seq:
-        write_marker(shard.floor, Floor(segment_seq=highest))
+        try:
+            checked_write(shard.floor, msgspec.json.encode(Floor(segment_seq=highest)),
+                          mode=0o644)
+        except NotWritten as exc:
+            # A full disk must not stop a start: the finalizer writes FLOOR with the next
+            # segment, and until then this start computes the same number again.
+            log.warning("segment_floor_deferred", path=str(shard.floor), error=str(exc),
+                        hint="free disk space; FLOOR is written with the next segment")
+            return highest + 1
         log.info("segment_floor_raised", from_segment_seq=floor.segment_seq,
                  to_segment_seq=highest, reason="a crash fell between a segment's rename "
                  "and its FLOOR write")
     return highest + 1
+
+
+def _read_known(shard: ShardLayout, log: Logger) -> LostRecord:
+    """lost.json; a damaged one only means known losses are reported once more."""
+    try:
+        return read_lost(shard.lost_record)
+    except CorruptRecord as exc:
+        log.warning("lost_record_unreadable", path=str(shard.lost_record), error=str(exc),
+                    hint="known losses are reported once more; the record is rewritten")
+        return LostRecord()
+
+
+def _remember(shard: ShardLayout, loss: Loss, known: LostRecord,
+              log: Logger) -> list[tuple[int, int | None]]:
+    """Rewrite lost.json with what is still lost; returns the known gone segments.
+
+    A record that cannot be written (a full disk at start) is not fatal: the loss is
+    then reported once more at the next start."""
+    sequences, segments = remembered(loss, known.segments, MAX_LOST_SEGMENTS)
+    highest = max([known.highest_sequence, *(hi for _, hi in loss.sequences)])
+    record = LostRecord(sequences=sequences, segments=segments, highest_sequence=highest)
+    if record != known:
+        try:
+            write_lost(shard.lost_record, record)
+        except NotWritten as exc:
+            log.warning("lost_record_not_written", path=str(shard.lost_record),
+                        error=str(exc), hint="the loss is reported again at the next start")
+    return list(known.segments)
 
 
 def _report_loss(index: int, loss: Loss, log: Logger) -> None:

@@ -4,6 +4,9 @@ loop, and the exit code systemd acts on.
     0   clean stop
     2   another quiverd holds the data directory or listens on the socket path
     70  a durability error (fdatasync/fsync/I/O): systemd restarts, replay recovers
+    75  a stop outlasted shutdown_timeout_ms: what was left is in the WAL (logged as
+        ``shutdown_timed_out``), the next start's replay recovers it; the unit lists 75
+        in SuccessExitStatus, so a stop that timed out is not a failure
     78  a configuration error: not restarted until the config is fixed
 """
 
@@ -26,6 +29,7 @@ from quiverd.runtime.daemon import Daemon
 from quiverd.runtime.lockfile import lock_data_dir
 
 EXIT_FATAL = 70  # EX_SOFTWARE: systemd's Restart=on-failure restarts us
+EXIT_STOP_TIMED_OUT = 75  # EX_TEMPFAIL: nothing acked is lost, the next start finishes
 EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=78 stops a restart loop
 
 
@@ -57,7 +61,11 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
         if lock_fd >= 0:
             os.close(lock_fd)
     if daemon.stopping and _timed_out(daemon):
-        return EXIT_FATAL
+        for shard in (s for s in daemon.shards if s.unfinished):
+            log.warning("shutdown_timed_out", timeout_ms=cfg.shutdown_timeout_ms,
+                        **shard.left_at_stop(), hint="every acknowledged bundle is in the "
+                        "WAL: the next start replays it; raise shutdown_timeout_ms to drain")
+        return EXIT_STOP_TIMED_OUT
     return 0
 
 

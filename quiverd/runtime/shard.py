@@ -126,6 +126,7 @@ class Shard:
         async with anyio.create_task_group() as tg:
             await tg.start(lambda task_status: ack_logger.run(
                 self._ack_rx, state=rec.acks, file=rec.ack_file, segments=self._table,
+                pending=rec.ack_pending,
                 changes=self.changes, limiter=acklog, stats=self.ack_stats, log=self.log,
                 task_status=task_status))
             async with anyio.create_task_group() as services:
@@ -144,7 +145,8 @@ class Shard:
                     self.ack_tx.clone(), state=rec.acks, segments=self.segments,
                     shard=self.layout, cfg=self.cfg.retention, gate=self.gate,
                     over_cap=self.over_cap, changes=self.changes, limiter=gc,
-                    stats=self.gc_stats, log=self.log, task_status=task_status))
+                    stats=self.gc_stats, log=self.log, hook=self.faults.get("gc"),
+                    task_status=task_status))
                 await self._run_ingest_chain(rec, task_status)
                 services.cancel_scope.cancel()
             await self.ack_tx.aclose()
@@ -167,6 +169,7 @@ class Shard:
                 limiter=fin, stats=self.segment_stats, log=self.log,
                 hook=self.faults.get("finalize"),
                 reserve_bytes=finalizer.METADATA_RESERVE_BYTES, fetch=rec.wal.read_back,
+                salvage=rec.wal, on_lost=self._lost_at_finalize,
                 task_status=task_status))
             await tg.start(lambda task_status: segment_builder.run(
                 durable_rx, sealed_tx, cfg=self.cfg.segment,
@@ -228,8 +231,26 @@ class Shard:
             "quarantined_segments": rec.quarantined_segments if rec else [],
             "lost_sequences": rec.lost_sequences if rec else [],
             "lost_bundles": rec.lost_bundles if rec else [],
+            # Reported at an earlier start (lost.json): listed, not new.
+            "known_lost_sequences": rec.known_lost_sequences if rec else [],
+            "known_lost_bundles": rec.known_lost_bundles if rec else [],
             "scrub": self.scrub_status(),
         }
+
+    def _lost_at_finalize(self, sequence: int) -> None:
+        """A bundle the finalizer refused (quarantined): counted and listed in status."""
+        self.bundles_lost.inc()
+        if self.recovered is not None:
+            self.recovered.lost_sequences.append((sequence, sequence))
+
+    def left_at_stop(self) -> dict[str, int]:
+        """What a stop cut short left behind, for ``shutdown_timed_out``: bundles received
+        and not acked (their producers retry), and bundles in the WAL that no segment
+        holds yet (replay finalizes them at the next start)."""
+        rec = self.recovered
+        return {"shard": self.index, "bundles_not_acked": int(self.wal_stats.inflight.value),
+                "bundles_not_finalized": rec.wal.unreleased_entries if rec else 0,
+                "wal_bytes": rec.wal.live_bytes if rec else 0}
 
     def scrub_status(self) -> dict[str, Any]:
         """The scrubber's progress and the segments found corrupt since startup."""

@@ -4,8 +4,11 @@
     segments/FLOOR            {"segment_seq": N}   highest segment seq ever finalized
                               (finalizer): numbers never repeat, even after every
                               segment is deleted
-    segments/DELETED          {"wal_sequence": S}  WAL sequences <= S were in segments
-                              deleted on purpose (gc): replay must not resurrect them
+    segments/DELETED          {"wal_sequence": S, "segment_seqs": [..]}  WAL sequences
+                              <= S were in segments deleted on purpose (gc): replay must
+                              not resurrect them; segment_seqs is the latest deletion
+                              batch, whose SEGMENT_DELETED records a crash may have cut
+                              off: recovery and fsck take those files for deleted, not lost
 
 Paths come from ``quiverd.kernel.layout``. Every function blocks: call it from a
 worker thread.
@@ -23,9 +26,9 @@ import msgspec
 import pyarrow.compute as pc
 
 from quiverd.kernel import layout
-from quiverd.kernel.durable import atomic_write, fsync_dir
+from quiverd.kernel.durable import atomic_write, fsync_dir, with_path
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost, QuiverError
-from quiverd.kernel.faults import StepTracker
+from quiverd.kernel.faults import Hook, StepTracker, prefixed
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.quarantine import move_file
 from quiverd.segments.format import SEGMENT_MODE, Piece
@@ -43,6 +46,10 @@ class Floor(msgspec.Struct, frozen=True, kw_only=True):
 
 class Deleted(msgspec.Struct, frozen=True, kw_only=True):
     wal_sequence: int = 0
+    # The batch being deleted when this marker was written (absent in markers written
+    # before this field existed: read as empty). ack.log records the batch's
+    # SEGMENT_DELETED before the gc writes the next marker, so one batch is enough.
+    segment_seqs: list[int] = msgspec.field(default_factory=list)
 
 
 MARKER_TYPES: dict[str, type[Floor] | type[Deleted]] = {layout.FLOOR: Floor,
@@ -92,14 +99,16 @@ def checked_write(path: Path, chunks: list[Piece] | bytes, *, mode: int, hook: o
         if steps.renamed:
             raise DurabilityLost(f"{path} was renamed into place but the fsync of "
                                  f"{path.parent} failed: {exc.strerror or exc}; whether it "
-                                 "is durable is unknown, the shard stops") from exc
+                                 "is durable is unknown, the shard stops"
+                                 ) from with_path(exc, path)
         try:
             os.unlink(layout.tmp_path(path))
         except FileNotFoundError:
             pass
         except OSError as cleanup:
             raise DurabilityLost(f"removing {layout.tmp_path(path)} after a failed write "
-                                 f"failed: {cleanup.strerror or cleanup}") from exc
+                                 f"failed: {cleanup.strerror or cleanup}"
+                                 ) from with_path(cleanup, layout.tmp_path(path))
         raise NotWritten(path, exc) from exc
 
 
@@ -119,19 +128,28 @@ def write_marker(path: Path, marker: msgspec.Struct) -> None:
     atomic_write(path, msgspec.json.encode(marker))
 
 
-def delete_segments(shard: ShardLayout, segments: Iterable[SegmentInfo]) -> int:
+def delete_segments(shard: ShardLayout, segments: Iterable[SegmentInfo], *,
+                    hook: Hook | None = None, mark: bool = True) -> int:
     """Unlink a batch of segments durably: one DELETED marker write, one directory fsync.
 
-    The marker rises first (to the highest WAL sequence in the batch), so a crash
-    after any unlink cannot bring their bundles back from the WAL. Returns how
-    many files were unlinked (a file already gone is not an error).
+    The marker rises first (to the highest WAL sequence in the batch) and names the
+    batch, so a crash after any unlink can neither bring their bundles back from the
+    WAL nor make them look lost. ``mark=False`` for segments ack.log already recorded
+    deleted (recovery's orphans). Returns how many files were unlinked (a file
+    already gone is not an error). Raises NotWritten when the marker could not be
+    written (no space: nothing was unlinked, try again later), DurabilityLost when
+    its rename or the directory fsync failed. ``hook`` gets ``marker_<atomic step>``,
+    ``unlinked_first``, ``unlinked`` and ``dir_fsynced`` (crash tests).
     """
     batch = list(segments)
     if not batch:
         return 0
-    highest = max(s.last_sequence for s in batch)
-    if highest > read_marker(shard.deleted, Deleted).wal_sequence:
-        write_marker(shard.deleted, Deleted(wal_sequence=highest))
+    if mark:
+        old = read_marker(shard.deleted, Deleted)
+        marker = Deleted(wal_sequence=max(old.wal_sequence, *(s.last_sequence for s in batch)),
+                         segment_seqs=sorted(s.segment_seq for s in batch))
+        checked_write(shard.deleted, msgspec.json.encode(marker), mode=0o644,
+                      hook=prefixed(hook, "marker_"))
     unlinked = 0
     for seg in batch:
         try:
@@ -139,8 +157,22 @@ def delete_segments(shard: ShardLayout, segments: Iterable[SegmentInfo]) -> int:
             unlinked += 1
         except FileNotFoundError:
             pass
-    fsync_dir(shard.segments_dir)
+        if unlinked == 1:
+            _step(hook, "unlinked_first")
+    _step(hook, "unlinked")
+    try:
+        fsync_dir(shard.segments_dir)
+    except OSError as exc:
+        raise DurabilityLost(f"fsync of {shard.segments_dir} after unlinking segments failed: "
+                             f"{exc.strerror or exc}; the shard stops"
+                             ) from with_path(exc, shard.segments_dir)
+    _step(hook, "dir_fsynced")
     return unlinked
+
+
+def _step(hook: Hook | None, step: str) -> None:
+    if hook is not None:
+        hook(step)
 
 
 class SegmentScan(msgspec.Struct, kw_only=True):

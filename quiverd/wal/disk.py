@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from quiverd.kernel import layout
-from quiverd.kernel.durable import atomic_write, write_all
+from quiverd.kernel.durable import atomic_write, with_path, write_all
 from quiverd.kernel.errors import AtCapacity, DurabilityLost
 from quiverd.kernel.faults import Hook, StepTracker, prefixed
 from quiverd.wal import format as walformat
@@ -66,14 +66,16 @@ def create_fresh(tmp: Path, cfg_hash: bytes, *, done: int) -> int:
     except OSError as exc:
         close_and_unlink(fd, tmp)
         if exc.errno not in NO_SPACE:
-            raise DurabilityLost(f"creating {tmp} failed: {exc.strerror or exc}") from exc
+            raise DurabilityLost(f"creating {tmp} failed: {exc.strerror or exc}"
+                                 ) from with_path(exc, tmp)
         raise WalNoSpace(f"no space left for a new WAL file {tmp}: {exc.strerror or exc}",
                          written=done, reason=reason_of(exc)) from exc
     try:
         os.fdatasync(fd)
     except OSError as exc:
         close_and_unlink(fd, tmp)
-        raise DurabilityLost(f"fdatasync of {tmp} failed: {exc.strerror or exc}") from exc
+        raise DurabilityLost(f"fdatasync of {tmp} failed: {exc.strerror or exc}"
+                             ) from with_path(exc, tmp)
     return fd
 
 
@@ -109,7 +111,8 @@ def write_sidecar(wal_dir: Path, offset: int, gen: int, *, hook: Hook | None) ->
     except OSError as exc:
         if steps.renamed or exc.errno not in NO_SPACE:
             raise DurabilityLost(f"writing {path} failed after step "
-                                 f"{steps.reached or 'open'}: {exc.strerror or exc}") from exc
+                                 f"{steps.reached or 'open'}: {exc.strerror or exc}"
+                                 ) from with_path(exc, path)
         close_and_unlink(-1, layout.tmp_path(path))
         raise WalNoSpace(f"no space left to write {path}: {exc.strerror or exc}",
                          written=0, reason=reason_of(exc)) from exc

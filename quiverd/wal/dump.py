@@ -19,7 +19,7 @@ from quiverd.kernel.bundle import MAX_SLOTS
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.wal import format as wf
 from quiverd.wal.inventory import live_start
-from quiverd.wal.resync import NONZERO, find_sound_entry
+from quiverd.wal.resync import NONZERO, next_step
 
 
 def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
@@ -47,22 +47,27 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
         whole = "whole file" if pos == len(raw) else "space reclaimed"
         yield {"kind": "released", "offset": wf.HEADER_LEN, "bytes": pos - wf.HEADER_LEN,
                "message": f"released to segments ({whole})"}
+    # Walked by replay's own rule (``next_step``), so that fsck, which reads these rows,
+    # predicts exactly the entries replay keeps and the sequences it loses.
     last: int | None = None  # sequence of the last sound entry: a successor's is higher
+    skipped = 0  # bad entries skipped since it
     while pos < len(raw):
-        try:
-            e = wf.decode_entry(raw, pos, max_entry_bytes=len(raw), path=str(path))
-        except CorruptRecord as exc:
-            resync = find_sound_entry(raw, pos + 1, len(raw), after_sequence=last)
-            if resync is None:
-                yield _tail_row(Path(path), pos, len(raw) - pos, str(exc))
-                return
-            yield from _skipped_rows(raw, pos, resync, str(exc))
-            pos = resync
-            continue
-        yield _entry_row(e)
-        if e.sound and e.entry_type in wf.KNOWN_ENTRY_TYPES:
-            last = e.sequence
-        pos += e.total_len
+        step = next_step(raw, pos, max_entry_bytes=len(raw), last_sequence=last,
+                         skipped=skipped, after_sequence=last, path=str(path))
+        if step.kind == "tail":
+            yield _tail_row(Path(path), pos, len(raw) - pos, step.reason)
+            return
+        if step.kind == "skip":
+            yield from _skipped_rows(raw, pos, step.end, step.reason)
+        else:
+            e = step.entry
+            assert e is not None
+            yield _entry_row(e)
+            if step.kind == "corrupt":
+                skipped += 1
+            elif e.entry_type in wf.KNOWN_ENTRY_TYPES:
+                last, skipped = e.sequence, 0
+        pos = step.end
 
 
 def _tail_row(path: Path, pos: int, nbytes: int, reason: str) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any
 
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import META_SLOT, Buffer, Slot
-from quiverd.kernel.durable import fsync_dir, write_all
+from quiverd.kernel.durable import fsync_dir, with_path, write_all
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost
 from quiverd.kernel.faults import Hook
 from quiverd.wal import format as walformat
@@ -185,7 +185,8 @@ class WalFiles:
         try:
             free = free_bytes(self.wal_dir)
         except OSError as exc:
-            raise self._lost("statvfs of", exc) from exc
+            raise self._lost("statvfs of", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
         if free - nbytes < self.reserve_bytes:
             raise WalNoSpace(f"{free} bytes free on the filesystem of {self.wal_dir}: "
                              f"appending {nbytes} would leave less than the "
@@ -213,7 +214,8 @@ class WalFiles:
             self._write(pieces)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
-                raise self._lost("write to", exc) from exc
+                raise self._lost("write to", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
             self._cut_back(start, count, exc)
             raise WalNoSpace(f"no space left writing {layout.active_wal(self.wal_dir)} at "
                              f"offset {start}: {exc.strerror or exc}", written=done,
@@ -230,7 +232,8 @@ class WalFiles:
                 f"({cause.strerror or cause}) and cutting it back to offset {start} failed "
                 f"too: {exc.strerror or exc}; a torn entry may follow the last good one",
                 hint="check the disk (dmesg); replay cuts the torn tail into quarantine/ "
-                "and recovers every acknowledged entry") from exc
+                "and recovers every acknowledged entry") from with_path(
+                    exc, layout.active_wal(self.wal_dir))
         for _ in range(count):
             self._index.pop()
         self.end_offset = start
@@ -262,7 +265,7 @@ class WalFiles:
                     f"fdatasync of {layout.active_wal(self.wal_dir)} failed: "
                     f"{exc.strerror or exc}; "
                     "the shard stops without acknowledging the entries it covered"
-                ) from exc
+                ) from with_path(exc, layout.active_wal(self.wal_dir))
 
     def _fault(self, step: str) -> None:
         if self.fault_hook is not None:
@@ -293,7 +296,8 @@ class WalFiles:
             except OSError as exc:
                 os.close(fd)
                 raise DurabilityLost(f"rotating {active} failed: {exc.strerror or exc}; the "
-                                     "shard stops, replay finds every synced entry") from exc
+                                     "shard stops, replay finds every synced entry"
+                                     ) from with_path(exc, self.wal_dir)
             self._rotated.append(_Rotated(self.generation, self.end_offset - self._released_offset))
             os.close(self._fd)
             self.generation += 1
@@ -313,6 +317,20 @@ class WalFiles:
         punched only once released, after the segment holding it is durable. Every
         entry's CRC is checked again: a mismatch raises CorruptRecord.
         """
+        return {seq: {sl.slot: sl.ipc for sl in slots}
+                for seq, slots in self.read_slots(sequences).items()}
+
+    def read_slots(self, sequences: list[int]) -> dict[int, tuple[Slot, ...]]:
+        """Like ``read_back``, with each user slot whole (fingerprint, row count)."""
+        return {seq: tuple(sl for sl in entry.slots if sl.slot != META_SLOT)
+                for seq, (entry, _) in self._read_entries(sequences).items()}
+
+    def entry_bytes(self, sequences: list[int]) -> dict[int, bytes]:
+        """Unreleased entries whole (length prefix to CRC), copied: for quarantine/."""
+        return {seq: bytes(raw) for seq, (_, raw) in self._read_entries(sequences).items()}
+
+    def _read_entries(self, sequences: list[int]
+                      ) -> dict[int, tuple[walformat.DecodedEntry, memoryview]]:
         with self._mutex:
             where = self._locate(sequences)
             files: dict[int, int] = {}
@@ -332,16 +350,17 @@ class WalFiles:
         finally:
             for fd in files.values():
                 os.close(fd)  # the maps keep the inodes
-        out: dict[int, dict[int, Buffer]] = {}
+        out: dict[int, tuple[walformat.DecodedEntry, memoryview]] = {}
         for seq, (gen, offset) in where.items():
             path = paths[gen]
-            entry = walformat.decode_entry(memoryview(maps[gen]), offset, path=path,
+            view = memoryview(maps[gen])
+            entry = walformat.decode_entry(view, offset, path=path,
                                            max_entry_bytes=walformat.MAX_ENTRY_LEN)
             if not entry.sound or entry.sequence != seq:
                 raise CorruptRecord(path, offset, f"WAL entry {seq} read back for its segment "
                                     f"is damaged ({entry.problem or 'crc mismatch'}, sequence "
                                     f"{entry.sequence})")
-            out[seq] = {sl.slot: sl.ipc for sl in entry.slots if sl.slot != META_SLOT}
+            out[seq] = (entry, view[offset:offset + entry.total_len])
         return out
 
     def _path_of(self, generation: int) -> Path:
@@ -399,7 +418,8 @@ class WalFiles:
                 fsync_dir(self.wal_dir)
                 self._fault("unlink_dir_fsync")
         except OSError as exc:
-            raise self._lost("deleting released files beside", exc) from exc
+            raise self._lost("deleting released files beside", exc) from with_path(
+                exc, self.wal_dir)
         if gen == self.generation and offset > self._released_offset + walformat.HEADER_LEN:
             freed = self._reclaim_active(offset) or freed
         return freed
@@ -419,7 +439,8 @@ class WalFiles:
                     self.log.warning("wal_reclaim_deferred", error=exc.strerror or str(exc))
                     return False
                 if exc.errno not in PUNCH_UNSUPPORTED:
-                    raise self._lost("punching released bytes out of", exc) from exc
+                    raise self._lost("punching released bytes out of", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
                 self.punch_supported = False
         if offset - start >= max(self.chunk_bytes // 2, BLOCK):
             return self._rewrite_active(offset)
@@ -440,7 +461,8 @@ class WalFiles:
                                 offset, self.end_offset)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
-                raise self._lost("rewriting", exc) from exc
+                raise self._lost("rewriting", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
             self.log.warning("wal_rewrite_deferred", error=exc.strerror or str(exc))
             return False
         with self._lock:
@@ -449,7 +471,8 @@ class WalFiles:
                 fsync_dir(self.wal_dir)
             except OSError as exc:
                 os.close(fd)
-                raise self._lost("replacing", exc) from exc
+                raise self._lost("replacing", exc) from with_path(
+                    exc, layout.active_wal(self.wal_dir))
             os.close(self._fd)
             self._fd = fd
             shift = offset - start
@@ -459,6 +482,11 @@ class WalFiles:
             self._released_offset = 0
         self.log.info("wal_rewritten", reclaimed_bytes=shift)
         return True
+
+    @property
+    def unreleased_entries(self) -> int:
+        """Entries written that no durable segment holds yet (replay would keep them)."""
+        return len(self._index)
 
     def stats(self) -> dict[str, int]:
         return {"wal_bytes": self.live_bytes, "wal_files": self.file_count,

@@ -33,12 +33,11 @@ import pyarrow as pa
 
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import META_SLOT, Slot, stream_facts
-from quiverd.kernel.durable import atomic_write
-from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.durable import atomic_write, with_path
 from quiverd.kernel.quarantine import keep_bytes
 from quiverd.wal import format as wf
 from quiverd.wal.inventory import wal_inventory
-from quiverd.wal.resync import NONZERO, find_sound_entry
+from quiverd.wal.resync import NONZERO, next_step
 
 
 class Logger(Protocol):
@@ -202,43 +201,39 @@ class _Scan:
         data = _map_from(path, start)
         pos = 0
         while pos < len(data):
-            try:
-                entry = wf.decode_entry(
-                    data, pos, max_entry_bytes=self.max_entry_bytes, path=str(path)
-                )
-            except CorruptRecord as exc:
-                # A length beyond the file is damage like any other: only when no sound
-                # entry follows is it a torn write.
-                nxt, reason = self._resync(path, gen, start, data, pos), str(exc)
-            else:
-                nxt, reason = self._take(path, gen, start, data, entry), _why(entry)
-            if nxt is None:
+            step = next_step(data, pos, max_entry_bytes=self.max_entry_bytes,
+                             last_sequence=self.last_seq, skipped=self.skipped,
+                             after_sequence=self._after(), path=str(path))
+            if step.kind == "tail":
                 if active:
-                    return self._cut_tail(path, gen, start, data, pos, reason)
-                self._skip_tail(path, gen, start, data, pos, reason)
+                    return self._cut_tail(path, gen, start, data, pos, step.reason)
+                self._skip_tail(path, gen, start, data, pos, step.reason)
                 break
-            pos = nxt
+            if step.kind == "skip":
+                self._skip(path, gen, start, data, pos, step.end)
+            elif step.kind == "corrupt":
+                assert step.entry is not None
+                self._quarantine_corrupt(path, gen, start + pos, data, step.entry)
+            else:
+                assert step.entry is not None
+                self._take(path, gen, start, step.entry)
+            pos = step.end
         return start + len(data)
 
-    def _take(self, path: Path, gen: int, start: int, data: memoryview,
-              entry: wf.DecodedEntry) -> int | None:
-        """Offset after ``entry`` (or after the damage it starts); None: nothing sound follows."""
-        pos = entry.offset
-        if not entry.sound:
-            if self._successor_ok(data, pos + entry.total_len):
-                self._quarantine_corrupt(path, gen, start + pos, data, entry)
-            elif pos + entry.total_len == len(data):
-                return None  # Nothing after it: a damaged last entry is a torn tail, no search.
-            else:
-                return self._resync(path, gen, start, data, pos)
-        elif entry.entry_type in wf.KNOWN_ENTRY_TYPES:
+    def _after(self) -> int | None:
+        """The sequence a resync must find an entry above (sequences only grow)."""
+        if self.last_seq is not None:
+            return self.last_seq
+        return self.covered.high if self.covered is not None else None
+
+    def _take(self, path: Path, gen: int, start: int, entry: wf.DecodedEntry) -> None:
+        if entry.entry_type in wf.KNOWN_ENTRY_TYPES:
             self._accept(entry, gen, start)
         else:
             self.log.info(
-                "wal_unknown_entry_skipped", path=str(path), offset=start + pos,
+                "wal_unknown_entry_skipped", path=str(path), offset=start + entry.offset,
                 entry_type=entry.entry_type,
             )
-        return pos + entry.total_len
 
     def _accept(self, entry: wf.DecodedEntry, gen: int, start: int) -> None:
         if self.damaged:
@@ -291,30 +286,14 @@ class _Scan:
             self.corrupt += self.skipped
             self.damaged = False
 
-    def _successor_ok(self, data: memoryview, pos: int) -> bool:
-        """Does a sound entry continue the sequence right after a damaged one?"""
-        try:
-            nxt = wf.decode_entry(data, pos, max_entry_bytes=self.max_entry_bytes)
-        except CorruptRecord:
-            return False
-        if not nxt.sound:
-            return False
-        if nxt.entry_type not in wf.KNOWN_ENTRY_TYPES or self.last_seq is None:
-            return True
-        return nxt.sequence == self.last_seq + 2 + self.skipped
-
-    def _resync(self, path: Path, gen: int, start: int, data: memoryview, pos: int) -> int | None:
-        """Offset of the next sound entry after damage at ``pos``, or None (a torn tail).
+    def _skip(self, path: Path, gen: int, start: int, data: memoryview, pos: int,
+              resync: int) -> None:
+        """Damage at ``pos`` up to the next sound entry at ``resync`` is skipped.
 
         With the sidecar lost, replay can walk into a punched hole (zeroed 4 KiB
         blocks of released entries) mid-entry; the intact entries after it must
         survive. Skipped non-zero bytes are quarantined before they are skipped.
         """
-        after = self.last_seq if self.last_seq is not None else (
-            self.covered.high if self.covered is not None else None)
-        resync = find_sound_entry(data, pos + 1, self.max_entry_bytes, after_sequence=after)
-        if resync is None:
-            return None
         skipped = memoryview(data)[pos:resync]
         if NONZERO.search(skipped) is not None:
             self._quarantine(gen, start + pos, "skipped", skipped)
@@ -324,7 +303,6 @@ class _Scan:
         self.resynced_bytes += resync - pos
         self.log.warning("wal_damage_skipped", path=str(path), offset=start + pos,
                          bytes=resync - pos, resumed_at=start + resync)
-        return resync
 
     def _skip_tail(self, path: Path, gen: int, start: int, data: memoryview, pos: int,
                    reason: str) -> None:
@@ -364,6 +342,8 @@ class _Scan:
         try:
             os.ftruncate(fd, offset)
             os.fsync(fd)
+        except OSError as exc:
+            raise with_path(exc, path) from exc
         finally:
             os.close(fd)
         self.torn_bytes += cut

@@ -23,7 +23,9 @@ from __future__ import annotations
 import re
 import struct
 from functools import lru_cache
+from typing import Literal, NamedTuple
 
+from quiverd.kernel.errors import CorruptRecord
 from quiverd.wal import format as wf
 
 Buffer = bytes | bytearray | memoryview
@@ -46,6 +48,68 @@ assert SEQUENCE_AT == 13 and _LOOKAHEAD == 17 and _SEQ_BITMAP.size == 16
 _LENGTH_OK = (rb"(?<=(?:[\x19-\xff][\x00-\xff]{3}|[\x00-\xff][\x01-\xff][\x00-\xff]{2}"
               rb"|[\x00-\xff]{2}[\x01-\xff][\x00-\xff]|[\x00-\xff]{3}[\x01-\xff])\x00)")
 assert wf.ENTRY_FIXED_LEN == 0x19
+
+
+class Step(NamedTuple):
+    """What the bytes at one offset are, and where the walk goes on (``next_step``).
+
+    ``entry``: a sound entry (of any type); ``corrupt``: a whole entry with a bad CRC
+    whose successor is sound and continues the sequence (skip just it); ``skip``:
+    damage up to ``end``, the next sound entry; ``tail``: nothing sound follows.
+    """
+
+    kind: Literal["entry", "corrupt", "skip", "tail"]
+    end: int  # where the walk goes on (``tail``: the end of the buffer)
+    entry: wf.DecodedEntry | None  # ``entry``/``corrupt``, and a ``tail`` that parsed
+    reason: str  # why the bytes are damage ("" for a sound entry)
+
+
+def next_step(data: Buffer, pos: int, *, max_entry_bytes: int, last_sequence: int | None,
+              skipped: int, after_sequence: int | None, path: str = "") -> Step:
+    """The one rule replay and ``wal dump`` (hence fsck's loss prediction) both walk by.
+
+    ``last_sequence`` is the last sound entry's, ``skipped`` the bad entries skipped
+    since it (each used a sequence), ``after_sequence`` the lowest sequence a resync
+    may not go back to (the last one seen, or what segments hold).
+    """
+    try:
+        entry = wf.decode_entry(data, pos, max_entry_bytes=max_entry_bytes, path=path)
+    except CorruptRecord as exc:
+        # A length beyond the file is damage like any other: only when no sound entry
+        # follows is it a torn write.
+        return _resynced(data, pos, max_entry_bytes, after_sequence, str(exc), None)
+    end = pos + entry.total_len
+    if entry.sound:
+        return Step("entry", end, entry, "")
+    reason = entry.problem or "crc mismatch"
+    if _successor_ok(data, end, max_entry_bytes, last_sequence, skipped):
+        return Step("corrupt", end, entry, reason)
+    if end == len(data):
+        return Step("tail", len(data), entry, reason)  # a damaged last entry: no search
+    # The length itself may be what is damaged: never trust it to find the successor.
+    return _resynced(data, pos, max_entry_bytes, after_sequence, reason, entry)
+
+
+def _resynced(data: Buffer, pos: int, max_entry_bytes: int, after_sequence: int | None,
+              reason: str, entry: wf.DecodedEntry | None) -> Step:
+    resync = find_sound_entry(data, pos + 1, max_entry_bytes, after_sequence=after_sequence)
+    if resync is None:
+        return Step("tail", len(data), entry, reason)
+    return Step("skip", resync, None, reason)
+
+
+def _successor_ok(data: Buffer, pos: int, max_entry_bytes: int, last_sequence: int | None,
+                  skipped: int) -> bool:
+    """Does a sound entry continue the sequence right after a damaged one?"""
+    try:
+        nxt = wf.decode_entry(data, pos, max_entry_bytes=max_entry_bytes)
+    except CorruptRecord:
+        return False
+    if not nxt.sound:
+        return False
+    if nxt.entry_type not in wf.KNOWN_ENTRY_TYPES or last_sequence is None:
+        return True
+    return nxt.sequence == last_sequence + 2 + skipped
 
 
 def find_sound_entry(data: Buffer, cand: int, max_entry_bytes: int, *,

@@ -172,7 +172,8 @@ async def test_gc_sweeper_acked_segments_deleted_in_one_batch(tmp_path: Path) ->
                                   ("SegmentsDeleted", (1, 2, 3), "acked")]
     assert rig.stats.delete_batches.value == 1
     assert by_label(rig.metrics.gc_evictions, 'reason') == {"acked": 3}
-    assert read_marker(rig.shard.deleted, Deleted) == Deleted(wal_sequence=31)
+    assert read_marker(rig.shard.deleted, Deleted) == Deleted(wal_sequence=31,
+                                                             segment_seqs=[1, 2, 3])
     assert rig.files() == [4] and rig.table.seqs() == [4]
     # One ack.log commit for the three SEGMENT_DELETED records (the retire wrote none).
     assert (rig.ack_stats.fsyncs.value, rig.ack_stats.records.value) == (1, 3)
@@ -194,7 +195,8 @@ async def test_gc_sweeper_drop_oldest_deletes_only_what_brings_under_cap(tmp_pat
     assert (rig.stats.segments_dropped.value, rig.stats.delete_batches.value) == (2, 1)
     assert by_label(rig.metrics.gc_evictions, 'reason') == {"size_cap": 2}
     assert rig.files() == [3]
-    assert read_marker(rig.shard.deleted, Deleted) == Deleted(wal_sequence=21)
+    assert read_marker(rig.shard.deleted, Deleted) == Deleted(wal_sequence=21,
+                                                             segment_seqs=[1, 2])
     assert list(rig.state.pending_for("b")) == [(3, 0), (3, 1)]
 
 

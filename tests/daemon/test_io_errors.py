@@ -29,6 +29,7 @@ SMALL_WAL = {"shards": 1, "ingest.max_bundle_bytes": 65536, "wal.max_entry_bytes
 
 FATAL = [
     "wal.write=eio@5",  # a WAL write: EIO
+    "wal.fdatasync=eio@3",  # the WAL's fdatasync
     "wal.rotate_dir_fsync=eio@1",  # the directory fsync after a rotation
     "wal.sidecar_tmp_fsynced=eio@1",  # the sidecar's fsync
     "wal.sidecar_dir_fsynced=eio@1",  # the directory fsync after the sidecar's rename
@@ -78,6 +79,9 @@ def test_io_error_is_fatal_with_exit_70_and_restart_recovers_acked(daemon_factor
     assert d.wait(30) == daemon.EXIT_FATAL, d.log()[-3000:]
     [fatal] = d.events("quiverd_fatal_durability")
     assert "injected" in fatal["error"] and fatal["hint"], fatal
+    # Which file failed, always: an fsync by fd raises with no filename of its own.
+    assert fatal.get("path", "").startswith(str(d.data_dir / "shard-0")), fatal
+    assert fatal["errno"] == "EIO", fatal
     assert "Traceback" not in d.log()
     d.start()  # no faults now
     assert d.stop() == 0

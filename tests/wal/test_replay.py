@@ -16,6 +16,7 @@ from quiverd.runtime.loss import Coverage
 from quiverd.wal import dump as waldump
 from quiverd.wal import format as wf
 from quiverd.wal import replay as wr
+from quiverd.wal.resync import find_sound_entry
 
 MAX = 1 << 20
 FP = b"\x11" * 32
@@ -262,10 +263,10 @@ def test_find_sound_entry_skips_stale_entries_below_after_sequence() -> None:
     garbage = b"\xee" * 50
     data = garbage + small_entry(3) + garbage + small_entry(9)
     stale, fresh = len(garbage), 2 * len(garbage) + len(small_entry(3))
-    assert wr.find_sound_entry(data, 0, MAX) == stale
-    assert wr.find_sound_entry(data, 0, MAX, after_sequence=5) == fresh
-    assert wr.find_sound_entry(data, 0, MAX, after_sequence=9) is None
-    assert wr.find_sound_entry(bytes(10_000) + data, 0, MAX, after_sequence=8) == 10_000 + fresh
+    assert find_sound_entry(data, 0, MAX) == stale
+    assert find_sound_entry(data, 0, MAX, after_sequence=5) == fresh
+    assert find_sound_entry(data, 0, MAX, after_sequence=9) is None
+    assert find_sound_entry(bytes(10_000) + data, 0, MAX, after_sequence=8) == 10_000 + fresh
 
 
 def test_replay_unknown_entry_type_skipped_by_length(tmp_path: Path) -> None:
@@ -433,9 +434,10 @@ def test_dump_wal_lists_entries_and_torn_tail_without_modifying(tmp_path: Path) 
         "slots": [1], "rows": 1, "payload_bytes": 17, "bytes": offsets[1] - offsets[0],
         "crc": "ok", "problem": "",
     }
-    assert rows[2]["crc"] == "bad" and rows[2]["rows"] is None
-    assert rows[3]["kind"] == "torn_tail" and rows[3]["offset"] == offsets[2]
-    assert rows[3]["bytes"] == 10
+    # Entry 2 (bad CRC) has no sound successor: replay cuts it with the torn entry 3,
+    # and the dump (fsck's prediction) says the same.
+    assert rows[2]["kind"] == "torn_tail" and rows[2]["offset"] == offsets[1]
+    assert rows[2]["bytes"] == len(raw) - offsets[1] and len(rows) == 3
     assert wal.read_bytes() == raw
 
 
@@ -519,18 +521,17 @@ def test_dump_wal_hole_without_sidecar_is_not_torn_tail(tmp_path: Path) -> None:
     rows = list(waldump.dump_wal(wal))
     kinds = [r["kind"] for r in rows]
     assert "torn_tail" not in kinds and "released" not in kinds
-    i = kinds.index("hole")
-    hole, edge = rows[i], rows[i + 1]
-    # The entry the hole's start cut reads as damaged; the hole starts at the next boundary,
-    # and the tail of the entry its end cut is skipped up to the next sound entry.
-    assert rows[i - 1]["crc"] == "bad" and 4096 - 92 < rows[i - 1]["offset"] < 4096
-    assert hole["offset"] in offsets and 8192 <= hole["offset"] + hole["bytes"] < 8192 + 92
-    assert edge["kind"] == "skipped" and edge["offset"] == hole["offset"] + hole["bytes"]
-    resumed = edge["offset"] + edge["bytes"]
-    assert resumed in offsets and resumed >= 8192 and kinds.count("hole") == 1
-    entries = [r for r in rows[i + 2 :] if r["kind"] == "entry"]
-    assert len(entries) == len(rows) - i - 2 and entries[0]["offset"] == resumed
-    assert all(r["crc"] == "ok" for r in entries) and entries[-1]["sequence"] == 120
+    # The entry the hole's start cut begins damage that runs, hole included, up to the
+    # next sound entry after it: replay never trusts a damaged entry's length, and the
+    # dump walks by replay's rule.
+    [cut] = [r for r in rows if r["kind"] == "skipped"]
+    assert cut["offset"] in offsets and 4096 - 92 < cut["offset"] < 4096
+    resumed = cut["offset"] + cut["bytes"]
+    assert resumed in offsets and 8192 <= resumed < 8192 + 92
+    entries = [r["sequence"] for r in rows if r["kind"] == "entry"]
+    assert entries == [s for s in range(1, 121) if offsets[s - 1] < cut["offset"]
+                       or offsets[s - 1] >= resumed]
+    assert entries[-1] == 120 and all(r.get("crc", "ok") == "ok" for r in rows)
 
 
 def test_dump_wal_garbage_before_sound_entry_is_skipped_row(tmp_path: Path) -> None:
