@@ -19,9 +19,11 @@ import msgspec
 
 from quiverd.kernel.errors import DaemonUnreachable, QuiverError
 from quiverd.kernel.logs import Logger
-from quiverd.net.rawsock import bind_unix, unlink_if_ours
+from quiverd.net.rawsock import BoundSocket, bind_unix, unlink_if_ours
 
+ADMIN_SOCKET_MODE = 0o600
 MAX_REQUEST_BYTES = 64 * 1024
+REQUEST_TIMEOUT_S = 10.0  # to send the request line, after connecting
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -41,8 +43,10 @@ class AdminTarget(Protocol):
 
 
 class AdminServer:
-    def __init__(self, path: Path, daemon: AdminTarget, *, log: Logger) -> None:
-        self.path, self.daemon, self.log = path, daemon, log
+    def __init__(self, path: Path, daemon: AdminTarget, *, log: Logger,
+                 bound: BoundSocket | None = None) -> None:
+        """``bound``: the socket claimed before the daemon recovered (else bound in serve)."""
+        self.path, self.daemon, self.log, self.bound = path, daemon, log, bound
         self.handlers: dict[str, Handler] = {
             "status": lambda args: daemon.status(),
             "segments": lambda args: daemon.segments(),
@@ -54,7 +58,8 @@ class AdminServer:
                     ) -> None:
         # Born 0600 (no window where others may connect); a live socket at the path
         # (another daemon's) is refused, never unlinked.
-        sock, identity = bind_unix(self.path, 0o600, key="admin.socket_path")
+        sock, identity = self.bound or bind_unix(self.path, ADMIN_SOCKET_MODE,
+                                                 key="admin.socket_path")
         try:
             listener = await anyio.abc.SocketListener.from_socket(sock)
             async with listener:
@@ -66,11 +71,13 @@ class AdminServer:
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         async with stream:
             try:
-                line = await _read_line(stream)
+                with anyio.fail_after(REQUEST_TIMEOUT_S):  # a peer that sends no line
+                    line = await _read_line(stream)
                 reply = await self._dispatch(line)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
-                return
-            await stream.send(msgspec.json.encode(reply) + b"\n")
+                await stream.send(msgspec.json.encode(reply) + b"\n")
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError,
+                    TimeoutError):
+                return  # the peer left (or never asked): nothing to answer, nobody to tell
 
     async def _dispatch(self, line: bytes) -> dict[str, Any]:
         try:
@@ -111,14 +118,29 @@ def request(path: Path | str, cmd: str, args: dict[str, Any] | None = None,
                 hint="is quiverd running (`systemctl status quiverd`)? The admin socket is "
                 "admin.socket_path, by default <data_dir>/admin.sock: pass the daemon's "
                 "--config or --socket") from exc
-        sock.sendall(msgspec.json.encode({"cmd": cmd, "args": args or {}}) + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            buf += chunk
-    reply = msgspec.json.decode(buf)
+        try:
+            sock.sendall(msgspec.json.encode({"cmd": cmd, "args": args or {}}) + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+        except TimeoutError:
+            raise DaemonUnreachable(
+                f"no answer on {path} within {timeout_s:g} s",
+                hint="a daemon answers once its shards are recovered (a long WAL replay takes "
+                "a while); check `systemctl status quiverd` and its log") from None
+    try:
+        reply = msgspec.json.decode(buf)
+    except msgspec.DecodeError:
+        reply = None
+    if not isinstance(reply, dict):
+        raise DaemonUnreachable(
+            f"{path} did not answer as a quiverd admin socket"
+            + ("" if buf else " (it closed the connection)"),
+            hint="pass the admin socket (admin.socket_path, by default "
+            "<data_dir>/admin.sock), not the ingest socket; or see the daemon's log")
     if not reply.get("ok"):
         raise QuiverError(reply.get("error", "admin request failed"), hint=reply.get("hint", ""))
     return reply["result"]

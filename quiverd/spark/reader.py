@@ -84,7 +84,7 @@ from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, ZoneMap
 from quiverd.lake.store_options import service_options
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, to_bound
 from quiverd.spark.types import as_ns, spark_schema, to_spark
-from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter
+from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter, refuse_reserved_columns
 
 NAME = "quiver"
 DEFAULT_CONFIG = "/etc/quiverd/config.toml"
@@ -117,10 +117,12 @@ class QuiverDataSource(DataSource):
 
     def writer(self, schema: st.StructType, overwrite: bool) -> QuiverWriter:
         """``df.write.format("quiver")``: see quiverd/spark/writer.py."""
+        refuse_reserved_columns(schema)
         return QuiverWriter(self.options, overwrite)
 
     def streamWriter(self, schema: st.StructType,  # noqa: N802 - Spark's name
                      overwrite: bool) -> QuiverStreamWriter:
+        refuse_reserved_columns(schema)
         return QuiverStreamWriter(self.options, overwrite)
 
 
