@@ -25,7 +25,9 @@ from typing import Any
 import pyarrow as pa
 
 from quiverd.kernel.bundle import encode_ipc_stream
+from quiverd.kernel.errors import QuiverError
 from quiverd.kernel.layout import DataDir
+from quiverd.net.admin import request
 from quiverd.net.ingest import shard_of
 from quiverd.wal import format as walformat
 
@@ -230,9 +232,10 @@ class Daemon:
         self.ready = time.perf_counter()
 
     def _wait_ready(self) -> None:
-        # An external process has no event to wait on: poll its socket, bounded.
+        # An external process has no event to wait on: poll its admin socket, bounded.
+        # The sockets exist (and listen) from before recovery: ready is the first answer.
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not (self.socket.exists() and self.admin_socket.exists()):
+        while not self._answers():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"quiverd exited with {self.proc.returncode} at startup:\n"
                                    + self.log_tail())
@@ -241,6 +244,15 @@ class Daemon:
                 raise RuntimeError(f"quiverd not ready after {STARTUP_TIMEOUT_S} s:\n"
                                    + self.log_tail())
             time.sleep(0.02)
+
+    def _answers(self) -> bool:
+        if not self.admin_socket.exists():
+            return False
+        try:
+            request(self.admin_socket, "status", timeout_s=0.2)
+        except (QuiverError, OSError):  # no answer yet: still recovering
+            return False
+        return True
 
     def stop(self) -> int:
         """SIGTERM, wait for the graceful drain; return the exit code."""

@@ -9,7 +9,7 @@ throughput  per client count (1, 4), ``--repeat`` uploader/baseline pairs:
                        subscriber is registered, so nothing is deleted) and stops; the
                        same data directory restarts with the lake on, and the built-in
                        subscriber ``uploader`` (registered at start, "earliest") converts
-                       the whole backlog. Timed: "ready" (sockets up) -> every bundle in a
+                       the whole backlog. Timed: "ready" (admin answers) -> every bundle in a
                        registered file (``uploader`` lag 0 and lake rows == rows sent).
             pyarrow    the same tables (from the same IPC bytes) through
                        ``pq.ParquetWriter`` with the uploader's settings, into as many

@@ -8,7 +8,7 @@
    the whole WAL must be replayed.
 3. The page cache is dropped (``echo 3 > /proc/sys/vm/drop_caches``, needs root;
    ``--warm`` skips it), then ``quiverd serve`` starts on the same directory; the
-   clock runs from the exec to ready (both sockets bound).
+   clock runs from the exec to ready (the admin socket answers).
 4. Baseline, same run: reading the same WAL files cold with one ``read`` loop
    (the disk's sequential read speed), printed beside it as a ratio.
 

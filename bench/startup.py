@@ -6,8 +6,9 @@
 For each size, a data directory holding that many GB (10^9 bytes) of finalized
 segments, split evenly over the shards, with an empty WAL; each timed start follows
 ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches`` (cold page cache: run as root) and
-is timed from the spawn of ``python -m quiverd serve`` until both sockets exist (the
-admin socket is served last, right before READY: ``bench._common.Daemon``).
+is timed from the spawn of ``python -m quiverd serve`` until the admin socket answers
+(it is served last, right before READY; the sockets themselves listen from before
+recovery: ``bench._common.Daemon``).
 
 How the bytes are made (fast, and said so in the output):
 - one template segment of ~32 MiB (the default ``segment.target_size_bytes``):

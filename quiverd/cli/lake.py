@@ -40,19 +40,19 @@ QUARANTINED = "quarantined"
 
 def add_parsers(sub: Any, default_config: str) -> None:
     files = sub.add_parser("files", help="lake files registered in the catalog"
-                           ).add_subparsers(metavar="CMD")
+                           ).add_subparsers(metavar="CMD", required=True)
     s = files.add_parser("list", help="registered files, oldest first")
-    s.add_argument("--client")
+    s.add_argument("--client", help="only this client's files")
     s.add_argument("--since", type=parse_time, help="files ending at or after this time")
     s.add_argument("--until", type=parse_time, help="files starting before this time")
     s.add_argument("--state", action="append", choices=[st.value for st in FileState],
                    help="only these states (repeatable; default: the registered and the "
                    "quarantined ones); column object: ok, MISSING from the store, quarantined")
-    s.add_argument("--limit", type=int, default=None)
+    s.add_argument("--limit", type=int, default=None, help="at most this many files")
     _common(s, default_config)
     s.set_defaults(func=files_list)
     s = files.add_parser("show", help="one file's row and zone maps")
-    s.add_argument("file_id")
+    s.add_argument("file_id", help="a file id (ULID) from `quiverd files list`")
     _common(s, default_config)
     s.set_defaults(func=files_show)
 
@@ -62,15 +62,16 @@ def add_parsers(sub: Any, default_config: str) -> None:
     _common(s, default_config)
     s.set_defaults(func=janitor)
     s = sub.add_parser("compact", help="merge small registered files of a client")
-    s.add_argument("--client")
+    s.add_argument("--client", help="only this client's files (default: every client)")
     s.add_argument("--dry-run", action="store_true", help="show the plan, write nothing")
     _common(s, default_config)
     s.set_defaults(func=compact)
 
 
 def _common(s: argparse.ArgumentParser, default_config: str) -> None:
-    s.add_argument("--config", default=default_config)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--config", default=default_config,
+                   help=f"whose catalog and object store (default {default_config})")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def parse_time(text: str) -> int:

@@ -16,16 +16,20 @@
     quiverd janitor [--dry-run]            reconcile objects and catalog rows
     quiverd compact [--client C]           merge small lake files
 
-Errors print the message and a ``hint:`` line; the exit code is non-zero.
+Errors print the message and a ``hint:`` line; the exit code is non-zero (2 for a
+usage error, as argparse). A reader that stops early (``quiverd status | head -1``)
+ends the command quietly with 141, the status of a tool killed by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from quiverd import __version__
 from quiverd.cli.output import table, utc
@@ -33,6 +37,7 @@ from quiverd.kernel import config as config_mod
 from quiverd.kernel.errors import ConfigError, QuiverError
 
 DEFAULT_CONFIG = "/etc/quiverd/config.toml"
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for `cat` cut off by `head`
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader gone shows here, not as a warning at exit
+        return code
     except QuiverError as exc:
         _print_error(exc)
         return 1
     except ConnectionError as exc:  # reset, broken pipe, closed mid-stream
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
+            return _stdout_gone()
         print(f"quiverd: the daemon closed the connection ({exc.strerror or exc})",
               file=sys.stderr)
         print("hint: check the daemon's log (journalctl -u quiverd); every bundle acknowledged "
@@ -58,6 +67,36 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away (a pipe with no reader polls as an error)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # stdout replaced or closed
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _stdout_gone() -> int:
+    """End quietly, as a Unix tool whose reader left: output unwritten is dropped
+    (devnull over stdout, so the flush at exit does not fail again), exit status 141."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_STDOUT_CLOSED
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors in the CLI's two-line form (exit 2, as argparse)."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("quiverd").strip()
+        print(f"quiverd: {command + ': ' if command else ''}{message}", file=sys.stderr)
+        print(f"hint: `{self.prog} --help` lists what it takes", file=sys.stderr)
+        sys.exit(2)
 
 
 def _print_error(exc: QuiverError) -> None:
@@ -80,26 +119,30 @@ def _os_hint(exc: OSError) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quiverd", description="A durable Arrow buffer daemon.")
+    p = _Parser(prog="quiverd", description="A durable Arrow buffer daemon.")
     p.add_argument("--version", action="version", version=f"quiverd {__version__}")
     sub = p.add_subparsers(metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the daemon")
-    s.add_argument("--config", default=DEFAULT_CONFIG)
+    s.add_argument("--config", default=DEFAULT_CONFIG,
+                   help=f"the config file (default {DEFAULT_CONFIG})")
     s.set_defaults(func=_serve)
 
     s = sub.add_parser("check-config", help="validate a config file")
-    s.add_argument("path")
+    s.add_argument("path", help="the config file to check")
     s.add_argument("--probe", action="store_true",
                    help="also reach the lake's store (write and delete a probe object) "
                    "and catalog (connect, migrations)")
     s.set_defaults(func=_check_config)
 
     s = sub.add_parser("send", help="send Arrow IPC or Parquet files, one bundle per batch")
-    s.add_argument("--socket", required=True)
-    s.add_argument("--client", required=True)
+    s.add_argument("--socket", required=True, help="the daemon's ingest socket "
+                   "(ingest.socket_path, by default <data_dir>/ingest.sock)")
+    s.add_argument("--client", required=True,
+                   help="the bundles' client name, [A-Za-z0-9._-]{1,255} (the lake's client=)")
     s.add_argument("--json", action="store_true", help="print each ack as a JSON line")
-    s.add_argument("files", nargs="+")
+    s.add_argument("files", nargs="+", metavar="FILE",
+                   help="Arrow IPC (file or stream) or Parquet files")
     s.set_defaults(func=_send)
 
     for name, fn, text in (("status", _status, "daemon and per-shard counters"),):
@@ -107,25 +150,28 @@ def _parser() -> argparse.ArgumentParser:
         _admin_args(s)
         s.set_defaults(func=fn)
 
-    wal = sub.add_parser("wal", help="WAL tools").add_subparsers(metavar="WAL_COMMAND")
+    wal = sub.add_parser("wal", help="WAL tools").add_subparsers(metavar="WAL_COMMAND",
+                                                                 required=True)
     s = wal.add_parser("dump", help="print the header and every entry of a WAL file")
-    s.add_argument("path")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("path", help="a WAL file (shard-<n>/wal/quiver.wal[.<gen>])")
+    s.add_argument("--json", action="store_true", help="one JSON object per line")
     s.set_defaults(func=_wal_dump)
 
-    segs = sub.add_parser("segments", help="segment listing").add_subparsers(metavar="CMD")
+    segs = sub.add_parser("segments", help="segment listing").add_subparsers(metavar="CMD",
+                                                                             required=True)
     s = segs.add_parser("list", help="finalized segments of the running daemon")
     _admin_args(s)
     s.set_defaults(func=_segments_list)
 
-    seg = sub.add_parser("segment", help="segment file tools").add_subparsers(metavar="CMD")
+    seg = sub.add_parser("segment", help="segment file tools").add_subparsers(metavar="CMD",
+                                                                              required=True)
     s = seg.add_parser("dump", help="directory, manifest, statistics, representative schemas")
-    s.add_argument("path")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("path", help="a segment file (shard-<n>/segments/<seq>.qseg)")
+    s.add_argument("--json", action="store_true", help="one JSON object, not indented")
     s.set_defaults(func=_segment_dump)
 
     subs = sub.add_parser("subscribers", help="register, remove and list subscribers"
-                          ).add_subparsers(metavar="CMD")
+                          ).add_subparsers(metavar="CMD", required=True)
     s = subs.add_parser("add", help="register a subscriber on every shard")
     s.add_argument("name", metavar="NAME", help="[a-z0-9_-]{1,64}")
     s.add_argument("--from", dest="start", choices=("earliest", "latest"), default="earliest",
@@ -133,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     _admin_args(s)
     s.set_defaults(func=_subscribers_add)
     s = subs.add_parser("remove", help="unregister a subscriber; its segments may be deleted")
-    s.add_argument("name", metavar="NAME")
+    s.add_argument("name", metavar="NAME", help="a registered subscriber")
     _admin_args(s)
     s.set_defaults(func=_subscribers_remove)
     s = subs.add_parser("list", help="registered subscribers and how far behind they are")
@@ -164,9 +210,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 healthy, or every finding repaired with nothing lost; "
         "1 findings remain, acknowledged bundles were lost (LOST lines, also after --repair), "
         "or the directory was refused (not a data directory, or in use)")
-    s.add_argument("data_dir")
+    s.add_argument("data_dir", help="the data directory of a stopped daemon")
     s.add_argument("--repair", action="store_true", help="move damaged files to quarantine/")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="one JSON object per finding")
     from quiverd.cli.fsck_lake import add_lake_arguments
 
     add_lake_arguments(s)
@@ -175,13 +221,24 @@ def _parser() -> argparse.ArgumentParser:
     from quiverd.cli.lake import add_parsers as add_lake_parsers
 
     add_lake_parsers(sub, DEFAULT_CONFIG)
+    _describe_commands(p)
     return p
+
+
+def _describe_commands(parser: argparse.ArgumentParser) -> None:
+    """Each command's help line also heads its own ``--help``."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                command = action.choices[choice.dest]
+                command.description = command.description or choice.help
+                _describe_commands(command)
 
 
 def _admin_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--config", default=None, help="config whose admin socket to use")
     s.add_argument("--socket", default=None, help="admin socket path (overrides --config)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _admin_socket(args: argparse.Namespace) -> Path:

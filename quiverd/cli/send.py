@@ -18,6 +18,7 @@ from typing import TextIO
 from quiverd.client.files import FileSplit, check_arrow_file
 from quiverd.client.producer import FileProgress, send_files
 from quiverd.kernel.errors import QuiverError
+from quiverd.kernel.names import client_name_problem, reserved_column_problem
 
 
 class _ProgressLine:
@@ -49,6 +50,11 @@ class _ProgressLine:
 
 
 def send_files_cli(args: argparse.Namespace) -> int:
+    problem = client_name_problem(args.client)
+    if problem is not None:
+        raise QuiverError(f"--client: {problem}",
+                          hint="the client name is the lake's client= prefix: letters, digits, "
+                          "'.', '_' and '-', at most 255")
     missing = [f for f in args.files if not os.path.isfile(f)]
     if missing:
         raise QuiverError(f"no such file: {', '.join(missing)}",
@@ -58,7 +64,11 @@ def send_files_cli(args: argparse.Namespace) -> int:
         raise QuiverError(f"empty file: {', '.join(empty)}",
                           hint="pass Arrow IPC (file or stream) or Parquet files")
     for f in args.files:
-        check_arrow_file(f)  # before connecting: a bad file changes nothing on the daemon
+        # Before connecting: a bad file changes nothing on the daemon.
+        problem = reserved_column_problem(check_arrow_file(f).names)
+        if problem is not None:
+            raise QuiverError(f"{f}: {problem}", hint="quiverd adds these columns itself; "
+                              "rename the file's column (nothing was sent)")
     total = sum(os.path.getsize(f) for f in args.files)
     bar = _ProgressLine(total, sys.stderr) if sys.stderr.isatty() and not args.json else None
     acks = 0

@@ -35,6 +35,7 @@ from quiverd.client.consumer import ReceivedBundle, subscribe
 from quiverd.kernel import config as config_mod
 from quiverd.kernel.durable import atomic_write
 from quiverd.kernel.errors import ProtocolError, QuiverError, ShuttingDown
+from quiverd.kernel.names import validate_subscriber_name
 from quiverd.protocol.frames import ErrorCode
 
 MAX_WINDOW = 4096  # the daemon clamps larger windows to this (quiverd.net.consumers.MAX_WINDOW)
@@ -54,6 +55,7 @@ class _Run:
 
 def subscribe_cli(args: argparse.Namespace, default_config: str) -> int:
     """Entry point for ``quiverd subscribe``; returns the exit code."""
+    validate_subscriber_name(args.name)
     socket_path = Path(args.socket) if args.socket else \
         config_mod.load(args.config or default_config).ingest_socket
     if args.window > MAX_WINDOW:
@@ -61,7 +63,12 @@ def subscribe_cli(args: argparse.Namespace, default_config: str) -> int:
                           hint="a window of 64-1024 bundles keeps a consumer busy")
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise QuiverError(f"--out {out_dir}: {exc.strerror}",
+                              hint="--out names a directory to write the bundles' files into "
+                              "(created when missing)") from exc
     timeout_s = args.timeout
     if timeout_s is None:
         timeout_s = DEFAULT_COUNT_TIMEOUT_S if args.count is not None else math.inf

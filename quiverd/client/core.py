@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from quiverd.kernel.bundle import USER_SLOTS, TxnTag, encode_ipc_stream
 from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.names import reserved_column_problem
 from quiverd.protocol.codec import (
     CLOSES_CONNECTION,
     Ack,
@@ -172,6 +173,12 @@ def encode_request(
             raise ValueError(
                 f"slot {slot} outside 0..{USER_SLOTS - 1} (slot {USER_SLOTS} holds bundle metadata)"
             )
+    for slot, t in tables.items():
+        # The daemon refuses these (and closes the connection): cheaper to say so here.
+        # An IpcPayload's schema is not decoded for this; the daemon still checks it.
+        problem = None if isinstance(t, IpcPayload) else reserved_column_problem(t.schema.names)
+        if problem is not None:
+            raise ProtocolError(ErrorCode.MALFORMED, f"slot {slot}: {problem}")
     payloads = {slot: t.ipc if isinstance(t, IpcPayload) else encode_ipc_stream(t)
                 for slot, t in tables.items()}
     size = sum(nbytes(p) for p in payloads.values())

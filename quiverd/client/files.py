@@ -10,6 +10,7 @@ synchronous client.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,10 +46,19 @@ class FileSplit:
         return text
 
 
-def check_arrow_file(path: StrPath) -> None:
-    """Raise NotArrowData unless ``path`` opens as Parquet or Arrow IPC (reads its header)."""
-    for _ in _units(Path(path), header_only=True):
-        pass
+def check_arrow_file(path: StrPath) -> pa.Schema:
+    """The schema of ``path`` if it opens as Parquet or Arrow IPC (reads its header only);
+    raise NotArrowData otherwise."""
+    path = Path(path)
+    magic = _magic(path)
+    with _readable(path):
+        if magic[:4] == b"PAR1":
+            return pq.read_schema(path)
+        with pa.memory_map(str(path)) as source:
+            if magic == b"ARROW1":
+                return pa.ipc.open_file(source).schema
+            with pa.ipc.open_stream(source) as stream:
+                return stream.schema
 
 
 def iter_file_batches(path: StrPath, *, max_bundle_bytes: int | None = None,
@@ -84,23 +94,32 @@ def fit(batch: pa.RecordBatch, max_bundle_bytes: int) -> list[pa.RecordBatch]:
     return out
 
 
-def _units(path: Path, *, header_only: bool = False,
-           split: FileSplit | None = None) -> Iterator[pa.RecordBatch]:
-    with path.open("rb") as f:
-        magic = f.read(6)
-    try:
+def _units(path: Path, *, split: FileSplit | None = None) -> Iterator[pa.RecordBatch]:
+    magic = _magic(path)
+    with _readable(path):
         if magic[:4] == b"PAR1":
-            yield from _parquet(path, header_only, split)
+            yield from _parquet(path, split)
             return
         with pa.memory_map(str(path)) as source:
             if magic == b"ARROW1":
                 reader = pa.ipc.open_file(source)
-                for i in range(0 if header_only else reader.num_record_batches):
+                for i in range(reader.num_record_batches):
                     yield reader.get_batch(i)
             else:
                 with pa.ipc.open_stream(source) as stream:
-                    if not header_only:
-                        yield from stream
+                    yield from stream
+
+
+def _magic(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.read(6)
+
+
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """Turn what pyarrow raises on bytes that are not Arrow or Parquet into NotArrowData."""
+    try:
+        yield
     except (pa.ArrowInvalid, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:
             raise  # a real I/O error (permission, ...), not a format problem
@@ -108,11 +127,11 @@ def _units(path: Path, *, header_only: bool = False,
             from None
 
 
-def _parquet(path: Path, header_only: bool, split: FileSplit | None) -> Iterator[pa.RecordBatch]:
+def _parquet(path: Path, split: FileSplit | None) -> Iterator[pa.RecordBatch]:
     with pq.ParquetFile(path) as pf:
         if split is not None:
             split.unit = "row groups"
-        for i in range(0 if header_only else pf.num_row_groups):
+        for i in range(pf.num_row_groups):
             table = pf.read_row_group(i).combine_chunks()
             batches = table.to_batches()
             yield batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)

@@ -21,6 +21,7 @@ import msgspec
 import pyarrow as pa
 
 from quiverd.kernel import flatbuf
+from quiverd.kernel.names import reserved_column_problem
 
 Buffer = bytes | bytearray | memoryview
 
@@ -137,12 +138,19 @@ def inspect_ipc_stream(payload: Buffer) -> StreamFacts:
     return StreamFacts(fingerprint(schema), rows, schema, len(batches))
 
 
+class ReservedColumnName(ValueError):
+    """A top-level column name uses the prefix quiverd keeps for its own columns."""
+
+
 def check_field_names(schema: pa.Schema) -> None:
-    """Raise ValueError unless every field name, nested ones included, is UTF-8.
+    """Raise ValueError unless every field name, nested ones included, is UTF-8, and
+    ReservedColumnName if a top-level one starts with ``_quiver_``.
 
     Arrow requires UTF-8 names, but the IPC reader takes any bytes; pyarrow then fails
     only when a name is first read as a Python string, which would be at finalize,
-    after the bundle was acknowledged.
+    after the bundle was acknowledged. A ``_quiver_`` column would collide with the
+    columns the lake adds to every row (SPEC §1): refused here, before the ACK, rather
+    than found by the uploader, which could then never finish the bundle.
     """
     pending = list(schema)
     while pending:
@@ -156,6 +164,9 @@ def check_field_names(schema: pa.Schema) -> None:
         if pa.types.is_dictionary(typ):
             typ = typ.value_type
         pending.extend(typ.field(i) for i in range(typ.num_fields))
+    problem = reserved_column_problem(schema.names)
+    if problem is not None:
+        raise ReservedColumnName(problem)
 
 
 def stream_facts(payload: Buffer) -> tuple[pa.Schema, int]:

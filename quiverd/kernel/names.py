@@ -1,12 +1,15 @@
-"""The names users choose, one rule each: subscriber names and client names.
+"""The names users choose, one rule each: subscriber names, client names, and the
+column prefix quiverd keeps for itself.
 
-Config, the admin commands, the subscriber registry and the socket protocol all
-check names here, so the rule and its message are written once.
+Config, the admin commands, the subscriber registry, the socket protocol, the producer
+client and the Spark writer all check names here, so the rule and its message are
+written once.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from quiverd.kernel.errors import QuiverError
 
@@ -45,6 +48,23 @@ def client_name_problem(name: str) -> str | None:
     if CLIENT_NAME_BYTES.fullmatch(name.encode("ascii", "replace")) is not None:
         return None
     return f"client name {name!r} must match {CLIENT_NAME_RULE}"
+
+
+# The lake adds _quiver_ingested_at, _quiver_shard, _quiver_segment and _quiver_bundle to
+# every row (quiverd/lake/model.py): a producer column of such a name would replace the
+# bundle id or break the file (SPEC §1), so every top-level column name with this prefix
+# is refused at ingest.
+RESERVED_COLUMN_PREFIX = "_quiver_"
+
+
+def reserved_column_problem(names: Iterable[str]) -> str | None:
+    """Why a schema with these top-level column ``names`` may not be ingested, or None."""
+    for name in names:
+        if name.startswith(RESERVED_COLUMN_PREFIX):
+            return (f"column {name!r}: the prefix {RESERVED_COLUMN_PREFIX!r} is reserved for "
+                    "the columns quiverd adds to every row (_quiver_ingested_at, "
+                    "_quiver_shard, _quiver_segment, _quiver_bundle); rename the column")
+    return None
 
 
 NODE_ID_RULE = "[A-Za-z0-9._-]{1,64}, not '.' or '..'"

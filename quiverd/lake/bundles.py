@@ -7,7 +7,8 @@ Every row gets four columns, so the slots of one bundle (one file per slot) rejo
     _quiver_segment      uint64              ├ the bundle id (SPEC §5)
     _quiver_bundle       uint32              ┘
 
-A producer column of the same name wins (it is left as sent).
+Ingest refuses producer columns with the ``_quiver_`` prefix (SPEC §1); in a bundle
+stored before that rule, a producer column of the same name wins (it is left as sent).
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ import msgspec
 from quiverd.kernel.config import AdminConfig
 from quiverd.kernel.errors import DaemonUnreachable, QuiverError
 from quiverd.kernel.logs import Logger
-from quiverd.net.rawsock import bind_unix, unlink_if_ours
+from quiverd.net.rawsock import BoundSocket, bind_unix, unlink_if_ours
 
+ADMIN_SOCKET_MODE = 0o600
 MAX_REQUEST_BYTES = 64 * 1024
 
 
@@ -81,9 +82,10 @@ class AdminTarget(Protocol):
 
 class AdminServer:
     def __init__(self, path: Path, target: AdminTarget, cfg: AdminConfig | None = None, *,
-                 log: Logger) -> None:
+                 log: Logger, bound: BoundSocket | None = None) -> None:
+        """``bound``: the socket claimed before the daemon recovered (else bound in serve)."""
         cfg = cfg or AdminConfig()
-        self.path, self.target, self.log = path, target, log
+        self.path, self.target, self.log, self.bound = path, target, log, bound
         self.timeout_s = cfg.request_timeout_ms / 1000
         self.max_connections = cfg.max_connections
         self.connections = 0
@@ -93,7 +95,8 @@ class AdminServer:
                     ) -> None:
         # Born 0600 (no window where others may connect); a live socket at the path
         # (another daemon's) is refused, never unlinked.
-        sock, identity = bind_unix(self.path, 0o600, key="admin.socket_path")
+        sock, identity = self.bound or bind_unix(self.path, ADMIN_SOCKET_MODE,
+                                                 key="admin.socket_path")
         try:
             listener = await anyio.abc.SocketListener.from_socket(sock)
             async with listener:
@@ -188,14 +191,29 @@ def request(path: Path | str, cmd: str, args: dict[str, Any] | None = None,
                 hint="is quiverd running (`systemctl status quiverd`)? The admin socket is "
                 "admin.socket_path, by default <data_dir>/admin.sock: pass the daemon's "
                 "--config or --socket") from exc
-        sock.sendall(msgspec.json.encode({"cmd": cmd, "args": args or {}}) + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            buf += chunk
-    reply = msgspec.json.decode(buf)
+        try:
+            sock.sendall(msgspec.json.encode({"cmd": cmd, "args": args or {}}) + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+        except TimeoutError:
+            raise DaemonUnreachable(
+                f"no answer on {path} within {timeout_s:g} s",
+                hint="a daemon answers once its shards are recovered (a long WAL replay takes "
+                "a while); check `systemctl status quiverd` and its log") from None
+    try:
+        reply = msgspec.json.decode(buf)
+    except msgspec.DecodeError:
+        reply = None
+    if not isinstance(reply, dict):
+        raise DaemonUnreachable(
+            f"{path} did not answer as a quiverd admin socket"
+            + ("" if buf else " (it closed the connection)"),
+            hint="pass the admin socket (admin.socket_path, by default "
+            "<data_dir>/admin.sock), not the ingest socket; or see the daemon's log")
     if not reply.get("ok"):
         raise QuiverError(reply.get("error", "admin request failed"), hint=reply.get("hint", ""))
     return reply["result"]

@@ -39,7 +39,7 @@ from quiverd.net.buffers import BufferPool
 from quiverd.net.connection import Connection, shard_of
 from quiverd.net.consumers import SubscriberHub
 from quiverd.net.jobs import JobService
-from quiverd.net.rawsock import RawListener, RawStream
+from quiverd.net.rawsock import BoundSocket, RawListener, RawStream
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
 from quiverd_actors.messages import AppendRequest
@@ -61,8 +61,9 @@ class IngestServer:
     def __init__(self, cfg: IngestConfig, socket_path: Path,
                  inboxes: list[MemoryObjectSendStream[AppendRequest]], *,
                  limiter: CapacityLimiter, log: Logger,
-                 metrics: IngestMetrics | None = None) -> None:
-        self.cfg, self.path, self.inboxes = cfg, socket_path, inboxes
+                 metrics: IngestMetrics | None = None, bound: BoundSocket | None = None) -> None:
+        """``bound``: the socket claimed before the daemon recovered (else bound in serve)."""
+        self.cfg, self.path, self.inboxes, self.bound = cfg, socket_path, inboxes, bound
         self.limiter, self.log = limiter, log
         self.stats = metrics if metrics is not None else IngestMetrics(Metrics())
         self.max_frame = protocol.max_frame_bytes(cfg.max_bundle_bytes)
@@ -87,7 +88,7 @@ class IngestServer:
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                     ) -> None:
         """Accept until ``stop()``; then drain connections and close the inboxes."""
-        listener = RawListener(self.path, self.cfg.socket_mode)
+        listener = RawListener(self.path, self.cfg.socket_mode, bound=self.bound)
         try:
             async with anyio.create_task_group() as conns:
                 with self.accepting:

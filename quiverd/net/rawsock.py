@@ -9,16 +9,24 @@ Socket paths are never stolen: ``bind_unix`` unlinks an existing socket file
 only when nothing answers on it (a daemon that died left it), and refuses when
 another process listens there; ``unlink_if_ours`` removes the path at stop only
 while it is still the file we bound, so a socket that replaced ours survives.
+Probe, bind and listen run under an flock of the socket's directory: two daemons
+starting at the same instant cannot both find the path free, nor can one take the
+other's socket, bound but not yet listening, for a dead one and unlink it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import math
 import os
 import socket
 import stat
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -27,8 +35,16 @@ from quiverd.kernel.errors import AlreadyRunning, QuiverError
 
 BACKLOG = 128
 IOV_MAX = 512
+CLAIM_WAIT_S = 5.0  # another process's probe-and-bind takes microseconds
 
 SocketId = tuple[int, int]  # (st_dev, st_ino) of the socket file we bound
+
+
+class BoundSocket(NamedTuple):
+    """A listening socket and the identity of the file it is bound to."""
+
+    sock: socket.socket
+    identity: SocketId
 
 
 def nbytes(data: bytes | bytearray | memoryview) -> int:
@@ -144,9 +160,11 @@ class RawStream:
 
 
 class RawListener:
-    def __init__(self, path: Path, mode: int, *, key: str = "ingest.socket_path") -> None:
+    def __init__(self, path: Path, mode: int, *, key: str = "ingest.socket_path",
+                 bound: BoundSocket | None = None) -> None:
+        """Listen on ``bound`` (claimed before the daemon recovered) or bind ``path`` now."""
         self.path = path
-        self.sock, self.identity = bind_unix(path, mode, key=key)
+        self.sock, self.identity = bound or bind_unix(path, mode, key=key)
 
     async def accept(self) -> RawStream:
         while True:
@@ -163,32 +181,61 @@ class RawListener:
         unlink_if_ours(self.path, self.identity)
 
 
-def bind_unix(path: Path, mode: int, *, key: str) -> tuple[socket.socket, SocketId]:
+def bind_unix(path: Path, mode: int, *, key: str) -> BoundSocket:
     """A listening, non-blocking Unix socket at ``path`` born with ``mode``.
 
     A socket file left by a dead process is replaced; a live one is refused with
-    AlreadyRunning (``key`` names the config key in the hint).
+    AlreadyRunning (``key`` names the config key in the hint). Connections made before
+    the owner accepts wait in the backlog.
     """
-    clear_stale_socket(path, key=key)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
-        old = os.umask(0o777 & ~mode)  # born with the configured mode: no open window
+    with _claiming(path, key):
+        clear_stale_socket(path, key=key)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            sock.bind(str(path))
-        finally:
-            os.umask(old)
-        st = os.lstat(path)
-        os.chmod(path, mode)
-        sock.listen(BACKLOG)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:  # another process bound it since we looked
-            raise _live(path, key) from exc
-        raise QuiverError(f"cannot listen on {path}: {exc.strerror}",
-                          hint=f"check that the directory of {key} exists and is "
-                          "writable by quiverd's user") from exc
-    return sock, (st.st_dev, st.st_ino)
+            old = os.umask(0o777 & ~mode)  # born with the configured mode: no open window
+            try:
+                sock.bind(str(path))
+            finally:
+                os.umask(old)
+            st = os.lstat(path)
+            os.chmod(path, mode)
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:  # another process bound it since we looked
+                raise _live(path, key) from exc
+            raise QuiverError(f"cannot listen on {path}: {exc.strerror}",
+                              hint=f"check that the directory of {key} exists and is "
+                              "writable by quiverd's user") from exc
+    return BoundSocket(sock, (st.st_dev, st.st_ino))
+
+
+@contextlib.contextmanager
+def _claiming(path: Path, key: str) -> Iterator[None]:
+    """Hold an exclusive flock on the directory of ``path`` (bounded wait)."""
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        fd = -1
+    if fd < 0:
+        yield  # missing or unreadable: bind reports what matters about it
+        return
+    try:
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise QuiverError(f"cannot claim {path}: another process keeps "
+                                      f"{path.parent} locked", hint=f"give this daemon its "
+                                      f"own {key} in a directory of its own") from None
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def clear_stale_socket(path: Path, *, key: str) -> None:

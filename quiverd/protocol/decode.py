@@ -15,7 +15,14 @@ from typing import Any
 import msgspec
 import pyarrow as pa
 
-from quiverd.kernel.bundle import MAX_SLOTS, META_SLOT, Slot, TxnTag, inspect_ipc_stream
+from quiverd.kernel.bundle import (
+    MAX_SLOTS,
+    META_SLOT,
+    ReservedColumnName,
+    Slot,
+    TxnTag,
+    inspect_ipc_stream,
+)
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.names import CLIENT_NAME_BYTES, SUBSCRIBER_NAME_BYTES
@@ -279,6 +286,8 @@ def validate_bundle(
             )
         try:
             facts = inspect_ipc_stream(s.ipc)
+        except ReservedColumnName as exc:
+            raise ProtocolError(ErrorCode.MALFORMED, f"slot {s.slot}: {exc}") from None
         except PEER_BYTES_ERRORS as exc:
             raise ProtocolError(
                 ErrorCode.MALFORMED,

@@ -37,6 +37,7 @@ from quiverd.kernel.reply import Reply
 from quiverd.net.admin import AdminServer
 from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
+from quiverd.net.rawsock import BoundSocket
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 from quiverd.runtime.staging import Staging
@@ -55,10 +56,13 @@ EXTEND_USEC = 15_000_000
 
 class Daemon:
     def __init__(self, cfg: Config, *, faults: Hooks | None = None,
-                 stop: anyio.Event | None = None, handle_signals: bool = True) -> None:
+                 stop: anyio.Event | None = None, handle_signals: bool = True,
+                 bound: dict[Path, BoundSocket] | None = None) -> None:
         """``stop``: set it to begin a graceful shutdown (in-process callers and tests);
-        ``handle_signals``: whether SIGTERM/SIGINT do the same (the main thread only)."""
+        ``handle_signals``: whether SIGTERM/SIGINT do the same (the main thread only);
+        ``bound``: sockets already listening, by path (``serve.claim``), else bound here."""
         self.cfg = cfg
+        self.bound = bound or {}
         self.log = logs.get("daemon")
         self.notifier = Notifier()
         self.faults = faults or {}
@@ -108,9 +112,11 @@ class Daemon:
                                            [s.inbox for s in self.shards],
                                            limiter=anyio.CapacityLimiter(2),
                                            log=logs.get("ingest"),
-                                           metrics=IngestMetrics(self.metrics))
+                                           metrics=IngestMetrics(self.metrics),
+                                           bound=self.bound.get(cfg.ingest_socket))
                 self.ingest.jobs = self.staging
-                admin = AdminServer(cfg.admin_socket, self, cfg.admin, log=logs.get("admin"))
+                admin = AdminServer(cfg.admin_socket, self, cfg.admin, log=logs.get("admin"),
+                                    bound=self.bound.get(cfg.admin_socket))
                 self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards
                                                if s.dispatcher is not None]
                 await pipelines.start(self.ingest.serve)

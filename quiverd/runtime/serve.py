@@ -2,7 +2,8 @@
 loop, and the exit code systemd acts on.
 
     0   clean stop
-    2   another quiverd holds the data directory or listens on the socket path
+    2   another quiverd holds the data directory or listens on a socket path (found
+        before any recovery work: see ``claim``)
     70  a durability error (fdatasync/fsync/I/O): systemd restarts, replay recovers
     75  a stop outlasted shutdown_timeout_ms: what was left is in the WAL (logged as
         ``shutdown_timed_out``), the next start's replay recovers it; the unit lists 75
@@ -12,10 +13,12 @@ loop, and the exit code systemd acts on.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,8 @@ from quiverd.kernel import faults, logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import AlreadyRunning, ConfigError, DurabilityLost, QuiverError
 from quiverd.kernel.faults import Hooks
+from quiverd.net.admin import ADMIN_SOCKET_MODE
+from quiverd.net.rawsock import BoundSocket, bind_unix, unlink_if_ours
 from quiverd.runtime.daemon import Daemon
 from quiverd.runtime.lockfile import lock_data_dir
 
@@ -43,23 +48,18 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
         log.warning("quiverd_fault_injection_active", rules=faults.describe(fault_hooks))
     if cfg.wal.flush_policy == "never":
         log.warning("wal_flush_policy_never", hint="acks do not mean durable: tests only")
-    daemon = Daemon(cfg, faults=fault_hooks)
-    lock_fd = -1
-    try:
-        if cfg.lake.enabled:  # imported only then: OpenDAL and Parquet cost ~30 MB of RSS
-            from quiverd.lake.tier import check_config as check_lake_config
+    with contextlib.ExitStack() as held:
+        try:
+            if cfg.lake.enabled:  # imported only then: OpenDAL and Parquet cost ~30 MB of RSS
+                from quiverd.lake.tier import check_config as check_lake_config
 
-            check_lake_config(cfg)  # before anything starts: a typo exits 78, not after ready
-        data_dir = open_data_dir(Path(cfg.data_dir))
-        lock_fd = lock_data_dir(data_dir)  # before the loop: a second instance stops here
-        anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
-    except BaseExceptionGroup as group:
-        return _report_fatal(group, log)
-    except (QuiverError, OSError) as exc:  # raised outside any task group
-        return _report_fatal(BaseExceptionGroup("quiverd", [exc]), log)
-    finally:
-        if lock_fd >= 0:
-            os.close(lock_fd)
+                check_lake_config(cfg)  # before anything starts: a typo exits 78, not after ready
+            daemon = Daemon(cfg, faults=fault_hooks, bound=claim(cfg, held))
+            anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
+        except BaseExceptionGroup as group:
+            return _report_fatal(group, log)
+        except (QuiverError, OSError) as exc:  # raised outside any task group
+            return _report_fatal(BaseExceptionGroup("quiverd", [exc]), log)
     if daemon.stopping and _timed_out(daemon):
         for shard in (s for s in daemon.shards if s.unfinished):
             log.warning("shutdown_timed_out", timeout_ms=cfg.shutdown_timeout_ms,
@@ -67,6 +67,52 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
                         "WAL: the next start replays it; raise shutdown_timeout_ms to drain")
         return EXIT_STOP_TIMED_OUT
     return 0
+
+
+def claim(cfg: Config, held: contextlib.ExitStack) -> dict[Path, BoundSocket]:
+    """Take what one daemon alone may hold, before any recovery work; ``held`` releases it.
+
+    The data directory's LOCK (an existing directory first, so the same daemon started
+    twice is told which pid holds it), the sockets outside the data directory, then a
+    missing data directory is created and locked, then the sockets inside it (the
+    default ones). Each socket listens from here on: connections wait in its backlog
+    until the daemon is ready. A daemon refused here (exit 2) has recovered nothing,
+    and one refused for a busy socket has not created a data directory.
+    """
+    data_dir = Path(cfg.data_dir)
+    modes = {cfg.ingest_socket: (cfg.ingest.socket_mode, "ingest.socket_path"),
+             cfg.admin_socket: (ADMIN_SOCKET_MODE, "admin.socket_path")}
+    bound: dict[Path, BoundSocket] = {}
+
+    def lock() -> None:
+        open_data_dir(data_dir)
+        held.callback(os.close, lock_data_dir(data_dir))
+
+    def listen(inside_data_dir: bool) -> None:
+        for path, (mode, key) in modes.items():
+            if path.is_relative_to(data_dir) == inside_data_dir:
+                bound[path] = held.enter_context(_listening(path, mode, key))
+
+    existed = data_dir.is_dir()
+    if existed:
+        lock()
+    listen(inside_data_dir=False)
+    if not existed:
+        lock()
+    listen(inside_data_dir=True)
+    return bound
+
+
+@contextlib.contextmanager
+def _listening(path: Path, mode: int, key: str) -> Iterator[BoundSocket]:
+    """``bind_unix``, closed and unlinked (while still ours) on the way out. The servers
+    do the same at a clean stop; this covers a daemon that never got that far."""
+    bound = bind_unix(path, mode, key=key)
+    try:
+        yield bound
+    finally:
+        bound.sock.close()
+        unlink_if_ours(path, bound.identity)
 
 
 def open_data_dir(data_dir: Path) -> Path:

@@ -102,7 +102,7 @@ from quiverd.spark.objects import (
 )
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, to_bound
 from quiverd.spark.types import as_ns, spark_schema, to_spark
-from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter
+from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter, refuse_reserved_columns
 
 NAME = "quiver"
 DEFAULT_CONFIG = "/etc/quiverd/config.toml"
@@ -136,10 +136,12 @@ class QuiverDataSource(DataSource):
 
     def writer(self, schema: st.StructType, overwrite: bool) -> QuiverWriter:
         """``df.write.format("quiver")``: see quiverd/spark/writer.py."""
+        refuse_reserved_columns(schema)
         return QuiverWriter(self.options, overwrite)
 
     def streamWriter(self, schema: st.StructType,  # noqa: N802 - Spark's name
                      overwrite: bool) -> QuiverStreamWriter:
+        refuse_reserved_columns(schema)
         return QuiverStreamWriter(self.options, overwrite)
 
 

@@ -38,6 +38,15 @@ restarted query replays it under the same job id, which must stay committable; t
 attempts it staged are discarded by that commit, or by staging.ttl_s.
 
 quiverd only appends: ``mode("overwrite")`` and Complete output mode are refused.
+
+Writes that can never succeed fail once, with one line saying why, instead of Spark's
+retries: a DataFrame with a ``_quiver_*`` column (SPEC §1) is refused on the driver
+before any task runs; a row larger than the daemon's ``max_bundle_bytes`` (from its
+HELLO_OK) ends its task attempt without an end marker (so nothing of it can be
+published) and with a commit message carrying the reason, and the driver's commit raises
+``WriteRefused`` with it, after which Spark aborts the job (its staged rows discarded).
+Spark has no non-retryable task error for Python sources: a task that raised would be
+run again ``spark.task.maxFailures`` times.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ try:
         DataSourceStreamArrowWriter,
         WriterCommitMessage,
     )
+    from pyspark.sql.types import StructType
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("quiverd.spark needs pyspark 4: pip install 'quiverd[spark]'") from exc
 
@@ -70,7 +80,7 @@ from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ConfigError, JobConflict, QuiverError
 from quiverd.kernel.jobs import MAX_JOB_ID_BYTES, Winner, check_job_id
 from quiverd.kernel.logs import Logger
-from quiverd.kernel.names import client_name_problem
+from quiverd.kernel.names import client_name_problem, reserved_column_problem
 from quiverd.protocol.frames import MAX_ROW_COUNT
 
 SOCKET_ENV = "QUIVERD_SOCKET"
@@ -120,11 +130,20 @@ class WriteOptions:
         return self.paths[partition % len(self.paths)]
 
 
+class WriteRefused(QuiverError):
+    """The job's rows can never be written as they are: it fails once, at commit."""
+
+
+class RowTooLarge(WriteRefused):
+    """One row is larger than the daemon's max_bundle_bytes: no bundle can hold it."""
+
+
 @dataclass
 class QuiverCommitMessage(WriterCommitMessage):
     """What one task attempt wrote, for the driver's commit (the list index is the
     partition). ``published_before``: a replayed micro-batch found its job committed
-    already and sent nothing."""
+    already and sent nothing. ``refused``: why the attempt stopped (no end marker) and
+    the job cannot be written; the driver's commit raises it."""
 
     job_id: str
     partition: int
@@ -137,6 +156,7 @@ class QuiverCommitMessage(WriterCommitMessage):
     shard: int
     sequence: int
     published_before: bool = False
+    refused: str = ""
 
 
 class QuiverWriter(DataSourceArrowWriter):
@@ -245,8 +265,16 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
         limit = c.server.max_bundle_bytes
         chunks = rechunk(batches, max_rows=opts.batch_rows,
                          max_bytes=min(opts.batch_bytes, limit))
-        for _ in c.iter_send(stream.items(chunks, limit), client=opts.client):
-            pass
+        try:
+            for _ in c.iter_send(stream.items(chunks, limit), client=opts.client):
+                pass
+        except (WriteRefused, JobConflict) as exc:
+            # No end marker: the rows sent are staged, never published, and discarded
+            # when Spark aborts the job after the driver's commit raised this reason.
+            # Raising here instead would only make Spark run the task again. (JobConflict:
+            # the job id was decided before, so no bundle of it is accepted any more.)
+            message.refused = f"partition {partition}: {exc}"
+            return message
         end = c.end_partition(job_id, partition, attempt, client=opts.client,
                               rows=stream.rows, checksum=stream.checksum)
     message.rows, message.checksum = stream.rows, stream.checksum
@@ -296,7 +324,7 @@ def rechunk(batches: Iterable[pa.RecordBatch], *, max_rows: int, max_bytes: int
                 yield group
                 group, rows, size = [], 0, 0
                 continue
-            fit = max(fit, 1)  # one row above max_bytes goes alone; the daemon judges it
+            fit = max(fit, 1)  # one row above max_bytes goes alone: encode_bounded judges it
             group.append(batch.slice(start, fit))
             rows, size, start = rows + fit, size + fit * row_bytes, start + fit
     if group:
@@ -304,16 +332,22 @@ def rechunk(batches: Iterable[pa.RecordBatch], *, max_rows: int, max_bytes: int
 
 
 def encode_bounded(group: list[pa.RecordBatch], limit: int) -> Iterator[tuple[memoryview, int]]:
-    """One IPC stream per chunk, halved by rows until each fits ``limit`` bytes."""
+    """One IPC stream per chunk, halved by rows until each fits ``limit`` bytes; a single
+    row that does not fit raises RowTooLarge."""
     rows = sum(b.num_rows for b in group)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, group[0].schema) as writer:
         for batch in group:
             writer.write_batch(batch)
     ipc = memoryview(sink.getvalue())
-    if ipc.nbytes <= limit or rows <= 1:
+    if ipc.nbytes <= limit:
         yield ipc, rows
         return
+    if rows <= 1:
+        raise RowTooLarge(f"a row of {ipc.nbytes} bytes (as Arrow IPC) is larger than the "
+                          f"daemon's ingest.max_bundle_bytes of {limit}: no bundle can hold "
+                          "it; raise ingest.max_bundle_bytes (and wal.max_entry_bytes) or "
+                          "write smaller rows")
     head, tail = _split(group, rows // 2)
     yield from encode_bounded(head, limit)
     yield from encode_bounded(tail, limit)
@@ -334,7 +368,13 @@ def _split(group: list[pa.RecordBatch], n: int) -> tuple[list[pa.RecordBatch],
 
 
 def winners_of(messages: Sequence[WriterCommitMessage | None], job_id: str) -> list[Winner]:
-    """One Winner per partition; a missing or foreign message refuses the commit."""
+    """One Winner per partition; a missing or foreign message refuses the commit, and a
+    refused one raises its reason (WriteRefused)."""
+    refused = [m.refused for m in messages if isinstance(m, QuiverCommitMessage) and m.refused]
+    if refused:
+        more = f" (and {len(refused) - 1} more partitions)" if len(refused) > 1 else ""
+        raise WriteRefused(f"job {job_id!r} not written, nothing of it is published: "
+                           f"{refused[0]}{more}")
     winners = []
     for index, m in enumerate(messages):
         if not isinstance(m, QuiverCommitMessage):
@@ -345,6 +385,13 @@ def winners_of(messages: Sequence[WriterCommitMessage | None], job_id: str) -> l
         winners.append(Winner(partition=m.partition, attempt=m.task_attempt_id, rows=m.rows,
                               checksum=m.checksum))
     return winners
+
+
+def refuse_reserved_columns(schema: StructType) -> None:
+    """On the driver, before any task runs: quiverd refuses ``_quiver_*`` columns."""
+    problem = reserved_column_problem(schema.fieldNames())
+    if problem is not None:
+        raise WriteRefused(problem)
 
 
 def query_id_of(options: Mapping[str, str]) -> str:

@@ -157,3 +157,97 @@ def test_errors_data_dir_permission_denied(short_dir: Path) -> None:
     assert os.waitstatus_to_exitcode(status) == 0, result
     assert f"data_dir: permission denied on {data_dir}" in result
     assert "User=quiverd" in result
+
+
+def _arrow_file(path: Path, table: pa.Table) -> Path:
+    with pa.ipc.new_file(path, table.schema) as w:
+        w.write_table(table)
+    return path
+
+
+def test_errors_send_with_a_bad_client_name_before_connecting(tmp_path: Path) -> None:
+    ipc = _arrow_file(tmp_path / "t.arrow", pa.table({"a": [1]}))
+    proc = quiverd("send", "--socket", str(tmp_path / "nope.sock"), "--client", "Bad Name",
+                   str(ipc))
+    assert_clean_error(proc, "--client: client name 'Bad Name' must match", "client= prefix")
+    assert "no quiverd socket" not in proc.stderr  # refused before connecting
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+def test_errors_send_of_a_file_with_a_reserved_column(tmp_path: Path, fmt: str) -> None:
+    import pyarrow.parquet as pq
+
+    table = pa.table({"a": [1], "_quiver_bundle": ["mine"]})
+    path = tmp_path / f"t.{fmt}"
+    if fmt == "arrow":
+        _arrow_file(path, table)
+    else:
+        pq.write_table(table, path)
+    proc = quiverd("send", "--socket", str(tmp_path / "nope.sock"), "--client", "c", str(path))
+    assert_clean_error(proc, f"{path}: column '_quiver_bundle': the prefix '_quiver_' is "
+                       "reserved", "nothing was sent")
+
+
+def test_errors_subscribe_with_a_bad_name_before_connecting(tmp_path: Path) -> None:
+    proc = quiverd("subscribe", "Bad Name", "--count", "1", "--socket",
+                   str(tmp_path / "nope.sock"))
+    assert_clean_error(proc, "invalid subscriber name 'Bad Name'", "lowercase letters")
+
+
+def test_errors_subscribe_out_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    proc = quiverd("subscribe", "x", "--out", str(tmp_path / "file"), "--socket",
+                   str(tmp_path / "nope.sock"))
+    assert_clean_error(proc, f"--out {tmp_path / 'file'}: File exists", "names a directory")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["files", "list", "--since", "yesterday"], "files list: argument --since: 'yesterday'"),
+    (["subscribe", "x", "--count", "0"], "subscribe: argument --count: must be at least 1"),
+    (["send", "--client", "c"], "send: the following arguments are required: --socket"),
+    (["no-such-command"], "argument COMMAND: invalid choice: 'no-such-command'"),
+    (["wal"], "wal: the following arguments are required"),
+])
+def test_errors_usage_errors_in_the_two_line_form(args: list[str], needle: str) -> None:
+    proc = quiverd(*args)
+    assert proc.returncode == 2  # argparse's usage-error status, as before
+    assert_clean_error(proc, f"quiverd: {needle}", "--help` lists what it takes")
+
+
+@pytest.mark.parametrize("reply", [b"", b"not json\n", b"[1, 2]\n"])
+def test_errors_status_from_a_socket_that_is_not_an_admin_socket(short_dir: Path,
+                                                                  reply: bytes) -> None:
+    """E.g. the ingest socket passed as --socket: it answers no JSON line."""
+    import threading
+
+    path = short_dir / "other.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    proc = quiverd("status", "--socket", str(path))
+    thread.join(10)
+    server.close()
+    assert_clean_error(proc, f"{path} did not answer as a quiverd admin socket",
+                       "not the ingest socket")
+
+
+def test_errors_admin_request_without_an_answer_in_time(short_dir: Path) -> None:
+    from quiverd.kernel.errors import DaemonUnreachable
+    from quiverd.net.admin import request
+
+    path = short_dir / "silent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        server.listen(1)  # never accepted: as a daemon still recovering its shards
+        with pytest.raises(DaemonUnreachable, match="no answer on .* within 0.3 s") as info:
+            request(path, "status", timeout_s=0.3)
+    assert "recovered" in info.value.hint

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
+from quiverd.cli import main as cli
 from tests.daemon.helpers import stored_bundles, tagged_table
 
 
@@ -124,3 +127,63 @@ def test_send_parquet_cuts_row_groups_to_fit_max_bundle_bytes(daemon_factory, tm
         ids = b.slots[0].column("tag").to_pylist()
         first = b.slots[0].column("i").to_pylist()
         assert len({(t * 5000 + i) // 10_000 for t, i in zip(ids, first, strict=True)}) == 1
+
+
+def test_send_with_a_bad_client_name_is_one_line_not_a_traceback(daemon_factory, tmp_path):
+    d = daemon_factory().start()
+    f = tmp_path / "t.arrow"
+    with pa.ipc.new_file(f, tagged_table(0).schema) as w:
+        w.write_table(tagged_table(0))
+    proc = quiverd("send", "--socket", str(d.socket), "--client", "Bad Name", str(f),
+                   check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[0] == (
+        "quiverd: --client: client name 'Bad Name' must match [A-Za-z0-9._-]{1,255}")
+    assert proc.stderr.splitlines()[1].startswith("hint: ")
+    assert d.status()["shards"][0]["acks"] + d.status()["shards"][1]["acks"] == 0
+
+
+def _into_closed_pipe(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run quiverd with stdout a pipe whose reader is already gone: every write fails
+    with EPIPE (``| head -1`` does this one time in five, when it exits first)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "quiverd", *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+    finally:
+        os.close(write_end)
+
+
+def _like_head_1(args: list[str]) -> subprocess.CompletedProcess:
+    """Run quiverd into a reader that takes one line and closes, as ``| head -1``."""
+    proc = subprocess.Popen([sys.executable, "-m", "quiverd", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    return subprocess.CompletedProcess(args, proc.wait(60), "", err)
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_stdout_reader_gone_exits_quietly_with_141(daemon_factory, tmp_path, unbuffered):
+    d = daemon_factory().start()
+    f = tmp_path / "t.arrow"
+    with pa.ipc.new_file(f, tagged_table(0).schema) as w:
+        for i in range(3):
+            w.write_table(tagged_table(i))
+    admin = ["--socket", str(d.admin_socket)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:  # each print writes at once: EPIPE inside the command, not at exit
+        env["PYTHONUNBUFFERED"] = "1"
+    for args in (["status", *admin], ["status", "--json", *admin], ["segments", "list", *admin],
+                 ["subscribers", "list", *admin],
+                 ["send", "--socket", str(d.socket), "--client", "c", "--json", str(f)]):
+        proc = _into_closed_pipe(args, env)  # deterministic: once each
+        assert (proc.returncode, proc.stderr) == (cli.EXIT_STDOUT_CLOSED, ""), args
+    for _ in range(5 if unbuffered else 0):  # the race itself, as the issue saw it
+        proc = _like_head_1(["status", *admin])
+        assert proc.returncode in (0, cli.EXIT_STDOUT_CLOSED) and proc.stderr == "", proc
+    assert d.status()["stopping"] is False

@@ -231,6 +231,38 @@ def test_client_refuses_reserved_slot_before_sending(daemon_factory):
         c.send({63: tagged_table(0)}, client="x")
 
 
+@pytest.mark.parametrize(("name", "column"), [
+    ("_quiver_ingested_at", pa.array(["a string"])),  # the uploader failed on it forever
+    ("_quiver_ingested_at", pa.array([5], pa.timestamp("ns", tz="UTC"))),  # replaced ours
+    ("_quiver_bundle", pa.array([7], pa.uint32())),  # replaced the bundle id
+    ("_quiver_shard", pa.array(["x"])),
+    ("_quiver_anything", pa.array([1])),
+])
+def test_reserved_column_prefix_is_refused_at_ingest_with_the_column_named(
+        daemon_factory, name, column):
+    from quiverd.client import IpcPayload
+    from quiverd.kernel.errors import ProtocolError
+
+    d = daemon_factory().start()
+    data = pa.table({"a": [1], name: column})
+    with Client.connect(d.socket) as c:
+        ok = c.send(pa.table({"a": [1], "quiver_x": [2], "x_quiver_": [3]}), client="w")
+        # An already encoded payload is not looked into by the client: the daemon refuses.
+        with pytest.raises(ProtocolError, match=f"slot 0: column '{name}': the prefix "
+                           "'_quiver_' is reserved") as info:
+            c.send(IpcPayload(ipc=_ipc(data), rows=1), client="w")
+        assert info.value.code == ErrorCode.MALFORMED
+    with Client.connect(d.socket) as c:  # a table: refused before anything is sent
+        with pytest.raises(ProtocolError, match=f"column '{name}'"):
+            c.send({2: data}, client="w")
+        c.send(tagged_table(1), client="w")  # the connection is still usable
+    [refused] = d.events("ingest_protocol_error")  # one refusal: the client's never left
+    assert name in refused["error"]
+    assert d.stop() == 0
+    stored = stored_bundles(d.data_dir)
+    assert len(stored) == 2 and (ok.shard, ok.sequence) in stored
+
+
 def test_silent_connections_cannot_lock_producers_out(daemon_factory):
     d = daemon_factory({"ingest.max_connections": 8, "ingest.max_connections_per_uid": 8,
                         "ingest.handshake_timeout_ms": 1000}).start()

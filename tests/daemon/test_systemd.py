@@ -37,9 +37,26 @@ def test_systemd_install_into_a_root_then_unit_verifies(tmp_path: Path) -> None:
     site = next((root / "opt/quiverd/lib").glob("python3*/site-packages"))
     assert (site / "quiverd_actors" / "wal_writer.py").exists()
     assert not (site / "actors").exists()  # no top-level name that could clash
-    version = subprocess.run([str(root / "opt/quiverd/bin/quiverd"), "--version"],
-                             capture_output=True, text=True, timeout=60)
-    assert version.stdout.startswith("quiverd "), version
+    # The tree is an image: nothing in it may name the directory it was written to.
+    named = subprocess.run(["grep", "-rlF", "--binary-files=text", str(root),
+                            str(root / "opt/quiverd")], capture_output=True, text=True)
+    assert named.returncode == 1 and named.stdout == "", named.stdout[:3000]
+    assert (root / "opt/quiverd/bin/quiverd").read_text().startswith(
+        "#!/opt/quiverd/bin/python\n")
+    # Run it where the image puts it, with the install directory out of sight (a private
+    # mount namespace: /opt/quiverd is the tree's, the tree's own path an empty tmpfs).
+    image = subprocess.run(
+        ["unshare", "--mount", "sh", "-ec",
+         f"mount -t tmpfs tmpfs /opt && mkdir /opt/quiverd && "
+         f"mount --bind {root}/opt/quiverd /opt/quiverd && mount -t tmpfs tmpfs {root} && "
+         "/opt/quiverd/bin/quiverd --version && /opt/quiverd/bin/python -c "
+         "'import quiverd.cli.main as m; print(m._parser.__code__.co_filename)'"],
+        capture_output=True, text=True, timeout=60, cwd="/")
+    assert image.returncode == 0, image.stdout + image.stderr
+    version, compiled = image.stdout.splitlines()
+    assert version.startswith("quiverd ")
+    in_image = Path("/opt/quiverd") / site.relative_to(root / "opt/quiverd")
+    assert compiled == str(in_image / "quiverd/cli/main.py")  # the bytecode's file name
     # verify resolves the unit's dependencies (sysinit.target, ...) inside the root.
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system",
                     dirs_exist_ok=True)

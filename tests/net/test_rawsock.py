@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +77,38 @@ def test_bind_unix_replaces_a_socket_nobody_listens_on(short_dir: Path) -> None:
     sock.close()
 
 
+def test_bind_unix_waits_for_a_claim_in_progress_instead_of_taking_it_for_a_dead_one(
+        short_dir: Path) -> None:
+    """Another daemon holds the directory's flock between its bind and its listen: a
+    bound socket that does not listen yet answers ECONNREFUSED, like a dead one."""
+    path = short_dir / "s.sock"
+    claiming = os.open(short_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(claiming, fcntl.LOCK_EX)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(str(path))  # bound, not listening yet
+    outcome: list[BaseException | None] = []
+
+    def second() -> None:
+        try:
+            bind_unix(path, 0o600, key="ingest.socket_path")[0].close()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    time.sleep(0.3)
+    assert outcome == []  # waiting for the claim in progress
+    other.listen(1)
+    os.close(claiming)
+    thread.join(10)
+    assert isinstance(outcome[0], AlreadyRunning), outcome
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.connect(str(path))  # still the first claimant's
+    probe.close()
+    other.close()
+
+
 def test_bind_unix_refuses_to_unlink_a_file_that_is_not_a_socket(short_dir: Path) -> None:
     path = short_dir / "s.sock"
     path.write_text("precious")
@@ -115,10 +153,76 @@ def test_second_daemon_on_a_live_socket_path_is_refused_and_the_first_keeps_serv
     assert f"{shared}.socket_path" in second.log()  # the hint names the key
     assert os.stat(path).st_ino == inode  # not stolen, not deleted on its way out
     assert not second.socket.exists()  # the second one's own ingest socket is cleaned up
+    assert not second.data_dir.exists()  # refused before its data directory was made
     with Client.connect(first.socket) as c:
         c.send(tagged_table(1), client="still-here")
     assert first.status()["stopping"] is False
     assert first.stop() == 0
+
+
+RECOVERY_EVENTS = ("wal_created", "wal_replayed", "shard_recovered")  # what recovery logs
+
+
+@pytest.mark.parametrize("data_dirs", ["one", "two"])
+def test_two_daemons_started_together_on_one_socket_one_runs_the_other_recovers_nothing(
+        daemon_factory, data_dirs: str) -> None:
+    """Started at the same instant on one socket path (and one data directory, or two
+    new ones): exactly one serves; the other exits 2, refused before any recovery work,
+    and leaves no data directory of its own."""
+    from quiverd.net.admin import request
+
+    a = daemon_factory(name="a")
+    b = daemon_factory({"ingest.socket_path": str(a.socket),
+                        "admin.socket_path": str(a.admin_socket)}, name="b")
+    configs = [a.config_path, a.config_path if data_dirs == "one" else b.config_path]
+    for round_ in range(3):
+        _listening(a.socket).close()  # a file left by a killed daemon: both may replace it
+        logs = [a.root / f"together-{round_}-{i}.log" for i in range(2)]
+        procs = []
+        for config, log in zip(configs, logs, strict=True):
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "quiverd", "serve", "--config", str(config)],
+                    stdout=out, stderr=subprocess.STDOUT))
+        try:
+            deadline = time.monotonic() + 60
+            while all(p.poll() is None for p in procs):
+                assert time.monotonic() < deadline, "both daemons run: " + " / ".join(
+                    log.read_text()[-1500:] for log in logs)
+                time.sleep(0.05)
+            [lost] = [i for i, p in enumerate(procs) if p.poll() is not None]
+            winner = procs[1 - lost]
+            assert procs[lost].returncode == 2, logs[lost].read_text()
+            text = logs[lost].read_text()
+            assert (f"another process is listening on {a.socket}" in text
+                    or f"in use by another quiverd (pid {winner.pid})" in text), text
+            assert not [e for e in RECOVERY_EVENTS if f'"{e}"' in text], text
+            if data_dirs == "two":
+                assert not [a, b][lost].data_dir.exists()
+            _wait_ready_pid(winner, a.admin_socket)
+            assert request(a.admin_socket, "status")["pid"] == winner.pid
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            assert [p.wait(30) for p in procs].count(0) == 1
+        if data_dirs == "two":  # next round: both data directories new again
+            for d in (a, b):
+                shutil.rmtree(d.data_dir, ignore_errors=True)  # the loser made none
+
+
+def _wait_ready_pid(proc: subprocess.Popen[bytes], admin_socket: Path) -> None:
+    from quiverd.net.admin import request
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None
+        try:
+            request(admin_socket, "status", timeout_s=1)
+            return
+        except Exception:
+            time.sleep(0.02)
+    raise AssertionError("the daemon left running is not ready")
 
 
 def test_daemon_replaces_the_sockets_a_killed_daemon_left(daemon_factory) -> None:

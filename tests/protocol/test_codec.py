@@ -434,6 +434,26 @@ def test_validate_bundle_rejects_a_field_name_that_is_not_utf8(name: bytes) -> N
     assert info.value.code == p.ErrorCode.MALFORMED
 
 
+@pytest.mark.parametrize("name", ["_quiver_ingested_at", "_quiver_bundle", "_quiver_x"])
+def test_validate_bundle_rejects_a_top_level_column_with_the_reserved_prefix(name: str) -> None:
+    data = pa.table({"a": [1], name: ["x"]})
+    frame = server_decoder().feed(
+        hello_wire() + bundle_wire(1, {4: encode_ipc_stream(data)}, {4: 1}))[1]
+    with pytest.raises(ProtocolError, match=f"slot 4: column '{name}': the prefix "
+                       "'_quiver_' is reserved") as info:
+        p.validate_bundle(frame)  # type: ignore[arg-type]
+    assert info.value.code == p.ErrorCode.MALFORMED
+
+
+def test_validate_bundle_accepts_the_prefix_nested_or_inside_a_name() -> None:
+    nested = pa.array([{"_quiver_bundle": 1}], pa.struct([("_quiver_bundle", pa.int64())]))
+    data = pa.table({"s": nested, "quiver_x": [1], "x_quiver_": [2], "_quiverx": [3]})
+    frame = server_decoder().feed(
+        hello_wire() + bundle_wire(1, {0: encode_ipc_stream(data)}, {0: 1}))[1]
+    [slot] = p.validate_bundle(frame)  # type: ignore[arg-type]
+    assert slot.row_count == 1
+
+
 def test_validate_bundle_rejects_invalid_ipc_and_empty_and_too_large() -> None:
     frames = server_decoder().feed(
         hello_wire() + bundle_wire(1, {0: b"not arrow at all"}, {0: 1})

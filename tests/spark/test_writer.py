@@ -29,7 +29,9 @@ from quiverd.spark.writer import (  # noqa: E402
     AttemptStream,
     QuiverCommitMessage,
     QuiverWriter,
+    RowTooLarge,
     WriteOptions,
+    WriteRefused,
     encode_bounded,
     query_id_of,
     rechunk,
@@ -96,6 +98,20 @@ def message(partition: int, job_id: str = "j", **kw: Any) -> QuiverCommitMessage
               "attempt_number": 0, "stage_id": 1, "rows": 5, "checksum": 7, "node_id": "n",
               "shard": 0, "sequence": 1, **kw}
     return QuiverCommitMessage(**fields)
+
+
+def test_encode_bounded_refuses_one_row_larger_than_the_limit() -> None:
+    big = pa.record_batch([pa.array([3], pa.int64()), pa.array(["x" * 5000])], ["id", "s"])
+    with pytest.raises(RowTooLarge,
+                       match=r"a row of \d+ bytes .* ingest\.max_bundle_bytes of 4096:"):
+        list(encode_bounded([batch(0, 3), big], 4096))
+
+
+def test_winners_of_raises_the_reason_of_a_refused_attempt() -> None:
+    refused = message(1, refused="partition 1: a row of 9 bytes is too large")
+    with pytest.raises(WriteRefused, match="job 'j' not written, nothing of it is published: "
+                       "partition 1: a row of 9 bytes is too large$"):
+        winners_of([message(0), refused], "j")
 
 
 def test_winners_of_one_per_partition_and_refuses_a_missing_message() -> None:
@@ -281,6 +297,78 @@ def test_writer_task_failure_aborts_the_job_and_nothing_is_visible(
     assert status["state"] == "aborted"
     assert published(d, rows=0) is None
     wait_discarded(d)  # the partitions that ended had staged their rows
+    assert d.stop() == 0
+
+
+def marking(marks: Path) -> Any:
+    """A mapInArrow function that leaves one file per task attempt it runs in."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        (marks / f"{ctx.partitionId()}-{ctx.attemptNumber()}").touch()
+        yield from batches
+
+    return run
+
+
+def test_writer_reserved_column_is_refused_on_the_driver_before_any_task(
+        daemon_factory: Any, spark: Any, tmp_path: Path) -> None:
+    from pyspark.sql import functions as F
+
+    d = start(daemon_factory)
+    df = hashed(spark, 1_000, 2).withColumn("_quiver_ingested_at", F.lit("a string"))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    with pytest.raises(Exception) as info:
+        write(df.mapInArrow(marking(tasks), df.schema), d, job_id="reserved")
+    assert ("column '_quiver_ingested_at': the prefix '_quiver_' is reserved"
+            in str(info.value))
+    assert list(tasks.iterdir()) == []  # refused while planning: no task ran
+    with Client.connect(d.socket) as c:
+        assert c.job_status("reserved")["state"] == "unknown"  # nothing was sent
+    assert published(d, rows=0) is None
+    assert d.stop() == 0
+
+
+def test_writer_row_over_max_bundle_bytes_fails_the_job_once_with_the_reason(
+        daemon_factory: Any, spark: Any, tmp_path: Path) -> None:
+    from pyspark.sql import functions as F
+
+    d = start(daemon_factory, **{"ingest.max_bundle_bytes": 64 * 1024,
+                                 "wal.max_entry_bytes": 256 * 1024,
+                                 "metrics.listen": "127.0.0.1:0"})
+    big = F.when(F.col("id") == 1_500, F.repeat(F.lit("y"), 100_000)).otherwise(F.lit("s"))
+    df = hashed(spark, 2_000, 2).withColumn("s", big)  # the big row is in partition 1
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    with pytest.raises(Exception) as info:
+        write(df.mapInArrow(marking(tasks), df.schema), d, job_id="big-row")
+    text = str(info.value)
+    assert ("job 'big-row' not written, nothing of it is published: partition 1: a row of "
+            in text)
+    assert "larger than the daemon's ingest.max_bundle_bytes of 65536" in text
+    assert sorted(p.name for p in tasks.iterdir()) == ["0-0", "1-0"]  # each task ran once
+    with Client.connect(d.socket) as c:
+        assert c.job_status("big-row")["state"] == "aborted"
+    assert published(d, rows=0) is None
+    wait_discarded(d)  # partition 0 and the rows of 1 before the big one were staged
+    assert d.stop() == 0
+
+
+def test_writer_job_id_already_decided_fails_once(daemon_factory: Any, spark: Any,
+                                                   tmp_path: Path) -> None:
+    d = start(daemon_factory)
+    df = hashed(spark, 1_000, 2)
+    write(df, d, job_id="once")
+    assert published(d, rows=1_000) is not None
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    with pytest.raises(Exception, match="job 'once' not written, nothing of it is published"):
+        write(df.mapInArrow(marking(tasks), df.schema), d, job_id="once")
+    assert sorted(p.name for p in tasks.iterdir()) == ["0-0", "1-0"]  # not retried
+    assert published(d, rows=0) is None
     assert d.stop() == 0
 
 
