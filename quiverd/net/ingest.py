@@ -12,7 +12,8 @@ ERROR rather than a reset), with at most ``max_connections`` refusals in
 progress; past that, refused sockets are closed at once.
 
 Admitted connections (``quiverd.net.connection``) share one pending-bytes
-budget (``quiverd.net.budget``) and run under the handshake and idle timeouts
+budget (``quiverd.net.budget``), each peer uid at most its share of it
+(``ingest.max_pending_bytes_per_uid``), and run under the handshake and idle timeouts
 (``quiverd.net.reader``). A protocol error gets an ERROR frame with a stable code
 and the connection is closed; the daemon and other connections carry on.
 """
@@ -66,8 +67,11 @@ class IngestServer:
         self.limiter, self.log = limiter, log
         self.stats = metrics if metrics is not None else IngestMetrics(Metrics())
         self.max_frame = protocol.max_frame_bytes(cfg.max_bundle_bytes)
-        # At least one largest frame must fit, or it could never be received.
-        self.budget = ByteBudget(max(cfg.max_pending_bytes, self.max_frame))
+        # At least one largest frame must fit, in the whole and in each uid's share, or
+        # it could never be received. Half by default: see quiverd/net/budget.py.
+        total = max(cfg.max_pending_bytes, self.max_frame)
+        per_uid = cfg.max_pending_bytes_per_uid or total // 2
+        self.budget = ByteBudget(total, min(total, max(per_uid, self.max_frame)))
         # Receive buffers reused after their bundle is answered. Idle and in-flight ones
         # together stay within the pending-bytes budget (the documented RSS bound), and
         # idle ones within POOL_IDLE_MAX_BYTES: a past burst does not pin its peak.
@@ -197,7 +201,7 @@ class IngestServer:
     async def _connection(self, stream: RawStream, uid: int) -> None:
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             stream.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-        conn = Connection(self, stream)
+        conn = Connection(self, stream, uid)
         self.connections.add(conn)
         self.conn_uid[conn] = uid
         if self.stopping:

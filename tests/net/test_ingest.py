@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import pyarrow as pa
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
@@ -78,16 +79,16 @@ class Changes:
 
 
 class ObservedBudget(ByteBudget):
-    def __init__(self, total_bytes: int, changes: Changes) -> None:
-        super().__init__(total_bytes)
+    def __init__(self, total_bytes: int, per_uid_bytes: int, changes: Changes) -> None:
+        super().__init__(total_bytes, per_uid_bytes)
         self.changes = changes
 
-    async def take(self, nbytes: int) -> None:
+    async def take(self, nbytes: int, uid: int = 0) -> None:
         self.changes.poke()  # the waiter is queued before the poke is seen
-        await super().take(nbytes)
+        await super().take(nbytes, uid)
 
-    def release(self, nbytes: int) -> None:
-        super().release(nbytes)
+    def release(self, nbytes: int, uid: int = 0) -> None:
+        super().release(nbytes, uid)
         self.changes.poke()
 
 
@@ -95,7 +96,8 @@ class ObservedServer(IngestServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.changes = Changes()
-        self.budget = ObservedBudget(self.budget.total_bytes, self.changes)
+        self.budget = ObservedBudget(self.budget.total_bytes, self.budget.per_uid_bytes,
+                                     self.changes)
 
     async def _connection(self, stream: RawStream, uid: int) -> None:
         try:
@@ -375,3 +377,33 @@ async def test_ingest_wait_for_budget_is_never_timed_even_when_the_window_emptie
             assert isinstance(await a.next(), p.Ack)
             ack = await b.next()
         assert isinstance(ack, p.Ack) and ack.request_id == 2
+
+
+@pytest.mark.asyncio
+async def test_ingest_job_frames_wait_for_the_pending_budget_like_bundles(
+        tmp_path: Path) -> None:
+    """Issue 17: a JOB frame's buffer (up to 1 MiB) was allocated outside the budget, so
+    stalled JOB frames on many connections held memory without bound."""
+    mib = 1024 * KiB
+    body = b'{"op": "status", "job_id": "j"' + b" " * (mib - 64) + b"}"  # valid JSON
+    frame = struct.pack("<IBII", 1 + 8 + len(body), p.FrameType.JOB, 1, len(body)) + body
+    async with serving(tmp_path, max_bundle_bytes=mib, max_pending_bytes=4 * mib,
+                       max_pending_bytes_per_uid=4 * mib) as h:
+        server = h.server
+        before = pa.total_allocated_bytes()
+        peers = [await h.connect() for _ in range(16)]
+        for peer in peers:  # 16 JOB frames of 1 MiB announced, each stalled after 64 KiB
+            await peer.stream.send(frame[: 64 * KiB])
+        await h.until(lambda: server.budget.waiting == 12)  # 4 fit the 4 MiB budget
+        assert server.budget.held == 4 * (len(frame) - 5)
+        # The 12 others allocated nothing (the old code: 16 MiB of frame buffers).
+        assert pa.total_allocated_bytes() - before <= 4 * mib + 64 * KiB
+        async with anyio.create_task_group() as tg:  # the rest, as the budget comes back
+            for peer in peers:
+                tg.start_soon(peer.stream.send, frame[64 * KiB:])
+        for peer in peers:  # each answered (this server takes no job requests)
+            with anyio.fail_after(10):
+                err = await peer.next()
+            assert isinstance(err, p.Error) and err.request_id == 1
+            assert "takes no job requests" in err.message
+        await h.until(lambda: server.budget.held == 0)
