@@ -51,6 +51,7 @@ import pyarrow as pa
 
 from quiverd.kernel.errors import (
     AtCapacity,
+    CatalogUnavailable,
     JobConflict,
     ProtocolError,
     QuiverError,
@@ -408,6 +409,10 @@ def hello_reply(hello: Hello, *, max_bundle_bytes: int, max_inflight: int) -> by
     )
 
 
+UNAVAILABLE_HINT = ("the daemon cannot reach its catalog (catalog.dsn) now; retry the request "
+                    "in a moment: nothing was decided, staged rows stay held")
+
+
 def exception_for(err: Error) -> QuiverError:
     """The quiverd.kernel.errors exception a client raises for an ERROR frame."""
     match err.code:
@@ -419,6 +424,8 @@ def exception_for(err: Error) -> QuiverError:
             return Unauthorized(err.message)
         case ErrorCode.JOB_CONFLICT:
             return JobConflict(err.message)
+        case ErrorCode.UNAVAILABLE:
+            return CatalogUnavailable(err.message, hint=UNAVAILABLE_HINT)
     return ProtocolError(err.code, err.message)
 
 
@@ -431,6 +438,7 @@ def error_code_for(exc: BaseException) -> ErrorCode:
         (ShuttingDown, ErrorCode.SHUTTING_DOWN),
         (Unauthorized, ErrorCode.UNAUTHORIZED),
         (JobConflict, ErrorCode.JOB_CONFLICT),
+        (CatalogUnavailable, ErrorCode.UNAVAILABLE),
     ):
         if isinstance(exc, cls):
             return code

@@ -43,6 +43,7 @@ from quiverd.segments.table import SegmentInfo, StagedRef
 RETRY_MAX_S = 30.0
 MARKER_WAIT_S = 30.0  # a winner's end marker may still be in the open segment
 PRUNE_EVERY_S = 3600.0
+STATUS_RETRY_HINT = "retry the status request in a moment; staged rows stay held meanwhile"
 
 
 @dataclass
@@ -199,19 +200,31 @@ class Staging:
                 "rows sent for it now are never published")
 
     async def lookup(self, job_id: str) -> dict[str, Any]:
-        """``job_status``, asking the catalog first when nothing is known here."""
-        if job_id not in self.decisions and self.catalog is not None:
-            try:
-                found = await self.catalog.job_decisions([job_id])
-            except (CatalogUnavailable, LakeError, OSError):
-                found = {}
-            if job_id in found:
-                out = self.job_status(job_id)
-                d = found[job_id]
-                out.update(state=d.state, winners=[_winner(w) for w in d.winners],
-                           decided_by=d.decided_by, reason=d.reason)
-                return out
-        return self.job_status(job_id)
+        """``job_status``, asking the catalog first when no decision is known here.
+
+        A decision known here is final (the first one recorded stands), so it answers
+        at once. Anything else only the catalog can tell: "staged" or "unknown" from
+        local state alone may be wrong (another daemon may have decided the job), so
+        with the catalog unreachable this raises the retryable CatalogUnavailable."""
+        if job_id in self.decisions:
+            return self.job_status(job_id)
+        catalog = self.catalog
+        if catalog is None:
+            raise CatalogUnavailable(f"job {job_id!r}: the catalog is unreachable "
+                                     f"({self.state}), so its decision cannot be read",
+                                     hint=STATUS_RETRY_HINT)
+        try:
+            found = await catalog.job_decisions([job_id])
+        except (CatalogUnavailable, LakeError, OSError) as exc:
+            raise CatalogUnavailable(f"job {job_id!r}: the catalog is unreachable ({exc}), "
+                                     "so its decision cannot be read",
+                                     hint=STATUS_RETRY_HINT) from exc
+        out = self.job_status(job_id)
+        if job_id in found:
+            d = found[job_id]
+            out.update(state=d.state, winners=[_winner(w) for w in d.winners],
+                       decided_by=d.decided_by, reason=d.reason)
+        return out
 
     async def _decide(self, wanted: JobDecision) -> tuple[JobDecision, bool]:
         if self.catalog is None:

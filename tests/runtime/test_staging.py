@@ -131,3 +131,20 @@ async def test_commit_without_a_catalog_is_refused_as_retryable(tmp_path: Path) 
     s = Staging(Config(data_dir=str(tmp_path)), metrics=Metrics())
     with pytest.raises(CatalogUnavailable):
         await s.commit("j", [])
+
+
+@pytest.mark.asyncio
+async def test_status_without_the_catalog_is_retryable_unless_the_decision_is_known(
+        tmp_path: Path) -> None:
+    """Issue 17: with the catalog unreachable, status answered "staged"/"unknown" from local
+    state, which another daemon's decision may already contradict."""
+    async with running(tmp_path) as s:
+        s.add_segment(segment(1, [ref("j", 0, 1, (100, 7)), ref("k", 0, 1)]))
+        await s.commit("j", [Winner(partition=0, attempt=1, rows=100, checksum=7)])
+        assert (await s.lookup("k"))["state"] == "staged"
+    assert s.catalog is None  # the catalog is gone
+    assert (await s.lookup("j"))["state"] == "committed"  # a decision is final: known here
+    for job in ("k", "never-seen"):
+        with pytest.raises(CatalogUnavailable, match="catalog is unreachable") as info:
+            await s.lookup(job)
+        assert info.value.retryable and "retry" in info.value.hint
