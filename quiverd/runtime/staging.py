@@ -44,6 +44,10 @@ RETRY_MAX_S = 30.0
 MARKER_WAIT_S = 30.0  # a winner's end marker may still be in the open segment
 PRUNE_EVERY_S = 3600.0
 STATUS_RETRY_HINT = "retry the status request in a moment; staged rows stay held meanwhile"
+# A request that needs the catalog waits this long for it to connect (at start, or back
+# from an outage) before it is answered CatalogUnavailable: a client asking right after
+# the daemon started gets its answer, not a retry.
+CATALOG_WAIT_S = 2.0
 
 
 @dataclass
@@ -68,6 +72,7 @@ class Staging:
         self.learned_at: dict[str, float] = {}  # job_id -> monotonic time its decision came
         self.wakers: list[Changes] = []  # every shard's: a decision re-runs the dispatchers
         self.catalog: Any = None  # quiverd.lake.catalog.Catalog once connected
+        self.connected = Changes()  # notified when a catalog connects
         self.state = "starting"
         self._kick = anyio.Event()
         self._reported: set[tuple[str, int, int]] = set()
@@ -208,7 +213,7 @@ class Staging:
         with the catalog unreachable this raises the retryable CatalogUnavailable."""
         if job_id in self.decisions:
             return self.job_status(job_id)
-        catalog = self.catalog
+        catalog = await self._connected_catalog()
         if catalog is None:
             raise CatalogUnavailable(f"job {job_id!r}: the catalog is unreachable "
                                      f"({self.state}), so its decision cannot be read",
@@ -226,12 +231,20 @@ class Staging:
                        decided_by=d.decided_by, reason=d.reason)
         return out
 
+    async def _connected_catalog(self) -> Any:
+        """The catalog, waiting up to CATALOG_WAIT_S for it to connect; None if it did not."""
+        with anyio.move_on_after(CATALOG_WAIT_S):
+            while self.catalog is None:
+                await self.connected.wait_beyond(self.connected.version)
+        return self.catalog
+
     async def _decide(self, wanted: JobDecision) -> tuple[JobDecision, bool]:
-        if self.catalog is None:
-            raise CatalogUnavailable(f"the catalog is not connected yet ({self.state})",
+        catalog = await self._connected_catalog()
+        if catalog is None:
+            raise CatalogUnavailable(f"the catalog is not connected ({self.state})",
                                      hint="the decision was not recorded; retry the commit "
                                      "or abort in a moment")
-        standing, recorded = await self.catalog.decide_job(wanted)
+        standing, recorded = await catalog.decide_job(wanted)
         if recorded:
             self.log.info("job_decided", job_id=standing.job_id, state=standing.state,
                           partitions=len(standing.winners), reason=standing.reason or None)
@@ -265,6 +278,7 @@ class Staging:
             try:
                 async with open_catalog(self.cfg.catalog, self.db_path, log=self.log) as catalog:
                     self.catalog, self.state, attempt = catalog, "ready", 0
+                    self.connected.notify()
                     try:
                         async with anyio.create_task_group() as tg:
                             tg.start_soon(self._listen, catalog)

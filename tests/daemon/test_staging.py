@@ -200,7 +200,7 @@ def test_job_status_with_the_catalog_down_is_a_retryable_error(daemon_factory, p
     with Client.connect(d.socket) as c:
         w = write_attempt(c, "job6", 0, 1, [1, 2])
         assert w
-        wait_for(lambda: c.job_status("job6")["state"] == "staged")  # its segment is in
+        wait_for(lambda: _retried(lambda: c.job_status("job6"))["state"] == "staged")
         postgres_server.stop("immediate")
         try:
             for job in ("job6", "never-seen"):
