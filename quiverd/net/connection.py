@@ -299,8 +299,11 @@ class Connection:
         return True
 
     async def _reserve(self, nbytes: int) -> None:
+        budget = self.server.budget
         self.server.stats.budget_waits.inc()
-        await self.server.budget.take(nbytes, self.uid)
+        if budget.by_uid.get(self.uid, 0) + nbytes > budget.per_uid_bytes:
+            self.server.log_share_full(self.uid)
+        await budget.take(nbytes, self.uid)
         self._took(nbytes)
 
     def _took(self, nbytes: int) -> None:

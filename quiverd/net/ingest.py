@@ -84,6 +84,7 @@ class IngestServer:
         self.conn_uid: dict[Connection, int] = {}  # holds a slot until release_slot
         self.refusing = 0
         self.last_refusal_log = -LOG_REFUSALS_EVERY_S
+        self.last_share_log = -LOG_REFUSALS_EVERY_S
         self.hub = SubscriberHub()
         self.jobs: JobService | None = None  # the daemon's staging (commit, abort, status)
         self.stopping = False
@@ -182,6 +183,19 @@ class IngestServer:
             self.log.warning(event, peer=who, reason=str(refusal),
                              refused_total=int(self.stats.refused.value),
                              unauthorized_total=int(self.stats.unauthorized.value))
+
+    def log_share_full(self, uid: int) -> None:
+        """A connection of ``uid`` waits because its uid holds its whole share of the
+        pending-bytes budget (stalled or slow frames): once a second at most."""
+        now = anyio.current_time()
+        if now - self.last_share_log >= LOG_REFUSALS_EVERY_S:
+            self.last_share_log = now
+            self.log.warning("ingest_uid_share_full", uid=uid,
+                             held_bytes=self.budget.by_uid.get(uid, 0),
+                             share_bytes=self.budget.per_uid_bytes,
+                             pending_bytes=self.budget.held,
+                             hint="this peer's frames wait for its own earlier ones; other "
+                             "uids are not held up (ingest.max_pending_bytes_per_uid)")
 
     async def _refuse(self, stream: RawStream, exc: ProtocolError) -> None:
         try:

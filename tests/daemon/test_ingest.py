@@ -303,6 +303,8 @@ def test_one_uid_stalling_frames_does_not_keep_another_uids_bundle_waiting(daemo
         ingest = d.status()["ingest"]
         assert 4 * (mib - 1) <= ingest["pending_bytes"] <= 4 * mib
         assert ingest["budget_waits"] == 5
+        full = d.events("ingest_uid_share_full")  # says which peer, once a second at most
+        assert full and {e["uid"] for e in full} == {0}
     finally:
         for s in stalled:
             s.close()
