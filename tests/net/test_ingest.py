@@ -114,11 +114,13 @@ class Serving:
     async def until(self, condition: Callable[[], bool]) -> None:
         await self.server.changes.until(condition)
 
-    async def connect(self, *, hello: bool = True) -> Peer:
+    async def connect(self, *, hello: bool = True, then: bytes = b"") -> Peer:
+        """A producer connection; ``then`` goes out in the same write as its HELLO, so
+        a short idle timeout cannot run out while the test builds its first frame."""
         peer = Peer(await anyio.connect_unix(self.server.path))
         self.peers.append(peer)
         if hello:
-            await peer.stream.send(p.encode_hello(p.Role.PRODUCER))
+            await peer.stream.send(p.encode_hello(p.Role.PRODUCER) + then)
             assert isinstance(await peer.next(), p.HelloOk)
         return peer
 
@@ -205,9 +207,9 @@ async def test_ingest_idle_timeout_spares_bundles_in_flight_then_closes_when_idl
     wal = Wal(gate=anyio.Event())
     async with serving(tmp_path, wal, idle_timeout_ms=300) as h:
         server = h.server
-        peer = await h.connect()
-        await peer.send_bundle(1)
-        await wal.arrived.wait()
+        arrived = wal.arrived
+        peer = await h.connect(then=bundle(1))
+        await arrived.wait()
         await anyio.sleep(0.9)  # three idle periods with the bundle in flight: not idle
         assert server.stats.connections.value == 1
         started = anyio.current_time()
@@ -225,9 +227,8 @@ async def test_ingest_stalled_half_sent_frame_is_closed_and_its_budget_returned(
         tmp_path: Path) -> None:
     async with serving(tmp_path, idle_timeout_ms=300) as h:
         server = h.server
-        peer = await h.connect()
         wire = bundle(1, rows=1000)
-        await peer.stream.send(wire[: len(wire) // 2])
+        peer = await h.connect(then=wire[: len(wire) // 2])
         with anyio.fail_after(3):
             err = await peer.error()
         assert err.code == p.ErrorCode.TIMEOUT
@@ -282,14 +283,12 @@ async def test_ingest_waits_for_budget_before_allocating_the_next_frame(tmp_path
         server = h.server
         budget = server.budget.total_bytes
         assert body <= budget < 2 * body
-        a = await h.connect()
-        await a.stream.send(frame)
-        await wal.arrived.wait()
+        arrived = wal.arrived  # taken before sending: a big send returns only once read
+        a = await h.connect(then=frame)
+        await arrived.wait()
         assert server.stats.pending_bytes.value == body
-        b = await h.connect()
-        await b.stream.send(bundle(2, rows=25_000))
-        with anyio.move_on_after(0.5):
-            await wal.arrived.wait()
+        b = await h.connect(then=bundle(2, rows=25_000))
+        await h.until(lambda: server.budget.waiting == 1)
         assert len(wal.received) == 1  # B's frame header arrived; its buffer was not allocated
         assert server.budget.waiting == 1 and server.stats.budget_waits.value == 1
         assert server.stats.pending_bytes.value == body
@@ -309,9 +308,9 @@ async def test_ingest_connection_ending_with_bundles_in_flight_returns_budget_af
     wal = Wal(gate=anyio.Event())
     async with serving(tmp_path, wal) as h:
         server = h.server
-        peer = await h.connect()
-        await peer.send_bundle(1)
-        await wal.arrived.wait()
+        arrived = wal.arrived
+        peer = await h.connect(then=bundle(1))
+        await arrived.wait()
         await peer.stream.send(b"\x05\x00\x00\x00\xee")  # unknown frame type: MALFORMED
         with anyio.fail_after(3):
             err = await peer.error()
@@ -341,11 +340,10 @@ async def test_ingest_stop_ends_a_wait_for_budget(tmp_path: Path) -> None:
     async with serving(tmp_path, wal, max_bundle_bytes=256 * KiB,
                        max_pending_bytes=0) as h:
         server = h.server
-        a = await h.connect()
-        await a.stream.send(bundle(1, rows=25_000))
-        await wal.arrived.wait()
-        b = await h.connect()
-        await b.stream.send(struct.pack("<IB", 250 * KiB, p.FrameType.BUNDLE))
+        arrived = wal.arrived
+        await h.connect(then=bundle(1, rows=25_000))
+        await arrived.wait()
+        b = await h.connect(then=struct.pack("<IB", 250 * KiB, p.FrameType.BUNDLE))
         await h.until(lambda: server.budget.waiting == 1)
         server.stop()  # b waits for budget: stopping ends that wait
         wal.gate.set()
@@ -360,12 +358,12 @@ async def test_ingest_wait_for_budget_is_never_timed_even_when_the_window_emptie
     wal = Wal(gates={"a": anyio.Event(), "b": anyio.Event()})
     async with serving(tmp_path, wal, max_bundle_bytes=256 * KiB, max_pending_bytes=0,
                        idle_timeout_ms=200) as h:
-        a = await h.connect()
-        await a.stream.send(bundle(1, rows=25_000, client="a"))  # holds most of the budget
-        await wal.arrived.wait()
-        b = await h.connect()
-        await b.stream.send(bundle(1, client="b") + bundle(2, rows=25_000, client="b"))
-        await wal.arrived.wait()  # b's small bundle is in flight; its big one waits
+        arrived = wal.arrived
+        a = await h.connect(then=bundle(1, rows=25_000, client="a"))  # most of the budget
+        await arrived.wait()
+        arrived = wal.arrived
+        b = await h.connect(then=bundle(1, client="b") + bundle(2, rows=25_000, client="b"))
+        await arrived.wait()  # b's small bundle is in flight; its big one waits
         await h.until(lambda: h.server.budget.waiting == 1)
         wal.gates["b"].set()  # b's window empties while b waits for budget
         with anyio.fail_after(3):
