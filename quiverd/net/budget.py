@@ -12,9 +12,10 @@ most ``per_uid_bytes`` of it (``ingest.max_pending_bytes_per_uid``, by default h
 the budget). A fixed share, not "total / uids active now": bytes are held by
 frames that may stall until ``ingest.idle_timeout_ms``, so a share that shrinks
 when a second uid turns up would come too late, the first uid already holding
-everything. With half each, whatever one uid holds or stalls, any other uid finds
-its own share free of it, at once; one uid alone still has half the budget, far
-more than group commit needs in flight.
+everything. With half, whatever one uid holds or stalls, the other half stays out of
+its reach: another uid is held up only by its own frames or by other uids' (as with
+the connection limit, several peers together can still fill it). One uid alone still
+has half the budget, far more than group commit needs in flight.
 
 Waiters are served first come, first served, so a large frame is not starved by a
 stream of small ones; a waiter whose uid is at its share waits for its own uid's
