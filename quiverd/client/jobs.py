@@ -13,6 +13,11 @@ body back here to be checked and typed (docs/protocol.md, "Transactional writes"
 
 Arguments are checked here, before sending: the daemon answers a malformed JOB with
 MALFORMED and closes the connection, taking the bundles in flight with it.
+
+A commit, an abort, or the status of a job whose decision the daemon does not hold
+needs its catalog; while that is unreachable the answer is ERROR UNAVAILABLE, raised
+as ``CatalogUnavailable`` (``retryable``; the connection stays usable): nothing was
+decided, so asking again later is safe (the Spark writer retries commits and aborts).
 """
 
 from __future__ import annotations

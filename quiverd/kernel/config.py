@@ -44,6 +44,9 @@ class IngestConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     # Bytes received (or announced by a frame header) but not yet durable, across all
     # connections: a connection waits for budget before its frame buffer is allocated.
     max_pending_bytes: int = 512 * MiB
+    # The most of it one peer uid may hold (0 = half of max_pending_bytes), so a peer that
+    # stalls its frames cannot keep the others' bundles waiting (quiverd/net/budget.py).
+    max_pending_bytes_per_uid: int = 0
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -300,6 +303,10 @@ def validate(cfg: Config) -> None:
         (cfg.ingest.idle_timeout_ms >= 0, "ingest.idle_timeout_ms", "must be >= 0 (0 = never)"),
         (cfg.ingest.max_pending_bytes >= cfg.ingest.max_bundle_bytes,
          "ingest.max_pending_bytes", "must be >= ingest.max_bundle_bytes"),
+        (cfg.ingest.max_pending_bytes_per_uid == 0 or cfg.ingest.max_bundle_bytes
+         <= cfg.ingest.max_pending_bytes_per_uid <= cfg.ingest.max_pending_bytes,
+         "ingest.max_pending_bytes_per_uid", "must be 0 (half of max_pending_bytes) or "
+         "between ingest.max_bundle_bytes and ingest.max_pending_bytes"),
         (1 <= cfg.wal.flush_interval_ms <= 10_000, "wal.flush_interval_ms",
          "must be between 1 and 10000"),
         (cfg.wal.flush_bytes >= 0, "wal.flush_bytes", "must be >= 0 (0 = timer only)"),

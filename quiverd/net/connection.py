@@ -3,8 +3,9 @@
 A subscriber (HELLO role 2) is handed to ``consumers.serve_subscriber``. For a
 producer, two tasks share the connection:
 
-    reader   recv_into → decoder (each BUNDLE header first reserves its length of
-             the pending-bytes budget; none free: stop reading until there is)
+    reader   recv_into → decoder (each BUNDLE or JOB header first reserves its length
+             of the pending-bytes budget, within the peer uid's share; none free: stop
+             reading until there is)
              → validate in a worker thread → window slot → shard inbox
     replies  shard WAL writer → Ack/Error → release window slot and budget → socket
 
@@ -12,7 +13,7 @@ At most ``max_inflight_per_connection`` bundles are unanswered: a full window st
 reading, which is the producer's backpressure. A protocol error gets an ERROR
 frame and the socket is shut at once; bundles already handed to a shard are
 still waited for (silently), so their budget comes back only when the WAL writer
-is done with their bytes.
+is done with their bytes. A JOB frame's budget comes back once it is answered.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def shard_of(client: str, shards: int) -> int:
 
 
 class Connection:
-    def __init__(self, server: IngestServer, stream: RawStream) -> None:
-        self.server, self.stream = server, stream
+    def __init__(self, server: IngestServer, stream: RawStream, uid: int) -> None:
+        self.server, self.stream, self.uid = server, stream, uid
         self.decoder = protocol.FrameDecoder(server.max_frame, reserve=self._try_reserve,
                                              pool=server.buffers)
         self.reader = FrameReader(stream, self.decoder, server.cfg)
@@ -148,7 +149,9 @@ class Connection:
                     if bundles:  # in order: an end marker follows its attempt's bundles
                         await self._submit(bundles)
                         bundles = []
+                    nbytes = self.reserved.popleft()  # reserved in frame order, like bundles
                     await self._job(frame)
+                    self._release(nbytes)  # answered: its body and request are gone
                 else:
                     raise ProtocolError(ErrorCode.MALFORMED, "only BUNDLE and JOB frames may "
                                         "follow HELLO on a producer connection")
@@ -290,14 +293,17 @@ class Connection:
 
     def _try_reserve(self, nbytes: int) -> bool:
         budget = self.server.budget
-        if not budget.try_take(nbytes):
+        if not budget.try_take(nbytes, self.uid):
             return False
         self._took(nbytes)
         return True
 
     async def _reserve(self, nbytes: int) -> None:
+        budget = self.server.budget
         self.server.stats.budget_waits.inc()
-        await self.server.budget.take(nbytes)
+        if budget.by_uid.get(self.uid, 0) + nbytes > budget.per_uid_bytes:
+            self.server.log_share_full(self.uid)
+        await budget.take(nbytes, self.uid)
         self._took(nbytes)
 
     def _took(self, nbytes: int) -> None:
@@ -308,7 +314,7 @@ class Connection:
     def _release(self, nbytes: int) -> None:
         if nbytes:
             self.held -= nbytes
-            self.server.budget.release(nbytes)
+            self.server.budget.release(nbytes, self.uid)
             self.server.stats.pending_bytes.set(self.server.budget.held)
 
 

@@ -12,7 +12,8 @@ ERROR rather than a reset), with at most ``max_connections`` refusals in
 progress; past that, refused sockets are closed at once.
 
 Admitted connections (``quiverd.net.connection``) share one pending-bytes
-budget (``quiverd.net.budget``) and run under the handshake and idle timeouts
+budget (``quiverd.net.budget``), each peer uid at most its share of it
+(``ingest.max_pending_bytes_per_uid``), and run under the handshake and idle timeouts
 (``quiverd.net.reader``). A protocol error gets an ERROR frame with a stable code
 and the connection is closed; the daemon and other connections carry on.
 """
@@ -67,8 +68,11 @@ class IngestServer:
         self.limiter, self.log = limiter, log
         self.stats = metrics if metrics is not None else IngestMetrics(Metrics())
         self.max_frame = protocol.max_frame_bytes(cfg.max_bundle_bytes)
-        # At least one largest frame must fit, or it could never be received.
-        self.budget = ByteBudget(max(cfg.max_pending_bytes, self.max_frame))
+        # At least one largest frame must fit, in the whole and in each uid's share, or
+        # it could never be received. Half by default: see quiverd/net/budget.py.
+        total = max(cfg.max_pending_bytes, self.max_frame)
+        per_uid = cfg.max_pending_bytes_per_uid or total // 2
+        self.budget = ByteBudget(total, min(total, max(per_uid, self.max_frame)))
         # Receive buffers reused after their bundle is answered. Idle and in-flight ones
         # together stay within the pending-bytes budget (the documented RSS bound), and
         # idle ones within POOL_IDLE_MAX_BYTES: a past burst does not pin its peak.
@@ -81,6 +85,7 @@ class IngestServer:
         self.conn_uid: dict[Connection, int] = {}  # holds a slot until release_slot
         self.refusing = 0
         self.last_refusal_log = -LOG_REFUSALS_EVERY_S
+        self.last_share_log = -LOG_REFUSALS_EVERY_S
         self.hub = SubscriberHub()
         self.jobs: JobService | None = None  # the daemon's staging (commit, abort, status)
         self.stopping = False
@@ -180,6 +185,19 @@ class IngestServer:
                              refused_total=int(self.stats.refused.value),
                              unauthorized_total=int(self.stats.unauthorized.value))
 
+    def log_share_full(self, uid: int) -> None:
+        """A connection of ``uid`` waits because its uid holds its whole share of the
+        pending-bytes budget (stalled or slow frames): once a second at most."""
+        now = anyio.current_time()
+        if now - self.last_share_log >= LOG_REFUSALS_EVERY_S:
+            self.last_share_log = now
+            self.log.warning("ingest_uid_share_full", uid=uid,
+                             held_bytes=self.budget.by_uid.get(uid, 0),
+                             share_bytes=self.budget.per_uid_bytes,
+                             pending_bytes=self.budget.held,
+                             hint="this peer's frames wait for its own earlier ones; other "
+                             "uids are not held up (ingest.max_pending_bytes_per_uid)")
+
     async def _refuse(self, stream: RawStream, exc: ProtocolError) -> None:
         try:
             async with stream:
@@ -198,7 +216,7 @@ class IngestServer:
     async def _connection(self, stream: RawStream, uid: int) -> None:
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             stream.sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-        conn = Connection(self, stream)
+        conn = Connection(self, stream, uid)
         self.connections.add(conn)
         self.conn_uid[conn] = uid
         if self.stopping:

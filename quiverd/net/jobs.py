@@ -7,6 +7,10 @@
                                   ← JOB_OK {JobDecision fields, "already": bool}
     → JOB {"op": "status", "job_id"}  ← JOB_OK {"job_id", "state", ...}
 
+A request that needs the catalog while it cannot be reached (a commit, an abort, the
+status of a job whose decision is not known here) is ERROR UNAVAILABLE, which the
+clients raise as the retryable ``CatalogUnavailable``.
+
 An end marker is written only for an attempt whose bundles this connection took
 with contiguous row offsets from 0 up to ``rows`` (a bundle counts the rows of all its
 slots, as the frame's end check does), every one of them acked: a
@@ -23,7 +27,7 @@ import msgspec
 
 from quiverd.kernel.bundle import Bundle, TxnTag, make_slot
 from quiverd.kernel.changes import Changes
-from quiverd.kernel.errors import JobConflict, ProtocolError, QuiverError
+from quiverd.kernel.errors import CatalogUnavailable, JobConflict, ProtocolError, QuiverError
 from quiverd.kernel.jobs import END_OFFSET, JobDecision, Winner, check_job_id, end_marker_table
 from quiverd.protocol.frames import ErrorCode
 
@@ -192,6 +196,8 @@ async def answer(service: JobService | None, req: Commit | Abort | Status) -> di
 def error_code(exc: Exception) -> ErrorCode:
     if isinstance(exc, JobConflict):
         return ErrorCode.JOB_CONFLICT
+    if isinstance(exc, CatalogUnavailable):
+        return ErrorCode.UNAVAILABLE  # retryable: the client may ask again
     if isinstance(exc, ProtocolError):
         return ErrorCode(exc.code)
     return ErrorCode.INTERNAL

@@ -51,6 +51,7 @@ import pyarrow as pa
 
 from quiverd.kernel.errors import (
     AtCapacity,
+    CatalogUnavailable,
     JobConflict,
     ProtocolError,
     QuiverError,
@@ -119,6 +120,9 @@ Buffer = bytes | bytearray | memoryview
 # except JOB/JOB_OK, whose JSON may reach MAX_JOB_BODY_BYTES.
 SMALL_FRAME_MAX = 1 + ERROR_HEAD.size + MAX_MESSAGE_LEN
 JOB_FRAMES = frozenset({FrameType.JOB, FrameType.JOB_OK})
+# Frames whose body is reserved (``reserve``) before it is allocated: every kind that
+# may be longer than SMALL_FRAME_MAX (a JOB's JSON reaches 1 MiB).
+RESERVED_FRAMES = PAYLOAD_FRAMES | JOB_FRAMES
 # The decoder limit of a producer client: the longest frame a server sends it.
 REPLY_FRAME_MAX = max(SMALL_FRAME_MAX, JOB_FRAME_MAX)
 SERVER_FRAMES = frozenset(
@@ -153,7 +157,7 @@ class FrameDecoder:
     ``get_buffer``/``buffer_updated`` which lets large payloads be received
     straight into their frame buffer.
 
-    With ``reserve`` (the server), a BUNDLE header's body length is reserved
+    With ``reserve`` (the server), a BUNDLE or JOB header's body length is reserved
     before its buffer is allocated; a refused reservation pauses the decoder
     (``awaiting`` says how many bytes), holding the rest of the input, until the
     caller got the bytes and calls ``resume()``.
@@ -170,7 +174,7 @@ class FrameDecoder:
         self._pooled: Any = None
         self.taken: deque[Any] = deque()
         self._from_client = from_client
-        # Called with a BUNDLE/DELIVERY body length before its buffer is allocated;
+        # Called with a BUNDLE/DELIVERY/JOB body length before its buffer is allocated;
         # False pauses the decoder until ``resume()`` (the server's pending-bytes budget).
         self._reserve = reserve
         self.role: Role | None = None  # set by the client's HELLO (server side)
@@ -319,7 +323,7 @@ class FrameDecoder:
             )
         self._frame_type = frame_type
         body_len = frame_len - 1
-        if (frame_type in PAYLOAD_FRAMES and self._reserve is not None
+        if (frame_type in RESERVED_FRAMES and self._reserve is not None
                 and not self._reserve(body_len)):
             self._awaiting = body_len
             return
@@ -405,6 +409,10 @@ def hello_reply(hello: Hello, *, max_bundle_bytes: int, max_inflight: int) -> by
     )
 
 
+UNAVAILABLE_HINT = ("the daemon cannot reach its catalog (catalog.dsn) now; retry the request "
+                    "in a moment: nothing was decided, staged rows stay held")
+
+
 def exception_for(err: Error) -> QuiverError:
     """The quiverd.kernel.errors exception a client raises for an ERROR frame."""
     match err.code:
@@ -416,6 +424,8 @@ def exception_for(err: Error) -> QuiverError:
             return Unauthorized(err.message)
         case ErrorCode.JOB_CONFLICT:
             return JobConflict(err.message)
+        case ErrorCode.UNAVAILABLE:
+            return CatalogUnavailable(err.message, hint=UNAVAILABLE_HINT)
     return ProtocolError(err.code, err.message)
 
 
@@ -428,6 +438,7 @@ def error_code_for(exc: BaseException) -> ErrorCode:
         (ShuttingDown, ErrorCode.SHUTTING_DOWN),
         (Unauthorized, ErrorCode.UNAUTHORIZED),
         (JobConflict, ErrorCode.JOB_CONFLICT),
+        (CatalogUnavailable, ErrorCode.UNAVAILABLE),
     ):
         if isinstance(exc, cls):
             return code

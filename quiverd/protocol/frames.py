@@ -110,6 +110,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_SUBSCRIBER = 8
     TIMEOUT = 9  # no HELLO in time, idle, or a frame stalled mid-body
     JOB_CONFLICT = 10  # a JOB contradicts the job's recorded decision (SPEC §7)
+    UNAVAILABLE = 11  # a JOB needs the catalog, which cannot be reached now: retry
 
 
 # After these the server closes the connection: the byte stream can no longer be

@@ -43,6 +43,11 @@ from quiverd.segments.table import SegmentInfo, StagedRef
 RETRY_MAX_S = 30.0
 MARKER_WAIT_S = 30.0  # a winner's end marker may still be in the open segment
 PRUNE_EVERY_S = 3600.0
+STATUS_RETRY_HINT = "retry the status request in a moment; staged rows stay held meanwhile"
+# A request that needs the catalog waits this long for it to connect (at start, or back
+# from an outage) before it is answered CatalogUnavailable: a client asking right after
+# the daemon started gets its answer, not a retry.
+CATALOG_WAIT_S = 2.0
 
 
 @dataclass
@@ -67,6 +72,7 @@ class Staging:
         self.learned_at: dict[str, float] = {}  # job_id -> monotonic time its decision came
         self.wakers: list[Changes] = []  # every shard's: a decision re-runs the dispatchers
         self.catalog: Any = None  # quiverd.lake.catalog.Catalog once connected
+        self.connected = Changes()  # notified when a catalog connects
         self.state = "starting"
         self._kick = anyio.Event()
         self._reported: set[tuple[str, int, int]] = set()
@@ -199,26 +205,46 @@ class Staging:
                 "rows sent for it now are never published")
 
     async def lookup(self, job_id: str) -> dict[str, Any]:
-        """``job_status``, asking the catalog first when nothing is known here."""
-        if job_id not in self.decisions and self.catalog is not None:
-            try:
-                found = await self.catalog.job_decisions([job_id])
-            except (CatalogUnavailable, LakeError, OSError):
-                found = {}
-            if job_id in found:
-                out = self.job_status(job_id)
-                d = found[job_id]
-                out.update(state=d.state, winners=[_winner(w) for w in d.winners],
-                           decided_by=d.decided_by, reason=d.reason)
-                return out
-        return self.job_status(job_id)
+        """``job_status``, asking the catalog first when no decision is known here.
+
+        A decision known here is final (the first one recorded stands), so it answers
+        at once. Anything else only the catalog can tell: "staged" or "unknown" from
+        local state alone may be wrong (another daemon may have decided the job), so
+        with the catalog unreachable this raises the retryable CatalogUnavailable."""
+        if job_id in self.decisions:
+            return self.job_status(job_id)
+        catalog = await self._connected_catalog()
+        if catalog is None:
+            raise CatalogUnavailable(f"job {job_id!r}: the catalog is unreachable "
+                                     f"({self.state}), so its decision cannot be read",
+                                     hint=STATUS_RETRY_HINT)
+        try:
+            found = await catalog.job_decisions([job_id])
+        except (CatalogUnavailable, LakeError, OSError) as exc:
+            raise CatalogUnavailable(f"job {job_id!r}: the catalog is unreachable ({exc}), "
+                                     "so its decision cannot be read",
+                                     hint=STATUS_RETRY_HINT) from exc
+        out = self.job_status(job_id)
+        if job_id in found:
+            d = found[job_id]
+            out.update(state=d.state, winners=[_winner(w) for w in d.winners],
+                       decided_by=d.decided_by, reason=d.reason)
+        return out
+
+    async def _connected_catalog(self) -> Any:
+        """The catalog, waiting up to CATALOG_WAIT_S for it to connect; None if it did not."""
+        with anyio.move_on_after(CATALOG_WAIT_S):
+            while self.catalog is None:
+                await self.connected.wait_beyond(self.connected.version)
+        return self.catalog
 
     async def _decide(self, wanted: JobDecision) -> tuple[JobDecision, bool]:
-        if self.catalog is None:
-            raise CatalogUnavailable(f"the catalog is not connected yet ({self.state})",
+        catalog = await self._connected_catalog()
+        if catalog is None:
+            raise CatalogUnavailable(f"the catalog is not connected ({self.state})",
                                      hint="the decision was not recorded; retry the commit "
                                      "or abort in a moment")
-        standing, recorded = await self.catalog.decide_job(wanted)
+        standing, recorded = await catalog.decide_job(wanted)
         if recorded:
             self.log.info("job_decided", job_id=standing.job_id, state=standing.state,
                           partitions=len(standing.winners), reason=standing.reason or None)
@@ -252,6 +278,7 @@ class Staging:
             try:
                 async with open_catalog(self.cfg.catalog, self.db_path, log=self.log) as catalog:
                     self.catalog, self.state, attempt = catalog, "ready", 0
+                    self.connected.notify()
                     try:
                         async with anyio.create_task_group() as tg:
                             tg.start_soon(self._listen, catalog)

@@ -1,5 +1,12 @@
 """The uploader actor in process: real deliveries, real Parquet files, the fs store and
-the SQLite catalog; a recording stand-in for the dispatchers' ack path."""
+the SQLite catalog; a recording stand-in for the dispatchers' ack path.
+
+No outcome here depends on the clock. Files rotate on size (``ROTATE_EACH``: every
+bundle's first row group fills the file) or, where bundles must share a file, on window
+pressure right after the last one was added; never on ``file_duration_ms`` racing the
+test (a catalog write slowed by load let the timer rotate a file before its second
+bundle came, or before its first).
+"""
 
 from __future__ import annotations
 
@@ -50,6 +57,12 @@ def delivery(seg: int, idx: int, slots: dict[int, pa.Table], client: str = "app"
                          ingestion_ts_ns=1_700_000_000_000_000_000 + idx, tables=slots)
 
 
+# A file is written and rotated as soon as it holds a bundle (size), and never on time.
+ROTATE_EACH = {"row_group_bytes": 1, "file_size_bytes": 1, "file_duration_ms": 3_600_000}
+# A file rotates once two bundles are held (window pressure), and never on time.
+ROTATE_AT_TWO = {"window_bundles": 4, "file_duration_ms": 3_600_000}
+
+
 def rows(n: int, start: int = 0) -> pa.Table:
     return pa.table({"v": pa.array(range(start, start + n), pa.int64())})
 
@@ -63,14 +76,15 @@ async def running(tier: Tier) -> AsyncIterator[tuple[Acks, Uploader, Any]]:
     uploader = Uploader(tier, [acks], session,  # type: ignore[list-item]
                         limiter=anyio.CapacityLimiter(2), log=LOG, metrics=Metrics(),
                         health=LakeHealth(log=LOG))
-    async with anyio.create_task_group() as tg:
-        await tg.start(uploader.run, rx)
-        try:
-            yield acks, uploader, tx
-        finally:
-            tg.cancel_scope.cancel()
-    for stream in (tx, unused_tx, unused_rx):
-        stream.close()
+    # Closed however the test ends: a stream left open by a failing test raised its
+    # ResourceWarning (an error here) in whichever later test the collector ran.
+    with tx, rx, unused_tx, unused_rx:
+        async with anyio.create_task_group() as tg:
+            await tg.start(uploader.run, rx)
+            try:
+                yield acks, uploader, tx
+            finally:
+                tg.cancel_scope.cancel()
 
 
 async def registered(tier: Tier) -> list[FileRow]:
@@ -79,25 +93,27 @@ async def registered(tier: Tier) -> list[FileRow]:
 
 @pytest.mark.asyncio
 async def test_uploader_acks_two_slot_bundle_once_both_files_registered(tmp_path: Path) -> None:
-    async with open_test_tier(tmp_path, file_duration_ms=100) as tier, \
+    async with open_test_tier(tmp_path, **ROTATE_EACH) as tier, \
             running(tier) as (acks, uploader, tx):
         await tx.send(delivery(1, 0, {0: rows(5), 1: pa.table({"note": ["x"]})}))
         await tx.send(delivery(1, 1, {0: rows(5, 5)}))
         await acks.until(lambda o: len(o) == 2)
         files = await registered(tier)
         assert sorted(acks.outcomes) == [(1, 0, ackfmt.ACK), (1, 1, ackfmt.ACK)]
-        assert sorted((f.slot, f.row_count, f.bundle_count) for f in files) == [(0, 10, 2),
-                                                                                 (1, 1, 1)]
-        slot0 = next(f for f in files if f.slot == 0)
-        back = pq.read_table(uri_path(slot0.uri))
+        # Slot 0's rows are in one file or two (the second bundle may come before the
+        # first file's row group is written): either way each bundle once, in order.
+        slot0 = sorted((f for f in files if f.slot == 0), key=lambda f: f.first_bundle)
+        assert [(f.slot, f.row_count) for f in files if f.slot == 1] == [(1, 1)]
+        assert sum(f.bundle_count for f in slot0) == 2
+        back = pa.concat_tables(pq.read_table(uri_path(f.uri)) for f in slot0)
         assert back["v"].to_pylist() == list(range(10))
         assert back["_quiver_bundle"].to_pylist() == [0] * 5 + [1] * 5
-        assert (slot0.first_segment, slot0.first_bundle, slot0.last_bundle) == (1, 0, 1)
+        assert (slot0[0].first_segment, slot0[0].first_bundle, slot0[-1].last_bundle) == (1, 0, 1)
 
 
 @pytest.mark.asyncio
 async def test_uploader_skips_slots_a_registered_file_holds(tmp_path: Path) -> None:
-    async with open_test_tier(tmp_path, file_duration_ms=100) as tier:
+    async with open_test_tier(tmp_path, **ROTATE_EACH) as tier:
         held = FileRow(file_id="01HOLD0000000000000000000A", client_name="app",
                        source_id=tier.source_id, shard=0, slot=0, node_id=tier.node_id)
         await tier.catalog.register(held, [Coverage(segment_seq=5, bundle_indexes=(0,))])
@@ -114,13 +130,22 @@ async def test_uploader_skips_slots_a_registered_file_holds(tmp_path: Path) -> N
 
 
 @pytest.mark.asyncio
-async def test_uploader_abandons_file_and_nacks_on_duplicate_coverage(tmp_path: Path) -> None:
-    async with open_test_tier(tmp_path, file_duration_ms=300) as tier, \
+async def test_uploader_abandons_file_and_nacks_on_duplicate_coverage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with open_test_tier(tmp_path, **ROTATE_AT_TWO) as tier, \
             running(tier) as (acks, uploader, tx):
+        looked_up = anyio.Event()
+        covered = tier.catalog.covered
+
+        async def covered_then_tell(*args: Any) -> Any:
+            found = await covered(*args)
+            looked_up.set()  # the uploader caches it before the test runs again
+            return found
+
+        monkeypatch.setattr(tier.catalog, "covered", covered_then_tell)
         await tx.send(delivery(7, 0, {0: rows(2)}))  # caches "nothing held" for segment 7
         with anyio.fail_after(10):
-            while not uploader.files:  # noqa: ASYNC110 - the actor exposes no event for this
-                await anyio.sleep(0.01)
+            await looked_up.wait()
         # Another writer registers bundle (7, 1) behind the uploader's back.
         other = FileRow(file_id="01OTHER000000000000000000A", client_name="app",
                         source_id=tier.source_id, shard=0, slot=0)
@@ -153,7 +178,7 @@ async def test_uploader_rotates_on_schema_change_and_window_pressure(tmp_path: P
 @pytest.mark.asyncio
 async def test_uploader_nacks_file_whose_values_no_cast_can_hold(tmp_path: Path) -> None:
     far = pa.array([253_402_300_000], pa.timestamp("s"))  # year 9999: overflows ns
-    async with open_test_tier(tmp_path, file_duration_ms=100) as tier, \
+    async with open_test_tier(tmp_path, **ROTATE_AT_TWO) as tier, \
             running(tier) as (acks, uploader, tx):
         await tx.send(delivery(1, 0, {0: pa.table({"t": far})}))
         await tx.send(delivery(1, 1, {0: pa.table({"t": pa.array([1], pa.timestamp("ns"))})}))
@@ -161,16 +186,17 @@ async def test_uploader_nacks_file_whose_values_no_cast_can_hold(tmp_path: Path)
         assert sorted(acks.outcomes) == [(1, 0, ackfmt.NACK), (1, 1, ackfmt.NACK)]
         assert uploader.m.lake_errors.by_label("kind").get("write") == 1
         assert [r.state for r in await tier.catalog.list_files()] == [FileState.ABANDONED]
-        # The uploader goes on: the next bundle of another client is uploaded.
+        # The uploader goes on: the next bundles, of another client, are uploaded.
         await tx.send(delivery(2, 0, {0: rows(3)}, client="other"))
-        await acks.until(lambda o: len(o) == 3)
-        assert acks.outcomes[-1] == (2, 0, ackfmt.ACK)
+        await tx.send(delivery(2, 1, {0: rows(3, 3)}, client="other"))
+        await acks.until(lambda o: len(o) == 4)
+        assert sorted(acks.outcomes[2:]) == [(2, 0, ackfmt.ACK), (2, 1, ackfmt.ACK)]
 
 
 @pytest.mark.asyncio
 async def test_uploader_refuses_bundle_with_a_column_named_twice(tmp_path: Path) -> None:
     twice = pa.Table.from_arrays([pa.array([1]), pa.array([2])], names=["a", "a"])
-    async with open_test_tier(tmp_path, file_duration_ms=100) as tier, \
+    async with open_test_tier(tmp_path, **ROTATE_EACH) as tier, \
             running(tier) as (acks, uploader, tx):
         await tx.send(delivery(1, 0, {0: twice}))
         await tx.send(delivery(1, 1, {0: rows(2)}))
@@ -181,7 +207,7 @@ async def test_uploader_refuses_bundle_with_a_column_named_twice(tmp_path: Path)
 
 @pytest.mark.asyncio
 async def test_uploader_time_column_falls_back_when_not_a_time(tmp_path: Path) -> None:
-    async with open_test_tier(tmp_path, file_duration_ms=100, time_column="msg") as tier, \
+    async with open_test_tier(tmp_path, **ROTATE_EACH, time_column="msg") as tier, \
             running(tier) as (acks, uploader, tx):
         await tx.send(delivery(1, 0, {0: pa.table({"msg": ["hello"]})}))
         await acks.until(lambda o: len(o) == 1)

@@ -305,6 +305,54 @@ def test_one_uid_at_its_connection_limit_does_not_lock_out_another(daemon_factor
     extra.close()
 
 
+def test_one_uid_stalling_frames_does_not_keep_another_uids_bundle_waiting(daemon_factory,
+                                                                            short_dir):
+    """Issue 17: nine stalled frames of one peer filled the whole pending-bytes budget and
+    another producer's 10-row bundle waited until they timed out (502 s by default)."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a client as another uid")
+    mib = 1 << 20
+    os.chmod(short_dir, 0o755)
+    d = daemon_factory({"ingest.socket_mode": 0o666, "ingest.allowed_uids": [65534],
+                        "ingest.max_bundle_bytes": mib, "ingest.max_pending_bytes": 8 * mib,
+                        "ingest.idle_timeout_ms": 60_000}).start()
+    os.chmod(d.root, 0o755)
+    stalled = []
+    try:
+        for _ in range(9):  # each announces a 1 MiB bundle, sends 1000 bytes of it, stalls
+            s = _raw_connect(d.socket)
+            _hello(s)
+            s.sendall(struct.pack("<IB", mib, protocol.FrameType.BUNDLE) + bytes(1000))
+            stalled.append(s)
+        _status_until(d, lambda i: i["budget_waits"] >= 1)  # uid 0 can take no more
+        started = time.monotonic()
+        result = _as_nobody(lambda: Client.connect(d.socket, timeout=10).send(
+            tagged_table(1, rows=10), client="other"))
+        waited = time.monotonic() - started
+        assert result == "sent", result  # the old code: TimeoutError after 10 s
+        assert waited < 5, f"uid 65534's bundle waited {waited:.1f} s"
+        # uid 0 holds its share (half: 4 frames); its other 5 frames wait for its bytes.
+        ingest = d.status()["ingest"]
+        assert 4 * (mib - 1) <= ingest["pending_bytes"] <= 4 * mib
+        assert ingest["budget_waits"] == 5
+        full = d.events("ingest_uid_share_full")  # says which peer, once a second at most
+        assert full and {e["uid"] for e in full} == {0}
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def _status_until(d: Any, done: Any, timeout_s: float = 10) -> dict[str, Any]:
+    """Poll the daemon's ingest status until ``done`` holds (it has no event to wait on)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ingest = d.status()["ingest"]
+        if done(ingest):
+            return ingest
+        assert time.monotonic() < deadline, f"ingest status never got there: {ingest}"
+        time.sleep(0.02)
+
+
 def _rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -318,6 +366,7 @@ def test_half_sent_bundles_hold_no_more_memory_than_the_pending_budget(daemon_fa
     mib = 1 << 20
     d = daemon_factory({"ingest.max_bundle_bytes": 16 * mib, "wal.max_entry_bytes": 17 * mib,
                         "ingest.max_pending_bytes": 32 * mib,
+                        "ingest.max_pending_bytes_per_uid": 32 * mib,  # all peers are uid 0
                         "ingest.idle_timeout_ms": 1500}).start()
     with Client.connect(d.socket) as good:
         good.send(tagged_table(0), client="good")

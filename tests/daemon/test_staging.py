@@ -14,7 +14,7 @@ import pytest
 from quiverd.client import Client
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.crc import crc32c
-from quiverd.kernel.errors import AtCapacity, JobConflict
+from quiverd.kernel.errors import AtCapacity, CatalogUnavailable, JobConflict
 from quiverd.kernel.jobs import Winner
 from tests.daemon.helpers import tagged_table
 from tests.daemon.test_subscribers import add, consume, produce, wait_for
@@ -190,3 +190,41 @@ def test_a_replay_after_the_commit_reusing_the_winners_attempt_id_is_refused(dae
         write_attempt(c, "q-7", 0, 0, [1, 2])
     assert tags_of(consume(d, "x", want=10, idle_s=1.0)) == []
     assert d.stop() == 0
+
+
+def test_job_status_with_the_catalog_down_is_a_retryable_error(daemon_factory, postgres_server,
+                                                               pg_catalog_dsn):
+    """Issue 17: with PostgreSQL stopped, status answered "staged" / "unknown" from local
+    state; it is CatalogUnavailable (retryable) now, and the connection stays usable."""
+    d = daemon_factory({**FAST, "catalog.dsn": pg_catalog_dsn, "lake.enabled": False}).start()
+    with Client.connect(d.socket) as c:
+        w = write_attempt(c, "job6", 0, 1, [1, 2])
+        assert w
+        wait_for(lambda: _retried(lambda: c.job_status("job6"))["state"] == "staged")
+        postgres_server.stop("immediate")
+        try:
+            for job in ("job6", "never-seen"):
+                with pytest.raises(CatalogUnavailable, match="catalog is unreachable") as info:
+                    c.job_status(job)
+                assert info.value.retryable and "retry" in info.value.hint
+            with pytest.raises(CatalogUnavailable) as info:  # was INTERNAL, not retried
+                c.commit_job("job6", [w])
+            assert info.value.retryable
+            c.send(tagged_table(9), client="plain")  # same connection: ingest goes on
+        finally:
+            postgres_server.start()
+        assert _retried(lambda: c.job_status("job6"))["state"] == "staged"
+        assert _retried(lambda: c.commit_job("job6", [w])).decision.state == "committed"
+        assert c.job_status("job6")["state"] == "committed"
+    assert d.stop() == 0
+
+
+def _retried(request: Any, timeout_s: float = 60) -> Any:
+    """What a client does with a retryable error: ask again after a pause."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return request()
+        except CatalogUnavailable:
+            assert time.monotonic() < deadline, "the catalog never came back"
+            time.sleep(0.2)

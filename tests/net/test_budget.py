@@ -92,3 +92,42 @@ def test_budget_rejects_more_than_it_holds() -> None:
         budget.try_take(11)
     with pytest.raises(ValueError):
         ByteBudget(0)
+
+
+@pytest.mark.asyncio
+async def test_budget_uid_at_its_share_waits_while_another_uid_takes_at_once() -> None:
+    budget = ByteBudget(100, per_uid_bytes=60)
+    assert budget.try_take(40, uid=1) and budget.try_take(20, uid=1)
+    assert not budget.try_take(10, uid=1)  # uid 1 holds its share; 40 bytes are still free
+    got: list[tuple[int, int]] = []
+
+    async def take(uid: int, nbytes: int) -> None:
+        await budget.take(nbytes, uid)
+        got.append((uid, nbytes))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take, 1, 30)  # first in line, but over uid 1's share
+        await anyio.wait_all_tasks_blocked()
+        assert budget.try_take(10, uid=2)  # uid 1's waiter holds up no other uid
+        assert not budget.try_take(1, uid=1)  # nor does anything of uid 1 jump it
+        tg.start_soon(take, 3, 40)  # within its share; only 30 free: waits in line
+        await anyio.wait_all_tasks_blocked()
+        assert got == [] and budget.waiting == 2
+        assert not budget.try_take(5, uid=2)  # uid 3 is first in line for free bytes
+        budget.release(30, uid=1)  # 60 free: uid 1 (30 + 30 within its share) comes first
+        await anyio.wait_all_tasks_blocked()
+        assert got == [(1, 30)] and budget.available == 30
+        budget.release(10, uid=2)
+    assert got == [(1, 30), (3, 40)]
+    assert budget.by_uid == {1: 60, 3: 40} and budget.waiting == 0
+
+
+def test_budget_share_must_fit_the_budget_and_each_uid_releases_its_own() -> None:
+    with pytest.raises(ValueError):
+        ByteBudget(100, per_uid_bytes=101)
+    budget = ByteBudget(100, per_uid_bytes=50)
+    assert budget.try_take(50, uid=7)
+    with pytest.raises(AssertionError):
+        budget.release(10, uid=8)  # uid 8 holds nothing
+    with pytest.raises(AssertionError):
+        budget.try_take(51, uid=8)  # larger than any share: the caller's bug

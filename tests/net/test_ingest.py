@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import pyarrow as pa
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
@@ -78,16 +79,16 @@ class Changes:
 
 
 class ObservedBudget(ByteBudget):
-    def __init__(self, total_bytes: int, changes: Changes) -> None:
-        super().__init__(total_bytes)
+    def __init__(self, total_bytes: int, per_uid_bytes: int, changes: Changes) -> None:
+        super().__init__(total_bytes, per_uid_bytes)
         self.changes = changes
 
-    async def take(self, nbytes: int) -> None:
+    async def take(self, nbytes: int, uid: int = 0) -> None:
         self.changes.poke()  # the waiter is queued before the poke is seen
-        await super().take(nbytes)
+        await super().take(nbytes, uid)
 
-    def release(self, nbytes: int) -> None:
-        super().release(nbytes)
+    def release(self, nbytes: int, uid: int = 0) -> None:
+        super().release(nbytes, uid)
         self.changes.poke()
 
 
@@ -95,7 +96,8 @@ class ObservedServer(IngestServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.changes = Changes()
-        self.budget = ObservedBudget(self.budget.total_bytes, self.changes)
+        self.budget = ObservedBudget(self.budget.total_bytes, self.budget.per_uid_bytes,
+                                     self.changes)
 
     async def _connection(self, stream: RawStream, uid: int) -> None:
         try:
@@ -112,11 +114,13 @@ class Serving:
     async def until(self, condition: Callable[[], bool]) -> None:
         await self.server.changes.until(condition)
 
-    async def connect(self, *, hello: bool = True) -> Peer:
+    async def connect(self, *, hello: bool = True, then: bytes = b"") -> Peer:
+        """A producer connection; ``then`` goes out in the same write as its HELLO, so
+        a short idle timeout cannot run out while the test builds its first frame."""
         peer = Peer(await anyio.connect_unix(self.server.path))
         self.peers.append(peer)
         if hello:
-            await peer.stream.send(p.encode_hello(p.Role.PRODUCER))
+            await peer.stream.send(p.encode_hello(p.Role.PRODUCER) + then)
             assert isinstance(await peer.next(), p.HelloOk)
         return peer
 
@@ -203,9 +207,9 @@ async def test_ingest_idle_timeout_spares_bundles_in_flight_then_closes_when_idl
     wal = Wal(gate=anyio.Event())
     async with serving(tmp_path, wal, idle_timeout_ms=300) as h:
         server = h.server
-        peer = await h.connect()
-        await peer.send_bundle(1)
-        await wal.arrived.wait()
+        arrived = wal.arrived
+        peer = await h.connect(then=bundle(1))
+        await arrived.wait()
         await anyio.sleep(0.9)  # three idle periods with the bundle in flight: not idle
         assert server.stats.connections.value == 1
         started = anyio.current_time()
@@ -223,9 +227,8 @@ async def test_ingest_stalled_half_sent_frame_is_closed_and_its_budget_returned(
         tmp_path: Path) -> None:
     async with serving(tmp_path, idle_timeout_ms=300) as h:
         server = h.server
-        peer = await h.connect()
         wire = bundle(1, rows=1000)
-        await peer.stream.send(wire[: len(wire) // 2])
+        peer = await h.connect(then=wire[: len(wire) // 2])
         with anyio.fail_after(3):
             err = await peer.error()
         assert err.code == p.ErrorCode.TIMEOUT
@@ -280,14 +283,12 @@ async def test_ingest_waits_for_budget_before_allocating_the_next_frame(tmp_path
         server = h.server
         budget = server.budget.total_bytes
         assert body <= budget < 2 * body
-        a = await h.connect()
-        await a.stream.send(frame)
-        await wal.arrived.wait()
+        arrived = wal.arrived  # taken before sending: a big send returns only once read
+        a = await h.connect(then=frame)
+        await arrived.wait()
         assert server.stats.pending_bytes.value == body
-        b = await h.connect()
-        await b.stream.send(bundle(2, rows=25_000))
-        with anyio.move_on_after(0.5):
-            await wal.arrived.wait()
+        b = await h.connect(then=bundle(2, rows=25_000))
+        await h.until(lambda: server.budget.waiting == 1)
         assert len(wal.received) == 1  # B's frame header arrived; its buffer was not allocated
         assert server.budget.waiting == 1 and server.stats.budget_waits.value == 1
         assert server.stats.pending_bytes.value == body
@@ -307,9 +308,9 @@ async def test_ingest_connection_ending_with_bundles_in_flight_returns_budget_af
     wal = Wal(gate=anyio.Event())
     async with serving(tmp_path, wal) as h:
         server = h.server
-        peer = await h.connect()
-        await peer.send_bundle(1)
-        await wal.arrived.wait()
+        arrived = wal.arrived
+        peer = await h.connect(then=bundle(1))
+        await arrived.wait()
         await peer.stream.send(b"\x05\x00\x00\x00\xee")  # unknown frame type: MALFORMED
         with anyio.fail_after(3):
             err = await peer.error()
@@ -339,11 +340,10 @@ async def test_ingest_stop_ends_a_wait_for_budget(tmp_path: Path) -> None:
     async with serving(tmp_path, wal, max_bundle_bytes=256 * KiB,
                        max_pending_bytes=0) as h:
         server = h.server
-        a = await h.connect()
-        await a.stream.send(bundle(1, rows=25_000))
-        await wal.arrived.wait()
-        b = await h.connect()
-        await b.stream.send(struct.pack("<IB", 250 * KiB, p.FrameType.BUNDLE))
+        arrived = wal.arrived
+        await h.connect(then=bundle(1, rows=25_000))
+        await arrived.wait()
+        b = await h.connect(then=struct.pack("<IB", 250 * KiB, p.FrameType.BUNDLE))
         await h.until(lambda: server.budget.waiting == 1)
         server.stop()  # b waits for budget: stopping ends that wait
         wal.gate.set()
@@ -358,12 +358,12 @@ async def test_ingest_wait_for_budget_is_never_timed_even_when_the_window_emptie
     wal = Wal(gates={"a": anyio.Event(), "b": anyio.Event()})
     async with serving(tmp_path, wal, max_bundle_bytes=256 * KiB, max_pending_bytes=0,
                        idle_timeout_ms=200) as h:
-        a = await h.connect()
-        await a.stream.send(bundle(1, rows=25_000, client="a"))  # holds most of the budget
-        await wal.arrived.wait()
-        b = await h.connect()
-        await b.stream.send(bundle(1, client="b") + bundle(2, rows=25_000, client="b"))
-        await wal.arrived.wait()  # b's small bundle is in flight; its big one waits
+        arrived = wal.arrived
+        a = await h.connect(then=bundle(1, rows=25_000, client="a"))  # most of the budget
+        await arrived.wait()
+        arrived = wal.arrived
+        b = await h.connect(then=bundle(1, client="b") + bundle(2, rows=25_000, client="b"))
+        await arrived.wait()  # b's small bundle is in flight; its big one waits
         await h.until(lambda: h.server.budget.waiting == 1)
         wal.gates["b"].set()  # b's window empties while b waits for budget
         with anyio.fail_after(3):
@@ -375,3 +375,33 @@ async def test_ingest_wait_for_budget_is_never_timed_even_when_the_window_emptie
             assert isinstance(await a.next(), p.Ack)
             ack = await b.next()
         assert isinstance(ack, p.Ack) and ack.request_id == 2
+
+
+@pytest.mark.asyncio
+async def test_ingest_job_frames_wait_for_the_pending_budget_like_bundles(
+        tmp_path: Path) -> None:
+    """Issue 17: a JOB frame's buffer (up to 1 MiB) was allocated outside the budget, so
+    stalled JOB frames on many connections held memory without bound."""
+    mib = 1024 * KiB
+    body = b'{"op": "status", "job_id": "j"' + b" " * (mib - 64) + b"}"  # valid JSON
+    frame = struct.pack("<IBII", 1 + 8 + len(body), p.FrameType.JOB, 1, len(body)) + body
+    async with serving(tmp_path, max_bundle_bytes=mib, max_pending_bytes=4 * mib,
+                       max_pending_bytes_per_uid=4 * mib) as h:
+        server = h.server
+        before = pa.total_allocated_bytes()
+        peers = [await h.connect() for _ in range(16)]
+        for peer in peers:  # 16 JOB frames of 1 MiB announced, each stalled after 64 KiB
+            await peer.stream.send(frame[: 64 * KiB])
+        await h.until(lambda: server.budget.waiting == 12)  # 4 fit the 4 MiB budget
+        assert server.budget.held == 4 * (len(frame) - 5)
+        # The 12 others allocated nothing (the old code: 16 MiB of frame buffers).
+        assert pa.total_allocated_bytes() - before <= 4 * mib + 64 * KiB
+        async with anyio.create_task_group() as tg:  # the rest, as the budget comes back
+            for peer in peers:
+                tg.start_soon(peer.stream.send, frame[64 * KiB:])
+        for peer in peers:  # each answered (this server takes no job requests)
+            with anyio.fail_after(10):
+                err = await peer.next()
+            assert isinstance(err, p.Error) and err.request_id == 1
+            assert "takes no job requests" in err.message
+        await h.until(lambda: server.budget.held == 0)

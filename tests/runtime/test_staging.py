@@ -127,7 +127,38 @@ async def test_an_undecided_job_expires_after_the_ttl_and_leaves_with_its_segmen
 
 
 @pytest.mark.asyncio
-async def test_commit_without_a_catalog_is_refused_as_retryable(tmp_path: Path) -> None:
+async def test_commit_without_a_catalog_is_refused_as_retryable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging_mod, "CATALOG_WAIT_S", 0.1)
     s = Staging(Config(data_dir=str(tmp_path)), metrics=Metrics())
     with pytest.raises(CatalogUnavailable):
         await s.commit("j", [])
+
+
+@pytest.mark.asyncio
+async def test_status_without_the_catalog_is_retryable_unless_the_decision_is_known(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17: with the catalog unreachable, status answered "staged"/"unknown" from local
+    state, which another daemon's decision may already contradict."""
+    monkeypatch.setattr(staging_mod, "CATALOG_WAIT_S", 0.1)
+    async with running(tmp_path) as s:
+        s.add_segment(segment(1, [ref("j", 0, 1, (100, 7)), ref("k", 0, 1)]))
+        await s.commit("j", [Winner(partition=0, attempt=1, rows=100, checksum=7)])
+        assert (await s.lookup("k"))["state"] == "staged"
+    assert s.catalog is None  # the catalog is gone
+    assert (await s.lookup("j"))["state"] == "committed"  # a decision is final: known here
+    for job in ("k", "never-seen"):
+        with pytest.raises(CatalogUnavailable, match="catalog is unreachable") as info:
+            await s.lookup(job)
+        assert info.value.retryable and "retry" in info.value.hint
+
+
+@pytest.mark.asyncio
+async def test_status_asked_before_the_catalog_connects_waits_for_it(tmp_path: Path) -> None:
+    s = Staging(Config(data_dir=str(tmp_path)), metrics=Metrics())
+    s.add_segment(segment(1, [ref("k", 0, 1)]))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run)  # connects while the lookup below already waits
+        assert s.catalog is None
+        assert (await s.lookup("k"))["state"] == "staged"
+        tg.cancel_scope.cancel()
