@@ -163,11 +163,13 @@ def split(r: Round, acked: dict[Any, float], present: Any, t_cut: tuple[float, f
 
 
 def quiverd_round(make: MakeDaemon, work: Path, mode: str, n: int, run_s: float,
-                  keep: Path | None, flush_log: bool = False) -> Round:
+                  keep: Path | None, flush_log: bool = False,
+                  settings: dict[str, Any] | None = None) -> Round:
     """One daemon round in ``mode``: the daemon must stop the documented way (exit 70,
     ``quiverd_fatal_durability``, no traceback), and after a restart every acked
-    bundle must be stored once: in a segment, or (GC mode) in a registered lake file."""
-    d = make(dict(SETTINGS[mode]), f"{mode}{n}")
+    bundle must be stored once: in a segment, or (GC mode) in a registered lake file.
+    ``settings`` overrides config keys of the mode."""
+    d = make({**SETTINGS[mode], **(settings or {})}, f"{mode}{n}")
     image, out = work / f"{mode}{n}.img", Round(mode, n)
     try:
         with mounted_image(d.data_dir, image, "xfs", IMAGE_BYTES):
@@ -296,10 +298,11 @@ while True:
     body += bytes([seq % 251]) * (size - len(body) - 4)
     try:
         os.write(fd, body + struct.pack("<I", zlib.crc32(body)))
+        entered = time.monotonic_ns()
         os.fdatasync(fd)
     except OSError:
         break
-    os.write(1, b"%d %d\\n" % (seq, time.monotonic_ns()))  # acked only now
+    os.write(1, b"%d %d %d\\n" % (seq, entered, time.monotonic_ns()))  # acked only now
     seq += 1
 """
 
@@ -322,7 +325,8 @@ def writer_round(work: Path, n: int, run_s: float, keep: Path | None,
             proc.wait(20)
             drain.join(10)
             proc.stdout.close()
-            acked = {int(s): int(t) / 1e9 for s, t in (line.split() for line in lines)}
+            stamps = [[int(x) for x in line.split()] for line in lines]  # seq, sync called, ack
+            acked = {s: t / 1e9 for s, _, t in stamps}
             remount(mnt, image, "xfs")
             present = intact_records(mnt / "log")
             split(out, acked, present, t_cut)
@@ -330,8 +334,10 @@ def writer_round(work: Path, n: int, run_s: float, keep: Path | None,
                 out.evidence = keep / f"plain-writer{n}"
                 out.evidence.mkdir(parents=True, exist_ok=True)
                 (out.evidence / "acked.json").write_text(json.dumps({
-                    "cut_ioctl_ms": out.cut_ms, "columns": ["sequence", "ack_ms_from_cut"],
-                    "acked": [[s, round((t - t_cut[0]) * 1000, 3)] for s, t in acked.items()],
+                    "cut_ioctl_ms": out.cut_ms,
+                    "columns": ["sequence", "fdatasync_called_ms_from_cut", "ack_ms_from_cut"],
+                    "acked": [[s, round(e / 1e6 - t_cut[0] * 1000, 3),
+                               round(t / 1e6 - t_cut[0] * 1000, 3)] for s, e, t in stamps],
                     "lost": out.lost, "lost_in_cut": out.lost_in_cut,
                     "present": len(present)}))
                 shutil.copy(mnt / "log", out.evidence / "log")
