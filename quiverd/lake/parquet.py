@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import weakref
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -110,6 +111,10 @@ class ActiveFile:
         self._end_ts: int | None = None
         self._closed = False
         self._final_size = 0  # bytes_written once the handle is closed
+        # A file nobody closed or aborted (the daemon's fatal exit) is left unfinished:
+        # pyarrow's writer would write a footer from __del__, making it look whole, and
+        # on a dead disk that write failed at exit with a traceback in the log.
+        weakref.finalize(self, _discard, file, writer)
 
     @classmethod
     def create(cls, path: Path, schema: pa.Schema, settings: ParquetSettings, *,
@@ -211,6 +216,16 @@ class ActiveFile:
             except OSError:
                 pass  # the file is being thrown away; its bytes do not matter
         self.path.unlink(missing_ok=True)
+
+
+def _discard(file: BinaryIO, writer: pq.ParquetWriter) -> None:
+    """Release an unclosed Active file's handle without a footer (collection or exit).
+    The handle goes first: the C++ writer's destructor then writes into a closed file."""
+    try:
+        file.close()
+    except OSError:
+        pass  # a dead or full disk: the unfinished file is abandoned on restart anyway
+    writer.is_open = False
 
 
 def bloom_columns(schema: pa.Schema, wanted: tuple[str, ...]) -> list[str]:
