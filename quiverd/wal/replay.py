@@ -36,6 +36,7 @@ from quiverd.kernel.bundle import META_SLOT, Slot, stream_facts
 from quiverd.kernel.durable import atomic_write, with_path
 from quiverd.kernel.quarantine import keep_bytes
 from quiverd.wal import format as wf
+from quiverd.wal.disk import NO_SPACE
 from quiverd.wal.inventory import wal_inventory
 from quiverd.wal.resync import NONZERO, next_step
 
@@ -96,6 +97,9 @@ class WalState(msgspec.Struct, kw_only=True):
     quarantined: list[Path] = msgspec.field(default_factory=list)
     # Sequences skipped damage held and no segment holds: acknowledged entries now lost.
     lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # A torn tail whose copy found no space stays in the active file past
+    # active_end_offset: the first append cuts it (copy to this target first).
+    deferred_cut_target: Path | None = None
 
 
 def create_wal_file(path: Path, cfg_hash: bytes) -> None:
@@ -162,7 +166,7 @@ def replay_wal(
         start_generation=start_gen, start_offset=start_off,
         corrupt_entries=scan.corrupt, torn_tail_bytes=scan.torn_bytes,
         sequence_gaps=scan.gaps, resynced_bytes=scan.resynced_bytes, quarantined=scan.quarantined,
-        lost_sequences=scan.lost,
+        lost_sequences=scan.lost, deferred_cut_target=scan.deferred_cut_target,
     )
     log.info(
         "wal_replayed", entries=len(state.entries), next_sequence=state.next_sequence,
@@ -191,6 +195,7 @@ class _Scan:
         self.resynced_bytes = 0
         self.quarantined: list[Path] = []
         self.lost: list[tuple[int, int]] = []
+        self.deferred_cut_target: Path | None = None
 
     def replay_file(self, path: Path, gen: int, start: int, *, active: bool) -> int:
         """Replay one file from ``start``; returns its size after any tail cut.
@@ -334,10 +339,28 @@ class _Scan:
     def _cut_tail(
         self, path: Path, gen: int, start: int, data: memoryview, pos: int, reason: str
     ) -> int:
-        """Copy ``data[pos:]`` to quarantine (durably) before truncating the file there."""
+        """Copy ``data[pos:]`` to quarantine (durably) before truncating the file there.
+
+        No space for the copy (a 100 % full disk): the bytes stay where they are and
+        the start goes on; the file ends, for the writer, at ``offset``, and its first
+        append copies and cuts them (``WalFiles``), so nothing is dropped uncopied.
+        """
         offset = start + pos
         cut = len(data) - pos
-        target = self._quarantine(gen, offset, "torn", memoryview(data)[pos:])
+        name = layout.wal_quarantine_name(gen, offset, "torn")
+        try:
+            target = keep_bytes(memoryview(data)[pos:], self.quarantine_dir, name)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            layout.tmp_path(self.quarantine_dir / name).unlink(missing_ok=True)
+            self.deferred_cut_target = self.quarantine_dir / name
+            self.log.warning("wal_torn_tail_deferred", path=str(path), offset=offset,
+                             bytes=cut, reason=reason, error=exc.strerror or str(exc),
+                             hint="no space to copy the torn bytes into quarantine/: they "
+                             "stay in the file until the first write after space returns")
+            return offset
+        self.quarantined.append(target)
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.ftruncate(fd, offset)

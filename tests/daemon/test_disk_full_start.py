@@ -1,0 +1,63 @@
+"""Start on a 100 % full data filesystem, the cases beyond tests/daemon/test_disk_full_acks.py:
+a torn WAL tail whose copy into quarantine/ finds no space, and a shard whose ack.log
+does not exist yet. For real (tmpfs, root only). Each time the daemon starts, serves a
+drain, and takes writes once space returns; no byte is dropped without a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from quiverd.client import Client
+from tests.daemon.helpers import tagged_table
+from tests.daemon.mounts import MiB, fill, mounted_tmpfs
+from tests.daemon.test_subscribers import add, consume, produce, wait_for
+
+# A partial entry: its length says 4000 bytes, the file ends 60 bytes later.
+TORN = (4000).to_bytes(4, "little") + b"\x00" + bytes(range(1, 56))
+
+
+def tags(bundles: list[Any]) -> list[int]:
+    return sorted(b.tables[0].column("tag")[0].as_py() for b in bundles)
+
+
+def test_start_on_a_full_disk_with_a_torn_wal_tail_defers_the_cut(
+        daemon_factory: Any, short_dir: Path) -> None:
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50})
+    with mounted_tmpfs(d.data_dir, 64 * MiB):
+        d.start()
+        add(d, "sub")
+        produce(d, [1, 2, 3])
+        wait_for(lambda: d.status()["shards"][0]["segments"] >= 1)
+        time.sleep(0.3)  # in a segment: a full disk has no room to write one at start
+        d.kill()
+        wal = d.data_dir / "shard-0/wal/quiver.wal"
+        good_end = wal.stat().st_size
+        with open(wal, "ab") as f:
+            f.write(TORN)
+        ballast = d.data_dir / "ballast"
+        fill(ballast)
+        assert os.statvfs(d.data_dir).f_bavail == 0
+        d.start()
+        [deferred] = d.events("wal_torn_tail_deferred")
+        assert deferred["offset"] == good_end and deferred["bytes"] == len(TORN)
+        assert wal.read_bytes()[good_end:] == TORN  # kept where it was, not dropped
+        assert tags(consume(d, "sub", want=3)) == [1, 2, 3]
+        assert d.proc is not None and d.proc.poll() is None, d.log()[-3000:]
+        ballast.unlink()
+        with Client.connect(d.socket) as c:
+            c.send(tagged_table(4), client="p")  # the first write cuts the tail, then lands
+        [cut] = d.events("wal_torn_tail")
+        assert cut["offset"] == good_end
+        assert Path(cut["quarantine"]).read_bytes() == TORN
+        assert wal.read_bytes()[good_end:good_end + len(TORN)] != TORN
+        assert d.stop() == 0, d.log()[-3000:]
+        d.start()
+        assert tags(consume(d, "sub", want=2, idle_s=1.5)) == [4]
+        assert d.stop() == 0
+        assert not d.events("bundles_lost") and not d.events("quiverd_fatal_durability")
+        assert not d.events("wal_damage_skipped")
+
