@@ -34,7 +34,7 @@ from typing import Any
 
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import META_SLOT, Buffer, Slot
-from quiverd.kernel.durable import fsync_dir, with_path, write_all
+from quiverd.kernel.durable import atomic_write, fsync_dir, with_path, write_all
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.quarantine import keep_bytes
@@ -178,12 +178,34 @@ class WalFiles:
         not synced even if ``sync`` was asked, and nothing of the others is.
         """
         with self._mutex:
+            if self.end_offset == 0:
+                self._create_header()
             if self._deferred_cut is not None:
                 self._cut_deferred_tail(self._deferred_cut)
             self._check_space(sum(e[2] for e in entries))
             self._append(entries)
         if sync:
             self.sync()
+
+    def _create_header(self) -> None:
+        """Replay left the active file empty (no space for its header): write it now,
+        atomically like any new WAL file, before the first entry."""
+        path = layout.active_wal(self.wal_dir)
+        try:
+            atomic_write(path, walformat.encode_header(self.cfg_hash))
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise self._lost("creating", exc) from with_path(exc, path)
+            layout.tmp_path(path).unlink(missing_ok=True)
+            raise WalNoSpace(f"no space left to write the header of {path}: "
+                             f"{exc.strerror or exc}", written=0, reason=reason_of(exc)) from exc
+        os.lseek(fd, walformat.HEADER_LEN, os.SEEK_SET)
+        with self._lock:
+            os.close(self._fd)
+            self._fd = fd
+        self.end_offset = walformat.HEADER_LEN
+        self.log.info("wal_created", path=str(path), generation=self.generation, deferred=True)
 
     def _cut_deferred_tail(self, target: Path) -> None:
         """The torn tail replay left (no space for its copy then): copy it, then cut it.
@@ -435,6 +457,8 @@ class WalFiles:
             return self._release(upto_sequence)
 
     def _release(self, upto_sequence: int) -> bool:
+        if self.end_offset == 0:
+            return False  # no header yet, so no entry: nothing to release
         while self._index and self._index[0][0] <= upto_sequence:
             self._index.popleft()
         if self._index:

@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import META_SLOT, Slot, stream_facts
-from quiverd.kernel.durable import atomic_write, with_path
+from quiverd.kernel.durable import atomic_write, fsync_dir, with_path
 from quiverd.kernel.quarantine import keep_bytes
 from quiverd.wal import format as wf
 from quiverd.wal.disk import NO_SPACE
@@ -126,9 +126,8 @@ def replay_wal(
     wal_dir.mkdir(parents=True, exist_ok=True)
     active = layout.active_wal(wal_dir)
     created = not active.exists() or active.stat().st_size == 0
-    if created:
-        # An empty file has no header to protect: only then may we write one.
-        create_wal_file(active, cfg_hash)
+    # An empty file has no header to protect: only then may we write one.
+    header_pending = created and not _create_active(active, cfg_hash, log)
     inv = wal_inventory(wal_dir)
     active_gen, sidecar = inv.active_generation, inv.sidecar
     brand_new = created and len(inv.files) == 1
@@ -140,6 +139,8 @@ def replay_wal(
               error=inv.sidecar_problem)
     chain = list(inv.files.items())
     for _, path in chain:
+        if header_pending and path == active:
+            continue
         with open(path, "rb") as f:
             wf.decode_header(f.read(wf.HEADER_LEN), path=str(path), expected_cfg_hash=cfg_hash)
     start_gen, start_off = (
@@ -149,7 +150,7 @@ def replay_wal(
     scan = _Scan(quarantine_dir, max_entry_bytes, log, covered)
     sizes: dict[int, int] = {}
     for gen, path in chain:
-        if gen < start_gen:
+        if gen < start_gen or (header_pending and gen == active_gen):
             sizes[gen] = path.stat().st_size
         else:
             first = start_off if gen == start_gen else wf.HEADER_LEN
@@ -174,6 +175,27 @@ def replay_wal(
         torn_tail_bytes=scan.torn_bytes, resynced_bytes=scan.resynced_bytes,
     )
     return state
+
+
+def _create_active(active: Path, cfg_hash: bytes, log: Logger) -> bool:
+    """Write the header of a new (or empty) active file; False: no space, left empty.
+
+    A new shard on a 100 % full disk still starts: its active file stays empty (an
+    inode, no data block) and ``WalFiles`` writes the header before its first append.
+    """
+    try:
+        create_wal_file(active, cfg_hash)
+        return True
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            raise
+        layout.tmp_path(active).unlink(missing_ok=True)
+    fd = os.open(active, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    os.close(fd)
+    fsync_dir(active.parent)
+    log.warning("wal_header_deferred", path=str(active), error="no space left on device",
+                hint="the header is written before the first append, once space returns")
+    return False
 
 
 class _Scan:

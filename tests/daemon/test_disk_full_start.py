@@ -12,12 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from quiverd.client import Client
+from quiverd.net.connection import shard_of
 from tests.daemon.helpers import tagged_table
 from tests.daemon.mounts import MiB, fill, mounted_tmpfs
 from tests.daemon.test_subscribers import add, consume, produce, wait_for
 
 # A partial entry: its length says 4000 bytes, the file ends 60 bytes later.
 TORN = (4000).to_bytes(4, "little") + b"\x00" + bytes(range(1, 56))
+
+
+def subscribe_in_config(d: Any) -> None:
+    with open(d.config_path, "a") as f:
+        f.write('\n[[subscribers]]\nname = "sub"\nstart = "earliest"\n')
 
 
 def tags(bundles: list[Any]) -> list[int]:
@@ -61,3 +67,39 @@ def test_start_on_a_full_disk_with_a_torn_wal_tail_defers_the_cut(
         assert not d.events("bundles_lost") and not d.events("quiverd_fatal_durability")
         assert not d.events("wal_damage_skipped")
 
+
+def test_start_on_a_full_disk_with_a_new_shard_without_ack_log(
+        daemon_factory: Any, short_dir: Path) -> None:
+    """Two shards, the second never started (no WAL, no ack.log yet) on a full disk."""
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50})
+    with mounted_tmpfs(d.data_dir, 64 * MiB):
+        subscribe_in_config(d)
+        d.start()
+        produce(d, [1, 2, 3])
+        wait_for(lambda: d.status()["shards"][0]["segments"] >= 1)
+        assert d.stop() == 0
+        ballast = d.data_dir / "ballast"
+        fill(ballast)
+        assert os.statvfs(d.data_dir).f_bavail == 0
+        d.settings["shards"] = 2  # shard-1 is new: its directory and ack.log do not exist
+        d._write_config()
+        subscribe_in_config(d)  # every shard registers it, the new one too
+        d.start()
+        assert d.proc is not None and d.proc.poll() is None, d.log()[-3000:]
+        assert d.events("wal_header_deferred") and d.events("ack_log_compaction_deferred")
+        new_shard = d.data_dir / "shard-1"
+        assert (new_shard / "ack.log").stat().st_size == 0  # created empty, no header yet
+        assert tags(consume(d, "sub", want=3)) == [1, 2, 3]
+        ballast.unlink()
+        clients = {shard_of(f"p{t}", 2): f"p{t}" for t in range(10)}
+        with Client.connect(d.socket) as c:
+            for t in range(10, 20):  # both shards take writes again
+                c.send(tagged_table(t), client=clients[t % 2])
+        time.sleep(0.3)
+        assert d.stop() == 0, d.log()[-3000:]
+        assert (new_shard / "wal/quiver.wal").stat().st_size > 30
+        assert (new_shard / "ack.log").stat().st_size > 0
+        d.start()
+        assert tags(consume(d, "sub", want=11, idle_s=1.5)) == list(range(10, 20))
+        assert d.stop() == 0
+        assert not d.events("bundles_lost") and not d.events("quiverd_fatal_durability")
