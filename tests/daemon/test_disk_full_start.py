@@ -103,3 +103,54 @@ def test_start_on_a_full_disk_with_a_new_shard_without_ack_log(
         assert tags(consume(d, "sub", want=11, idle_s=1.5)) == list(range(10, 20))
         assert d.stop() == 0
         assert not d.events("bundles_lost") and not d.events("quiverd_fatal_durability")
+
+
+def holes(path: Path) -> list[tuple[int, int]]:
+    """The file's holes (start, end), from SEEK_HOLE/SEEK_DATA."""
+    out: list[tuple[int, int]] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size, pos = os.fstat(fd).st_size, 0
+        while pos < size:
+            start = os.lseek(fd, pos, os.SEEK_HOLE)
+            if start >= size:
+                break
+            try:
+                pos = os.lseek(fd, start, os.SEEK_DATA)
+            except OSError:  # ENXIO: a hole up to the end
+                pos = size
+            out.append((start, pos))
+    finally:
+        os.close(fd)
+    return out
+
+
+def test_start_on_a_full_tmpfs_with_a_punched_wal_and_no_sidecar_maps_no_hole(
+        daemon_factory: Any, short_dir: Path) -> None:
+    """Without the sidecar replay walks the WAL from its header, into the punched prefix.
+    Reading a hole through a memory map makes tmpfs allocate a page: on a full tmpfs
+    that is SIGBUS, at every start (issue 17). Replay must step over holes unread."""
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50})
+    with mounted_tmpfs(d.data_dir, 64 * MiB):
+        subscribe_in_config(d)
+        d.start()
+        produce(d, list(range(100)))
+        wait_for(lambda: d.status()["shards"][0]["segments"] >= 1)
+        time.sleep(0.5)  # the segment is durable: the WAL's prefix is punched
+        produce(d, list(range(100, 110)))
+        d.kill()
+        wal = d.data_dir / "shard-0/wal/quiver.wal"
+        assert holes(wal), "no hole punched: the test proves nothing"
+        (d.data_dir / "shard-0/wal/truncate.offset").unlink()
+        ballast = d.data_dir / "ballast"
+        fill(ballast)
+        assert os.statvfs(d.data_dir).f_bavail == 0
+        d.start()
+        assert d.proc is not None and d.proc.poll() is None, d.log()[-3000:]
+        [skipped] = d.events("wal_holes_skipped")
+        assert skipped["resumed_at"] == holes(wal)[-1][1]
+        assert tags(consume(d, "sub", want=100)) == list(range(100))
+        ballast.unlink()  # the live entries after the hole were replayed: their segment
+        assert tags(consume(d, "sub", want=10)) == list(range(100, 110))
+        assert d.stop() == 0, d.log()[-3000:]
+        assert not d.events("bundles_lost") and not d.events("quiverd_fatal_durability")
