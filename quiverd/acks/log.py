@@ -31,7 +31,7 @@ import msgspec
 from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
 from quiverd.kernel import layout
-from quiverd.kernel.durable import atomic_write, with_path, write_all
+from quiverd.kernel.durable import atomic_write, fsync_dir, with_path, write_all
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost, NoSpace
 from quiverd.kernel.faults import Hook, StepTracker
 from quiverd.kernel.quarantine import keep_bytes
@@ -68,8 +68,8 @@ def scan_ack_log(path: str | os.PathLike[str], quarantine_dir: str | os.PathLike
     """
     path = Path(path)
     report = ScanReport(state=state if state is not None else AckState(), valid_end=0)
-    if not path.exists():
-        return report
+    if not path.exists() or path.stat().st_size == 0:
+        return report  # empty: created on a full disk, header not written yet
     with open(path, "rb") as f:
         fmt.decode_header(f.read(fmt.HEADER_LEN), path=str(path))
         scanner = fmt.RecordScanner(offset=fmt.HEADER_LEN, max_record_len=max_record_len)
@@ -193,8 +193,17 @@ class AckLogFile:
         Call after replay, which has already cut any torn tail.
         """
         path = Path(path)
-        if not path.exists():
-            atomic_write(path, fmt.encode_header())
+        if not path.exists() or path.stat().st_size == 0:
+            try:
+                atomic_write(path, fmt.encode_header())
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # A new shard on a 100 % full disk: an empty file (an inode, no data
+                # block) reads as no ack.log; the first append writes the header.
+                layout.tmp_path(path).unlink(missing_ok=True)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                fsync_dir(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         return cls(path, fd, os.fstat(fd).st_size)
 
@@ -216,6 +225,8 @@ class AckLogFile:
         raises NoSpace: the file is as before, and the same records may be written
         again later. A failed cut-back leaves the file unknown: that OSError is fatal.
         """
+        if self._size == 0:
+            self._write_header()
         try:
             n = write_all(self._fd, records)
         except OSError as exc:
@@ -225,6 +236,21 @@ class AckLogFile:
             raise NoSpace(f"{self.path}: {exc.strerror}") from exc
         self._size += n
         return n
+
+    def _write_header(self) -> None:
+        """``open`` found no space for the header: write it now, atomically (a torn
+        header would stop the next start), or raise NoSpace like any append."""
+        try:
+            atomic_write(self.path, fmt.encode_header())
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            layout.tmp_path(self.path).unlink(missing_ok=True)
+            raise NoSpace(f"{self.path}: {exc.strerror}") from exc
+        os.close(self._fd)
+        self._fd = fd
+        self._size = self._base_size = os.fstat(fd).st_size
 
     def sync(self) -> None:
         """fdatasync. An OSError propagates: the caller must treat it as fatal for the

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import faulthandler
 import os
 import sys
 import traceback
@@ -40,6 +41,11 @@ EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=78 stops a re
 
 def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     """Run the daemon until shut down; return the process exit code."""
+    # A fatal signal (SIGBUS from a mapped file, SIGSEGV, SIGFPE, SIGABRT, SIGILL) kills
+    # the process before any Python handler runs: without this it leaves no line at
+    # all, and systemd restarts it silently. faulthandler writes "Fatal Python error"
+    # and every thread's stack to stderr (journald), then lets the signal kill us.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     logs.configure(cfg.log.format, cfg.log.level)
     log = logs.get("daemon")
     if fault_hooks is None:

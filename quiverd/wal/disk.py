@@ -9,6 +9,7 @@
     truncate.offset ─────────────────▶ the sidecar: WalNoSpace before its rename,
                                        DurabilityLost after it
     fallocate(PUNCH_HOLE) ───────────▶ released prefix of the active file given back
+    lseek(SEEK_HOLE) ────────────────▶ the holes replay steps over unread
 
 Blocking code, called from worker threads (``WalFiles``).
 """
@@ -149,6 +150,33 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     if _fallocate()(fd, mode, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def holes(fd: int, start: int, end: int) -> list[tuple[int, int]]:
+    """The holes (begin, end) of the file in ``[start, end)``, by SEEK_HOLE/SEEK_DATA.
+
+    Replay must not read a hole through its memory map: on tmpfs the fault allocates
+    a page, and on a full tmpfs that is SIGBUS. A filesystem without SEEK_HOLE
+    (EINVAL) reports none: it cannot punch holes either.
+    """
+    out: list[tuple[int, int]] = []
+    pos = start
+    try:
+        while pos < end:
+            begin = os.lseek(fd, pos, os.SEEK_HOLE)
+            if begin >= end:
+                break
+            try:
+                pos = min(os.lseek(fd, begin, os.SEEK_DATA), end)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # ENXIO: no data after it, a hole to the end
+                    raise
+                pos = end
+            out.append((begin, pos))
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    return out
 
 
 def probe_punch_hole(directory: Path) -> bool:

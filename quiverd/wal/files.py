@@ -34,9 +34,10 @@ from typing import Any
 
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import META_SLOT, Buffer, Slot
-from quiverd.kernel.durable import fsync_dir, with_path, write_all
+from quiverd.kernel.durable import atomic_write, fsync_dir, with_path, write_all
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost
 from quiverd.kernel.faults import Hook
+from quiverd.kernel.quarantine import keep_bytes
 from quiverd.wal import format as walformat
 from quiverd.wal.disk import (
     BLOCK,
@@ -86,6 +87,9 @@ class WalFiles:
     # the WAL's own size bound, because released entries are popped.
     _index: deque[tuple[int, int, int]] = field(default_factory=deque)
     _released_offset: int = 0  # bytes of the active file already reclaimed
+    # Replay found a torn tail and no space to copy it: it lies past end_offset until
+    # the first append copies it here and cuts it (see _cut_deferred_tail).
+    _deferred_cut: Path | None = None
     # _lock guards the fd swap (rotate, rewrite) against a concurrent fdatasync;
     # _mutex serializes append and release, which both change the file layout.
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -107,6 +111,7 @@ class WalFiles:
         if state.start_generation == self.generation and state.start_offset > walformat.HEADER_LEN:
             # The sidecar's prefix was released before the restart: not live bytes.
             self._released_offset = state.start_offset - walformat.HEADER_LEN
+        self._deferred_cut = getattr(state, "deferred_cut_target", None)
         self._fd = os.open(layout.active_wal(wal_dir), os.O_WRONLY | os.O_CLOEXEC)
         os.lseek(self._fd, self.end_offset, os.SEEK_SET)
         self.punch_supported = probe_punch_hole(wal_dir)
@@ -173,10 +178,62 @@ class WalFiles:
         not synced even if ``sync`` was asked, and nothing of the others is.
         """
         with self._mutex:
+            if self.end_offset == 0:
+                self._create_header()
+            if self._deferred_cut is not None:
+                self._cut_deferred_tail(self._deferred_cut)
             self._check_space(sum(e[2] for e in entries))
             self._append(entries)
         if sync:
             self.sync()
+
+    def _create_header(self) -> None:
+        """Replay left the active file empty (no space for its header): write it now,
+        atomically like any new WAL file, before the first entry."""
+        path = layout.active_wal(self.wal_dir)
+        try:
+            atomic_write(path, walformat.encode_header(self.cfg_hash))
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise self._lost("creating", exc) from with_path(exc, path)
+            layout.tmp_path(path).unlink(missing_ok=True)
+            raise WalNoSpace(f"no space left to write the header of {path}: "
+                             f"{exc.strerror or exc}", written=0, reason=reason_of(exc)) from exc
+        os.lseek(fd, walformat.HEADER_LEN, os.SEEK_SET)
+        with self._lock:
+            os.close(self._fd)
+            self._fd = fd
+        self.end_offset = walformat.HEADER_LEN
+        self.log.info("wal_created", path=str(path), generation=self.generation, deferred=True)
+
+    def _cut_deferred_tail(self, target: Path) -> None:
+        """The torn tail replay left (no space for its copy then): copy it, then cut it.
+
+        Before the first append, which would otherwise overwrite bytes never copied.
+        Still no space: WalNoSpace (nothing written), the append waits like any other.
+        The tail is less than one batch (no sound entry follows it), read with read(2),
+        not a map: a map of a full tmpfs can fault with SIGBUS.
+        """
+        path = layout.active_wal(self.wal_dir)
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.end_offset)
+                torn = f.read()
+            keep_bytes(torn, target.parent, target.name)
+            os.ftruncate(self._fd, self.end_offset)
+            os.fsync(self._fd)
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise self._lost("cutting the torn tail of", exc) from with_path(exc, path)
+            layout.tmp_path(target).unlink(missing_ok=True)
+            raise WalNoSpace(f"no space left to copy the torn tail of {path} into "
+                             f"{target.parent}: {exc.strerror or exc}", written=0,
+                             reason=reason_of(exc)) from exc
+        self._deferred_cut = None
+        self.log.warning("wal_torn_tail", path=str(path), offset=self.end_offset,
+                         bytes=len(torn), reason="cut deferred at start (disk full)",
+                         quarantine=str(target))
 
     def _check_space(self, nbytes: int) -> None:
         """Leave ``reserve_bytes`` free: segments and ack.log need room to drain the WAL."""
@@ -400,6 +457,8 @@ class WalFiles:
             return self._release(upto_sequence)
 
     def _release(self, upto_sequence: int) -> bool:
+        if self.end_offset == 0:
+            return False  # no header yet, so no entry: nothing to release
         while self._index and self._index[0][0] <= upto_sequence:
             self._index.popleft()
         if self._index:
@@ -454,6 +513,8 @@ class WalFiles:
         space for the copy: the old file stays as it is (returns False).
         """
         start = walformat.HEADER_LEN
+        if self._deferred_cut is not None:
+            return False  # the copy would leave the torn tail behind uncopied
         write_sidecar(self.wal_dir, start, self.generation, hook=self.fault_hook)
         new_path = layout.tmp_path(layout.active_wal(self.wal_dir))
         try:

@@ -566,3 +566,29 @@ def test_dump_wal_ignores_sidecar_pointing_past_the_file(tmp_path: Path) -> None
     wr.write_sidecar(tmp_path, 1 << 30, 0)
     rows = list(waldump.dump_wal(wal))
     assert [r["kind"] for r in rows] == ["header", "entry", "entry"]
+
+
+def test_replay_steps_over_real_punched_holes_unread_when_sidecar_lost(tmp_path: Path) -> None:
+    """The holes are found by SEEK_HOLE and never read through the map (on a full tmpfs
+    that read is SIGBUS: tests/daemon/test_disk_full_start.py); the live entries after
+    them are kept and the skipped sequences are settled by what segments hold."""
+    import os
+
+    from quiverd.wal.files import BLOCK, punch_hole
+
+    if not _punchable(tmp_path):
+        pytest.skip("filesystem cannot punch holes")
+    wal = tmp_path / "wal" / "quiver.wal"
+    offsets = write_wal(wal, [small_entry(s) for s in range(1, 201)])
+    keep = offsets[150]  # sequence 151 is the first entry no segment holds
+    fd = os.open(wal, os.O_RDWR)
+    try:
+        punch_hole(fd, BLOCK, keep // BLOCK * BLOCK - BLOCK)  # no sidecar beside it
+    finally:
+        os.close(fd)
+    log = RecordingLog()
+    state = replay(tmp_path, log, covered=segments_holding(1, 150))
+    [skipped] = log.named("wal_holes_skipped")
+    assert skipped["offset"] == wf.HEADER_LEN and skipped["resumed_at"] == keep // BLOCK * BLOCK
+    assert seqs(state) == list(range(151, 201))
+    assert state.lost_sequences == [] and state.corrupt_entries == 0
