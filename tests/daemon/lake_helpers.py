@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from quiverd.client import Client
 from quiverd.kernel.config import load
+from quiverd.kernel.errors import QuiverError
 from quiverd.kernel.logs import get as get_logger
 from quiverd.lake.model import REGISTERED, FileRow
 from quiverd.lake.tier import open_tier
@@ -128,3 +129,19 @@ def wait_for_lake(d: DaemonProcess, sent: Counter[tuple[str, int]], timeout: flo
         time.sleep(0.2)
     raise AssertionError(f"lake holds {sum(r.row_count for r in rows)} rows, "
                          f"sent {sum(sent.values())}:\n{d.log()[-4000:]}")
+
+
+def wait_degraded(d: DaemonProcess, part: str, timeout: float = 30) -> dict[str, Any]:
+    """Wait until ``status`` shows the lake ``part`` degraded; returns the lake section."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            lake: dict[str, Any] = d.status()["lake"]
+        except QuiverError as exc:
+            d.proc.poll()
+            raise AssertionError(f"daemon gone ({d.proc.returncode}):\n{d.log()[-3000:]}"
+                                 ) from exc
+        if part in lake.get("degraded", {}):
+            return lake
+        assert time.monotonic() < deadline, (lake, d.log()[-3000:])
+        time.sleep(0.1)

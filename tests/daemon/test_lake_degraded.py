@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from quiverd.kernel.errors import QuiverError
 from tests.daemon.lake_helpers import (
     FAST_LAKE,
     assert_exactly_once,
     lake_contents,
     quiverd_cli,
     send_logs,
+    wait_degraded,
     wait_for_lake,
 )
 from tests.daemon.test_metrics import scrape
@@ -41,20 +41,6 @@ def healthz(address: str) -> tuple[int, dict[str, Any]]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-
-
-def wait_degraded(d: Any, part: str, timeout: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            lake = d.status()["lake"]
-        except QuiverError as exc:
-            d.proc.poll()
-            raise AssertionError(f"daemon gone ({d.proc.returncode}):\n{d.log()[-3000:]}") from exc
-        if part in lake.get("degraded", {}):
-            return lake
-        assert time.monotonic() < deadline, lake
-        time.sleep(0.1)
 
 
 def test_lake_missing_bucket_degraded_ingest_goes_on_then_catches_up(

@@ -10,32 +10,17 @@ from typing import Any
 
 import pytest
 
-from quiverd.kernel.errors import QuiverError
 from tests.daemon.lake_helpers import (
     FAST_LAKE,
     assert_exactly_once,
     lake_contents,
     send_logs,
+    wait_degraded,
     wait_for_lake,
 )
 from tests.daemon.mounts import MiB, fill, mounted_tmpfs
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def wait_degraded(d: Any, part: str, timeout: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            lake = d.status()["lake"]
-        except QuiverError as exc:
-            d.proc.poll()
-            raise AssertionError(f"daemon gone ({d.proc.returncode}):\n{d.log()[-3000:]}"
-                                 ) from exc
-        if part in lake.get("degraded", {}):
-            return lake
-        assert time.monotonic() < deadline, (lake, d.log()[-3000:])
-        time.sleep(0.1)
 
 
 def test_lake_sqlite_catalog_fs_full_ingest_goes_on_restart_then_catches_up(
