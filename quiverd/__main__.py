@@ -1,5 +1,3 @@
-import sys
+from quiverd.cli.process_exit import console
 
-from quiverd.cli.main import main
-
-sys.exit(main())
+console()

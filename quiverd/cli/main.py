@@ -430,4 +430,6 @@ def _fsck(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from quiverd.cli.process_exit import console
+
+    console()
