@@ -6,6 +6,8 @@ import fcntl
 import io
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -283,7 +285,8 @@ def test_fsck_refuses_held_lock(data_dir: Path, capsys: pytest.CaptureFixture[st
     try:
         os.write(fd, b"4242\n")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(AlreadyRunning, match="pid 4242"):
+        # The kernel's record names the real holder (this process), not LOCK's stale pid.
+        with pytest.raises(AlreadyRunning, match=f"pid {os.getpid()}\\) running `"):
             fsck.run_fsck(data_dir, repair=True, as_json=True)
         assert cli.main(["fsck", str(data_dir)]) == 1
         err = capsys.readouterr().err
@@ -333,3 +336,26 @@ def test_fsck_progress_on_tty_stderr_only(
     rc, out = fsck_json(capsys, data_dir)
     assert rc == 0 and out["healthy"]
     assert "\rfsck: 4/4 files, " in tty.getvalue()  # WAL, segment, sidecar, ack.log
+
+
+def test_fsck_names_the_process_holding_the_lock_not_the_pid_recorded_in_it(
+        data_dir: Path) -> None:
+    """A second fsck while one runs (fsck records no pid in LOCK): the message names the
+    holder's pid and command line, not the last daemon's pid left in the file."""
+    (data_dir / "LOCK").write_text("4242\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; "
+         "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(data_dir / "LOCK"), "fsck-like"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(AlreadyRunning) as err:
+            fsck.run_fsck(data_dir, repair=False, as_json=True)
+        assert f"pid {holder.pid}) running `" in str(err.value), str(err.value)
+        assert "fsck-like" in str(err.value) and "4242" not in str(err.value)
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
