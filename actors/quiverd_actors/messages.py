@@ -10,18 +10,17 @@
 
 Requests that need an answer carry a ``Reply`` (``quiverd.kernel.reply``), given
 once by the actor that handles them; nothing inside a message is code to run.
-Producers' answers are protocol ``Ack``/``Error`` values on a per-connection
-stream whose buffer is the connection's in-flight bound, so an actor's
-``send_nowait`` never blocks.
+Producers' answers are protocol ``Ack``/``Error`` values given to the
+connection's ``ReplySink`` (``send_nowait``, which never blocks: what it holds is
+bounded by the connection's in-flight window).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import msgspec
 import pyarrow as pa
-from anyio.streams.memory import MemoryObjectSendStream
 
 from quiverd.kernel.bundle import Bundle, TxnTag
 from quiverd.kernel.reply import Reply
@@ -30,6 +29,17 @@ from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.table import SegmentInfo
 
 ProducerReply = Ack | Error
+
+
+class ReplySink(Protocol):
+    """Where a producer's answers go: its connection (or, in tests, a memory stream).
+
+    ``send_nowait`` never blocks; it raises anyio.BrokenResourceError or
+    ClosedResourceError once the producer is gone (its data is durable all the same).
+    """
+
+    def send_nowait(self, item: ProducerReply, /) -> None: ...
+
 SealReason = Literal["size", "age", "streams", "shutdown", "pressure"]
 RetireReason = Literal["acked", "max_age", "size_cap", "corrupt"]
 
@@ -39,7 +49,7 @@ class AppendRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: int
     bundle: Bundle
-    reply: MemoryObjectSendStream[ProducerReply]  # the producer's connection
+    reply: ReplySink  # the producer's connection
 
 
 class DurableBatch(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,6 +11,7 @@ writes). Not a timer loop: each pause is one bounded wait between two attempts.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -52,6 +53,11 @@ class Retry:
                 await anyio.sleep_forever()
             else:
                 await stop.wait()
+        self.backoff()
+
+    def pause_blocking(self, stop: threading.Event) -> None:
+        """``pause`` for a thread (the WAL's writer): returns early when ``stop`` is set."""
+        stop.wait(self.delay)
         self.backoff()
 
     def backoff(self) -> None:

@@ -138,6 +138,57 @@ def inspect_ipc_stream(payload: Buffer) -> StreamFacts:
     return StreamFacts(fingerprint(schema), rows, schema, len(batches))
 
 
+class SchemaCache:
+    """``inspect_ipc_stream`` with the schema-only checks done once per schema.
+
+    Field names (UTF-8, the ``_quiver_`` prefix) and the fingerprint depend only on
+    the schema, and a producer sends the same schema bundle after bundle: they are
+    kept by the schema message's bytes (which fix the schema, metadata included).
+    What depends on each bundle's bytes is still checked every time: compressed
+    bodies, decoding, ``validate(full=True)``, row counts. A failed check is not
+    kept. At most ``capacity`` schemas are held (oldest dropped first).
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._known: dict[bytes, tuple[pa.Schema, bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def inspect(self, payload: Buffer) -> StreamFacts:
+        """Like ``inspect_ipc_stream`` (same errors), with the schema checks cached."""
+        reject_compressed_bodies(payload)
+        with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
+            batches = list(reader)
+            key = _schema_message(payload)
+            known = self._known.get(key)
+            if known is None:
+                schema = reader.schema
+                check_field_names(schema)
+                known = (schema, fingerprint(schema))
+                if len(self._known) >= self.capacity:
+                    del self._known[next(iter(self._known))]
+                self._known[key] = known
+        rows = 0
+        for batch in batches:
+            batch.validate(full=True)
+            rows += batch.num_rows
+        return StreamFacts(known[1], rows, known[0], len(batches))
+
+
+def _schema_message(payload: Buffer) -> bytes:
+    """The first IPC message's metadata bytes (the schema), as a dictionary key.
+
+    Only called once the stream opened, so the schema message is there; the 8-byte
+    framing is continuation marker + length, or the pre-1.0 bare length.
+    """
+    view = memoryview(payload).cast("B")
+    start = 8 if view[:4] == b"\xff\xff\xff\xff" else 4
+    length = int.from_bytes(view[start - 4:start], "little")
+    return bytes(view[start:start + length])
+
+
 class ReservedColumnName(ValueError):
     """A top-level column name uses the prefix quiverd keeps for its own columns."""
 

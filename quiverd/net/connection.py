@@ -5,9 +5,11 @@ producer, two tasks share the connection:
 
     reader   recv_into → decoder (each BUNDLE or JOB header first reserves its length
              of the pending-bytes budget, within the peer uid's share; none free: stop
-             reading until there is)
-             → validate in a worker thread → window slot → shard inbox
-    replies  shard WAL writer → Ack/Error → release window slot and budget → socket
+             reading until there is) → every complete frame of that read, in one loop
+             pass: validate (schema-only checks once per schema) → window slot → one
+             hand-over per shard (``ShardInbox.put``)
+    replies  shard WAL writer → Ack/Error (``self.replies``) → release window slots
+             and budget → one socket write per group of replies
 
 At most ``max_inflight_per_connection`` bundles are unanswered: a full window stops
 reading, which is the producer's backpressure. A protocol error gets an ERROR
@@ -19,12 +21,13 @@ is done with their bytes. A JOB frame's budget comes back once it is answered.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from functools import partial
 from typing import TYPE_CHECKING
 
 import anyio
 
-from quiverd.kernel.bundle import Bundle, Slot
+from quiverd.kernel.bundle import Bundle
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ProtocolError, QuiverError
 from quiverd.net import jobs
@@ -33,6 +36,7 @@ from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode, JobRequest, encode_job_reply
+from quiverd_actors.inbox import Batches
 from quiverd_actors.messages import AppendRequest, ProducerReply
 
 if TYPE_CHECKING:
@@ -52,10 +56,9 @@ class Connection:
         self.decoder = protocol.FrameDecoder(server.max_frame, reserve=self._try_reserve,
                                              pool=server.buffers)
         self.reader = FrameReader(stream, self.decoder, server.cfg)
-        window = server.cfg.max_inflight_per_connection
-        self.window_size = window
-        self.window = anyio.Semaphore(window)
-        self.replies, self.reply_rx = anyio.create_memory_object_stream[ProducerReply](window)
+        self.window_size = server.cfg.max_inflight_per_connection
+        self.room: anyio.Event | None = None  # set when a full window frees a slot
+        self.replies: Batches[ProducerReply] = Batches()  # the WAL writers answer here
         self.reserved: deque[int] = deque()  # budget per frame not yet submitted, in order
         self.inflight: dict[int, int] = {}  # request_id -> its budget bytes, until answered
         self.buffers: dict[int, object] = {}  # request_id -> its pooled receive buffer
@@ -69,8 +72,10 @@ class Connection:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._write_replies)
-                async with self.replies:
+                try:
                     await self._serve()
+                finally:
+                    self.replies.close()
         finally:
             self._release(self.held)
 
@@ -165,64 +170,82 @@ class Connection:
             frames = self.decoder.resume()
 
     async def _submit(self, frames: list[protocol.BundleFrame]) -> None:
+        """One read batch's bundles: validated here, on the loop (no thread hop), and
+        handed to their shards with one ``put`` per shard. A bad frame is refused
+        (ProtocolError) after the good ones before it went to their shards."""
         server = self.server
-        validated = await anyio.to_thread.run_sync(_validate_all, frames,
-                                                   server.cfg.max_bundle_bytes,
-                                                   limiter=server.limiter)
         shards = len(server.inboxes)
-        for frame, slots in validated:
-            nbytes = self.reserved.popleft()
-            buffer = self.decoder.taken.popleft()
-            if isinstance(slots, ProtocolError):
-                raise slots
-            if frame.request_id in self.inflight:
-                raise ProtocolError(ErrorCode.MALFORMED, f"request_id {frame.request_id} is "
-                                    "already in flight on this connection")
-            await self.window.acquire()
-            self.inflight[frame.request_id] = nbytes
-            if buffer is not None:
-                self.buffers[frame.request_id] = buffer
-            if frame.txn is not None:
-                refusal, code = await self._staging_refusal(frame)
-                self.attempts.took(frame, sum(s.row_count for s in slots))
-                if refusal:  # never acked; the attempt can no longer end
-                    server.stats.bundles.inc()
-                    self.replies.send_nowait(protocol.Error(
-                        request_id=frame.request_id, code=code, message=refusal))
-                    continue
-            bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
-            req = AppendRequest(request_id=frame.request_id, bundle=bundle, reply=self.replies)
-            server.stats.bundles.inc()
-            await server.inboxes[shard_of(frame.client, shards)].send(req)
+        by_shard: dict[int, list[AppendRequest]] = {}
+        try:
+            for frame in frames:
+                nbytes = self.reserved.popleft()
+                buffer = self.decoder.taken.popleft()
+                slots = protocol.validate_bundle(
+                    frame, max_bundle_bytes=server.cfg.max_bundle_bytes, schemas=server.schemas)
+                if frame.request_id in self.inflight:
+                    raise ProtocolError(ErrorCode.MALFORMED, f"request_id {frame.request_id} "
+                                        "is already in flight on this connection")
+                if len(self.inflight) >= self.window_size:
+                    await self._hand_over(by_shard)  # they must go to be answered
+                    await self._window_room()
+                self.inflight[frame.request_id] = nbytes
+                if buffer is not None:
+                    self.buffers[frame.request_id] = buffer
+                server.stats.bundles.inc()
+                if frame.txn is not None:
+                    await self._hand_over(by_shard)  # in order with its staging check
+                    refusal, code = await self._staging_refusal(frame)
+                    self.attempts.took(frame, sum(s.row_count for s in slots))
+                    if refusal:  # never acked; the attempt can no longer end
+                        self.replies.send_nowait(protocol.Error(
+                            request_id=frame.request_id, code=code, message=refusal))
+                        continue
+                bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
+                by_shard.setdefault(shard_of(frame.client, shards), []).append(AppendRequest(
+                    request_id=frame.request_id, bundle=bundle, reply=self.replies))
+        finally:
+            await self._hand_over(by_shard)
+
+    async def _hand_over(self, by_shard: dict[int, list[AppendRequest]]) -> None:
+        for shard, reqs in by_shard.items():
+            await self.server.inboxes[shard].put(reqs)
+        by_shard.clear()
+
+    async def _window_room(self) -> None:
+        """Wait until the in-flight window has a free slot (the producer's backpressure)."""
+        while len(self.inflight) >= self.window_size:
+            self.room = anyio.Event()
+            await self.room.wait()
 
     async def _write_replies(self) -> None:
         """One socket write per group of replies (a group commit acks many at once)."""
-        async with self.reply_rx:
-            async for reply in self.reply_rx:
-                replies = [reply]
-                while True:
-                    try:
-                        replies.append(self.reply_rx.receive_nowait())
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
-                for r in replies:
-                    self._release(self.inflight.pop(r.request_id))
-                    # Answered: the WAL has the bytes (or never will), nothing reads them.
-                    self.server.buffers.give(self.buffers.pop(r.request_id, None))
-                    self.window.release()
-                    if self.attempts.pending:
-                        self.attempts.answered_one(r.request_id, isinstance(r, protocol.Ack),
-                                                   getattr(r, "message", ""))
-                if not self.inflight:
-                    self.reader.went_idle()
-                if self.closed:
-                    continue  # answers after a closing ERROR are not sent (docs/protocol.md)
-                frames = b"".join(self._encode_reply(r) for r in replies)
-                try:
-                    async with self.send_lock:
-                        await self.stream.send(frames)
-                except anyio.BrokenResourceError:
-                    self._hang_up()  # the reader sees end of stream and finishes up
+        while (replies := await self.replies.take()) is not None:
+            self._answered(replies)
+            if self.closed:
+                continue  # answers after a closing ERROR are not sent (docs/protocol.md)
+            frames = b"".join([self._encode_reply(r) for r in replies])
+            try:
+                async with self.send_lock:
+                    await self.stream.send(frames)
+            except anyio.BrokenResourceError:
+                self._hang_up()  # the reader sees end of stream and finishes up
+
+    def _answered(self, replies: Iterable[ProducerReply]) -> None:
+        """Give back each answered bundle's window slot, budget and receive buffer."""
+        give = self.server.buffers.give
+        freed = 0
+        for r in replies:
+            freed += self.inflight.pop(r.request_id)
+            # Answered: the WAL has the bytes (or never will), nothing reads them.
+            give(self.buffers.pop(r.request_id, None))
+            if self.attempts.pending:
+                self.attempts.answered_one(r.request_id, isinstance(r, protocol.Ack),
+                                           getattr(r, "message", ""))
+        self._release(freed)
+        if self.room is not None:
+            self.room.set()
+        if not self.inflight:
+            self.reader.went_idle()
 
     async def _staging_refusal(self, frame: protocol.BundleFrame) -> tuple[str, ErrorCode]:
         """Why a tagged bundle is refused: its job was decided before its attempt began
@@ -265,12 +288,12 @@ class Connection:
         await self.attempts.settled(key)  # every bundle of the attempt answered first
         self.attempts.check_end(req)  # JobConflict: answered as an ERROR by _job
         self.attempts.ended.add(key)
-        await self.window.acquire()
+        await self._window_room()
         self.inflight[request_id] = 0
         self.end_requests.add(request_id)
-        await self.server.inboxes[shard_of(req.client, len(self.server.inboxes))].send(
+        await self.server.inboxes[shard_of(req.client, len(self.server.inboxes))].put((
             AppendRequest(request_id=request_id, bundle=jobs.marker_bundle(req),
-                          reply=self.replies))
+                          reply=self.replies),))
 
     def _encode_reply(self, reply: ProducerReply) -> bytes:
         if reply.request_id in self.end_requests:
@@ -283,8 +306,9 @@ class Connection:
 
     async def _drain(self) -> None:
         """Wait until every bundle handed to a shard is answered."""
-        for _ in range(self.window_size):
-            await self.window.acquire()
+        while self.inflight:
+            self.room = anyio.Event()
+            await self.room.wait()
 
     def _hang_up(self) -> None:
         self.closed = True
@@ -332,15 +356,3 @@ def _key(frame: protocol.BundleFrame) -> tuple[str, int, int]:
 def _with_hint(exc: Exception) -> str:
     hint = getattr(exc, "hint", "")
     return f"{exc} (hint: {hint})" if hint else str(exc)
-
-
-def _validate_all(frames: list[protocol.BundleFrame], max_bundle_bytes: int
-                  ) -> list[tuple[protocol.BundleFrame, tuple[Slot, ...] | ProtocolError]]:
-    out: list[tuple[protocol.BundleFrame, tuple[Slot, ...] | ProtocolError]] = []
-    for frame in frames:
-        try:
-            out.append((frame, protocol.validate_bundle(frame, max_bundle_bytes=max_bundle_bytes)))
-        except ProtocolError as exc:
-            out.append((frame, exc))
-            break
-    return out

@@ -24,6 +24,7 @@ import errno
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
+from quiverd.kernel.bundle import SchemaCache
 from quiverd.kernel.config import IngestConfig
 from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.logs import Logger
@@ -43,6 +45,7 @@ from quiverd.net.jobs import JobService
 from quiverd.net.rawsock import BoundSocket, RawListener, RawStream
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
+from quiverd_actors.inbox import Inbox, as_inbox
 from quiverd_actors.messages import AppendRequest
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -60,11 +63,12 @@ class IngestServer:
     """Owns the shards' inbox send ends; closes them when the last connection ends."""
 
     def __init__(self, cfg: IngestConfig, socket_path: Path,
-                 inboxes: list[MemoryObjectSendStream[AppendRequest]], *,
+                 inboxes: Sequence[Inbox | MemoryObjectSendStream[AppendRequest]], *,
                  limiter: CapacityLimiter, log: Logger,
                  metrics: IngestMetrics | None = None, bound: BoundSocket | None = None) -> None:
         """``bound``: the socket claimed before the daemon recovered (else bound in serve)."""
-        self.cfg, self.path, self.inboxes, self.bound = cfg, socket_path, inboxes, bound
+        self.cfg, self.path, self.bound = cfg, socket_path, bound
+        self.inboxes: list[Inbox] = [as_inbox(i) for i in inboxes]
         self.limiter, self.log = limiter, log
         self.stats = metrics if metrics is not None else IngestMetrics(Metrics())
         self.max_frame = protocol.max_frame_bytes(cfg.max_bundle_bytes)
@@ -87,6 +91,7 @@ class IngestServer:
         self.last_refusal_log = -LOG_REFUSALS_EVERY_S
         self.last_share_log = -LOG_REFUSALS_EVERY_S
         self.hub = SubscriberHub()
+        self.schemas = SchemaCache()  # schema-only checks, once per schema (all connections)
         self.jobs: JobService | None = None  # the daemon's staging (commit, abort, status)
         self.stopping = False
 

@@ -39,6 +39,9 @@ EXIT_STOP_TIMED_OUT = 75  # EX_TEMPFAIL: nothing acked is lost, the next start f
 EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=78 stops a restart loop
 
 
+GIL_SWITCH_INTERVAL_S = float(os.environ.get("QUIVERD_GIL_SWITCH_S", "0.0005"))
+
+
 def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     """Run the daemon until shut down; return the process exit code."""
     # A fatal signal (SIGBUS from a mapped file, SIGSEGV, SIGFPE, SIGABRT, SIGILL) kills
@@ -46,6 +49,10 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     # all, and systemd restarts it silently. faulthandler writes "Fatal Python error"
     # and every thread's stack to stderr (journald), then lets the signal kill us.
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    # The WAL's writer and syncer threads hand the GIL back and forth with the event
+    # loop on every commit; CPython's default 5 ms switch interval makes a thread
+    # that returns from fdatasync wait up to 5 ms for a busy loop (bench/choices.py).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logs.configure(cfg.log.format, cfg.log.level)
     log = logs.get("daemon")
     if fault_hooks is None:

@@ -1,6 +1,6 @@
 """One shard: its directory (``kernel.layout.ShardLayout``), its recovery, its actors.
 
-    ingest ─AppendRequest(64)─▶ wal_writer ─DurableBatch(64)─▶ segment_builder
+    ingest ─AppendRequests─▶ wal_writer ─DurableBatch(64)─▶ segment_builder
                                    ▲                              │ SealedSegment(1)
                                    └──────WalReleased(16)──── finalizer
                                                                   │ SegmentWritten
@@ -53,9 +53,9 @@ from quiverd_actors import (
     wal_writer,
 )
 from quiverd_actors.dispatcher import Dispatcher
+from quiverd_actors.inbox import ShardInbox
 from quiverd_actors.messages import (
     AckLogRequest,
-    AppendRequest,
     DurableBatch,
     SealedSegment,
     WalReleased,
@@ -82,7 +82,8 @@ class Shard:
         self.checks = scrubber.SegmentChecks()  # filled by recover()
         self.corrupt_entries = metrics.wal_corrupt_entries.labels(index)
         self.bundles_lost = metrics.bundles_lost.labels(index)
-        self.inbox, self._inbox_rx = anyio.create_memory_object_stream[AppendRequest](64)
+        # Filled by connections once per read batch; bounded upstream by their windows.
+        self.inbox = ShardInbox()
         self.ack_tx, self._ack_rx = anyio.create_memory_object_stream[AckLogRequest](256)
         self.recovered: Recovered | None = None
         self._table = SegmentTable()  # handed to the ack_logger, its only writer
@@ -159,7 +160,7 @@ class Shard:
         durable_tx, durable_rx = anyio.create_memory_object_stream[DurableBatch](64)
         sealed_tx, sealed_rx = anyio.create_memory_object_stream[SealedSegment](1)
         release_tx, release_rx = anyio.create_memory_object_stream[WalReleased](16)
-        io = anyio.CapacityLimiter(2)  # WAL: one write + one fdatasync may overlap
+        io = anyio.CapacityLimiter(1)  # WAL releases (writes and syncs have their own threads)
         fin = anyio.CapacityLimiter(1)  # finalizer
         build = anyio.CapacityLimiter(1)  # builder's decode of durable bundles
         async with anyio.create_task_group() as tg:
@@ -178,7 +179,7 @@ class Shard:
                 seal_early=self._seal_early, from_wal=True, task_status=task_status))
             rec.open_bundles = []  # now owned by the builder
             await tg.start(lambda task_status: wal_writer.run(
-                self._inbox_rx, durable_tx, release_rx, shard=self.index, wal=rec.wal,
+                self.inbox, durable_tx, release_rx, shard=self.index, wal=rec.wal,
                 cfg=self.cfg.wal, next_sequence=rec.next_sequence, limiter=io,
                 stats=self.wal_stats, log=self.log, gate=self.gate, over_cap=self.over_cap,
                 drop_oldest=self.cfg.retention.size_cap_policy == "drop_oldest",

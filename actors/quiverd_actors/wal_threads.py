@@ -1,0 +1,314 @@
+"""The WAL writer's threads (one shard): one long-lived writer thread and one syncer thread.
+
+    event loop ──submit(batch)──▶ writer thread ──written──▶ syncer thread
+        ▲                         writev, rotate,            fdatasync of all
+        │                         capacity, disk full        written so far
+        └─────────── post(on_durable, every entry the sync covered) ◀──┘
+
+The loop hands over whole batches (``submit``); the writer takes everything queued
+at once, numbers the entries, and ``writev``s them; the syncer fdatasyncs what was
+written when ``FlushPolicy`` says so and hands every covered entry back to the loop
+in one ``post`` (``loop.call_soon_threadsafe``). Writes go on while a sync runs.
+No per-bundle hop, no anyio primitive: a plain ``threading.Condition`` guards the
+few fields both threads share.
+
+A commit is acknowledged only after the fdatasync that covers it returned. A sync
+waits until the loop has taken the previous commit (``delivered``): a slow
+consumer of durable batches holds later syncs back, which bounds the pipeline.
+A failed fdatasync raises DurabilityLost out of ``run_syncer``: nothing it covered
+is acknowledged and the shard stops (never retried).
+
+Sequence numbers are given by the writer at write time, so a bundle refused for
+lack of space (``at_capacity = "reject"``, or the daemon stopping) uses none.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from quiverd.kernel.bundle import Bundle, MetaCodec
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import WalMetrics
+from quiverd.wal import format as walformat
+from quiverd.wal.files import EntryToWrite, WalFiles, WalNoSpace
+from quiverd.wal.flush import Action, FlushPolicy
+from quiverd_actors.retry import Retry
+
+CAPACITY_RECHECK_S = 1.0  # a wait for WAL room looks again at least this often
+# One write takes at most this much payload (the disk reserve counts one write batch).
+MAX_BATCH_BYTES = 16 * 1024 * 1024
+
+Refusal = Literal["capacity", "disk_full", "stopping"]
+
+
+class Request(Protocol):
+    @property
+    def bundle(self) -> Bundle: ...
+
+
+Item = tuple[Any, float]  # (request, monotonic time the loop took it)
+Written = tuple[Any, Bundle, float]  # (request, bundle stamped with sequence, taken)
+
+
+class Sink(Protocol):
+    """The loop's side; the pipeline calls these only through ``post``."""
+
+    def on_durable(self, written: list[Written]) -> None: ...
+
+    def on_refused(self, reqs: list[Any], why: Refusal, message: str) -> None: ...
+
+
+@dataclass
+class _Shared:
+    """Fields both threads and the loop touch, under ``cv``."""
+
+    queue: list[Item] = field(default_factory=list)  # submitted, not yet taken by the writer
+    writing: bool = False
+    written: list[Written] = field(default_factory=list)  # written, not yet synced
+    written_bytes: int = 0
+    oldest: float = 0.0  # monotonic time the oldest unsynced entry was written
+    credit: bool = True  # the loop took the last commit: the next sync may start
+    closing: bool = False  # no more submits: drain, sync, exit
+    writer_done: bool = False
+    abort: bool = False  # cancelled: exit at once, acknowledge nothing more
+
+
+class WalPipeline:
+    def __init__(self, wal: WalFiles, policy: FlushPolicy, sink: Sink,
+                 post: Callable[..., Any], *, shard: int, next_sequence: int,
+                 reject: bool, stats: WalMetrics, log: Logger,
+                 idle: Callable[[], bool] = lambda: True) -> None:
+        self.wal, self.policy, self.sink, self.post = wal, policy, sink, post
+        self.shard, self.next_sequence, self.reject = shard, next_sequence, reject
+        self.stats, self.log = stats, log
+        self.idle = idle  # is the loop's inbox empty (nothing about to be submitted)?
+        self.meta = MetaCodec()
+        self.cv = threading.Condition()
+        self.s = _Shared()
+        self.space = threading.Event()  # set when a release freed WAL space
+        self.stopping = threading.Event()  # the daemon stops: waits end in refusals
+        self.disk_full = Retry(log)
+        self.full_refusals = 0
+        self.reserve_bytes = wal.reserve_bytes  # + 1/8 while the disk is full
+        stats.last_sequence.set(next_sequence - 1)
+
+    # ---- the loop's calls (never block) -----------------------------------------
+    def submit(self, items: list[Item]) -> None:
+        with self.cv:
+            self.s.queue.extend(items)
+            self.cv.notify_all()
+
+    def delivered(self) -> None:
+        """The loop handed the last commit on: the next sync may start."""
+        with self.cv:
+            self.s.credit = True
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        """No more submits: write what is queued, sync it, acknowledge it, then exit."""
+        with self.cv:
+            self.s.closing = True
+            self.cv.notify_all()
+
+    def abort(self) -> None:
+        """Cancelled: both threads exit as soon as they can; nothing more is acked."""
+        with self.cv:
+            self.s.abort = True
+            self.cv.notify_all()
+        self.stopping.set()
+
+    def kick(self) -> None:
+        with self.cv:
+            self.cv.notify_all()
+
+    # ---- writer thread -----------------------------------------------------------
+    def run_writer(self) -> None:
+        s = self.s
+        try:
+            while True:
+                with self.cv:
+                    while not s.queue and not s.closing and not s.abort:
+                        self.cv.wait()
+                    if s.abort or not s.queue:
+                        return
+                    batch, s.queue = _take(s.queue)
+                    s.writing = True
+                try:
+                    self._write_batch(batch)
+                finally:
+                    with self.cv:
+                        s.writing = False
+                        self.cv.notify_all()
+        except BaseException:
+            # A failed write (DurabilityLost): a later fdatasync proves nothing about
+            # it, so nothing more is synced or acknowledged; the shard stops.
+            self.abort()
+            raise
+        finally:
+            with self.cv:
+                s.writer_done = True
+                self.cv.notify_all()
+
+    def _write_batch(self, batch: list[Item]) -> None:
+        pending = [(req, taken, self._slots(req.bundle)) for req, taken in batch]
+        while pending and not self.s.abort:
+            sizes = [walformat.entry_size(slots) for _, _, slots in pending]
+            n = self.wal.fitting_prefix(sizes)
+            if n == 0:
+                pending = self._no_room(pending)
+                continue
+            done = self._append(pending[:n])
+            pending = pending[done:]
+
+    def _slots(self, bundle: Bundle) -> tuple[Any, ...]:
+        return (*bundle.slots, self.meta.encode(bundle.client, bundle.txn))
+
+    def _no_room(self, pending: list[Any]) -> list[Any]:
+        """The WAL is at its size or file bound: refuse the first, or wait for a release."""
+        if self.reject:
+            self._refuse(pending[:1], "capacity", f"shard {self.shard} WAL is at capacity "
+                         f"({self.wal.live_bytes} bytes in {self.wal.file_count} files); "
+                         "retry later")
+            return pending[1:]
+        self.stats.capacity_waits.inc()
+        self.log.warning("wal_at_capacity", shard=self.shard, bytes=self.wal.live_bytes,
+                         files=self.wal.file_count)
+        if self.stopping.is_set():
+            self._refuse_stopping(pending[:1])
+            return pending[1:]
+        self.kick()  # the syncer sees the writer idle: what is written gets synced
+        self.space.clear()
+        with self.cv:
+            self.s.writing = False
+            self.cv.notify_all()
+        self.space.wait(CAPACITY_RECHECK_S)
+        with self.cv:
+            self.s.writing = True
+        return pending
+
+    def _append(self, chunk: list[Any]) -> int:
+        """Write ``chunk`` (it fits); returns how many of it are done (written or refused)."""
+        first = self.next_sequence
+        entries: list[EntryToWrite] = []
+        for i, (_, _, slots) in enumerate(chunk):
+            entries.append((first + i, (time.time_ns(), slots), walformat.entry_size(slots)))
+        full: WalNoSpace | None = None
+        try:
+            self.wal.append(entries, sync=False)
+        except WalNoSpace as exc:
+            full = exc
+        count = len(entries) if full is None else full.written
+        if count:
+            self._written(chunk[:count], entries[:count])
+        if full is None:
+            if self.disk_full.active:
+                self.wal.reserve_bytes = self.reserve_bytes
+                self.stats.disk_full.set(0)
+                self.disk_full.succeeded("wal_disk_space_back", shard=self.shard,
+                                         refused_bundles=self.full_refusals)
+            return count
+        return count + self._no_space(full, chunk[count:])
+
+    def _written(self, chunk: list[Any], entries: list[EntryToWrite]) -> None:
+        self.next_sequence = entries[-1][0] + 1
+        nbytes = sum(e[2] for e in entries)
+        self.stats.appends.inc(len(entries))
+        self.stats.bytes_written.inc(nbytes)
+        self.stats.last_sequence.set(entries[-1][0])
+        done = [(req, Bundle(client=req.bundle.client, slots=req.bundle.slots,
+                             txn=req.bundle.txn, ingestion_ts_ns=e[1][0], sequence=e[0]), taken)
+                for (req, taken, _), e in zip(chunk, entries, strict=True)]
+        if not self.policy.syncs:
+            self.stats.inflight.set(0)
+            self.post(self.sink.on_durable, done)
+            return
+        with self.cv:
+            s = self.s
+            if not s.written:
+                s.oldest = time.monotonic()
+            s.written.extend(done)
+            s.written_bytes += nbytes
+            self.stats.inflight.set(len(s.written))
+            self.cv.notify_all()
+
+    def _no_space(self, full: WalNoSpace, rest: list[Any]) -> int:
+        """``rest`` found no disk space. Returns how many of it were refused (0: the
+        writer pauses and tries them again, keeping their place in line)."""
+        self.stats.no_space.inc()
+        if not self.disk_full.active:
+            self.full_refusals = 0
+            self.stats.disk_full.set(1)
+            # Hysteresis: resume once a margin beyond the reserve is free, not at the
+            # first freed byte (segment writes and releases make free space wobble).
+            self.wal.reserve_bytes = self.reserve_bytes + self.reserve_bytes // 8
+        self.disk_full.failed("wal_disk_full", shard=self.shard, reason=full.reason,
+                              error=str(full), held_bundles=len(rest),
+                              at_capacity="reject" if self.reject else "wait", hint=full.hint)
+        if self.reject or self.stopping.is_set():
+            self.full_refusals += len(rest)
+            if self.reject:
+                self._refuse(rest, "disk_full", f"shard {self.shard} cannot write its WAL: "
+                             f"the disk is full ({full.reason}); retry later")
+            else:
+                self._refuse_stopping(rest)
+            return len(rest)
+        with self.cv:  # idle while paused: what is written gets synced and acked
+            self.s.writing = False
+            self.cv.notify_all()
+        self.disk_full.pause_blocking(self.stopping)
+        with self.cv:
+            self.s.writing = True
+        return 0
+
+    def _refuse(self, pending: list[Any], why: Refusal, message: str) -> None:
+        if why != "stopping":
+            self.stats.rejected.inc(len(pending))
+        self.post(self.sink.on_refused, [p[0] for p in pending], why, message)
+
+    def _refuse_stopping(self, pending: list[Any]) -> None:
+        self._refuse(pending, "stopping", "quiverd is shutting down; this bundle was not "
+                     "stored, resend it after the restart")
+
+    # ---- syncer thread -----------------------------------------------------------
+    def run_syncer(self) -> None:
+        """fdatasync per ``FlushPolicy``; hand each commit to the loop in one post."""
+        if not self.policy.syncs:
+            return
+        s = self.s
+        while True:
+            with self.cv:
+                while True:
+                    if s.abort or (s.writer_done and not s.written):
+                        return
+                    if s.written and s.credit:
+                        decision = self.policy.after_write(
+                            unsynced_entries=len(s.written), unsynced_bytes=s.written_bytes,
+                            unsynced_age_s=time.monotonic() - s.oldest,
+                            writer_idle=not s.writing and not s.queue and self.idle(),
+                            closing=s.writer_done)
+                        if decision.action is Action.SYNC:
+                            break
+                        self.cv.wait(decision.wait_s)
+                    else:
+                        self.cv.wait()
+                covered, s.written, s.written_bytes, s.credit = s.written, [], 0, False
+            self.wal.sync()  # DurabilityLost ends the thread: nothing covered is acked
+            self.stats.fsyncs.inc()
+            self.stats.fdatasync_latency.observe(self.wal.last_sync_seconds)
+            with self.cv:
+                self.stats.inflight.set(len(s.written))
+            self.post(self.sink.on_durable, covered)
+
+
+def _take(queue: list[Item]) -> tuple[list[Item], list[Item]]:
+    """The first MAX_BATCH_BYTES of payload (at least one request), and the rest."""
+    nbytes = 0
+    for i, (req, _) in enumerate(queue):
+        nbytes += req.bundle.payload_bytes
+        if nbytes > MAX_BATCH_BYTES and i:
+            return queue[:i], queue[i:]
+    return queue, []
