@@ -51,6 +51,7 @@ FRAME_LEN = struct.Struct("<I")
 ACK = struct.Struct("<Q")
 IOV_MAX = 1024
 POOL_BUFFERS = 32  # spare frame buffers kept per connection
+MAX_FRAME_BYTES = 64 << 20  # quiverd's default ingest.max_bundle_bytes
 SOCKET_BUFFER_BYTES = 4 << 20  # as quiverd's client and server
 
 
@@ -146,6 +147,9 @@ class Conn(asyncio.BufferedProtocol):
         if self.frame is None:
             if self.got == len(self.header):
                 (length,) = FRAME_LEN.unpack(self.header)
+                if not 0 < length <= MAX_FRAME_BYTES:
+                    self._refuse(f"frame length {length} outside 1..{MAX_FRAME_BYTES}")
+                    return
                 self.frame, self.got = self._take_buffer(length), 0
             return
         if self.got < len(self.frame):
@@ -158,13 +162,18 @@ class Conn(asyncio.BufferedProtocol):
                 for batch in reader:
                     batch.validate(full=True)
         except (pa.ArrowInvalid, OSError, ValueError) as exc:
-            print(f"reference: frame {self.seq} refused: {exc}", file=sys.stderr, flush=True)
-            assert self.transport is not None
-            self.transport.close()
+            self._refuse(str(exc))
             return
         self.held[self.seq] = payload
         self.shard.add(ENTRY_HEADER.pack(len(payload), crc), payload, self, self.seq)
         self.seq += 1
+
+    def _refuse(self, why: str) -> None:
+        # No error frame in the lean protocol: the producer sees the connection end.
+        print(f"reference: frame {self.seq} refused: {why}", file=sys.stderr, flush=True)
+        self.got = 0
+        assert self.transport is not None
+        self.transport.close()
 
     def _take_buffer(self, length: int) -> bytearray:
         for i, buf in enumerate(self.pool):

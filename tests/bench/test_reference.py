@@ -4,6 +4,10 @@ frame Arrow rejects, and exit 0 on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import importlib.util
+import os
 import signal
 import socket
 import struct
@@ -12,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pyarrow as pa
 import pytest
@@ -96,3 +101,47 @@ def test_reference_closes_a_connection_on_an_invalid_stream_without_ack(
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
     assert wal.stat().st_size == want
+
+
+@pytest.mark.parametrize("length", [0, 64 * 1024 * 1024 + 1])
+def test_reference_closes_a_connection_on_a_frame_length_out_of_bounds(
+        server: tuple[subprocess.Popen[bytes], Path], length: int) -> None:
+    _, path = server
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(struct.pack("<I", length))
+        assert sock.recv(8) == b""
+
+
+def _load_reference() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_reference", SERVER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reference_shard_never_acks_after_a_failed_fdatasync(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _load_reference()
+    acked: list[object] = []
+
+    def fdatasync(fd: int) -> None:
+        raise OSError(errno.EIO, "injected")
+
+    # Only the reference module sees the failing fdatasync.
+    monkeypatch.setattr(ref, "os", SimpleNamespace(**{**vars(os), "fdatasync": fdatasync}))
+    monkeypatch.setattr(ref, "ack_all", acked.append)
+
+    async def main() -> BaseException:
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future[BaseException] = loop.create_future()
+        shard = ref.Shard(tmp_path / "wal", loop, failed.set_result)
+        shard.add(b"12345678", bytearray(b"payload"), object(), 0)
+        return await asyncio.wait_for(failed, 10)
+
+    exc = asyncio.run(main())
+    assert isinstance(exc, OSError) and exc.errno == errno.EIO
+    assert acked == []
+    assert (tmp_path / "wal").read_bytes() == b"12345678payload"  # written, never acked
