@@ -113,6 +113,14 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[float, float]]:
     return out
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far, every thread included, even threads
+    that have already exited (/proc/<pid>/stat utime + stime)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 def machine_busy_s() -> float:
     """CPU seconds all cores spent neither idle nor in iowait since boot (/proc/stat)."""
     with open("/proc/stat") as stat:

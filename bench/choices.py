@@ -1,6 +1,6 @@
-"""The measurements behind hot-path choices that were *not* built (issue 11).
+"""The measurements behind hot-path choices: not built (issue 11), and issue 18's.
 
-    python bench/choices.py [--mib 256] [--dir PATH]
+    python bench/choices.py [--mib 256] [--dir PATH] [--only space,crc,...]
 
 1. WAL space: 1 MiB appends, fdatasync after each, into a file that is
    fresh (the baseline: what the WAL does), preallocated with ``fallocate``
@@ -13,14 +13,29 @@
 3. A CRC-32C combine in pure Python (what checksumming each byte once would need, per
    payload), against one C pass over the 1 MiB payload.
 
-Rounds alternate the variants; medians are printed.
+Issue 18 (one loop pass per read batch, long-lived writer/syncer threads), all under uvloop:
+
+4. handoff: one ``anyio.to_thread.run_sync`` round trip per batch against a long-lived
+   thread fed by ``queue.SimpleQueue`` that answers with one ``call_soon_threadsafe``.
+5. stream: an anyio memory object stream, one send/receive per item, against appending
+   each item to a ``collections.deque`` and waking the consumer once per batch.
+6. schema: the per-bundle schema checks (``check_field_names``, ``fingerprint``,
+   ``reject_compressed_bodies``) on a 64 KiB bundle, against a dict lookup keyed by the
+   stream's schema message bytes.
+7. validate: ``open_stream`` + ``validate(full=True)`` of a 64 KiB and a 1 MiB bundle,
+   the per-bundle cost no cache removes.
+
+Rounds alternate the variants; medians are printed. Run ``--only`` to pick parts.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import ctypes
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -29,11 +44,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 import google_crc32c
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import make_table  # noqa: E402
+
 from quiverd.kernel import crc as crcmod  # noqa: E402
+from quiverd.kernel.bundle import (  # noqa: E402
+    check_field_names,
+    fingerprint,
+    reject_compressed_bodies,
+)
 
 MiB = 1 << 20
 ROUNDS = 4
@@ -153,24 +178,235 @@ def combine_cost() -> tuple[float, float]:
     return combine_us, pass_us
 
 
+# ---- issue 18: hand-offs and per-bundle checks ------------------------------------------
+HOPS = 2000  # round trips per hand-off measurement
+ITEMS = 20000  # items per stream measurement
+BATCH = 16  # items per wake-up in the deque variant (a read batch of 16 frames)
+
+
+class _Clock:
+    """Wall time and CPU time of the whole process (every thread) since creation: CPU
+    is what a hand-off costs the GIL-bound daemon, and a shared machine disturbs it less."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def per_us(self, count: int) -> tuple[float, float]:
+        return ((time.perf_counter() - self.wall) / count * 1e6,
+                (time.process_time() - self.cpu) / count * 1e6)
+
+
+async def to_thread_hops() -> tuple[float, float]:
+    """µs per ``anyio.to_thread.run_sync`` round trip (one per batch today)."""
+    clock = _Clock()
+    for i in range(HOPS):
+        await anyio.to_thread.run_sync(abs, i)
+    return clock.per_us(HOPS)
+
+
+async def simple_queue_hops() -> tuple[float, float]:
+    """µs per round trip through a long-lived thread: ``SimpleQueue.put`` there, one
+    ``call_soon_threadsafe`` back (the writer/syncer threads' shape)."""
+    loop = asyncio.get_running_loop()
+    work: queue.SimpleQueue[tuple[asyncio.Future[int], int] | None] = queue.SimpleQueue()
+
+    def worker() -> None:
+        while (item := work.get()) is not None:
+            fut, value = item
+            loop.call_soon_threadsafe(fut.set_result, abs(value))
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    clock = _Clock()
+    for i in range(HOPS):
+        fut: asyncio.Future[int] = loop.create_future()
+        work.put((fut, i))
+        await fut
+    used = clock.per_us(HOPS)
+    work.put(None)  # this bench's own thread: a sentinel ends it
+    thread.join()
+    return used
+
+
+async def stream_items() -> tuple[float, float]:
+    """µs per item through an anyio memory object stream (send + receive each)."""
+    send, receive = anyio.create_memory_object_stream[int](256)
+
+    async def consume() -> None:
+        async with receive:
+            async for _ in receive:
+                pass
+
+    clock = _Clock()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        async with send:
+            for i in range(ITEMS):
+                await send.send(i)
+    return clock.per_us(ITEMS)
+
+
+async def deque_items() -> tuple[float, float]:
+    """µs per item appended to a deque, the consumer woken once per ``BATCH`` items."""
+    items: collections.deque[int] = collections.deque()
+    wake = asyncio.Event()
+
+    async def consume() -> None:
+        got = 0
+        while got < ITEMS:
+            await wake.wait()
+            wake.clear()
+            while items:
+                items.popleft()
+                got += 1
+
+    clock = _Clock()
+    consumer = asyncio.ensure_future(consume())
+    for start in range(0, ITEMS, BATCH):
+        for i in range(start, min(start + BATCH, ITEMS)):
+            items.append(i)
+        wake.set()
+        await asyncio.sleep(0)  # a read callback returns to the loop after each batch
+    await consumer
+    return clock.per_us(ITEMS)
+
+
+def handoffs() -> dict[str, tuple[float, float]]:
+    """Medians (wall µs, CPU µs) of the four async measurements, under uvloop as the
+    daemon runs."""
+    runs: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+
+    async def rounds() -> None:
+        for _ in range(ROUNDS):
+            runs["to_thread.run_sync per batch"].append(await to_thread_hops())
+            runs["SimpleQueue + call_soon_threadsafe"].append(await simple_queue_hops())
+            runs["memory stream, per item"].append(await stream_items())
+            runs[f"deque, one wake per {BATCH} items"].append(await deque_items())
+
+    anyio.run(rounds, backend="asyncio", backend_options={"use_uvloop": True})
+    return {name: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+            for name, v in runs.items()}
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    # Thread CPU time: single-threaded calls, not slowed by other processes' turns.
+    times = []
+    for _ in range(ROUNDS):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            fn()
+        times.append((time.thread_time() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def schema_checks() -> dict[str, float]:
+    """µs per 64 KiB bundle: each schema check, and a cache keyed by the schema message.
+
+    An IPC stream opens with its schema message, ``0xFFFFFFFF | i32 metadata length |
+    metadata`` and no body: those bytes identify the schema exactly.
+    """
+    _, ipc = make_table(64 * 1024)
+    payload = pa.py_buffer(ipc)
+    schema = pa.ipc.open_stream(payload).schema
+    view = memoryview(ipc)
+    cache = {bytes(view[:8 + int.from_bytes(view[4:8], "little")]): fingerprint(schema)}
+
+    def lookup() -> object:
+        return cache.get(bytes(view[:8 + int.from_bytes(view[4:8], "little")]))
+
+    out = {
+        "open_stream + .schema": _per_call_us(lambda: pa.ipc.open_stream(payload).schema,
+                                              2000),
+        "check_field_names(schema)": _per_call_us(lambda: check_field_names(schema), 2000),
+        "fingerprint(schema)": _per_call_us(lambda: fingerprint(schema), 2000),
+        "reject_compressed_bodies(payload)": _per_call_us(
+            lambda: reject_compressed_bodies(payload), 2000),
+        "dict lookup by schema message bytes": _per_call_us(lookup, 20000),
+    }
+    assert lookup() is not None
+    return out
+
+
+def schema_key_hides_compression() -> bool:
+    """Whether a zstd-compressed stream of the same table has the same schema message
+    bytes: compression is flagged per record batch, so a cache keyed by the schema
+    cannot stand in for ``reject_compressed_bodies``."""
+    table, ipc = make_table(64 * 1024)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema,
+                           options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write(table)
+    packed = sink.getvalue().to_pybytes()
+
+    def key(stream: bytes) -> bytes:
+        return stream[:8 + int.from_bytes(stream[4:8], "little")]
+
+    return key(packed) == key(ipc) and len(packed) < len(ipc)
+
+
+def validate_cost() -> dict[str, tuple[float, float]]:
+    """µs per bundle and GB/s: open the stream, ``validate(full=True)`` each batch."""
+    out = {}
+    for size, name in ((64 * 1024, "64 KiB"), (MiB, "1 MiB")):
+        _, ipc = make_table(size)
+        payload = pa.py_buffer(ipc)
+
+        def check(payload: pa.Buffer = payload) -> None:
+            for batch in pa.ipc.open_stream(payload):
+                batch.validate(full=True)
+
+        us = _per_call_us(check, max(200_000_000 // size // 100, 20))
+        out[name] = (us, len(ipc) / us / 1e3)
+    return out
+
+
+def issue18(parts: list[str]) -> None:
+    if "handoff" in parts or "stream" in parts:
+        hops = handoffs()
+        print("\n| hand-off under uvloop, per round trip or item | wall µs | CPU µs (all "
+              "threads) |\n|---|---:|---:|\n"
+              + "\n".join(f"| {k} | {w:.1f} | {c:.1f} |" for k, (w, c) in hops.items()))
+    if "schema" in parts:
+        checks = schema_checks()
+        print("\n| per 64 KiB bundle | CPU µs |\n|---|---:|")
+        for name, us in checks.items():
+            print(f"| {name} | {us:.2f} |")
+        print(f"\nSchema message bytes of a zstd-compressed stream equal the plain one's: "
+              f"{schema_key_hides_compression()} (then the compression check stays per bundle)")
+    if "validate" in parts:
+        print("\n| open_stream + validate(full=True) | CPU µs per bundle | GB/s |"
+              "\n|---|---:|---:|")
+        for name, (us, gb_s) in validate_cost().items():
+            print(f"| {name} | {us:.1f} | {gb_s:.1f} |")
+
+
+PARTS = ("space", "crc", "combine", "handoff", "stream", "schema", "validate")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=256, help="MiB written per WAL-space run")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--only", type=lambda s: s.split(","), default=list(PARTS),
+                   metavar="PART,...", help=f"run only these of {','.join(PARTS)}")
     args = p.parse_args()
     print(f"# hot-path choices: {os.cpu_count()} cores, files under {args.dir}, "
           f"{ROUNDS} rounds, medians")
-    space = wal_space(args.dir, args.mib)
-    print("\n| WAL file, 1 MiB write + fdatasync | MiB/s | vs fresh |\n|---|---:|---:|")
-    for name, speed in space.items():
-        print(f"| {name} | {speed:.0f} | {speed / space['fresh']:.2f}x |")
-    print("\n| CRC-32C path | µs per MiB | two threads / one (2 = holds the GIL) |"
-          "\n|---|---:|---:|")
-    for name, (us, ratio) in crc_paths().items():
-        print(f"| {name} | {us:.0f} | {ratio:.2f} |")
-    combine_us, pass_us = combine_cost()
-    print(f"\nCRC-32C combine in Python: {combine_us:.1f} µs (held under the GIL) per use; "
-          f"one GIL-free pass over 1 MiB: {pass_us:.1f} µs")
+    if "space" in args.only:
+        space = wal_space(args.dir, args.mib)
+        print("\n| WAL file, 1 MiB write + fdatasync | MiB/s | vs fresh |\n|---|---:|---:|")
+        for name, speed in space.items():
+            print(f"| {name} | {speed:.0f} | {speed / space['fresh']:.2f}x |")
+    if "crc" in args.only:
+        print("\n| CRC-32C path | µs per MiB | two threads / one (2 = holds the GIL) |"
+              "\n|---|---:|---:|")
+        for name, (us, ratio) in crc_paths().items():
+            print(f"| {name} | {us:.0f} | {ratio:.2f} |")
+    if "combine" in args.only:
+        combine_us, pass_us = combine_cost()
+        print(f"\nCRC-32C combine in Python: {combine_us:.1f} µs (held under the GIL) per "
+              f"use; one GIL-free pass over 1 MiB: {pass_us:.1f} µs")
+    issue18(args.only)
     return 0
 
 

@@ -1,9 +1,11 @@
-"""Ingest throughput and ack latency of ``quiverd serve`` against a raw-WAL baseline.
+"""Ingest throughput and ack latency of ``quiverd serve`` against a raw-WAL baseline
+and a minimal durable Python server (the reference).
 
     python bench/ingest.py [--quick] [--json out.json] [--repeat N] [--profile DIR]
+                           [--sides daemon,reference,baseline]
 
-Per scenario (producers x bundle size x flush policy), ``--repeat`` pairs of runs,
-back to back, alternating which goes first:
+Per scenario (producers x bundle size x flush policy), ``--repeat`` rounds of runs,
+one per side, back to back, alternating the order:
 
     daemon     N producer processes, each its own ``Client`` and client name (so they
                spread over the 2 shards), pipelining bundles (up to max_inflight) to a
@@ -12,10 +14,14 @@ back to back, alternating which goes first:
     baseline   N threads in this process appending the *same* WAL frames
                (``walformat.encode_entry``, precomputed) to one fresh file per shard
                used, with the daemon's fsync cadence: ``interval`` = fdatasync once
-               8 MiB are unsynced or 25 ms passed, ``always`` = fdatasync per frame.
+               1 MiB is unsynced or 25 ms passed, ``always`` = fdatasync per frame.
+    reference  ``bench/reference.py`` (not product code: uvloop, recv_into, CRC-32C and
+               full Arrow validation per frame, a writer and a syncer thread per
+               shard), driven by N producer processes with the same payload bytes
+               and the same window; the "Python floor" (issue 18).
 
-Both skip a warm-up (1/16 of the volume) before the clock starts. Throughputs are
-medians over the repeats, the ratio the median of per-pair ratios, latency
+All skip a warm-up (1/16 of the volume) before the clock starts. Throughputs are
+medians over the repeats, ratios the median (and min-max) of per-repeat ratios, latency
 percentiles pooled over every bundle of every repeat. See bench/README.md.
 """
 
@@ -58,8 +64,10 @@ from _common import (  # noqa: E402
     machine_busy_s,
     make_table,
     percentile,
+    process_cpu_s,
     thread_cpu_s,
 )
+from _reference_side import run_reference  # noqa: E402
 
 from quiverd.client.producer import Client  # noqa: E402
 from quiverd.kernel.bundle import MetaCodec, make_slot  # noqa: E402
@@ -79,8 +87,12 @@ SEGMENTS_OFF = {"segment.target_size_bytes": 1 << 40, "segment.max_open_duration
 VOLUME = {64 * KiB: 128 * MiB, 1 * MiB: 512 * MiB}
 WARMUP_FRACTION = 16  # warm-up = volume / 16, not timed
 RUN_TIMEOUT_S = 300.0
+# Issue 18's targets (interval scenarios): 1 MiB >= 0.8x the raw baseline's MB/s;
+# 64 KiB >= 0.8x the reference's bundles/s at <= 120 us of daemon CPU per bundle.
 TARGET_RATIO = 0.8
-TARGET_RATIO_64K = 0.5
+TARGET_FLOOR_RATIO = 0.8
+TARGET_CPU_US_PER_BUNDLE = 120.0
+SIDES = ("baseline", "reference", "daemon")  # run in this order, reversed every other round
 
 
 @dataclass
@@ -111,10 +123,25 @@ class Timed:
     bundles: int
     payload_bytes: int
     latencies_s: list[float]  # per bundle: daemon submit -> ack, baseline write -> fdatasync
+    cpu_s: float = math.nan  # the server's user + system CPU (daemon, reference)
 
     @property
     def mb_s(self) -> float:
         return self.payload_bytes / self.seconds / 1e6
+
+    @property
+    def bundles_s(self) -> float:
+        return self.bundles / self.seconds
+
+
+@dataclass
+class Round:
+    """One repeat: each side that ran (``--sides``), back to back."""
+
+    daemon: Timed | None = None
+    extra: dict[str, Any] | None = None  # the daemon's CPU, fsync and RSS figures
+    reference: Timed | None = None
+    baseline: Timed | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,49 +156,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         scenarios = [s for s in scenarios if s.name in args.only]
     payloads = {size: make_table(size) for size in {s.bundle_bytes for s in scenarios}}
-    print(f"# quiverd ingest bench: {len(scenarios)} scenarios x {args.repeat} pairs, "
-          f"{os.cpu_count()} cores, data under {root} ({filesystem_of(root)}), "
-          f"pyarrow {pa.__version__}", flush=True)
+    print(f"# quiverd ingest bench: {len(scenarios)} scenarios x {args.repeat} rounds of "
+          f"{','.join(args.sides)}, window {_window(args)}, {os.cpu_count()} cores, "
+          f"data under {root} ({filesystem_of(root)}), pyarrow {pa.__version__}", flush=True)
     for size, (table, ipc) in sorted(payloads.items()):
         print(f"#   {size // KiB} KiB bundle: {table.num_rows} rows (int64 + utf8), "
               f"{len(ipc)} IPC bytes", flush=True)
     results: list[dict[str, Any]] = []
     for scn in scenarios:
         table, ipc = payloads[scn.bundle_bytes]
-        pairs: list[tuple[Timed, dict[str, Any], Timed]] = []
-        for rep in range(args.repeat):
-            # Alternate which side goes first: page-cache state drifts between runs.
-            if rep % 2 == 0:
-                base = run_baseline(scn, table, root)
-                daemon, extra = run_daemon(scn, ipc, root, args, rep)
-            else:
-                daemon, extra = run_daemon(scn, ipc, root, args, rep)
-                base = run_baseline(scn, table, root)
-            pairs.append((daemon, extra, base))
-        row = summarize(scn, len(ipc), pairs)
-        if scn.policy == "interval":
+        rounds = [run_round(scn, table, ipc, root, args, rep) for rep in range(args.repeat)]
+        row = summarize(scn, len(ipc), rounds)
+        if scn.policy == "interval" and "daemon" in row:
             row["paced"] = paced_run(scn, ipc, root, args, row["daemon"]["bundles_s"])
         results.append(row)
         print(_line(row), flush=True)
     print()
     print(markdown(results))
-    for r in results:
-        if r["policy"] != "interval":
-            continue
-        want = TARGET_RATIO if r["bundle"] == "1MiB" else TARGET_RATIO_64K
-        verdict = "meets" if r["ratio"] >= want else "BELOW"
-        print(f"target: {r['producers']} producer(s), {r['bundle']}, interval: "
-              f"{r['ratio']:.2f}x baseline ({verdict} the {want}x target)")
-        p, bound = r["paced"], rss_bound_mib(r["producers"])
-        verdict = "meets" if p["lat_p99_ms"] <= p["target_p99_ms"] else "ABOVE"
-        print(f"target: {r['producers']} producer(s), {r['bundle']}: ack p99 at half load "
-              f"{p['lat_p99_ms']:.1f} ms ({verdict} the {p['target_p99_ms']:.0f} ms target); "
-              f"peak RSS {r['daemon_peak_rss_mib']:.0f} MiB (bound {bound:.0f} MiB)")
+    for line in target_lines(results):
+        print(line)
     if args.json:
         meta = {"cores": os.cpu_count(), "python": platform.python_version(),
                 "pyarrow": pa.__version__, "filesystem": filesystem_of(root),
                 "commit": git_head(), "quick": args.quick, "repeat": args.repeat,
-                "shards": SHARDS, "settings": _settings(args.set)}
+                "shards": SHARDS, "settings": _settings(args.set), "sides": args.sides,
+                "window": _window(args)}
         Path(args.json).write_text(json.dumps({"meta": meta, "runs": results}, indent=2))
     return 0
 
@@ -181,7 +190,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="1/8 of the volume per run")
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     p.add_argument("--repeat", type=int, default=3,
-                   help="daemon/baseline pairs per scenario (default 3)")
+                   help="rounds (one run per side) per scenario (default 3)")
+    p.add_argument("--sides", type=_sides, default=list(SIDES), metavar="SIDE,...",
+                   help="run only these of daemon,reference,baseline (default all three)")
     p.add_argument("--producers", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 4], help="comma-separated producer counts (default 1,4)")
     p.add_argument("--only", type=lambda s: s.split(","), metavar="RUN,...",
@@ -195,6 +206,44 @@ def _parser() -> argparse.ArgumentParser:
                    help="attach `py-spy record` to the daemon during each timed phase "
                         "(collapsed stacks in DIR/<run>-<repeat>.txt)")
     return p
+
+
+def _sides(text: str) -> list[str]:
+    sides = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = set(sides) - set(SIDES)
+    if unknown or not sides:
+        raise argparse.ArgumentTypeError(f"sides are {','.join(SIDES)}, not {text!r}")
+    return sides
+
+
+def _window(args: argparse.Namespace) -> int:
+    """Bundles in flight per producer: what the daemon grants its clients."""
+    return int(_settings(args.set).get("ingest.max_inflight_per_connection",
+                                       IngestConfig().max_inflight_per_connection))
+
+
+def run_round(scn: Scenario, table: pa.Table, ipc: bytes, root: Path,
+              args: argparse.Namespace, rep: int) -> Round:
+    """One run of each side back to back; the order flips every other round because
+    the page-cache state drifts between runs."""
+    order = [side for side in SIDES if side in args.sides]
+    if rep % 2:
+        order.reverse()
+    out = Round()
+    for side in order:
+        if side == "baseline":
+            out.baseline = run_baseline(scn, table, root)
+        elif side == "reference":
+            ref = run_reference(producers=scn.producers, ipc=ipc,
+                                warmup=scn.warmup_per_producer,
+                                bundles=scn.bundles_per_producer, window=_window(args),
+                                shards=SHARDS, root=root, timeout_s=RUN_TIMEOUT_S)
+            out.reference = Timed(seconds=ref.seconds, bundles=ref.bundles,
+                                  payload_bytes=ref.bundles * len(ipc),
+                                  latencies_s=ref.latencies_s, cpu_s=ref.server_cpu_s)
+        else:
+            out.daemon, out.extra = run_daemon(scn, ipc, root, args, rep)
+    return out
 
 
 def _scenario(producers: int, size: int, policy: str, divisor: int) -> Scenario:
@@ -246,12 +295,14 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, args: argparse.Namespace, 
             raise RuntimeError(f"{scn.name}: a producer failed before the timed phase: "
                                f"{first.get('error')}\n{daemon.log_tail()}") from None
         cpu_before, busy_before = thread_cpu_s(daemon.pid), machine_busy_s()
+        process_before = process_cpu_s(daemon.pid)
         foreign_before = foreign_cpu_s(os.getpid())
         status_before = admin_request(daemon.admin_socket, "status")
         if args.profile:
             spy = _start_py_spy(daemon.pid, Path(args.profile) / f"{scn.name}-{rep}.txt")
         outs = [results.get(timeout=RUN_TIMEOUT_S) for _ in procs]
         cpu = cpu_delta(daemon.pid, cpu_before, thread_cpu_s(daemon.pid))
+        process_cpu = process_cpu_s(daemon.pid) - process_before
         machine_busy = machine_busy_s() - busy_before
         foreign = foreign_delta_s(foreign_before, foreign_cpu_s(os.getpid()))
         if spy is not None:
@@ -276,7 +327,8 @@ def run_daemon(scn: Scenario, ipc: bytes, root: Path, args: argparse.Namespace, 
     start, end = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
     bundles = sum(o["bundles"] for o in outs)
     timed = Timed(seconds=end - start, bundles=bundles, payload_bytes=bundles * len(ipc),
-                  latencies_s=list(itertools.chain.from_iterable(o["lat"] for o in outs)))
+                  latencies_s=list(itertools.chain.from_iterable(o["lat"] for o in outs)),
+                  cpu_s=process_cpu)
     fsyncs = _delta(status_before, status_after, "fsyncs")
     appends = _delta(status_before, status_after, "appends")
     extra = {
@@ -462,49 +514,84 @@ def run_baseline(scn: Scenario, table: pa.Table, root: Path) -> Timed:
 
 
 # ---- report --------------------------------------------------------------------------
-def summarize(scn: Scenario, ipc_len: int, pairs: list[tuple[Timed, dict[str, Any], Timed]]
-              ) -> dict[str, Any]:
-    """Medians over repeats; latency percentiles over every bundle of every repeat."""
-    daemons, extras, bases = zip(*pairs, strict=True)
+def summarize(scn: Scenario, ipc_len: int, rounds: list[Round]) -> dict[str, Any]:
+    """Medians over repeats; ratios per round (its sides ran back to back, under the same
+    page-cache conditions), then median and min-max; latency percentiles pooled."""
     row: dict[str, Any] = {
         "run": scn.name, "producers": scn.producers, "bundle": scn.size_name,
-        "policy": scn.policy, "ipc_bytes": ipc_len, "repeats": len(pairs),
-        "daemon": _side(daemons), "baseline": _side(bases),
-        # Each pair ran back to back, under the same page-cache conditions.
-        "ratio": statistics.median(d.mb_s / b.mb_s for d, _, b in pairs),
+        "policy": scn.policy, "ipc_bytes": ipc_len, "repeats": len(rounds),
     }
-    for key in extras[0]:
+    for side in SIDES:
+        runs = [getattr(r, side) for r in rounds]
+        if runs[0] is not None:
+            row[side] = _side(runs)
+    if "daemon" in row and "baseline" in row:
+        _ratio(row, "ratio", [r.daemon.mb_s / r.baseline.mb_s for r in rounds
+                              if r.daemon and r.baseline])
+    if "daemon" in row and "reference" in row:
+        _ratio(row, "floor_ratio", [r.daemon.bundles_s / r.reference.bundles_s
+                                    for r in rounds if r.daemon and r.reference])
+    extras = [r.extra for r in rounds if r.extra is not None]
+    for key in extras[0] if extras else ():
         values = [e[key] for e in extras]
         row[key] = values if key == "timed_window" else statistics.median(values)
     return row
 
 
-def _side(runs: tuple[Timed, ...]) -> dict[str, Any]:
+def _ratio(row: dict[str, Any], key: str, each: list[float]) -> None:
+    row[key] = statistics.median(each)
+    row[f"{key}_each"] = [round(x, 3) for x in each]
+    row[f"{key}_range"] = [min(each), max(each)]
+
+
+def _side(runs: list[Timed]) -> dict[str, Any]:
     lats = sorted(itertools.chain.from_iterable(r.latencies_s for r in runs))
+    cpu_us = [r.cpu_s / r.bundles * 1e6 for r in runs]
     return {
         "mb_s": statistics.median(r.mb_s for r in runs),
         "mb_s_each": [round(r.mb_s, 1) for r in runs],
-        "bundles_s": statistics.median(r.bundles / r.seconds for r in runs),
+        "bundles_s": statistics.median(r.bundles_s for r in runs),
+        "bundles_s_each": [round(r.bundles_s) for r in runs],
         "bundles": runs[0].bundles,
         "lat_p50_ms": percentile(lats, 50) * 1e3,
         "lat_p99_ms": percentile(lats, 99) * 1e3,
         "lat_max_ms": lats[-1] * 1e3,
+        # Server CPU (user + system, every thread) / bundles acked; NaN for the baseline.
+        "cpu_us_per_bundle": statistics.median(cpu_us),
+        "cpu_us_per_bundle_each": [round(x, 1) for x in cpu_us],
     }
 
 
+def _ratio_text(r: dict[str, Any], key: str) -> str:
+    if key not in r:
+        return "-"
+    low, high = r[f"{key}_range"]
+    return f"{r[key]:.2f}x ({low:.2f}-{high:.2f})"
+
+
 def _line(r: dict[str, Any]) -> str:
-    d, b = r["daemon"], r["baseline"]
-    each = "/".join(f"{x:.0f}" for x in d["mb_s_each"])
-    base_each = "/".join(f"{x:.0f}" for x in b["mb_s_each"])
-    return (f"{r['run']:>18}: daemon {d['mb_s']:6.0f} MB/s ({each}) {d['bundles_s']:5.0f} b/s "
-            f"ack p50 {d['lat_p50_ms']:6.1f} p99 {d['lat_p99_ms']:6.1f} ms | baseline "
-            f"{b['mb_s']:6.0f} MB/s ({base_each}) | ratio {r['ratio']:.2f} | cpu daemon "
-            f"{r['daemon_cpu_cores']:.2f} (loop {r['daemon_loop_cpu_cores']:.2f}, sys "
-            f"{r['daemon_sys_cpu_cores']:.2f}) producers {r['producer_cpu_cores']:.2f} machine "
-            f"{r['machine_cpu_cores']:.2f} foreign {r['foreign_cpu_cores']:.2f} | "
+    parts = [f"{r['run']:>18}:"]
+    for side in ("daemon", "reference", "baseline"):
+        if side not in r:
+            continue
+        s = r[side]
+        each = "/".join(f"{x:.0f}" for x in s["mb_s_each"])
+        text = (f"{side} {s['mb_s']:6.0f} MB/s ({each}) {s['bundles_s']:5.0f} b/s "
+                f"ack p50 {s['lat_p50_ms']:6.1f} p99 {s['lat_p99_ms']:6.1f} ms")
+        if not math.isnan(s["cpu_us_per_bundle"]):
+            text += f" cpu {s['cpu_us_per_bundle']:.0f} us/bundle"
+        parts.append(text + " |")
+    parts.append(f"vs baseline {_ratio_text(r, 'ratio')} | vs reference "
+                 f"{_ratio_text(r, 'floor_ratio')}")
+    if "daemon" in r:
+        parts.append(
+            f"| cpu daemon {r['daemon_cpu_cores']:.2f} (loop {r['daemon_loop_cpu_cores']:.2f}, "
+            f"sys {r['daemon_sys_cpu_cores']:.2f}) producers {r['producer_cpu_cores']:.2f} "
+            f"machine {r['machine_cpu_cores']:.2f} foreign {r['foreign_cpu_cores']:.2f} | "
             f"{r['entries_per_fsync']:.1f} entries/fsync | peak RSS "
             f"{r['daemon_peak_rss_mib']:.0f} MiB (bound {rss_bound_mib(r['producers']):.0f})"
             + _paced_text(r))
+    return " ".join(parts)
 
 
 def _paced_text(r: dict[str, Any]) -> str:
@@ -517,24 +604,69 @@ def _paced_text(r: dict[str, Any]) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| producers | bundle | policy | MB/s | bundles/s | ack p50 ms | ack p99 ms "
-            "| baseline MB/s | baseline p50 / p99 ms | daemon / baseline | daemon CPU (loop) "
-            "| entries / fsync | ack p50 / p99 ms at half load | peak RSS MiB (bound) |")
+            "| daemon CPU µs / bundle | baseline MB/s | baseline p50 / p99 ms "
+            "| daemon / baseline (min-max) | reference bundles/s | reference p50 / p99 ms "
+            "| reference CPU µs / bundle | daemon / reference bundles/s (min-max) "
+            "| daemon CPU (loop) | entries / fsync | ack p50 / p99 ms at half load "
+            "| peak RSS MiB (bound) |")
     lines = [head, "|" + "---:|" * (head.count("|") - 1)]
     for r in rows:
-        d, b = r["daemon"], r["baseline"]
-        lines.append(
-            f"| {r['producers']} | {r['bundle']} | {r['policy']} | {d['mb_s']:.0f} "
-            f"| {d['bundles_s']:.0f} | {d['lat_p50_ms']:.1f} | {d['lat_p99_ms']:.1f} "
-            f"| {b['mb_s']:.0f} | {b['lat_p50_ms']:.1f} / {b['lat_p99_ms']:.1f} "
-            f"| {r['ratio']:.2f}x | {r['daemon_cpu_cores']:.2f} ({r['daemon_loop_cpu_cores']:.2f}) "
-            f"| {r['entries_per_fsync']:.1f} | {_paced_cell(r)} "
-            f"| {r['daemon_peak_rss_mib']:.0f} ({rss_bound_mib(r['producers']):.0f}) |")
+        d, b, f = r.get("daemon"), r.get("baseline"), r.get("reference")
+        lines.append("| " + " | ".join([
+            str(r["producers"]), r["bundle"], r["policy"],
+            _cell(d, "{mb_s:.0f}"), _cell(d, "{bundles_s:.0f}"), _cell(d, "{lat_p50_ms:.1f}"),
+            _cell(d, "{lat_p99_ms:.1f}"), _cell(d, "{cpu_us_per_bundle:.0f}"),
+            _cell(b, "{mb_s:.0f}"), _cell(b, "{lat_p50_ms:.1f} / {lat_p99_ms:.1f}"),
+            _ratio_text(r, "ratio"),
+            _cell(f, "{bundles_s:.0f}"), _cell(f, "{lat_p50_ms:.1f} / {lat_p99_ms:.1f}"),
+            _cell(f, "{cpu_us_per_bundle:.0f}"), _ratio_text(r, "floor_ratio"),
+            _cell(r if d else None, "{daemon_cpu_cores:.2f} ({daemon_loop_cpu_cores:.2f})"),
+            _cell(r if d else None, "{entries_per_fsync:.1f}"), _paced_cell(r),
+            f"{r['daemon_peak_rss_mib']:.0f} ({rss_bound_mib(r['producers']):.0f})"
+            if d else "-",
+        ]) + " |")
     return "\n".join(lines)
+
+
+def _cell(values: dict[str, Any] | None, spec: str) -> str:
+    return spec.format(**values) if values else "-"
 
 
 def _paced_cell(r: dict[str, Any]) -> str:
     p = r.get("paced")
     return f"{p['lat_p50_ms']:.1f} / {p['lat_p99_ms']:.1f}" if p else "-"
+
+
+def target_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 18's targets, for the interval scenarios the sides run allow judging."""
+    out = []
+    for r in rows:
+        if r["policy"] != "interval":
+            continue
+        who = f"target: {r['producers']} producer(s), {r['bundle']}, interval:"
+        if r["bundle"] == "1MiB" and "ratio" in r:
+            out.append(f"{who} {_ratio_text(r, 'ratio')} baseline MB/s "
+                       f"({_verdict(r['ratio'] >= TARGET_RATIO)} >= {TARGET_RATIO}x)")
+        if r["bundle"] != "1MiB" and "floor_ratio" in r:
+            out.append(f"{who} {_ratio_text(r, 'floor_ratio')} reference bundles/s "
+                       f"({_verdict(r['floor_ratio'] >= TARGET_FLOOR_RATIO)} "
+                       f">= {TARGET_FLOOR_RATIO}x)")
+        if r["bundle"] != "1MiB" and "daemon" in r:
+            us = r["daemon"]["cpu_us_per_bundle"]
+            out.append(f"{who} {us:.0f} µs daemon CPU per bundle "
+                       f"({'meets' if us <= TARGET_CPU_US_PER_BUNDLE else 'ABOVE'} "
+                       f"<= {TARGET_CPU_US_PER_BUNDLE:.0f} µs)")
+        if "paced" in r:
+            p, bound = r["paced"], rss_bound_mib(r["producers"])
+            verdict = "meets" if p["lat_p99_ms"] <= p["target_p99_ms"] else "ABOVE"
+            out.append(f"{who} ack p99 at half load {p['lat_p99_ms']:.1f} ms ({verdict} the "
+                       f"{p['target_p99_ms']:.0f} ms target); peak RSS "
+                       f"{r['daemon_peak_rss_mib']:.0f} MiB (bound {bound:.0f} MiB)")
+    return out
+
+
+def _verdict(ok: bool) -> str:
+    return "meets" if ok else "BELOW"
 
 
 if __name__ == "__main__":
