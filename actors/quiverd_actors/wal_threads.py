@@ -24,10 +24,11 @@ lack of space (``at_capacity = "reject"``, or the daemon stopping) uses none.
 
 from __future__ import annotations
 
+import math
+import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from quiverd.kernel.bundle import Bundle, MetaCodec
@@ -62,19 +63,12 @@ class Sink(Protocol):
     def on_refused(self, reqs: list[Any], why: Refusal, message: str) -> None: ...
 
 
-@dataclass
-class _Shared:
-    """Fields both threads and the loop touch, under ``cv``."""
-
-    queue: list[Item] = field(default_factory=list)  # submitted, not yet taken by the writer
-    writing: bool = False
-    written: list[Written] = field(default_factory=list)  # written, not yet synced
-    written_bytes: int = 0
-    oldest: float = 0.0  # monotonic time the oldest unsynced entry was written
-    credit: bool = True  # the loop took the last commit: the next sync may start
-    closing: bool = False  # no more submits: drain, sync, exit
-    writer_done: bool = False
-    abort: bool = False  # cancelled: exit at once, acknowledge nothing more
+# Messages to the syncer (its queue also carries lists of Written: a write landed).
+_CREDIT = "credit"  # the loop took the last commit: the next sync may start
+_IDLE = "idle"  # the writer has nothing to write (or waits for room): sync now
+_DONE = "done"  # the writer exited: sync what is left, then exit too
+_ABORT = "abort"  # cancelled or failed: exit at once, acknowledge nothing more
+_CLOSE = "close"  # (writer's queue) no more submits
 
 
 class WalPipeline:
@@ -87,80 +81,92 @@ class WalPipeline:
         self.stats, self.log = stats, log
         self.idle = idle  # is the loop's inbox empty (nothing about to be submitted)?
         self.meta = MetaCodec()
-        self.cv = threading.Condition()
-        self.s = _Shared()
+        # Plain C queues: a put from the loop never blocks and takes no Python lock,
+        # so the loop never waits for a thread (nor for the GIL behind one).
+        self.to_writer: queue.SimpleQueue[list[Item] | str] = queue.SimpleQueue()
+        # The syncer's queue: (written entries, bytes) per write, or a message below.
+        self.to_syncer: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.space = threading.Event()  # set when a release freed WAL space
         self.stopping = threading.Event()  # the daemon stops: waits end in refusals
+        self.aborted = False
         self.disk_full = Retry(log)
         self.full_refusals = 0
         self.reserve_bytes = wal.reserve_bytes  # + 1/8 while the disk is full
+        self.unsynced = 0  # entries written, not yet synced (the in-flight gauge)
         stats.last_sequence.set(next_sequence - 1)
 
     # ---- the loop's calls (never block) -----------------------------------------
     def submit(self, items: list[Item]) -> None:
-        with self.cv:
-            self.s.queue.extend(items)
-            self.cv.notify_all()
+        self.to_writer.put(items)
 
     def delivered(self) -> None:
         """The loop handed the last commit on: the next sync may start."""
-        with self.cv:
-            self.s.credit = True
-            self.cv.notify_all()
+        self.to_syncer.put(_CREDIT)
 
     def close(self) -> None:
         """No more submits: write what is queued, sync it, acknowledge it, then exit."""
-        with self.cv:
-            self.s.closing = True
-            self.cv.notify_all()
+        self.to_writer.put(_CLOSE)
 
     def abort(self) -> None:
         """Cancelled: both threads exit as soon as they can; nothing more is acked."""
-        with self.cv:
-            self.s.abort = True
-            self.cv.notify_all()
+        self.aborted = True
         self.stopping.set()
+        self.space.set()
+        self.to_writer.put(_ABORT)
+        self.to_syncer.put(_ABORT)
 
     def kick(self) -> None:
-        with self.cv:
-            self.cv.notify_all()
+        """Sync what is written now (retention wants it finalized)."""
+        self.to_syncer.put(_IDLE)
 
     # ---- writer thread -----------------------------------------------------------
     def run_writer(self) -> None:
-        s = self.s
+        q = self.to_writer
         try:
             while True:
-                with self.cv:
-                    while not s.queue and not s.closing and not s.abort:
-                        self.cv.wait()
-                    if s.abort or not s.queue:
+                first = q.get()
+                batch: list[Item] = []
+                nbytes, more = 0, first
+                while True:  # everything queued, up to MAX_BATCH_BYTES of payload
+                    if more in (_ABORT, _CLOSE):
+                        if batch:
+                            self._write_batch(batch)
+                            self._after_write()
                         return
-                    batch, s.queue = _take(s.queue)
-                    s.writing = True
-                try:
-                    self._write_batch(batch)
-                finally:
-                    with self.cv:
-                        s.writing = False
-                        self.cv.notify_all()
+                    assert isinstance(more, list)
+                    batch.extend(more)
+                    nbytes += sum(req.bundle.payload_bytes for req, _ in more)
+                    if nbytes >= MAX_BATCH_BYTES or q.empty():
+                        break
+                    more = q.get_nowait()
+                self._write_batch(batch)
+                self._after_write()
         except BaseException:
             # A failed write (DurabilityLost): a later fdatasync proves nothing about
             # it, so nothing more is synced or acknowledged; the shard stops.
             self.abort()
             raise
         finally:
-            with self.cv:
-                s.writer_done = True
-                self.cv.notify_all()
+            self.to_syncer.put(_DONE)
+
+    def _after_write(self) -> None:
+        if self.to_writer.empty():
+            self.to_syncer.put(_IDLE)
 
     def _write_batch(self, batch: list[Item]) -> None:
         pending = [(req, taken, self._slots(req.bundle)) for req, taken in batch]
-        while pending and not self.s.abort:
+        while pending and not self.aborted:
             sizes = [walformat.entry_size(slots) for _, _, slots in pending]
             n = self.wal.fitting_prefix(sizes)
             if n == 0:
                 pending = self._no_room(pending)
                 continue
+            total = 0
+            for i, size in enumerate(sizes[:n]):  # one write: MAX_BATCH_BYTES at most
+                total += size
+                if total > MAX_BATCH_BYTES and i:
+                    n = i
+                    break
             done = self._append(pending[:n])
             pending = pending[done:]
 
@@ -180,14 +186,9 @@ class WalPipeline:
         if self.stopping.is_set():
             self._refuse_stopping(pending[:1])
             return pending[1:]
-        self.kick()  # the syncer sees the writer idle: what is written gets synced
         self.space.clear()
-        with self.cv:
-            self.s.writing = False
-            self.cv.notify_all()
+        self.to_syncer.put(_IDLE)  # what is written gets synced, and can be released
         self.space.wait(CAPACITY_RECHECK_S)
-        with self.cv:
-            self.s.writing = True
         return pending
 
     def _append(self, chunk: list[Any]) -> int:
@@ -223,17 +224,9 @@ class WalPipeline:
                              txn=req.bundle.txn, ingestion_ts_ns=e[1][0], sequence=e[0]), taken)
                 for (req, taken, _), e in zip(chunk, entries, strict=True)]
         if not self.policy.syncs:
-            self.stats.inflight.set(0)
             self.post(self.sink.on_durable, done)
             return
-        with self.cv:
-            s = self.s
-            if not s.written:
-                s.oldest = time.monotonic()
-            s.written.extend(done)
-            s.written_bytes += nbytes
-            self.stats.inflight.set(len(s.written))
-            self.cv.notify_all()
+        self.to_syncer.put((done, nbytes))
 
     def _no_space(self, full: WalNoSpace, rest: list[Any]) -> int:
         """``rest`` found no disk space. Returns how many of it were refused (0: the
@@ -256,12 +249,8 @@ class WalPipeline:
             else:
                 self._refuse_stopping(rest)
             return len(rest)
-        with self.cv:  # idle while paused: what is written gets synced and acked
-            self.s.writing = False
-            self.cv.notify_all()
+        self.to_syncer.put(_IDLE)  # paused: what is written gets synced and acked
         self.disk_full.pause_blocking(self.stopping)
-        with self.cv:
-            self.s.writing = True
         return 0
 
     def _refuse(self, pending: list[Any], why: Refusal, message: str) -> None:
@@ -278,37 +267,68 @@ class WalPipeline:
         """fdatasync per ``FlushPolicy``; hand each commit to the loop in one post."""
         if not self.policy.syncs:
             return
-        s = self.s
+        st = _SyncState()
         while True:
-            with self.cv:
-                while True:
-                    if s.abort or (s.writer_done and not s.written):
-                        return
-                    if s.written and s.credit:
-                        decision = self.policy.after_write(
-                            unsynced_entries=len(s.written), unsynced_bytes=s.written_bytes,
-                            unsynced_age_s=time.monotonic() - s.oldest,
-                            writer_idle=not s.writing and not s.queue and self.idle(),
-                            closing=s.writer_done)
-                        if decision.action is Action.SYNC:
-                            break
-                        self.cv.wait(decision.wait_s)
-                    else:
-                        self.cv.wait()
-                covered, s.written, s.written_bytes, s.credit = s.written, [], 0, False
+            if not st.take(self.to_syncer):
+                return
+            self.stats.inflight.set(len(st.written))
+            if st.done and not st.written:
+                return
+            st.timeout = None
+            if not (st.written and st.credit):
+                continue
+            decision = self.policy.after_write(
+                unsynced_entries=len(st.written), unsynced_bytes=st.nbytes,
+                unsynced_age_s=time.monotonic() - st.oldest,
+                writer_idle=st.idle and self.idle(), closing=st.done)
+            if decision.action is not Action.SYNC:
+                st.timeout = None if decision.wait_s == math.inf else decision.wait_s
+                continue
+            covered, st.written, st.nbytes, st.credit = st.written, [], 0, False
+            self.stats.inflight.set(len(covered))
             self.wal.sync()  # DurabilityLost ends the thread: nothing covered is acked
             self.stats.fsyncs.inc()
             self.stats.fdatasync_latency.observe(self.wal.last_sync_seconds)
-            with self.cv:
-                self.stats.inflight.set(len(s.written))
+            self.stats.inflight.set(0)
             self.post(self.sink.on_durable, covered)
 
 
-def _take(queue: list[Item]) -> tuple[list[Item], list[Item]]:
-    """The first MAX_BATCH_BYTES of payload (at least one request), and the rest."""
-    nbytes = 0
-    for i, (req, _) in enumerate(queue):
-        nbytes += req.bundle.payload_bytes
-        if nbytes > MAX_BATCH_BYTES and i:
-            return queue[:i], queue[i:]
-    return queue, []
+class _SyncState:
+    """The syncer's view, built from its queue's messages (only it touches this)."""
+
+    def __init__(self) -> None:
+        self.written: list[Written] = []  # written, not yet synced
+        self.nbytes = 0
+        self.oldest = 0.0  # monotonic arrival of the oldest unsynced write
+        self.credit = True  # the loop took the last commit
+        self.idle = False  # the writer has nothing more to write right now
+        self.done = False  # the writer exited
+        self.timeout: float | None = None  # the policy's wait; None: until a message
+
+    def take(self, q: queue.SimpleQueue[Any]) -> bool:
+        """Apply the next message (waiting up to ``timeout``) and all queued behind it;
+        False on abort."""
+        try:
+            msg = q.get(timeout=self.timeout)
+        except queue.Empty:
+            return True  # the wait ran out: decide again
+        while True:
+            if msg == _ABORT:
+                return False
+            if msg == _CREDIT:
+                self.credit = True
+            elif msg == _IDLE:
+                self.idle = True
+            elif msg == _DONE:
+                self.done = True
+            else:
+                done, nbytes = msg
+                if not self.written:
+                    self.oldest = time.monotonic()
+                self.written.extend(done)
+                self.nbytes += nbytes
+                self.idle = False
+            try:
+                msg = q.get_nowait()
+            except queue.Empty:
+                return True

@@ -15,6 +15,7 @@ so the producer's slot payloads are stored byte for byte, untouched:
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 
 import msgspec
@@ -157,24 +158,98 @@ class SchemaCache:
         return len(self._known)
 
     def inspect(self, payload: Buffer) -> StreamFacts:
-        """Like ``inspect_ipc_stream`` (same errors), with the schema checks cached."""
-        reject_compressed_bodies(payload)
+        """Like ``inspect_ipc_stream`` (same errors), with the schema checks cached.
+
+        One pass over the stream's messages: the schema message is looked up by its
+        bytes, each record batch's compression flag is read from its metadata before
+        the batch is decoded. A stream with dictionary batches, or anything this pass
+        does not expect, goes through ``inspect_ipc_stream`` instead (which also gives
+        bad input its usual error).
+        """
+        try:
+            facts = self._one_pass(payload)
+        except (pa.ArrowException, OSError, ValueError, StopIteration):
+            facts = None
+        if facts is None:
+            facts = inspect_ipc_stream(payload)
+            self._remember(_schema_message(payload), facts.schema, facts.fingerprint)
+        return facts
+
+    def _one_pass(self, payload: Buffer) -> StreamFacts | None:
+        walked = _walk_messages(payload)
+        if walked is None:
+            return None
+        known = self._known.get(walked)
+        if known is None:
+            return None  # first sight: the full path checks and remembers it
+        schema, rows, count = known[0], 0, 0
         with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
-            batches = list(reader)
-            key = _schema_message(payload)
-            known = self._known.get(key)
-            if known is None:
-                schema = reader.schema
-                check_field_names(schema)
-                known = (schema, fingerprint(schema))
-                if len(self._known) >= self.capacity:
-                    del self._known[next(iter(self._known))]
-                self._known[key] = known
-        rows = 0
-        for batch in batches:
-            batch.validate(full=True)
-            rows += batch.num_rows
-        return StreamFacts(known[1], rows, known[0], len(batches))
+            for batch in reader:
+                batch.validate(full=True)
+                rows += batch.num_rows
+                count += 1
+        return StreamFacts(known[1], rows, schema, count)
+
+    def _remember(self, key: bytes, schema: pa.Schema, fp: bytes) -> None:
+        if key in self._known:
+            return
+        if len(self._known) >= self.capacity:
+            del self._known[next(iter(self._known))]
+        self._known[key] = (schema, fp)
+
+
+_I32 = struct.Struct("<i")
+_U16 = struct.Struct("<H")
+_I64 = struct.Struct("<q")
+_CONTINUATION = 0xFFFFFFFF
+
+
+def _walk_messages(payload: Buffer) -> bytes | None:
+    """The schema message's bytes if the stream is a schema followed only by record
+    batches with uncompressed bodies, then end of stream; else None (not judged here).
+
+    Reads each message's framing and the few flatbuffer fields that matter by hand,
+    so nothing is decoded or copied before the compression check.
+    """
+    view = memoryview(payload).cast("B")
+    end, pos, key = len(view), 0, None
+    try:
+        while pos + 8 <= end:
+            (length,) = _I32.unpack_from(view, pos)
+            if length == -1:  # continuation marker, then the length
+                (length,) = _I32.unpack_from(view, pos + 4)
+                pos += 4
+            if length == 0:
+                return key if pos + 4 == end else None  # end of stream: nothing after
+            meta = view[pos + 4:pos + 4 + length]
+            if length < 0 or len(meta) != length:
+                return None
+            root = _I32.unpack_from(meta, 0)[0]
+            kind = _field_u8(meta, root, _HEADER_TYPE)
+            body = _field_i64(meta, root, _BODY_LENGTH)
+            if key is None:
+                if kind != _SCHEMA:
+                    return None
+                key = bytes(meta)
+            elif kind != _RECORD_BATCH or _body_compressed(meta):
+                return None
+            pos += 4 + length + body
+        return None
+    except (struct.error, ValueError, IndexError):
+        return None
+
+
+def _field_u8(meta: memoryview, table: int, index: int) -> int:
+    at = flatbuf.field(meta, table, index)
+    return 0 if at is None else meta[at]
+
+
+def _field_i64(meta: memoryview, table: int, index: int) -> int:
+    at = flatbuf.field(meta, table, index)
+    value = 0 if at is None else _I64.unpack_from(meta, at)[0]
+    if value < 0:
+        raise ValueError("negative body length")
+    return value
 
 
 def _schema_message(payload: Buffer) -> bytes:
@@ -245,8 +320,8 @@ def reject_compressed_bodies(payload: Buffer) -> None:
 # Arrow's Message.fbs, as flatbuffer field indexes: Message{version, header_type,
 # header, bodyLength, custom_metadata}, DictionaryBatch{id, data, isDelta},
 # RecordBatch{length, nodes, buffers, compression, variadicBufferCounts}.
-_HEADER_TYPE, _HEADER = 1, 2
-_DICTIONARY_BATCH, _RECORD_BATCH = 2, 3
+_HEADER_TYPE, _HEADER, _BODY_LENGTH = 1, 2, 3
+_SCHEMA, _DICTIONARY_BATCH, _RECORD_BATCH = 1, 2, 3
 _DICTIONARY_DATA = 1
 _BATCH_COMPRESSION = 3
 
