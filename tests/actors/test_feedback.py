@@ -6,6 +6,7 @@ feedback from a session that detached before the pass came."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -170,6 +171,41 @@ async def test_dispatcher_stale_ack_after_redelivery_leaves_new_session_in_fligh
                 await again.reply.wait()  # None: nothing refused
                 assert await take(rx2, 1) == [(1, 1)]
     assert rig.state.gap_set("a") == {(1, 0)}
+
+
+class RecordingLog:
+    """Stands in for the dispatcher's logger: keeps (event, fields)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.events.append((event, fields))
+
+    error = warning = info
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_refused_outcomes_logged_once_per_batch_others_settle(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path)
+    log = RecordingLog()
+    rig.dispatcher.log = log  # type: ignore[assignment]
+    async with running(rig):
+        with attached(rig, 2) as (session, rx):
+            assert await take(rx, 2) == [(1, 0), (1, 1)]
+            for seg, idx in ((1, 0), (9, 0), (9, 1), (1, 1)):  # segment 9 never existed
+                await rig.dispatcher.feedback(session, seg, idx, fmt.ACK)
+            msg = await rig.outcomes.receive()
+            assert isinstance(msg, RecordOutcomes)
+            errors = await msg.reply.wait()
+            assert [type(e) for e in errors if e is not None] == [UnknownBundle] * 2
+            assert await take(rx, 2) == [(1, 2), (2, 0)]  # both acks freed their place
+            await _settled(rig)
+            assert set(rig.dispatcher.inflight) == {("a", 1, 2), ("a", 2, 0)}
+    assert [(e, f["outcomes"], f["segment_seq"]) for e, f in log.events
+            if e == "subscriber_feedback_ignored"] == [("subscriber_feedback_ignored", 2, 9)]
+    assert rig.state.gap_set("a") == {(1, 0), (1, 1)}
 
 
 async def _settled(rig: Rig) -> None:
