@@ -1,7 +1,7 @@
 """Ack logger: one per shard, the only writer of ack.log, the AckState and the segment table.
 
     finalizer ──SegmentWritten──────────┐
-    dispatcher ─RecordOutcome───────────┤
+    dispatcher ─RecordOutcome(s)────────┤
     admin ──────ChangeSubscriber────────┼─▶ ack_logger ──(Changes.notify)──▶ dispatcher, gc_sweeper
     gc_sweeper ─RetireSegments──────────┤         └── Reply given per request
     gc_sweeper ─SegmentsDeleted─────────┘
@@ -42,6 +42,7 @@ from quiverd_actors.messages import (
     AckLogRequest,
     ChangeSubscriber,
     RecordOutcome,
+    RecordOutcomes,
     Retired,
     RetireSegments,
     SegmentWritten,
@@ -174,6 +175,8 @@ class _Committer:
             rec = state.record_outcome(msg.subscriber, msg.segment_seq, msg.bundle_index,
                                        msg.outcome)
             return ([rec] if rec is not None else []), _Answer(msg.reply, value=None)
+        if isinstance(msg, RecordOutcomes):
+            return self._outcomes(msg)
         if isinstance(msg, ChangeSubscriber):
             change = (state.add_subscriber(msg.name, msg.start) if msg.op == "add"
                       else state.remove_subscriber(msg.name))
@@ -181,6 +184,21 @@ class _Committer:
         if isinstance(msg, RetireSegments):
             return self._retire(msg)
         return [state.segment_deleted(seq) for seq in msg.segment_seqs], None
+
+    def _outcomes(self, msg: RecordOutcomes) -> tuple[list[fmt.Record], _Answer]:
+        """Each outcome as ``RecordOutcome`` would be; one refused changes only itself."""
+        records: list[fmt.Record] = []
+        errors: list[Exception | None] = []
+        for sub, seg, idx, outcome in msg.outcomes:
+            try:
+                rec = self.state.record_outcome(sub, seg, idx, outcome)
+            except (QuiverError, ValueError, KeyError) as exc:
+                errors.append(exc)
+                continue
+            errors.append(None)
+            if rec is not None:
+                records.append(rec)
+        return records, _Answer(msg.reply, value=tuple(errors))
 
     def _retire(self, msg: RetireSegments) -> tuple[list[fmt.Record], _Answer]:
         """``dropped`` outcomes first for a retention reason; the rows leave the table after."""
@@ -242,8 +260,8 @@ class _Committer:
 class _Answer:
     """A reply to give once the batch is durable and applied."""
 
-    reply: Reply[None] | Reply[Retired]
-    value: None | Retired = None
+    reply: Reply[None] | Reply[Retired] | Reply[tuple[Exception | None, ...]]
+    value: None | Retired | tuple[Exception | None, ...] = None
     error: Exception | None = None
 
     def give(self) -> None:
@@ -253,8 +271,9 @@ class _Answer:
             self.reply.set(self.value)  # type: ignore[arg-type]
 
 
-def _reply_of(msg: AckLogRequest) -> Reply[None] | Reply[Retired] | None:
-    if isinstance(msg, RecordOutcome | ChangeSubscriber | RetireSegments):
+def _reply_of(msg: AckLogRequest
+              ) -> Reply[None] | Reply[Retired] | Reply[tuple[Exception | None, ...]] | None:
+    if isinstance(msg, RecordOutcome | RecordOutcomes | ChangeSubscriber | RetireSegments):
         return msg.reply
     return None
 

@@ -1,8 +1,8 @@
 """Dispatcher: one per shard. Delivers finalized bundles to attached subscribers.
 
     ack_logger ──(Changes)──▶ dispatcher ──Delivery──▶ subscriber sessions (sockets)
-                                   │  ◀── ack / nack from the sessions
-                                   └──RecordOutcome──▶ ack_logger (Reply given once durable)
+                                   │  ◀──Feedback── the sessions' acks / nacks (its inbox)
+                                   └──RecordOutcome(s)──▶ ack_logger (Reply given once durable)
 
 For every attached session it walks ``AckState.pending_for(name)`` oldest
 first and sends what is neither in flight nor waiting out a nack backoff, up
@@ -18,16 +18,19 @@ goes away gives its in-flight bundles back, so they are delivered again on
 reconnect: delivery is at least once, and ids ``(shard, segment_seq,
 bundle_index)`` let consumers deduplicate.
 
-An ack or nack stays in flight until the ack_logger's reply says it is durable
-(the same commit wakes this actor through ``Changes``): then the bundle leaves
-flight, and a nacked one waits out its backoff. The segment table is read
+Acks and nacks arrive as ``Feedback`` messages in the dispatcher's inbox
+(``quiverd_actors.feedback``); each pass applies all queued at once (the
+window's room comes back then) and sends their outcomes to the ack_logger as one
+request. An outcome stays in flight until the ack_logger's reply says it is
+durable (the same commit wakes this actor through ``Changes``): then the bundle
+leaves flight, and a nacked one waits out its backoff. The segment table is read
 only (``SegmentView``): the ack_logger lists and retires segments.
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +53,8 @@ from quiverd.kernel.reply import Reply
 from quiverd.protocol.frames import encode_delivery_parts
 from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentView, StagedRef
-from quiverd_actors.messages import AckLogRequest, LocalDelivery, RecordOutcome
+from quiverd_actors.feedback import FeedbackInbox, Outcome, OutcomeBatch
+from quiverd_actors.messages import AckLogRequest, Feedback, LocalDelivery, RecordOutcome
 from quiverd_actors.scrubber import SegmentChecks
 
 BACKOFF_BASE_S = 0.1
@@ -121,7 +125,7 @@ class Dispatcher:
     delivered_once: set[tuple[str, int, int]] = field(default_factory=set)
     readers: OrderedDict[int, SegmentReader] = field(default_factory=OrderedDict)
     unreadable: set[int] = field(default_factory=set)  # segments already reported
-    awaiting: list[_Feedback] = field(default_factory=list)  # outcomes not yet settled
+    awaiting: list[OutcomeBatch] = field(default_factory=list)  # outcomes not yet settled
     # Staged bundles (SPEC §7): what to do with one; None delivers them like any other.
     verdict: Callable[[StagedRef], Verdict] | None = None
     checks: SegmentChecks | None = None  # None: every open checks the whole file
@@ -133,6 +137,10 @@ class Dispatcher:
     # every wake-up walked a wide window's in-flight bundles again (the uploader holds
     # thousands), which cost the event loop a quarter of its time.
     _scan_from: dict[Session, tuple[int, int]] = field(default_factory=dict)
+    inbox: FeedbackInbox = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inbox = FeedbackInbox(self.changes)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -142,6 +150,7 @@ class Dispatcher:
             async with self.ack_log:
                 await self._loop()
         finally:
+            self.inbox.close()
             for session in list(self.sessions):
                 self.detach(session)
 
@@ -149,6 +158,7 @@ class Dispatcher:
         try:
             while True:
                 version = self.changes.version
+                await self._take_feedback()
                 self._settle()
                 if await self._fill():
                     # A full read batch went out and windows may have room for more:
@@ -180,46 +190,76 @@ class Dispatcher:
         self.stats.sessions.set(len(self.sessions))
         self.changes.notify()
 
+    async def post(self, fb: Feedback) -> None:
+        """Queue a session's acks and nacks for this shard; applied by the next pass."""
+        await self.inbox.post(fb)
+
     async def feedback(self, session: Session, segment_seq: int, bundle_index: int,
                        outcome: int) -> None:
-        """A consumer acked or nacked; make it durable through the ack_logger."""
-        key = (session.name, segment_seq, bundle_index)
-        if self.inflight.get(key) is session:
-            session.unacked -= 1
-            session.room_freed()  # refill now; the bundle stays in flight until settled
-        if outcome == fmt.ACK:
-            self.stats.acks(session.name).inc()
-        else:
-            self.stats.nacks(session.name).inc()
-        reply: Reply[None] = Reply()
-        self.awaiting.append(_Feedback(key=key, session=session, outcome=outcome, reply=reply))
-        await self.ack_log.send(RecordOutcome(
-            subscriber=session.name, segment_seq=segment_seq, bundle_index=bundle_index,
-            outcome=outcome, reply=reply))
+        """One ack or nack, queued as a Feedback of its own (no yield while there is room,
+        so a sender's run of calls is applied in one pass)."""
+        await self.inbox.post(Feedback(session=session,
+                                       outcomes=((segment_seq, bundle_index, outcome),)))
+
+    # ---- feedback (in this task only) ---------------------------------------------
+    async def _take_feedback(self) -> None:
+        """Apply every queued Feedback: the window's room comes back now, the outcomes
+        go to the ack_logger as one request and stay in flight until it is durable."""
+        batch = self.inbox.take()
+        if not batch:
+            return
+        items: list[Outcome] = []
+        freed: dict[int, Session] = {}
+        counts: Counter[tuple[str, bool]] = Counter()
+        for fb in batch:
+            session = fb.session
+            for seg, idx, outcome in fb.outcomes:
+                key = (session.name, seg, idx)
+                if self.inflight.get(key) is session:
+                    session.unacked -= 1  # the bundle stays in flight until settled
+                    freed[id(session)] = session
+                counts[(session.name, outcome == fmt.ACK)] += 1
+                items.append(Outcome(key=key, session=session, outcome=outcome))
+        for (name, ack), n in counts.items():
+            (self.stats.acks if ack else self.stats.nacks)(name).inc(n)
+        for session in freed.values():
+            session.room_freed()  # every shard of a shared window may refill now
+        pending, request = OutcomeBatch.of(items)
+        self.awaiting.append(pending)
+        await self.ack_log.send(request)
 
     def _settle(self) -> None:
         """Outcomes the ack_logger made durable leave flight; a nack starts its backoff."""
         for key in [k for k, r in self.discarding.items() if r.done]:
             del self.discarding[key]
-        still: list[_Feedback] = []
-        for fb in self.awaiting:
-            if not fb.reply.done:
-                still.append(fb)
+        still: list[OutcomeBatch] = []
+        for batch in self.awaiting:
+            if not batch.reply.done:
+                still.append(batch)
                 continue
-            session, key = fb.session, fb.key
-            if self.inflight.get(key) is session:
-                del self.inflight[key]
-                self._rescan(key)
-            if fb.outcome == fmt.NACK:
-                n = (self.state.nack_count(*key) if session.name in self.state.registry else 1)
-                delay = min(BACKOFF_BASE_S * 2 ** max(n - 1, 0), BACKOFF_MAX_S)
-                self.backoff[key] = anyio.current_time() + delay * random.uniform(0.5, 1.0)
-            else:
-                self.backoff.pop(key, None)
-            if fb.reply.error is not None:
-                self.log.info("subscriber_feedback_ignored", subscriber=session.name,
-                              segment_seq=key[1], bundle_index=key[2], error=str(fb.reply.error))
+            ignored: dict[str, list[tuple[Outcome, Exception]]] = {}
+            for item, error in zip(batch.items, batch.errors(), strict=True):
+                self._settle_one(item)
+                if error is not None:
+                    ignored.setdefault(item.session.name, []).append((item, error))
+            for name, refused in ignored.items():  # one line per subscriber and batch
+                first, error = refused[0]
+                self.log.info("subscriber_feedback_ignored", subscriber=name,
+                              segment_seq=first.key[1], bundle_index=first.key[2],
+                              error=str(error), outcomes=len(refused))
         self.awaiting = still
+
+    def _settle_one(self, item: Outcome) -> None:
+        session, key = item.session, item.key
+        if self.inflight.get(key) is session:
+            del self.inflight[key]
+            self._rescan(key)
+        if item.outcome == fmt.NACK:
+            n = (self.state.nack_count(*key) if session.name in self.state.registry else 1)
+            delay = min(BACKOFF_BASE_S * 2 ** max(n - 1, 0), BACKOFF_MAX_S)
+            self.backoff[key] = anyio.current_time() + delay * random.uniform(0.5, 1.0)
+        else:
+            self.backoff.pop(key, None)
 
     # ---- delivery ---------------------------------------------------------------
     def _next_backoff_s(self) -> float:
@@ -414,16 +454,6 @@ def _ipc_stream(table: pa.Table) -> memoryview:
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return memoryview(sink.getvalue())
-
-
-@dataclass(frozen=True)
-class _Feedback:
-    """An ack or nack sent to the ack_logger, settled when its reply is given."""
-
-    key: tuple[str, int, int]  # (subscriber, segment_seq, bundle_index)
-    session: Session
-    outcome: int
-    reply: Reply[None]
 
 
 __all__ = ["Dispatcher", "OutgoingDelivery", "Session"]

@@ -3,10 +3,11 @@
     ingest ──AppendRequest──▶ wal_writer ──DurableBatch──▶ segment_builder ──SealedSegment──▶
     finalizer ──WalReleased──▶ wal_writer
     finalizer ──SegmentWritten──────────────┐
-    dispatcher ──RecordOutcome──────────────┤
+    dispatcher ──RecordOutcome(s)───────────┤
     admin ──ChangeSubscriber────────────────┼──▶ ack_logger (one inbox: AckLogRequest)
     gc_sweeper ──RetireSegments, SegmentsDeleted┘
     dispatcher ──LocalDelivery──▶ uploader (in process; sockets get protocol Delivery)
+    subscriber connection, uploader ──Feedback──▶ dispatcher (its inbox, drained per pass)
 
 Requests that need an answer carry a ``Reply`` (``quiverd.kernel.reply``), given
 once by the actor that handles them; nothing inside a message is code to run.
@@ -17,7 +18,7 @@ bounded by the connection's in-flight window).
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 import pyarrow as pa
@@ -27,6 +28,9 @@ from quiverd.kernel.reply import Reply
 from quiverd.protocol.frames import Ack, Error
 from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.table import SegmentInfo
+
+if TYPE_CHECKING:
+    from quiverd_actors.dispatcher import Session
 
 ProducerReply = Ack | Error
 
@@ -92,6 +96,27 @@ class RecordOutcome(msgspec.Struct, frozen=True, kw_only=True):
     reply: Reply[None]
 
 
+class RecordOutcomes(msgspec.Struct, frozen=True, kw_only=True):
+    """Many consumers' acks and nacks, made durable by one ack.log append.
+
+    ``reply`` is given once the batch is durable and applied: per outcome, in order,
+    ``None`` or why that outcome changed nothing (unknown bundle, gap set full, ...).
+    """
+
+    # (subscriber, segment_seq, bundle_index, outcome)
+    outcomes: tuple[tuple[str, int, int, int], ...]
+    reply: Reply[tuple[Exception | None, ...]]
+
+
+class Feedback(msgspec.Struct, frozen=True, kw_only=True):
+    """A subscriber session's acks and nacks for one shard, in the order they came
+    (one read batch of ACK_BUNDLE / NACK_BUNDLE frames, or the uploader's ack of a
+    bundle). Only the shard's dispatcher applies it, in its own task."""
+
+    session: Session
+    outcomes: tuple[tuple[int, int, int], ...]  # (segment_seq, bundle_index, outcome)
+
+
 class ChangeSubscriber(msgspec.Struct, frozen=True, kw_only=True):
     """Register (``add``) or unregister (``remove``) a subscriber on one shard."""
 
@@ -141,5 +166,5 @@ class LocalDelivery(msgspec.Struct, frozen=True, kw_only=True):
     tables: dict[int, pa.Table]  # slot -> table
 
 
-AckLogRequest = (SegmentWritten | RecordOutcome | ChangeSubscriber | RetireSegments
-                 | SegmentsDeleted)
+AckLogRequest = (SegmentWritten | RecordOutcome | RecordOutcomes | ChangeSubscriber
+                 | RetireSegments | SegmentsDeleted)

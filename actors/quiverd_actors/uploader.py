@@ -4,7 +4,7 @@
          ▲                        │ rotate on size, time, schema change or window pressure
          │                        ▼
          │                Stable file ──▶ publisher: upload + verify ──▶ register (catalog)
-         └──── ack (dispatcher.feedback) once every slot's file of the bundle is registered
+         └──── ack (Feedback, queued) once every slot's file of the bundle is registered
 
 It is a subscriber like any other, so the shared ack.log decides when a segment may
 be deleted: a bundle stays on local disk until the files holding it are in the
@@ -360,6 +360,9 @@ class Uploader:
         self.m.lake_unacked.labels().set(len(self.outstanding))
 
     async def _feedback(self, key: BundleKey, outcome: int) -> None:
+        # Only queues a Feedback (no yield while the dispatcher's inbox has room), so
+        # a registered file's acks are applied in one dispatcher pass and reach ack.log
+        # in one append.
         shard, seg, idx = key
         try:
             await self.dispatchers[shard].feedback(self.session, seg, idx, outcome)

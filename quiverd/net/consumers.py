@@ -5,6 +5,9 @@ One ``Session`` is attached to every shard's dispatcher; the window (bundles
 delivered but not yet acked or nacked) is shared across shards. When the
 connection ends, every unacknowledged delivery goes back to pending and is
 delivered again to the next session of that subscriber.
+
+The acks and nacks of one read batch go to each shard's dispatcher as one
+``Feedback`` message; the dispatcher applies them in its own task.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
 from quiverd_actors.dispatcher import Dispatcher, OutgoingDelivery, Session
+from quiverd_actors.messages import Feedback
 
 MAX_WINDOW = 4096
 
@@ -89,20 +93,36 @@ async def serve_subscriber(hub: SubscriberHub, reader: FrameReader,
 async def _read_feedback(hub: SubscriberHub, reader: FrameReader, session: Session,
                          frames: list[protocol.Message]) -> None:
     while True:
-        for frame in frames:
-            if isinstance(frame, protocol.AckBundle | protocol.NackBundle):
-                if not 0 <= frame.shard < len(hub.dispatchers):
-                    raise ProtocolError(ErrorCode.MALFORMED, f"no shard {frame.shard}")
-                outcome = fmt.ACK if isinstance(frame, protocol.AckBundle) else fmt.NACK
-                await hub.dispatchers[frame.shard].feedback(
-                    session, frame.segment_seq, frame.bundle_index, outcome)
-            else:
-                raise ProtocolError(ErrorCode.MALFORMED,
-                                    "only ACK_BUNDLE / NACK_BUNDLE may follow SUBSCRIBE")
+        await _send_feedback(hub, session, frames)
         got = await reader.receive("busy")
         if got is None:
             return
         frames = got
+
+
+async def _send_feedback(hub: SubscriberHub, session: Session,
+                         frames: list[protocol.Message]) -> None:
+    """One read batch of ACK_BUNDLE / NACK_BUNDLE frames as one Feedback per shard.
+
+    A frame that is neither, or names no shard, ends the connection (ProtocolError)
+    after the outcomes before it are sent: the subscriber did send those."""
+    by_shard: dict[int, list[tuple[int, int, int]]] = {}
+    error: ProtocolError | None = None
+    for frame in frames:
+        if not isinstance(frame, protocol.AckBundle | protocol.NackBundle):
+            error = ProtocolError(ErrorCode.MALFORMED,
+                                  "only ACK_BUNDLE / NACK_BUNDLE may follow SUBSCRIBE")
+            break
+        if not 0 <= frame.shard < len(hub.dispatchers):
+            error = ProtocolError(ErrorCode.MALFORMED, f"no shard {frame.shard}")
+            break
+        outcome = fmt.ACK if isinstance(frame, protocol.AckBundle) else fmt.NACK
+        by_shard.setdefault(frame.shard, []).append(
+            (frame.segment_seq, frame.bundle_index, outcome))
+    for shard, outcomes in by_shard.items():
+        await hub.dispatchers[shard].post(Feedback(session=session, outcomes=tuple(outcomes)))
+    if error is not None:
+        raise error
 
 
 async def _write_deliveries(stream: RawStream,
