@@ -93,6 +93,15 @@ class RawStream:
             except ConnectionError as exc:
                 raise anyio.BrokenResourceError(str(exc)) from exc
 
+    def try_receive_into(self, buffer: memoryview) -> int | None:
+        """recv_into ``buffer`` if bytes are waiting (0 at EOF); None if none are."""
+        try:
+            return self.sock.recv_into(buffer)
+        except BlockingIOError:
+            return None
+        except ConnectionError as exc:
+            raise anyio.BrokenResourceError(str(exc)) from exc
+
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         try:

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import anyio
+import anyio.lowlevel
 
 from quiverd.kernel.config import IngestConfig
 from quiverd.kernel.errors import ProtocolError
@@ -59,22 +60,29 @@ class FrameReader:
         ``phase`` picks the deadline (module docstring); ``what`` names the frame a
         handshake waits for, in the timeout's message.
         """
+        await anyio.lowlevel.checkpoint()  # other connections and actors get a turn
         if self.stopped:
             return None
-        deadline = self._deadline(phase)
         buffer = self.decoder.get_buffer()
+        n = self.stream.try_receive_into(buffer)
+        if n is not None:  # under load the bytes are already there: no deadline to arm
+            return self._received(n)
+        deadline = self._deadline(phase)
         with anyio.CancelScope(deadline=deadline) as scope:
             self._scope, self._waiting_for = scope, phase
             if self.stopped:
                 scope.cancel()
             try:
-                n = await self.stream.receive_into(buffer)
+                got = await self.stream.receive_into(buffer)
             finally:
                 self._scope = None
         if scope.cancelled_caught:  # n was never set
             if self.stopped:
                 return None
             raise self._timeout(phase, what)
+        return self._received(got)
+
+    def _received(self, n: int) -> list[protocol.Message] | None:
         if n == 0:
             if self.decoder.buffered:
                 raise ProtocolError(ErrorCode.MALFORMED, "connection ended inside a frame")

@@ -16,7 +16,6 @@ import msgspec
 import pyarrow as pa
 
 from quiverd.kernel.bundle import (
-    MAX_SLOTS,
     META_SLOT,
     ReservedColumnName,
     SchemaCache,
@@ -240,10 +239,12 @@ def _txn(r: _Reader) -> TxnTag | None:
 def _slots(r: _Reader, total_rows: int) -> tuple[Slot, ...]:
     (bitmap,) = r.unpack(U64)
     slots = []
-    for n in range(MAX_SLOTS):
-        if bitmap >> n & 1:
-            rows, length = r.unpack(SLOT_HEAD)
-            slots.append(Slot(slot=n, fingerprint=b"", row_count=rows, ipc=r.take(length)))
+    while bitmap:  # set bits only, lowest first (most bundles use one slot of 64)
+        low = bitmap & -bitmap
+        bitmap ^= low
+        rows, length = r.unpack(SLOT_HEAD)
+        slots.append(Slot(slot=low.bit_length() - 1, fingerprint=b"", row_count=rows,
+                          ipc=r.take(length)))
     r.finish()
     declared = sum(s.row_count for s in slots)
     if declared != total_rows:
