@@ -360,6 +360,36 @@ def validate_cost() -> dict[str, tuple[float, float]]:
     return out
 
 
+def gil_wait(switch_s: float, samples: int = 200) -> tuple[float, float]:
+    """With the main thread busy in Python (the loop validating frames), how long a
+    thread back from a GIL-free wait (a 200 µs sleep standing in for fdatasync) waits
+    to run Python again; and the main thread's work done meanwhile (per second), which
+    forced switches cost. Returns (median wait µs, main-thread work units per s)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s)
+    waits: list[float] = []
+    done = threading.Event()
+
+    def syncer() -> None:
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            time.sleep(0.0002)
+            waits.append(time.perf_counter() - t0 - 0.0002)
+        done.set()
+
+    try:
+        thread = threading.Thread(target=syncer, daemon=True)
+        started, work = time.perf_counter(), 0
+        thread.start()
+        while not done.is_set():
+            sum(range(2000))  # ~20 µs of pure Python, GIL held
+            work += 1
+        thread.join()
+        return statistics.median(waits) * 1e6, work / (time.perf_counter() - started)
+    finally:
+        sys.setswitchinterval(old)
+
+
 def issue18(parts: list[str]) -> None:
     if "handoff" in parts or "stream" in parts:
         hops = handoffs()
@@ -373,6 +403,12 @@ def issue18(parts: list[str]) -> None:
             print(f"| {name} | {us:.2f} |")
         print(f"\nSchema message bytes of a zstd-compressed stream equal the plain one's: "
               f"{schema_key_hides_compression()} (then the compression check stays per bundle)")
+    if "switch" in parts:
+        print("\n| GIL switch interval | thread's wait for the GIL after a GIL-free call, "
+              "µs (median) | busy main thread's work / s |\n|---|---:|---:|")
+        for switch_s in (0.005, 0.0005):
+            wait_us, work = gil_wait(switch_s)
+            print(f"| {switch_s * 1000:g} ms | {wait_us:.0f} | {work:.0f} |")
     if "validate" in parts:
         print("\n| open_stream + validate(full=True) | CPU µs per bundle | GB/s |"
               "\n|---|---:|---:|")
@@ -380,7 +416,7 @@ def issue18(parts: list[str]) -> None:
             print(f"| {name} | {us:.1f} | {gb_s:.1f} |")
 
 
-PARTS = ("space", "crc", "combine", "handoff", "stream", "schema", "validate")
+PARTS = ("space", "crc", "combine", "handoff", "stream", "schema", "validate", "switch")
 
 
 def main() -> int:
