@@ -155,9 +155,10 @@ class WalPipeline:
 
     def _write_batch(self, batch: list[Item]) -> None:
         pending = [(req, taken, self._slots(req.bundle)) for req, taken in batch]
+        limit = len(pending)  # entries per write; halved while a write finds no space
         while pending and not self.aborted:
             sizes = [walformat.entry_size(slots) for _, _, slots in pending]
-            n = self.wal.fitting_prefix(sizes)
+            n = min(self.wal.fitting_prefix(sizes), limit)
             if n == 0:
                 pending = self._no_room(pending)
                 continue
@@ -167,8 +168,18 @@ class WalPipeline:
                 if total > MAX_BATCH_BYTES and i:
                     n = i
                     break
-            done = self._append(pending[:n])
-            pending = pending[done:]
+            count, full = self._append(pending[:n])
+            pending = pending[count:]
+            if full is None:
+                continue
+            if count == 0 and n > 1:
+                # A write is cut back whole: fewer entries may still fit. Halve before
+                # calling the disk full, so what fits is written and acked meanwhile.
+                self.stats.no_space.inc()
+                limit = n // 2
+                continue
+            refused = self._no_space(full, pending[:n - count])
+            pending = pending[refused:]
 
     def _slots(self, bundle: Bundle) -> tuple[Any, ...]:
         return (*bundle.slots, self.meta.encode(bundle.client, bundle.txn))
@@ -191,8 +202,8 @@ class WalPipeline:
         self.space.wait(CAPACITY_RECHECK_S)
         return pending
 
-    def _append(self, chunk: list[Any]) -> int:
-        """Write ``chunk`` (it fits); returns how many of it are done (written or refused)."""
+    def _append(self, chunk: list[Any]) -> tuple[int, WalNoSpace | None]:
+        """Write ``chunk`` (it fits); how many of it were written, and why not the rest."""
         first = self.next_sequence
         entries: list[EntryToWrite] = []
         for i, (_, _, slots) in enumerate(chunk):
@@ -205,14 +216,12 @@ class WalPipeline:
         count = len(entries) if full is None else full.written
         if count:
             self._written(chunk[:count], entries[:count])
-        if full is None:
-            if self.disk_full.active:
-                self.wal.reserve_bytes = self.reserve_bytes
-                self.stats.disk_full.set(0)
-                self.disk_full.succeeded("wal_disk_space_back", shard=self.shard,
-                                         refused_bundles=self.full_refusals)
-            return count
-        return count + self._no_space(full, chunk[count:])
+        if full is None and self.disk_full.active:
+            self.wal.reserve_bytes = self.reserve_bytes
+            self.stats.disk_full.set(0)
+            self.disk_full.succeeded("wal_disk_space_back", shard=self.shard,
+                                     refused_bundles=self.full_refusals)
+        return count, full
 
     def _written(self, chunk: list[Any], entries: list[EntryToWrite]) -> None:
         self.next_sequence = entries[-1][0] + 1

@@ -81,7 +81,6 @@ class WalFiles:
     reserve_bytes: int = 0  # free space an append must leave on the filesystem
     fault_hook: Hook | None = None  # tests: raises at a step to simulate an I/O error
     last_sync_seconds: float = 0.0
-    _part_bytes: int = 0  # bytes of the part being written that reached the file
     _fd: int = -1
     _rotated: list[_Rotated] = field(default_factory=list)
     # (sequence, generation, offset) of every entry not yet released: bounded by
@@ -261,43 +260,30 @@ class WalFiles:
         for i, (sequence, (ts_ns, slots), size) in enumerate(entries):
             entry_pieces = walformat.encode_entry(ts_ns=ts_ns, sequence=sequence, slots=slots)
             if self._needs_rotation(size):
-                self._write_part(pieces, part_start, entries[part_first:i], done=part_first)
+                self._write_part(pieces, part_start, i - part_first, done=part_first)
                 pieces = []
                 self._rotate(done=i)
                 part_start, part_first = self.end_offset, i
             self._index.append((sequence, self.generation, self.end_offset))
             self.end_offset += size
             pieces.extend(entry_pieces)
-        self._write_part(pieces, part_start, entries[part_first:], done=part_first)
+        self._write_part(pieces, part_start, len(entries) - part_first, done=part_first)
 
-    def _write_part(self, pieces: list[Buffer], start: int, part: list[EntryToWrite], *,
-                    done: int) -> None:
-        """Write ``part``'s entries from ``start``; ``done`` earlier ones of the batch made it.
-
-        Out of space part-way: the entries written whole are kept (a short writev
-        before ENOSPC), the bytes of the rest are cut off; WalNoSpace says how many
-        of the batch are in the file.
-        """
-        self._part_bytes = 0
+    def _write_part(self, pieces: list[Buffer], start: int, count: int, *, done: int) -> None:
+        """Write ``count`` entries from ``start``; ``done`` earlier ones of the batch made it."""
         try:
             self._write(pieces)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise self._lost("write to", exc) from with_path(
                     exc, layout.active_wal(self.wal_dir))
-            keep, kept_bytes = 0, 0
-            for entry in part:
-                if kept_bytes + entry[2] > self._part_bytes:
-                    break
-                keep, kept_bytes = keep + 1, kept_bytes + entry[2]
-            self._cut_back(start + kept_bytes, len(part) - keep, exc)
+            self._cut_back(start, count, exc)
             raise WalNoSpace(f"no space left writing {layout.active_wal(self.wal_dir)} at "
-                             f"offset {start + kept_bytes}: {exc.strerror or exc}",
-                             written=done + keep, reason=reason_of(exc)) from exc
+                             f"offset {start}: {exc.strerror or exc}", written=done,
+                             reason=reason_of(exc)) from exc
 
     def _cut_back(self, start: int, count: int, cause: OSError) -> None:
-        """A write failed part-way: drop the bytes from ``start`` and the last ``count``
-        entries from the index."""
+        """A write failed part-way: drop its bytes and its entries from the index."""
         try:
             os.ftruncate(self._fd, start)
             os.lseek(self._fd, start, os.SEEK_SET)
@@ -321,10 +307,8 @@ class WalFiles:
             chunk = pieces[start:start + IOV_MAX]
             want = sum(len(p) for p in chunk)
             done = os.writev(self._fd, chunk)
-            self._part_bytes += done
             if done < want:  # short write (signal, near-full disk): finish it by hand
-                for piece in _tail_pieces(chunk, done):
-                    self._part_bytes += write_all(self._fd, [piece])
+                write_all(self._fd, [_tail(chunk, done)])
 
     def sync(self) -> None:
         """fdatasync the active file. A failure is fatal: the caller must not ack.
@@ -574,14 +558,5 @@ class WalFiles:
                 "wal_generation": self.generation}
 
 
-def _tail_pieces(chunk: list[Buffer], done: int) -> list[Buffer]:
-    """What a short writev of ``chunk`` left unwritten, as views (no copy)."""
-    out: list[Buffer] = []
-    for piece in chunk:
-        view = memoryview(piece).cast("B")
-        if done >= len(view):
-            done -= len(view)
-            continue
-        out.append(view[done:])
-        done = 0
-    return out
+def _tail(chunk: list[Buffer], done: int) -> bytes:
+    return b"".join(bytes(p) for p in chunk)[done:]
