@@ -127,6 +127,21 @@ class Shard:
         self.probe.log.append(("ack", reply.sequence))
         return reply
 
+    async def sync_began(self, number: int) -> None:
+        """Wait until fdatasync ``number`` began; fail if a reply comes first."""
+        early: list[ProducerReply] = []
+        async with anyio.create_task_group() as tg:
+            async def reply() -> None:
+                early.append(await self.replies.receive())
+                tg.cancel_scope.cancel()
+
+            async def began() -> None:
+                await self.probe.until(lambda: self.probe.count("sync") >= number)
+                tg.cancel_scope.cancel()
+            tg.start_soon(reply)
+            tg.start_soon(began)
+        assert not early, f"{early[0]} came before fdatasync {number} began"
+
     async def no_reply_within(self, seconds: float) -> None:
         with anyio.move_on_after(seconds):
             pytest.fail(f"unexpected reply {await self.replies.receive()}")
@@ -164,7 +179,7 @@ async def test_wal_threads_write_next_batch_while_fdatasync_held_and_ack_it_afte
     probe = shard.probe
     async with running(shard, WalConfig(flush_policy=policy, flush_interval_ms=SLOW_MS)):
         await shard.append(1)
-        await probe.until(lambda: probe.count("sync") == 1)  # batch 1's fdatasync, held
+        await shard.sync_began(1)  # batch 1's fdatasync, held
         await shard.append(2)
         # The writer thread does not wait for the held sync to write batch 2.
         await probe.until(lambda: probe.written == 2)
@@ -173,7 +188,7 @@ async def test_wal_threads_write_next_batch_while_fdatasync_held_and_ack_it_afte
 
         probe.let_go(1)
         first = await shard.ack()
-        await probe.until(lambda: probe.count("sync") == 2)  # batch 2's own fdatasync
+        await shard.sync_began(2)  # batch 2's own: sync 1's return acked only batch 1
         await shard.no_reply_within(0.1)  # held: batch 2 is not acked on sync 1's return
         probe.let_go(2)
         second = await shard.ack()

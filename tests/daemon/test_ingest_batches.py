@@ -159,7 +159,7 @@ def test_bad_frame_mid_batch_is_refused_the_ones_before_durable_the_rest_dropped
         # 1 and 2 come after the ERROR, so docs/protocol.md has them unsent.)
         assert all(isinstance(r, Ack) and r.request_id in (1, 2) for r in replies[:-1])
         # 1 and 2 went to their shards and were acked there (with "other"'s bundle).
-        until("1 and 2 acked by their shards", lambda: shard_counts(d, "acks") == 3)
+        until("1 and 2 acked by their shards", lambda: shard_counts(d, "acks") >= 3)
         other.send(tagged_table(101), client="other")  # the other connection carries on
     assert (shard_counts(d, "acks"), shard_counts(d, "appends")) == (4, 4)  # 4 never written
     d.kill()
@@ -190,10 +190,10 @@ def test_failed_fdatasync_with_writes_behind_it_acks_none_of_them_and_exits_70(
     until("3..6 written behind the held sync", lambda: shard_counts(d, "appends") == 6)
     assert (shard_counts(d, "acks"), shard_counts(d, "fsyncs")) == (1, 1)
     gate.unlink()  # the held fdatasync (the 2nd) goes on, and fails with EIO
-    assert d.wait(30) == daemon.EXIT_FATAL, d.log()[-3000:]
-    replies = wire.rest()
+    while (reply := wire.next()) is not None:  # until the daemon is gone
+        assert not isinstance(reply, Ack), f"acked after a failed fdatasync: {reply}"
     wire.close()
-    assert not [r for r in replies if isinstance(r, Ack)], replies
+    assert d.wait(30) == daemon.EXIT_FATAL, d.log()[-3000:]
     [fatal] = d.events("quiverd_fatal_durability")
     assert "fdatasync" in fatal["error"] and fatal["errno"] == "EIO", fatal
     assert fatal.get("path", "").startswith(str(d.data_dir / "shard-0")), fatal
