@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from quiverd.net.ingest import IngestServer
 
 ERROR_SEND_S = 1.0  # an ERROR frame the peer does not take within this is dropped
+# A closing ERROR waits this long for the answers of bundles handed over before it:
+# a group commit takes milliseconds; a shard held by a full disk must not hold it.
+ANSWERS_BEFORE_ERROR_S = 0.5
 
 
 def shard_of(client: str, shards: int) -> int:
@@ -102,6 +105,11 @@ class Connection:
             self.decoder.close()
             self.reserved.clear()
             self._release(self.held - sum(self.inflight.values()))
+            # The bundles before the bad frame were handed over: their answers go out
+            # first, so the ERROR refuses only what came after (bounded: a WAL waiting
+            # for disk space does not hold the ERROR back for ever).
+            with anyio.move_on_after(ANSWERS_BEFORE_ERROR_S):
+                await self._drain()
             await self.send_error(0, exc)
             self._hang_up()
         await self._drain()
