@@ -95,6 +95,7 @@ async def run(
             released = segment.last_sequence  # refused bundles included: never met again
             _report_refused(job, log, on_lost)
             # Nothing may read the batches any more: the WAL region they map is released.
+            # (The worker thread let go of them already; these find empty streams.)
             segment.drop_batches()
             segment = job.segment  # rebuilt without refused bundles, or the same
             segment.drop_batches()
@@ -201,6 +202,9 @@ class _Finalize:
             self.floor_raised = True
             if self.hook is not None:
                 self.hook("floor_written")
+        # Durable: let go of the batches here, in the worker thread. Freeing a segment's
+        # thousands of Arrow objects on the event loop held the GIL there.
+        self.segment.drop_batches()
         return self.size
 
     def _encode(self, segment: OpenSegment) -> list[Piece]:
@@ -229,5 +233,6 @@ class _Finalize:
                 # the next attempt refuses and copies again.
                 raise NotWritten(self.shard.quarantine_dir / name, exc) from exc
             self.refused[seq] = (error, kept)
+        self.segment.drop_batches()  # the salvaged segment holds batches of its own
         self.segment = salvaged
         return self._encode(salvaged) if salvaged.bundle_count else []
