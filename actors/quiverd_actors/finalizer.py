@@ -4,7 +4,8 @@
                                            └──────WalReleased──────▶ wal_writer
 
 Each segment is encoded and written in a worker thread under the named
-``finalize`` limiter: ``<seq>.qseg.tmp`` → fsync → rename → fsync(dir) → 0440,
+``finalize`` limiter: ``<seq>.qseg.tmp`` → fsync → rename → fsync(dir) → 0440 (its
+page-cache pages are then given back: the next segment writes into warm pages),
 then the FLOOR marker rises. Only after that does the WAL region it covers get
 released, so a crash at any step leaves every acknowledged bundle in the WAL,
 in the segment, or both (replay skips WAL entries a durable segment already
