@@ -426,6 +426,7 @@ def bench_e2e(root: Path, *, quick: bool, profile_dir: str | None,
                 print(f"ingest {name:>26} segments {mode:>3} run {i}: {r['mb_s']:6.0f} MB/s, "
                       f"{r['segments_finalized']} segments finalized in the timed window, "
                       f"daemon cpu {r['daemon_cpu_cores']:.2f} cores "
+                      f"({r['daemon_cpu_us_per_bundle']:.0f} µs/bundle) "
                       f"(loop {r['daemon_loop_cpu_cores']:.2f}), producers "
                       f"{r['producer_cpu_cores']:.2f}"
                       + (f", DISTURBED: others used {r['other_cpu_cores']:.2f} cores"
@@ -501,6 +502,7 @@ def run_e2e(root: Path, ipcs: list[bytes], mode: str, volume: int, spy_out: Path
             "producer_cpu_cores": sum(o["cpu_s"] for o in outs) / seconds, "payload_bytes": payload,
             "mb_s": payload / seconds / 1e6, "segments_finalized": finalized,
             "daemon_cpu_cores": cpu.total_s / seconds,
+            "daemon_cpu_us_per_bundle": cpu.total_s / max(payload // len(ipcs[0]), 1) * 1e6,
             "daemon_loop_cpu_cores": cpu.main_s / seconds}
 
 
@@ -531,8 +533,9 @@ def markdown(fin: list[dict[str, Any]], read: list[dict[str, Any]],
         out += ["| ingest, 2 shards, 4 producers, interval | segments on MB/s "
                 "(min–max) | segments off MB/s (min–max) | on / off (target ≥ 0.8×) "
                 "| segments finalized while timed | daemon CPU cores on / off "
+                "| daemon CPU µs per bundle on / off "
                 "| runs counted (on + off; undisturbed) |",
-                "|---|" + "---:|" * 6, *map(_e2e_md, e2e)]
+                "|---|" + "---:|" * 7, *map(_e2e_md, e2e)]
     return "\n".join(out).strip()
 
 
@@ -555,10 +558,13 @@ def _e2e_md(r: dict[str, Any]) -> str:
     cpu_on = statistics.median(x["daemon_cpu_cores"] for x in on)
     cpu_off = statistics.median(x["daemon_cpu_cores"] for x in off)
     segs = statistics.median(x["segments_finalized"] for x in on)
+    us_on = statistics.median(x["daemon_cpu_us_per_bundle"] for x in on)
+    us_off = statistics.median(x["daemon_cpu_us_per_bundle"] for x in off)
     every = r["runs"]["on"] + r["runs"]["off"]
     return (f"| {r['payload']} | {r['on_mb_s']:.0f} ({_spread(on)}) "
             f"| {r['off_mb_s']:.0f} ({_spread(off)}) | {r['ratio']:.2f}× | {segs:.0f} "
-            f"| {cpu_on:.2f} / {cpu_off:.2f} | {len(on)} + {len(off)} of {len(every)} |")
+            f"| {cpu_on:.2f} / {cpu_off:.2f} | {us_on:.0f} / {us_off:.0f} "
+            f"| {len(on)} + {len(off)} of {len(every)} |")
 
 
 def _spread(runs: list[dict[str, Any]]) -> str:
