@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from quiverd.kernel.bundle import META_SLOT, Buffer, Bundle, Slot, TxnTag
 from quiverd.kernel.jobs import END_OFFSET, read_end_marker
-from quiverd.segments.dictionaries import has_dictionary, is_unifiable
+from quiverd.segments.dictionaries import needs_solo_stream
 from quiverd.segments.table import StagedRef
 
 
@@ -101,6 +101,8 @@ class BundleEntry:
     refs: tuple[ChunkRef, ...]
     in_wal: bool = False
 
+
+SOLO_CACHE_SCHEMAS = 256  # schema objects whose needs_solo_stream answer is kept
 
 # sequence -> {slot id: that slot's IPC stream bytes}, read back from the WAL.
 Fetch = Callable[[list[int]], dict[int, dict[int, Buffer]]]
@@ -205,6 +207,8 @@ class OpenSegment:
                 return False
             known = solo.get(id(schema))
             if known is None:
+                if len(solo) >= SOLO_CACHE_SCHEMAS:
+                    solo.clear()  # schemas not shared between bundles: stay bounded
                 known = solo[id(schema)] = (schema, needs_solo_stream(schema))
             if known[1]:
                 return False
@@ -405,14 +409,3 @@ def _decode(payload: Buffer) -> tuple[pa.Schema, list[pa.RecordBatch]]:
         schema = reader.schema
         batches = list(reader)
     return schema, batches or [pa.RecordBatch.from_pylist([], schema=schema)]
-
-
-def needs_solo_stream(schema: pa.Schema) -> bool:
-    """Dictionaries we cannot unify (nested ones) force one stream per chunk."""
-    for f in schema:
-        if pa.types.is_dictionary(f.type):
-            if not is_unifiable(f):
-                return True
-        elif has_dictionary(f.type):
-            return True
-    return False

@@ -159,3 +159,14 @@ def test_add_batch_checks_each_schema_once_per_group(monkeypatch):
     assert sorted(calls) == [0, 3]
     assert state(segment) == state(one_by_one(bs))
     assert len(calls) == 2 + 2 * len(bs)  # one_by_one: one check per slot of every bundle
+
+
+def test_add_batch_keeps_few_schema_objects_when_each_bundle_brings_its_own(monkeypatch):
+    monkeypatch.setattr("quiverd.segments.open_segment.SOLO_CACHE_SCHEMAS", 4)
+    t, slot = tables(), Slots(shared=False)
+    bs = [Bundle(client="c", sequence=i + 1, ingestion_ts_ns=i, slots=(slot(0, t["plain"]),))
+          for i in range(10)]
+    segment = OpenSegment()
+    segment.add_batch(bs)
+    assert len(segment._solo) <= 4
+    assert state(segment) == state(one_by_one(bs))
