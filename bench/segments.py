@@ -1,6 +1,7 @@
 """Segment finalize, segment read, and end-to-end ingest with segments on vs off.
 
     python bench/segments.py [--quick] [--json out.json] [--only PART,...] [--profile DIR]
+                             [--bundle-kib 1024,64] [--runs N] [--payloads ingest]
 
 1. finalize  128 logs-like bundles of ~256 KiB (32 MiB of IPC) in one ``OpenSegment``;
              timed: ``encode_segment`` (into a warm ``Arena``, as the finalizer) +
@@ -11,7 +12,8 @@
 2. read      ``SegmentReader.open`` + every bundle of ``.bundles()`` over the files of 1,
              against ``pa.ipc.open_file(pa.memory_map(...)).read_all()`` (and a
              ``get_batch(i)`` loop) over the baseline files.
-3. ingest    ``quiverd serve``, 2 shards, 4 producers, 1 MiB bundles, interval flush:
+3. ingest    ``quiverd serve``, 2 shards, 4 producers, 1 MiB bundles (``--bundle-kib``:
+             other sizes, same volume), interval flush:
              acked MB/s with default segment settings (on) vs nothing finalizing during
              the run (off: huge target size and open duration). Both runs use the same
              WAL config, big enough to hold the whole run.
@@ -117,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                 read_rows.append(rd)
                 print(_read_line(rd), flush=True)
         if "ingest" in args.only:
-            e2e_rows = bench_e2e(root, quick=args.quick, profile_dir=args.profile)
+            for kib in args.bundle_kib:
+                e2e_rows += bench_e2e(root, quick=args.quick, profile_dir=args.profile,
+                                      bundle_bytes=kib * KiB, runs=args.runs,
+                                      payloads=args.payloads)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print()
@@ -153,6 +158,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile each finalize (DIR/finalize-<case>.pstats) and attach "
                         "`py-spy record` to each e2e daemon (DIR/ingest-<run>.txt)")
+    p.add_argument("--bundle-kib", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[E2E_BUNDLE // KiB], metavar="KIB,...",
+                   help="ingest: bundle sizes in KiB, one table row each (default 1024)")
+    p.add_argument("--runs", type=int, default=None,
+                   help=f"ingest: runs per payload and mode (default {E2E_RUNS}, --quick 1)")
+    p.add_argument("--payloads", choices=("all", "ingest"), default="all",
+                   help="ingest: 'ingest' runs only the int64+utf8 payload of bench/ingest.py")
     return p
 
 
@@ -385,32 +397,36 @@ def _read_line(r: dict[str, Any]) -> str:
 
 
 # ---- 3. end-to-end ingest -------------------------------------------------------------
-def bench_e2e(root: Path, *, quick: bool, profile_dir: str | None) -> list[dict[str, Any]]:
+def bench_e2e(root: Path, *, quick: bool, profile_dir: str | None,
+              bundle_bytes: int = E2E_BUNDLE, runs: int | None = None,
+              payloads: str = "all") -> list[dict[str, Any]]:
     """Per payload: alternate segments on/off runs; report medians and their ratio."""
-    _, ingest_ipc = make_table(E2E_BUNDLE)
-    payloads = {
-        "int64+utf8 (ingest bench)": [ingest_ipc],
-        "logs, changing dicts": [encode_ipc_stream(b) for b in
-                                 logs_batches(16, E2E_BUNDLE, changing=True, seed=11)],
-    }
-    runs = 1 if quick else E2E_RUNS
+    _, ingest_ipc = make_table(bundle_bytes)
+    size = f"{bundle_bytes // MiB} MiB" if bundle_bytes >= MiB else f"{bundle_bytes // KiB} KiB"
+    cases = {f"int64+utf8 (ingest bench), {size}": [ingest_ipc]}
+    if payloads == "all":
+        cases[f"logs, changing dicts, {size}"] = [
+            encode_ipc_stream(b) for b in logs_batches(16, bundle_bytes, changing=True, seed=11)]
+    if runs is None:
+        runs = 1 if quick else E2E_RUNS
     volume = E2E_VOLUME // (8 if quick else 1)
     # The first daemon after a pause runs on memory the VM has not touched lately and
     # is often far slower (shared/NOTES.md): one untimed run, so neither mode pays it.
-    warm = run_e2e(root, payloads["int64+utf8 (ingest bench)"], "on", volume // 4, None)
+    warm = run_e2e(root, [ingest_ipc], "on", volume // 4, None)
     print(f"ingest warm-up run (not counted): {warm['mb_s']:.0f} MB/s", flush=True)
     rows = []
-    for name, ipcs in payloads.items():
+    for name, ipcs in cases.items():
         got: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
         for i in range(runs):
             for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
-                tag = f"{name.split()[0].rstrip(',')}-{mode}-{i}"
+                tag = f"{name.split()[0].rstrip(',')}-{bundle_bytes // KiB}k-{mode}-{i}"
                 spy = Path(profile_dir) / f"ingest-{tag}.txt" if profile_dir else None
                 r = run_e2e(root, ipcs, mode, volume, spy)
                 got[mode].append(r)
                 print(f"ingest {name:>26} segments {mode:>3} run {i}: {r['mb_s']:6.0f} MB/s, "
                       f"{r['segments_finalized']} segments finalized in the timed window, "
                       f"daemon cpu {r['daemon_cpu_cores']:.2f} cores "
+                      f"({r['daemon_cpu_us_per_bundle']:.0f} µs/bundle) "
                       f"(loop {r['daemon_loop_cpu_cores']:.2f}), producers "
                       f"{r['producer_cpu_cores']:.2f}"
                       + (f", DISTURBED: others used {r['other_cpu_cores']:.2f} cores"
@@ -486,6 +502,7 @@ def run_e2e(root: Path, ipcs: list[bytes], mode: str, volume: int, spy_out: Path
             "producer_cpu_cores": sum(o["cpu_s"] for o in outs) / seconds, "payload_bytes": payload,
             "mb_s": payload / seconds / 1e6, "segments_finalized": finalized,
             "daemon_cpu_cores": cpu.total_s / seconds,
+            "daemon_cpu_us_per_bundle": cpu.total_s / max(payload // len(ipcs[0]), 1) * 1e6,
             "daemon_loop_cpu_cores": cpu.main_s / seconds}
 
 
@@ -513,11 +530,12 @@ def markdown(fin: list[dict[str, Any]], read: list[dict[str, Any]],
                 "| read_all MB/s | get_batch loop bundles/s | vs read_all "
                 "| vs get_batch loop |", "|---|" + "---:|" * 6, *map(_read_md, read), ""]
     if e2e:
-        out += ["| ingest, 2 shards, 4 producers, 1 MiB, interval | segments on MB/s "
+        out += ["| ingest, 2 shards, 4 producers, interval | segments on MB/s "
                 "(min–max) | segments off MB/s (min–max) | on / off (target ≥ 0.8×) "
                 "| segments finalized while timed | daemon CPU cores on / off "
+                "| daemon CPU µs per bundle on / off "
                 "| runs counted (on + off; undisturbed) |",
-                "|---|" + "---:|" * 6, *map(_e2e_md, e2e)]
+                "|---|" + "---:|" * 7, *map(_e2e_md, e2e)]
     return "\n".join(out).strip()
 
 
@@ -540,10 +558,13 @@ def _e2e_md(r: dict[str, Any]) -> str:
     cpu_on = statistics.median(x["daemon_cpu_cores"] for x in on)
     cpu_off = statistics.median(x["daemon_cpu_cores"] for x in off)
     segs = statistics.median(x["segments_finalized"] for x in on)
+    us_on = statistics.median(x["daemon_cpu_us_per_bundle"] for x in on)
+    us_off = statistics.median(x["daemon_cpu_us_per_bundle"] for x in off)
     every = r["runs"]["on"] + r["runs"]["off"]
     return (f"| {r['payload']} | {r['on_mb_s']:.0f} ({_spread(on)}) "
             f"| {r['off_mb_s']:.0f} ({_spread(off)}) | {r['ratio']:.2f}× | {segs:.0f} "
-            f"| {cpu_on:.2f} / {cpu_off:.2f} | {len(on)} + {len(off)} of {len(every)} |")
+            f"| {cpu_on:.2f} / {cpu_off:.2f} | {us_on:.0f} / {us_off:.0f} "
+            f"| {len(on)} + {len(off)} of {len(every)} |")
 
 
 def _spread(runs: list[dict[str, Any]]) -> str:

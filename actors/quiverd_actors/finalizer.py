@@ -4,7 +4,8 @@
                                            └──────WalReleased──────▶ wal_writer
 
 Each segment is encoded and written in a worker thread under the named
-``finalize`` limiter: ``<seq>.qseg.tmp`` → fsync → rename → fsync(dir) → 0440,
+``finalize`` limiter: ``<seq>.qseg.tmp`` → fsync → rename → fsync(dir) → 0440 (its
+page-cache pages are then given back: the next segment writes into warm pages),
 then the FLOOR marker rises. Only after that does the WAL region it covers get
 released, so a crash at any step leaves every acknowledged bundle in the WAL,
 in the segment, or both (replay skips WAL entries a durable segment already
@@ -95,6 +96,7 @@ async def run(
             released = segment.last_sequence  # refused bundles included: never met again
             _report_refused(job, log, on_lost)
             # Nothing may read the batches any more: the WAL region they map is released.
+            # (The worker thread let go of them already; these find empty streams.)
             segment.drop_batches()
             segment = job.segment  # rebuilt without refused bundles, or the same
             segment.drop_batches()
@@ -201,6 +203,9 @@ class _Finalize:
             self.floor_raised = True
             if self.hook is not None:
                 self.hook("floor_written")
+        # Durable: let go of the batches here, in the worker thread. Freeing a segment's
+        # thousands of Arrow objects on the event loop held the GIL there.
+        self.segment.drop_batches()
         return self.size
 
     def _encode(self, segment: OpenSegment) -> list[Piece]:
@@ -229,5 +234,6 @@ class _Finalize:
                 # the next attempt refuses and copies again.
                 raise NotWritten(self.shard.quarantine_dir / name, exc) from exc
             self.refused[seq] = (error, kept)
+        self.segment.drop_batches()  # the salvaged segment holds batches of its own
         self.segment = salvaged
         return self._encode(salvaged) if salvaged.bundle_count else []

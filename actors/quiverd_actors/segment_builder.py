@@ -7,8 +7,10 @@ Bundles accumulate in an ``OpenSegment`` (per-stream accumulators keyed by
 it reaches ``target_size_bytes`` or ``max_streams``, when it has been open for
 ``max_open_duration_ms`` (a timer, not the next arrival), when ``seal_early()``
 says so after a batch (WAL or disk near its bound: reason ``pressure``), and at
-end of stream (shutdown). Decoding Arrow payloads happens in one worker-thread
-hop per batch.
+end of stream (shutdown). Each DurableBatch (one WAL commit) is added in one call
+(``OpenSegment.add_batch``): bundles known from ingest validation cost one manifest
+entry each, on the loop. Decoding Arrow payloads (replayed bundles) happens in one
+worker-thread hop per batch.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ async def run(
     """Accumulate and seal until ``inbox`` ends; the last open segment is sealed then.
 
     ``from_wal``: the finalizer reads payloads back from the WAL, so validated
-    bundles are added without holding their bytes (``OpenSegment.add``).
+    bundles are added without holding their bytes (``OpenSegment.add_batch``).
     """
     builder = _Builder(outbox, cfg, first_segment_seq, limiter, stats, log)
     builder.from_wal = from_wal
@@ -103,15 +105,20 @@ class _Builder:
         if self.opened_at is None:
             self.opened_at = anyio.current_time()
         segment = self.open
-        from_wal = self.from_wal
+        if self.from_wal:
+            # No decode, no bytes touched: on the loop, once per batch (a thread hop
+            # would cost more). Only bundles whose payloads must be decoded go on.
+            bundles = bundles[segment.add_batch(bundles, decode=False):]
+        if bundles:
+            from_wal = self.from_wal
 
-        def add_all() -> None:
-            for b in bundles:
-                segment.add(b, from_wal=from_wal)
+            def add_all() -> None:
+                if from_wal:
+                    segment.add_batch(bundles)
+                else:
+                    for b in bundles:
+                        segment.add(b)
 
-        if from_wal and all(s.schema is not None for b in bundles for s in b.slots):
-            add_all()  # no decode, no bytes touched: a thread hop would cost more
-        else:
             await anyio.to_thread.run_sync(add_all, limiter=self.limiter)
         self._show(segment)
 

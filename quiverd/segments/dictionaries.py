@@ -176,3 +176,14 @@ def restore_column(
         )
         indices = pc.take(inverse, stored.indices).cast(dtype.index_type)
     return pa.DictionaryArray.from_arrays(indices, dictionary, ordered=dtype.ordered)
+
+
+def needs_solo_stream(schema: pa.Schema) -> bool:
+    """Dictionaries we cannot unify (nested ones) force one stream per chunk."""
+    for f in schema:
+        if pa.types.is_dictionary(f.type):
+            if not is_unifiable(f):
+                return True
+        elif has_dictionary(f.type):
+            return True
+    return False

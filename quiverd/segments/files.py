@@ -1,6 +1,7 @@
 """A shard's segments directory on disk: segment files and their two markers.
 
-    segments/<seq:016>.qseg   written once (tmp → fsync → rename → fsync dir → 0440)
+    segments/<seq:016>.qseg   written once (tmp → fsync → rename → fsync dir → 0440),
+                              then its cached pages are given back (``drop_cached_pages``)
     segments/FLOOR            {"segment_seq": N}   highest segment seq ever finalized
                               (finalizer): numbers never repeat, even after every
                               segment is deleted
@@ -78,8 +79,33 @@ def write_segment(path: Path, pieces: list[Piece], *, hook: object = None,
     Raises NotWritten for a failure before the rename (the temp file is removed: try
     again), DurabilityLost for one after it (the directory fsync: state unknown).
     """
-    return checked_write(path, pieces, mode=SEGMENT_MODE, hook=hook,
+    size = checked_write(path, pieces, mode=SEGMENT_MODE, hook=hook,
                          reserve_bytes=reserve_bytes)
+    drop_cached_pages(path)
+    return size
+
+
+def drop_cached_pages(path: Path) -> None:
+    """Hand a durable file's page-cache pages back to the kernel (advisory, best effort).
+
+    A segment is written once and read later (subscribers, uploader, scrubber), if at
+    all. Left cached, every segment takes pages the VM has not touched lately, and
+    writing into those costs ≈ 3.7 µs per 4 KiB (shared/NOTES.md): 32 MiB segments
+    wrote at 0.55–0.67 GB/s, and at 3.3 GB/s into the pages the previous segment gave
+    back (1.2–1.3 GB/s instead of 0.4–0.5 with the fsync). Reading a segment back from
+    the disk runs at ≈ 1.1–1.3 GB/s here. The pages are clean (fsynced), so nothing
+    is written by this.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass  # only advice: the file is durable either way
+    finally:
+        os.close(fd)
 
 
 def checked_write(path: Path, chunks: list[Piece] | bytes, *, mode: int, hook: object = None,

@@ -47,8 +47,8 @@ import struct
 import pyarrow as pa
 
 from quiverd.kernel.crc import crc32c
-from quiverd.segments.dictionaries import unify_batches
-from quiverd.segments.open_segment import BundleEntry, OpenSegment, Stream, needs_solo_stream
+from quiverd.segments.dictionaries import needs_solo_stream, unify_batches
+from quiverd.segments.open_segment import BundleEntry, OpenSegment, Stream
 from quiverd.segments.schema import representative_schema
 
 Piece = bytes | memoryview

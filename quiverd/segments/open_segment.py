@@ -16,19 +16,24 @@ Two ways to hold a bundle's data:
   calls ``load(fetch)``, which reads each such bundle's payloads back from the WAL
   (memory-mapped page cache, still there: the WAL region is released only after the
   segment is durable) and fills the streams in arrival order.
+
+The ingest path adds one commit batch at a time (``add_batch``): stream extension,
+counters and the schema checks (solo stream, schema variant) run once per
+``(slot, fingerprint)`` group of the batch and once per schema object; per bundle
+only its manifest entry and chunk refs are built. The result is the same as
+``add(b, from_wal=True)`` bundle by bundle.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from quiverd.kernel.bundle import META_SLOT, Buffer, Bundle, Slot, TxnTag
 from quiverd.kernel.jobs import END_OFFSET, read_end_marker
-from quiverd.segments.dictionaries import has_dictionary, is_unifiable
+from quiverd.segments.dictionaries import needs_solo_stream
 from quiverd.segments.table import StagedRef
 
 
@@ -97,6 +102,8 @@ class BundleEntry:
     in_wal: bool = False
 
 
+SOLO_CACHE_SCHEMAS = 256  # schema objects whose needs_solo_stream answer is kept
+
 # sequence -> {slot id: that slot's IPC stream bytes}, read back from the WAL.
 Fetch = Callable[[list[int]], dict[int, dict[int, Buffer]]]
 
@@ -118,6 +125,9 @@ class OpenSegment:
         self.min_ts: int | None = None
         self.max_ts: int | None = None
         self.unloaded = 0  # bundles whose batches are still only in the WAL
+        # id(schema) -> (schema, needs_solo_stream): ingest hands the same schema object
+        # bundle after bundle (its SchemaCache); the schema is held so the id stays its own.
+        self._solo: dict[int, tuple[pa.Schema, bool]] = {}
 
     @property
     def bundle_count(self) -> int:
@@ -161,6 +171,105 @@ class OpenSegment:
         self.last_sequence = seq
         self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
         self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
+
+    def add_batch(self, bundles: Sequence[Bundle], *, decode: bool = True) -> int:
+        """Append bundles in order, as ``add(b, from_wal=True)`` would one by one;
+        returns how many were added.
+
+        A bundle whose slots all carry their validation facts (and need no solo
+        stream, and is no end marker) costs one manifest entry; runs of such bundles
+        extend the streams once per group. Others go through ``add``. With
+        ``decode=False`` the batch stops before the first bundle whose payload would
+        have to be decoded (the caller adds the rest in a worker thread).
+        """
+        start = 0
+        for i, bundle in enumerate(bundles):
+            if self._plain(bundle):
+                continue
+            if i > start:
+                self._add_plain(bundles[start:i])
+            if not decode and any(s.schema is None for s in bundle.slots):
+                return i
+            self.add(bundle, from_wal=True)
+            start = i + 1
+        if len(bundles) > start:
+            self._add_plain(bundles[start:])
+        return len(bundles)
+
+    def _plain(self, bundle: Bundle) -> bool:
+        """Can ``bundle`` be added from its validation facts alone, in a plain stream?"""
+        if bundle.txn is not None and bundle.txn.row_offset == END_OFFSET:
+            return False  # end markers are held: staged() reads their rows
+        solo = self._solo
+        for slot in bundle.slots:
+            schema = slot.schema
+            if schema is None:
+                return False
+            known = solo.get(id(schema))
+            if known is None:
+                if len(solo) >= SOLO_CACHE_SCHEMAS:
+                    solo.clear()  # schemas not shared between bundles: stay bounded
+                known = solo[id(schema)] = (schema, needs_solo_stream(schema))
+            if known[1]:
+                return False
+        return True
+
+    def _add_plain(self, bundles: Sequence[Bundle]) -> None:
+        """``bundles`` all ``_plain``: per bundle only its entry and refs are made."""
+        groups: dict[tuple[int, bytes], _Group] = {}
+        entries = self.entries
+        first = len(entries)
+        nbytes = 0
+        try:
+            for bundle in bundles:
+                ts = bundle.ingestion_ts_ns
+                refs: list[ChunkRef] = []
+                size = 0
+                for slot in bundle.slots:
+                    assert slot.slot < META_SLOT, "metadata slot must be split off first"
+                    group = groups.get((slot.slot, slot.fingerprint))
+                    if group is None or group.schema is not slot.schema:
+                        group = self._group(groups, slot)
+                    refs.extend(group.take(max(slot.batches, 1), slot.row_count, ts))
+                    size += len(slot.ipc)
+                entries.append(BundleEntry(client=bundle.client, ingestion_ts_ns=ts,
+                                           sequence=bundle.sequence, txn=bundle.txn,
+                                           refs=tuple(refs), in_wal=True))
+                nbytes += size
+        finally:
+            # Also when a schema check raised: what the entries refer to is settled.
+            for group in groups.values():
+                group.settle()
+            self._count(bundles[:len(entries) - first], nbytes)
+
+    def _count(self, bundles: Sequence[Bundle], nbytes: int) -> None:
+        """The segment's counters after ``bundles`` (``nbytes`` of payload) were added."""
+        if not bundles:
+            return
+        self.unloaded += len(bundles)
+        self.bytes += nbytes
+        if self.first_sequence is None:
+            self.first_sequence = bundles[0].sequence
+        self.last_sequence = bundles[-1].sequence
+        lo = min(b.ingestion_ts_ns for b in bundles)
+        hi = max(b.ingestion_ts_ns for b in bundles)
+        self.min_ts = lo if self.min_ts is None else min(self.min_ts, lo)
+        self.max_ts = hi if self.max_ts is None else max(self.max_ts, hi)
+
+    def _group(self, groups: dict[tuple[int, bytes], _Group], slot: Slot) -> _Group:
+        """The group of ``slot``'s stream for its schema object; a group of the same
+        stream with another schema object is settled first, so chunks stay in order."""
+        key = (slot.slot, slot.fingerprint)
+        old = groups.get(key)
+        if old is not None:
+            old.settle()
+        found = self._by_key.get(key)
+        if found is None:
+            found = self._by_key[key] = self._new_stream(slot.slot, slot.fingerprint)
+        stream = self._streams[found]
+        assert slot.schema is not None
+        group = groups[key] = _Group(stream, found, slot.schema, stream.variant(slot.schema))
+        return group
 
     def staged(self) -> dict[int, StagedRef]:
         """The transactional bundles by index, end markers with their rows and checksum."""
@@ -210,6 +319,7 @@ class OpenSegment:
             return
         wanted = [e.sequence for e in self.entries if e.in_wal]
         payloads = fetch(wanted)
+        streams = self._streams
         for e in self.entries:
             if not e.in_wal:
                 continue
@@ -217,16 +327,20 @@ class OpenSegment:
             if slots is None:
                 raise ValueError(f"WAL entry {e.sequence} could not be read back")
             # add() gave each slot's batches consecutive refs, slots ascending.
-            for slot_id, group in itertools.groupby(e.refs, key=lambda r: r.slot):
-                refs = list(group)
+            refs, i = e.refs, 0
+            while i < len(refs):
+                slot_id, j = refs[i].slot, i + 1
+                while j < len(refs) and refs[j].slot == slot_id:
+                    j += 1
                 if slot_id not in slots:
                     raise ValueError(f"WAL entry {e.sequence} has no slot {slot_id}")
                 _, batches = _decode(slots[slot_id])
-                if len(batches) != len(refs):
+                if len(batches) != j - i:
                     raise ValueError(f"WAL entry {e.sequence} slot {slot_id}: {len(batches)} "
-                                     f"batches read back, {len(refs)} validated at ingest")
-                for ref, batch in zip(refs, batches, strict=True):
-                    self._streams[ref.stream].batches[ref.chunk] = batch
+                                     f"batches read back, {j - i} validated at ingest")
+                for ref, batch in zip(refs[i:j], batches, strict=True):
+                    streams[ref.stream].batches[ref.chunk] = batch
+                i = j
         self.unloaded = 0  # in_wal stays on the entries: it is only read by load()
         for stream in self._streams:  # solo streams learn their per-batch rows only now
             stream.rows = sum(b.num_rows for b in stream.batches)
@@ -242,6 +356,46 @@ class OpenSegment:
         return len(self._streams) - 1
 
 
+class _Group:
+    """One stream's share of a run of plain bundles with one schema object: chunks
+    are numbered as they come, the stream is extended once (``settle``)."""
+
+    __slots__ = ("stream", "stream_id", "schema", "variant", "base", "count", "rows",
+                 "min_ts", "max_ts")
+
+    def __init__(self, stream: Stream, stream_id: int, schema: pa.Schema, variant: int) -> None:
+        self.stream, self.stream_id, self.schema, self.variant = stream, stream_id, schema, variant
+        self.base = len(stream.batches)
+        self.count = self.rows = 0
+        self.min_ts = self.max_ts = 0  # of the chunks taken since the last settle
+
+    def take(self, n: int, rows: int, ts: int) -> list[ChunkRef]:
+        """Refs for one slot's ``n`` chunks (in the WAL, filled by ``load``)."""
+        first = self.base + self.count
+        if not self.count:
+            self.min_ts = self.max_ts = ts
+        elif ts < self.min_ts:
+            self.min_ts = ts
+        if ts > self.max_ts:
+            self.max_ts = ts
+        self.count += n
+        self.rows += rows
+        slot, stream_id, variant = self.stream.slot, self.stream_id, self.variant
+        return [ChunkRef(slot, stream_id, first + k, variant) for k in range(n)]
+
+    def settle(self) -> None:
+        """Extend the stream by the chunks taken (idempotent)."""
+        if not self.count:
+            return
+        s = self.stream
+        s.batches.extend([None] * self.count)  # load() fills them
+        s.rows += self.rows
+        s.min_ts = self.min_ts if s.min_ts is None else min(s.min_ts, self.min_ts)
+        s.max_ts = self.max_ts if s.max_ts is None else max(s.max_ts, self.max_ts)
+        self.base += self.count
+        self.count = self.rows = 0
+
+
 def _facts(slot: Slot) -> tuple[pa.Schema, list[pa.RecordBatch | None]]:
     """What ingest validation found, as ``_decode`` would give it, batches left in the WAL."""
     assert slot.schema is not None
@@ -255,14 +409,3 @@ def _decode(payload: Buffer) -> tuple[pa.Schema, list[pa.RecordBatch]]:
         schema = reader.schema
         batches = list(reader)
     return schema, batches or [pa.RecordBatch.from_pylist([], schema=schema)]
-
-
-def needs_solo_stream(schema: pa.Schema) -> bool:
-    """Dictionaries we cannot unify (nested ones) force one stream per chunk."""
-    for f in schema:
-        if pa.types.is_dictionary(f.type):
-            if not is_unifiable(f):
-                return True
-        elif has_dictionary(f.type):
-            return True
-    return False
