@@ -199,6 +199,7 @@ class SchemaCache:
 
 
 _I32 = struct.Struct("<i")
+_U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _I64 = struct.Struct("<q")
 _CONTINUATION = 0xFFFFFFFF
@@ -209,7 +210,8 @@ def _walk_messages(payload: Buffer) -> bytes | None:
     batches with uncompressed bodies, then end of stream; else None (not judged here).
 
     Reads each message's framing and the few flatbuffer fields that matter by hand,
-    so nothing is decoded or copied before the compression check.
+    so nothing is decoded or copied before the compression check. Every offset is
+    bounds checked (a negative one would read from the end); any doubt returns None.
     """
     view = memoryview(payload).cast("B")
     end, pos, key = len(view), 0, None
@@ -224,32 +226,63 @@ def _walk_messages(payload: Buffer) -> bytes | None:
             meta = view[pos + 4:pos + 4 + length]
             if length < 0 or len(meta) != length:
                 return None
-            root = _I32.unpack_from(meta, 0)[0]
-            kind = _field_u8(meta, root, _HEADER_TYPE)
-            body = _field_i64(meta, root, _BODY_LENGTH)
+            facts = _message_facts(meta)
+            if facts is None:
+                return None
+            kind, body, compressed = facts
             if key is None:
                 if kind != _SCHEMA:
                     return None
                 key = bytes(meta)
-            elif kind != _RECORD_BATCH or _body_compressed(meta):
+            elif kind != _RECORD_BATCH or compressed:
                 return None
             pos += 4 + length + body
         return None
-    except (struct.error, ValueError, IndexError):
+    except (struct.error, IndexError):
         return None
 
 
-def _field_u8(meta: memoryview, table: int, index: int) -> int:
-    at = flatbuf.field(meta, table, index)
-    return 0 if at is None else meta[at]
+def _message_facts(meta: memoryview) -> tuple[int, int, bool] | None:
+    """(header type, body length, compressed) of one IPC message's flatbuffer."""
+    root = _table(meta, _I32.unpack_from(meta, 0)[0])
+    if root is None:
+        return None
+    table, vtable, vlen = root
+    kind_at = _slot(meta, vtable, vlen, _HEADER_TYPE)
+    kind = meta[table + kind_at] if kind_at else 0
+    body_at = _slot(meta, vtable, vlen, _BODY_LENGTH)
+    body = _I64.unpack_from(meta, table + body_at)[0] if body_at else 0
+    if body < 0 or (body_at and table + body_at + 8 > len(meta)):
+        return None
+    compressed = False
+    if kind == _RECORD_BATCH:
+        header_at = _slot(meta, vtable, vlen, _HEADER)
+        if not header_at:
+            return None
+        ref = table + header_at
+        batch = _table(meta, ref + _U32.unpack_from(meta, ref)[0])
+        if batch is None:
+            return None
+        compressed = _slot(meta, batch[1], batch[2], _BATCH_COMPRESSION) != 0
+    return kind, body, compressed
 
 
-def _field_i64(meta: memoryview, table: int, index: int) -> int:
-    at = flatbuf.field(meta, table, index)
-    value = 0 if at is None else _I64.unpack_from(meta, at)[0]
-    if value < 0:
-        raise ValueError("negative body length")
-    return value
+def _table(meta: memoryview, table: int) -> tuple[int, int, int] | None:
+    """(table, vtable, vtable length) of the flatbuffer table at ``table``, checked."""
+    n = len(meta)
+    if not 0 <= table <= n - 4:
+        return None
+    vtable = table - _I32.unpack_from(meta, table)[0]
+    if not 0 <= vtable <= n - 4:
+        return None
+    vlen = _U16.unpack_from(meta, vtable)[0]
+    return (table, vtable, vlen) if vtable + vlen <= n else None
+
+
+def _slot(meta: memoryview, vtable: int, vlen: int, index: int) -> int:
+    """Offset of field ``index`` from its table (0: absent)."""
+    at = 4 + 2 * index
+    return _U16.unpack_from(meta, vtable + at)[0] if at + 2 <= vlen else 0
 
 
 def _schema_message(payload: Buffer) -> bytes:

@@ -36,10 +36,19 @@ def table_at(buf: memoryview, pos: int) -> int:
     return pos + read(buf, "<I", pos)
 
 
+_STRUCTS: dict[str, struct.Struct] = {}
+
+
 def read(buf: memoryview, fmt: str, pos: int) -> int:
-    """One scalar of struct format ``fmt`` at ``pos``, bounds checked."""
-    size = struct.calcsize(fmt)
-    if not 0 <= pos <= len(buf) - size:
+    """One scalar of struct format ``fmt`` at ``pos``, bounds checked.
+
+    Called a dozen times per ingested bundle (the compression check): the compiled
+    Struct is kept per format rather than sized and parsed again on every call.
+    """
+    st = _STRUCTS.get(fmt)
+    if st is None:
+        st = _STRUCTS[fmt] = struct.Struct(fmt)
+    if not 0 <= pos <= len(buf) - st.size:
         raise ValueError("Arrow IPC flatbuffer: offset out of bounds")
-    value: int = struct.unpack_from(fmt, buf, pos)[0]
+    value: int = st.unpack_from(buf, pos)[0]
     return value
