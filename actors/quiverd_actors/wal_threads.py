@@ -101,7 +101,7 @@ class WalPipeline:
 
     def delivered(self) -> None:
         """The loop handed the last commit on: the next sync may start."""
-        self.to_syncer.put(_CREDIT)
+        self._tell_syncer(_CREDIT)
 
     def close(self) -> None:
         """No more submits: write what is queued, sync it, acknowledge it, then exit."""
@@ -117,7 +117,11 @@ class WalPipeline:
 
     def kick(self) -> None:
         """Sync what is written now (retention wants it finalized)."""
-        self.to_syncer.put(_IDLE)
+        self._tell_syncer(_IDLE)
+
+    def _tell_syncer(self, message: Any) -> None:
+        if self.policy.syncs:  # under "never" no syncer reads the queue
+            self.to_syncer.put(message)
 
     # ---- writer thread -----------------------------------------------------------
     def run_writer(self) -> None:
@@ -151,7 +155,7 @@ class WalPipeline:
 
     def _after_write(self) -> None:
         if self.to_writer.empty():
-            self.to_syncer.put(_IDLE)
+            self._tell_syncer(_IDLE)
 
     def _write_batch(self, batch: list[Item]) -> None:
         pending = [(req, taken, self._slots(req.bundle)) for req, taken in batch]
@@ -198,7 +202,7 @@ class WalPipeline:
             self._refuse_stopping(pending[:1])
             return pending[1:]
         self.space.clear()
-        self.to_syncer.put(_IDLE)  # what is written gets synced, and can be released
+        self._tell_syncer(_IDLE)  # what is written gets synced, and can be released
         self.space.wait(CAPACITY_RECHECK_S)
         return pending
 
@@ -258,7 +262,7 @@ class WalPipeline:
             else:
                 self._refuse_stopping(rest)
             return len(rest)
-        self.to_syncer.put(_IDLE)  # paused: what is written gets synced and acked
+        self._tell_syncer(_IDLE)  # paused: what is written gets synced and acked
         self.disk_full.pause_blocking(self.stopping)
         return 0
 

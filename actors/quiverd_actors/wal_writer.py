@@ -169,7 +169,15 @@ class _Writer:
             stats.ack_latency.observe(now - taken)
         stats.acks.inc(len(written))
         stats.acked_bytes.inc(sum(b.payload_bytes for _, b, _ in written))
-        self.durable.append(DurableBatch(bundles=tuple(b for _, b, _ in written)))
+        batch = DurableBatch(bundles=tuple(b for _, b, _ in written))
+        if not self.durable:
+            try:  # the usual case: the builder has room, and the next sync may start now
+                self.outbox.send_nowait(batch)
+                self.pipeline.delivered()
+                return
+            except anyio.WouldBlock:
+                pass
+        self.durable.append(batch)
         self._notify()
 
     def on_refused(self, reqs: list[AppendRequest], why: Refusal, message: str) -> None:
