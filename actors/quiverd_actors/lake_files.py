@@ -24,7 +24,7 @@ from quiverd.kernel.errors import CatalogUnavailable
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
-from quiverd.lake.bundles import slot_table
+from quiverd.lake.bundles import EXTRA_NAMES, slot_table, with_bundle_columns
 from quiverd.lake.drift import conform
 from quiverd.lake.model import FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, FileFacts
@@ -109,7 +109,18 @@ class Sealed:
 
 def row_group(parts: list[Part], schema: pa.Schema, shard: int) -> pa.Table:
     """The parts as one table of the file's ``schema``, bundle columns added (worker
-    thread): the chunks of the segment's tables, not a copy of them."""
+    thread): the chunks of the segment's tables, not a copy of them. Parts of one
+    schema (the usual case) are joined first, then given their bundle columns and
+    conformed once; per part that cost ~3 % of the uploader's CPU."""
+    first = parts[0].table.schema
+    if not EXTRA_NAMES & set(first.names) and all(p.table.schema.equals(first)
+                                                   for p in parts):
+        table = parts[0].table if len(parts) == 1 else pa.concat_tables(p.table for p in parts)
+        return conform(with_bundle_columns(
+            table, [p.table.num_rows for p in parts], shard=shard,
+            segment_seqs=[p.segment_seq for p in parts],
+            bundle_indexes=[p.bundle_index for p in parts],
+            ingestion_ts_ns=[p.ingestion_ts_ns for p in parts]), schema)
     tables = [conform(slot_table(p.table, shard=shard, segment_seq=p.segment_seq,
                                  bundle_index=p.bundle_index,
                                  ingestion_ts_ns=p.ingestion_ts_ns), schema)

@@ -33,6 +33,7 @@ EXTRA_FIELDS = (pa.field(INGESTED_AT, pa.timestamp("ns", tz="UTC")),
                 pa.field(SHARD_COLUMN, pa.uint16()),
                 pa.field(SEGMENT_COLUMN, pa.uint64()),
                 pa.field(BUNDLE_COLUMN, pa.uint32()))
+EXTRA_NAMES = frozenset(f.name for f in EXTRA_FIELDS)
 
 
 def with_extras(schema: pa.Schema) -> pa.Schema:
@@ -54,6 +55,26 @@ def slot_table(table: pa.Table, *, shard: int, segment_seq: int, bundle_index: i
     for name, column in columns.items():
         if table.schema.get_field_index(name) < 0:
             table = table.append_column(name, column)
+    return table
+
+
+def with_bundle_columns(table: pa.Table, rows: list[int], *, shard: int,
+                        segment_seqs: list[int], bundle_indexes: list[int],
+                        ingestion_ts_ns: list[int]) -> pa.Table:
+    """Many bundles' slots concatenated (``rows[k]`` rows of the k-th, one schema
+    without any bundle column) with the bundle columns added for all of them at once:
+    a few numpy repeats per row group instead of four arrays per bundle."""
+    counts = np.asarray(rows, dtype=np.int64)
+    columns: dict[str, np.ndarray] = {
+        INGESTED_AT: np.repeat(np.asarray(ingestion_ts_ns, dtype=np.int64), counts),
+        SHARD_COLUMN: np.full(int(counts.sum()), shard, dtype=np.uint16),
+        SEGMENT_COLUMN: np.repeat(np.asarray(segment_seqs, dtype=np.uint64), counts),
+        BUNDLE_COLUMN: np.repeat(np.asarray(bundle_indexes, dtype=np.uint32), counts),
+    }
+    for field in EXTRA_FIELDS:
+        values = columns[field.name]
+        table = table.append_column(field, pa.Array.from_buffers(
+            field.type, len(values), [None, pa.py_buffer(values)]))
     return table
 
 

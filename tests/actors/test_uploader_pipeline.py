@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from quiverd.acks import format as ackfmt
-from quiverd.lake.bundles import CoverageCache, time_column_of
+from quiverd.lake.bundles import CoverageCache, slot_table, time_column_of, with_extras
+from quiverd.lake.drift import conform, unify
 from quiverd.lake.model import INGESTED_AT
-from quiverd_actors.lake_files import OpenFile
+from quiverd_actors.lake_files import OpenFile, Part, row_group
 from tests.actors.test_uploader import delivery, registered, rows, running
 from tests.daemon.lake_helpers import uri_path
 from tests.lake.helpers import open_test_tier
@@ -124,3 +125,40 @@ def test_time_column_falls_back_to_ingestion_time() -> None:
     assert time_column_of(schema, "s") == INGESTED_AT
     assert time_column_of(schema, "absent") == INGESTED_AT
     assert time_column_of(schema, "") == INGESTED_AT
+
+
+def _part(seg: int, idx: int, table: pa.Table) -> Part:
+    return Part(table=table, segment_seq=seg, bundle_index=idx,
+                ingestion_ts_ns=1_700_000_000_000_000_000 + 1000 * seg + idx)
+
+
+def _part_by_part(parts: list[Part], schema: pa.Schema, shard: int) -> pa.Table:
+    return pa.concat_tables(conform(slot_table(
+        p.table, shard=shard, segment_seq=p.segment_seq, bundle_index=p.bundle_index,
+        ingestion_ts_ns=p.ingestion_ts_ns), schema) for p in parts)
+
+
+def _logs(n: int, start: int) -> pa.Table:
+    level = pa.DictionaryArray.from_arrays(pa.array([i % 3 for i in range(n)], pa.int8()),
+                                           pa.array(["INFO", "WARN", "ERROR"]))
+    return pa.table({"v": pa.array(range(start, start + n), pa.int64()), "level": level})
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_row_group_equals_the_part_by_part_table(mixed: bool) -> None:
+    """Parts of one schema take the joined path; a part of another schema (here a
+    column the producer named _quiver_bundle, kept as sent) the part-by-part one."""
+    parts = [_part(7, i, _logs(3 + i, 10 * i)) for i in range(5)]
+    parts.append(_part(2**40, 0, _logs(1, 99)))
+    if mixed:
+        parts.append(_part(8, 0, _logs(2, 50).append_column(
+            "_quiver_bundle", pa.array([42, 43], pa.uint32()))))
+    schema = None
+    for p in parts:
+        schema = unify(schema, with_extras(p.table.schema))
+    assert schema is not None
+    got = row_group(parts, schema, shard=3)
+    assert got.schema == schema
+    assert got.equals(_part_by_part(parts, schema, 3))
+    assert got["_quiver_segment"].to_pylist()[-3 if mixed else -1] == 2**40
+    assert got["_quiver_shard"].to_pylist() == [3] * got.num_rows
