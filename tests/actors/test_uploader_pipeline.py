@@ -162,3 +162,48 @@ def test_row_group_equals_the_part_by_part_table(mixed: bool) -> None:
     assert got.equals(_part_by_part(parts, schema, 3))
     assert got["_quiver_segment"].to_pylist()[-3 if mixed else -1] == 2**40
     assert got["_quiver_shard"].to_pylist() == [3] * got.num_rows
+
+
+@pytest.mark.parametrize(
+    ("locked", "parts", "idle_s", "buffered", "due"),
+    [
+        (False, True, 1.0, 16 * MiB, True),  # a quarter of a row group, idle 1 s
+        (False, True, 0.5, 16 * MiB, False),  # parts still coming
+        (False, True, 5.0, 16 * MiB - 1, False),  # a trickle: wait for a bigger row group
+        (True, True, 5.0, 32 * MiB, False),  # a row group is being written
+        (False, False, 5.0, 0, False),  # nothing buffered
+    ])
+@pytest.mark.asyncio
+async def test_idle_flush_due_only_for_idle_files_with_a_quarter_row_group(
+        locked: bool, parts: bool, idle_s: float, buffered: int, due: bool) -> None:
+    f = open_file()
+    if parts:
+        f.parts.append(_part(1, 0, rows(1)))
+    f.buffered_bytes, f.last_part_at = buffered, 100.0
+    if locked:
+        await f.lock.acquire()
+    assert f.idle_flush_due(100.0 + idle_s, row_group_bytes=64 * MiB) is due
+
+
+@pytest.mark.asyncio
+async def test_uploader_encodes_an_idle_files_rows_before_its_timer(tmp_path: Path) -> None:
+    """A file whose rows stopped coming gets them written as a row group while it waits
+    for file_duration_ms, so the rotation has only the footer left to do."""
+    async with open_test_tier(tmp_path, row_group_bytes=1 << 20, file_size_bytes=1 << 40,
+                              file_duration_ms=3_600_000) as tier, \
+            running(tier) as (acks, uploader, tx):
+        await tx.send(delivery(1, 0, {0: rows(40_000)}))  # 320 KB: over a quarter
+        await tx.send(delivery(1, 1, {0: rows(1, 40_000)}))
+        key = (0, "app", 0)
+
+        def written() -> bool:
+            f = uploader.files.get(key)
+            return (f is not None and f.active is not None and not f.parts
+                    and not f.lock.locked())
+        await eventually(written)
+        f = uploader.files[key]
+        assert f.active is not None and f.active.rows == 40_001 and acks.outcomes == []
+        uploader._start_rotation(f, "test")
+        await acks.until(lambda o: len(o) == 2)
+        (file,) = await registered(tier)
+        assert file.row_count == 40_001
