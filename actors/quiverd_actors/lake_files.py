@@ -36,8 +36,6 @@ RETRY_BASE_S = 0.5
 RETRY_MAX_S = 30.0
 
 FileKey = tuple[int, str, int]  # (shard, client, slot)
-IDLE_FLUSH_S = 1.0
-IDLE_FLUSH_FRACTION = 4
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,6 @@ class OpenFile:
     written_bytes: int = 0  # the file's size after its last row group (read under lock)
     encoded_bytes: int = 0  # Arrow bytes in its row groups: with the above, the ratio
     seen: pa.Schema | None = None  # the last slot's schema, known to fit ``schema``
-    last_part_at: float = 0.0  # monotonic: when its last part was buffered
     active: ActiveFile | None = None
     frozen: bool = False  # schema fixed: the first row group is being written
     failed: bool = False  # abandoned: its bundles were nacked
@@ -87,14 +84,6 @@ class OpenFile:
         ratio = self.written_bytes / self.encoded_bytes if self.encoded_bytes else 1.0
         ahead = self.inflight_bytes + self.buffered_bytes + nbytes
         return self.written_bytes + ratio * ahead >= file_size_bytes
-
-    def idle_flush_due(self, now: float, row_group_bytes: int) -> bool:
-        """Write the buffered parts as a row group before the file is full? When no part
-        came for ``IDLE_FLUSH_S`` and they are at least ``1 / IDLE_FLUSH_FRACTION`` of a
-        row group: a slow trickle still makes row groups of that size or more."""
-        return (not self.lock.locked() and bool(self.parts)
-                and now - self.last_part_at >= IDLE_FLUSH_S
-                and self.buffered_bytes * IDLE_FLUSH_FRACTION >= row_group_bytes)
 
     @property
     def shard(self) -> int:

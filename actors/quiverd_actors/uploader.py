@@ -137,7 +137,6 @@ class Uploader:
         f.parts.append(Part(table=table, segment_seq=d.segment_seq,
                             bundle_index=d.bundle_index, ingestion_ts_ns=d.ingestion_ts_ns))
         f.bundles.append((d.segment_seq, d.bundle_index))
-        f.last_part_at = anyio.current_time()
         f.buffered_bytes += nbytes
         self._buffer(nbytes)
         if f.buffered_bytes >= self.lake.row_group_bytes:
@@ -203,10 +202,6 @@ class Uploader:
             for f in list(self.files.values()):
                 if (now - f.opened_at) * 1000 >= self.lake.file_duration_ms:
                     self._start_rotation(f, "time")
-                elif f.idle_flush_due(now, self.lake.row_group_bytes):
-                    # Its rows stopped coming: encode them now, while the file waits for
-                    # its timer, instead of all at rotation (a job's tail, a backlog's).
-                    self.tg.start_soon(self._flush_then_check, f)
 
     # ---- Parquet ------------------------------------------------------------------
     def _pending(self, delta: int) -> None:
