@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     lake = {**LAKE_SETTINGS, "lake.file_duration_ms": args.file_duration_ms}
     throughput = []
     if "throughput" in args.only:
-        for clients in CLIENTS:
+        for clients in args.clients:
             throughput.append(run_throughput(pool, clients, volume, args.repeat, root, lake,
                                              args.profile, args.logs))
     sustained = None
@@ -155,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     p.add_argument("--repeat", type=int, default=2,
                    help="uploader/baseline pairs per client count (default 2)")
+    p.add_argument("--clients", type=lambda s: [int(c) for c in s.split(",")],
+                   default=list(CLIENTS), metavar="N,...",
+                   help="client counts of the throughput part (default 1,4)")
     p.add_argument("--rate-mbps", type=float,
                    help="sustained phase rate, 10^6 B/s of Arrow IPC (default 60 %% of the "
                         "single-client uploader rate measured first)")
@@ -331,10 +334,22 @@ def timer_wait_s(samples: list[Sample]) -> float:
     return idle_s(samples, lambda s: s.waiting_for_timer())
 
 
+def timer_wait_cpu_s(samples: list[Sample]) -> float:
+    """The daemon's CPU seconds inside those stretches (status polls, timers): not
+    conversion work, so left out of its busy CPU as the stretches are of its time."""
+    return sum((b.cpu_ticks - a.cpu_ticks) / CLOCK_TICKS
+               for a, b in _idle_stretches(samples, lambda s: s.waiting_for_timer()))
+
+
 def idle_s(samples: list[Sample], also: Callable[[Sample], bool] = lambda s: True) -> float:
     """Seconds in stretches of at least ``IDLE_MIN_S`` in which the daemon used under
     ``IDLE_CORES`` (and ``also`` held at both ends of every poll interval)."""
-    total, start = 0.0, None
+    return sum(b.t - a.t for a, b in _idle_stretches(samples, also))
+
+
+def _idle_stretches(samples: list[Sample], also: Callable[[Sample], bool]
+                    ) -> list[tuple[Sample, Sample]]:
+    out, start = [], None
     for a, b in zip(samples, samples[1:], strict=False):
         cores = (b.cpu_ticks - a.cpu_ticks) / CLOCK_TICKS / max(b.t - a.t, 1e-9)
         # One 10 ms tick in a 100 ms poll is already 0.1 cores: judge single polls
@@ -343,17 +358,17 @@ def idle_s(samples: list[Sample], also: Callable[[Sample], bool] = lambda s: Tru
         if idle and start is None:
             start = a
         elif not idle and start is not None:
-            total += _idle_stretch(start, a)
+            out.append((start, a))
             start = None
     if start is not None:
-        total += _idle_stretch(start, samples[-1])
-    return total
+        out.append((start, samples[-1]))
+    return [(a, b) for a, b in out if _idle_stretch(a, b)]
 
 
-def _idle_stretch(first: Sample, last: Sample) -> float:
+def _idle_stretch(first: Sample, last: Sample) -> bool:
     seconds = last.t - first.t
     cores = (last.cpu_ticks - first.cpu_ticks) / CLOCK_TICKS / max(seconds, 1e-9)
-    return seconds if seconds >= IDLE_MIN_S and cores < IDLE_CORES else 0.0
+    return seconds >= IDLE_MIN_S and cores < IDLE_CORES
 
 
 # ---- part 1: converting a backlog ------------------------------------------------------
@@ -445,7 +460,8 @@ def _convert(daemon: LakeDaemon, rows: int, spy_out: Path | None) -> dict[str, A
     return {"wall_s": wall, "startup_s": daemon.ready - daemon.spawned,
             "rows_at_ready": samples[0].rows, "timer_wait_s": timer_wait_s(samples),
             "idle_s": idle_s(samples),
-            "daemon_cpu_s": daemon_s, "daemon_loop_cpu_s": loop_s,
+            "daemon_cpu_s": daemon_s,
+            "daemon_busy_cpu_s": daemon_s - timer_wait_cpu_s(samples), "daemon_loop_cpu_s": loop_s,
             "daemon_sys_cpu_s": system / CLOCK_TICKS, "machine_cpu_cores": busy / wall,
             # Short-lived processes (another session's tests) exit before foreign_cpu_s
             # sees them: the machine's busy time minus ours counts them (and writeback).
@@ -830,8 +846,13 @@ def summarize(clients: int, pool: Pool, plan: dict[int, list[int]],
         "ratio_wall": statistics.median(u["wall_mb_s"] / b["as_sent"]["mb_s"] for u, b in pairs),
         "ratio_uploader_columns": statistics.median(
             u["mb_s"] / b["uploader_columns"]["mb_s"] for u, b in pairs),
+        "ratio_range": _range(u["mb_s"] / b["as_sent"]["mb_s"] for u, b in pairs),
         "daemon_cpu_s": med("daemon_cpu_s"), "daemon_loop_cpu_s": med("daemon_loop_cpu_s"),
+        "daemon_busy_cpu_s": med("daemon_busy_cpu_s"),
         "pyarrow_cpu_s": base("as_sent", "cpu_s"),
+        # CPU efficiency: pyarrow's CPU seconds / the daemon's outside the timer wait.
+        "cpu_ratio": statistics.median(cpu_ratio(u, b) for u, b in pairs),
+        "cpu_ratio_range": _range(cpu_ratio(u, b) for u, b in pairs),
         "files": ups[0]["files"], "rotations": ups[0]["rotations"],
         "parquet_bytes": ups[0]["parquet_bytes"],
         "pyarrow_parquet_bytes": pairs[0][1]["as_sent"]["parquet_bytes"],
@@ -839,6 +860,15 @@ def summarize(clients: int, pool: Pool, plan: dict[int, list[int]],
         "other_cpu_cores": max(u["other_cpu_cores"] for u in ups),
         "uploader": ups, "pyarrow": [b for _, b in pairs],
     }
+
+
+def cpu_ratio(up: dict[str, Any], base: dict[str, Any]) -> float:
+    return float(base["as_sent"]["cpu_s"] / max(up["daemon_busy_cpu_s"], 1e-9))
+
+
+def _range(values: Iterator[float] | Any) -> tuple[float, float]:
+    v = list(values)
+    return min(v), max(v)
 
 
 def _line(clients: int, rep: int, up: dict[str, Any], base: dict[str, Any]) -> str:
@@ -852,7 +882,8 @@ def _line(clients: int, rep: int, up: dict[str, Any], base: dict[str, Any]) -> s
             f"ratio {up['mb_s'] / plain['mb_s']:.2f}x | {up['files']} files ({reasons}), "
             f"{up['row_groups']} row groups, {up['parquet_bytes'] / MiB:.0f} MiB vs "
             f"{plain['parquet_bytes'] / MiB:.0f} MiB | cpu daemon {up['daemon_cpu_s']:.1f} s "
-            f"(loop {up['daemon_loop_cpu_s']:.1f}), pyarrow {plain['cpu_s']:.1f} s, "
+            f"(loop {up['daemon_loop_cpu_s']:.1f}; busy {up['daemon_busy_cpu_s']:.1f}), "
+            f"pyarrow {plain['cpu_s']:.1f} s, cpu ratio {cpu_ratio(up, base):.2f}x, "
             f"machine {up['machine_cpu_cores']:.2f} cores | ingest {up['ingest_s']:.1f} s, "
             f"startup {up['startup_s']:.2f} s"
             + (f" | OTHERS {up['other_cpu_cores']:.2f} cores"
@@ -871,17 +902,20 @@ def report(meta: dict[str, Any], runs: list[dict[str, Any]], s: dict[str, Any] |
         out += ["", "| clients | Arrow IPC MiB | files (rotated by) | uploader s: wall - timer "
                 "wait = busy | daemon idle s | uploader MB/s | pyarrow MB/s | uploader / "
                 "pyarrow (target ≥ 0.8×) | pyarrow, uploader's columns MB/s | daemon CPU s "
-                "(loop) | pyarrow CPU s |", "|" + "---:|" * 11]
+                "(loop; busy) | pyarrow CPU s | pyarrow CPU / daemon busy CPU (target ≥ 0.8×) |",
+                "|" + "---:|" * 12]
         for r in runs:
             why = ", ".join(f"{n} {reason}" for reason, n in sorted(r["rotations"].items()))
             out.append(
                 f"| {r['clients']} | {r['ipc_bytes'] / MiB:.0f} | {r['files']} ({why}) "
                 f"| {r['wall_s']:.2f} - {r['timer_wait_s']:.2f} = {r['busy_s']:.2f} "
                 f"| {r['idle_s']:.1f} | {r['uploader_mb_s']:.0f} | {r['pyarrow_mb_s']:.0f} "
-                f"| {r['ratio']:.2f}× "
+                f"| {r['ratio']:.2f}× ({_span(r['ratio_range'])}) "
                 f"| {r['pyarrow_uploader_columns_mb_s']:.0f} "
-                f"| {r['daemon_cpu_s']:.1f} ({r['daemon_loop_cpu_s']:.1f}) "
-                f"| {r['pyarrow_cpu_s']:.1f} |")
+                f"| {r['daemon_cpu_s']:.1f} ({r['daemon_loop_cpu_s']:.1f}; "
+                f"{r['daemon_busy_cpu_s']:.1f}) "
+                f"| {r['pyarrow_cpu_s']:.1f} "
+                f"| {r['cpu_ratio']:.2f}× ({_span(r['cpu_ratio_range'])}) |")
     if s is not None:
         conv, lag = s["unconverted_mb"], s["lag_mb"]
         out += ["", "| sustained | sent MB/s | MB not in Parquet: peak per third | uploader "
@@ -895,6 +929,10 @@ def report(meta: dict[str, Any], runs: list[dict[str, Any]], s: dict[str, Any] |
                 f"| {s['daemon_cpu_cores']:.2f} | {'yes' if keeps_up(s) else 'NO'} |",
                 "", verdict(s)]
     return "\n".join(out)
+
+
+def _span(r: tuple[float, float]) -> str:
+    return f"{r[0]:.2f}–{r[1]:.2f}"
 
 
 def _thirds(peaks: dict[str, float]) -> str:

@@ -405,6 +405,12 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
         "quiver_rows_s": rows / best_q, "parquet_rows_s": rows / best_p,
         "sink_s": best_k, "sink_ratio": best_k / best_p, "quiver_over_sink": best_q / best_k,
         "ratio_per_round": [r["quiver"]["seconds"] / r["parquet"]["seconds"] for r in runs],
+        # Per round, the two sides in the same minute: median and spread (issue 18).
+        "ratio_median": statistics.median(x["seconds"] / y["seconds"]
+                                          for x, y in zip(q, p, strict=True)),
+        "cpu_ratio_per_round": [r["quiver"]["cpu_s"] / r["parquet"]["cpu_s"] for r in runs],
+        "cpu_ratio_median": statistics.median(x["cpu_s"] / y["cpu_s"]
+                                              for x, y in zip(q, p, strict=True)),
         "others_per_round": [_others(r) for r in runs],
         "to_queryable_s": statistics.median(x["to_queryable_s"] for x in q),
         "timer_wait_s": statistics.median(x["timer_wait_s"] for x in q),
@@ -482,6 +488,9 @@ def report(meta: dict[str, Any], r: dict[str, Any]) -> str:
         f"{', '.join(f'#{n}' for n in r['rounds_counted'])} (per round: "
         + ", ".join(f"{x:.2f}×" + (f" OTHERS {o:.2f}" if o > BUSY_CORES else "")
                     for x, o in zip(r["ratio_per_round"], r["others_per_round"], strict=True))
+        + f"); per round, median {r['ratio_median']:.2f}×; CPU s quiver / parquet median "
+        f"{r['cpu_ratio_median']:.2f}× (per round: "
+        + ", ".join(f"{x:.2f}×" for x in r["cpu_ratio_per_round"])
         + f"); Spark's Python data source path alone (sink) {r['sink_ratio']:.2f}×, quiver "
         f"/ sink {r['quiver_over_sink']:.2f}×"
         + ("; EVERY ROUND WAS DISTURBED by other processes (up to "

@@ -15,17 +15,16 @@ nothing left is acked at once. The catalog refuses a registration that would cov
 bundle twice (``DuplicateCoverage``); the file is then abandoned and its bundles
 nacked, to be redelivered and found covered.
 
-Every row gets the bundle's ingestion time and id (``lake.bundles``), so the slots
-of a bundle rejoin across their files. Parquet encoding runs in
-worker threads (``limiter``), one hop per row group; files of different clients
-encode in parallel.
+Every row gets the bundle's ingestion time and id (``lake.bundles``), so the slots of
+a bundle rejoin across their files. Parquet encoding runs in worker threads
+(``limiter``), one hop per row group, while the file's next row group fills; files of
+different clients encode in parallel.
 """
 
 from __future__ import annotations
 
 import errno
 import time
-from collections import OrderedDict
 
 import anyio
 import pyarrow as pa
@@ -37,18 +36,20 @@ from quiverd.kernel.errors import LakeError
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
-from quiverd.lake.bundles import EXTRA_FIELDS, close_to_stable, slot_table, with_extras
-from quiverd.lake.drift import conform, normalize, unify
-from quiverd.lake.health import LakeHealth
-from quiverd.lake.model import (
-    INGESTED_AT,
-    FileRow,
-    FileState,
+from quiverd.lake.bundles import (
+    EXTRA_FIELDS,
+    CoverageCache,
+    close_to_stable,
+    time_column_of,
+    with_extras,
 )
+from quiverd.lake.drift import normalize, unify
+from quiverd.lake.health import LakeHealth
+from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
 from quiverd.lake.tier import Tier
 from quiverd_actors.dispatcher import Dispatcher, Session
-from quiverd_actors.lake_files import FileKey, OpenFile, Part, Sealed
+from quiverd_actors.lake_files import FileKey, OpenFile, Part, Sealed, row_group
 from quiverd_actors.messages import LocalDelivery
 from quiverd_actors.publisher import Publisher, WatchedSteps
 
@@ -77,7 +78,7 @@ class Uploader:
         self.files: dict[FileKey, OpenFile] = {}
         self.live: set[OpenFile] = set()  # files with a writer open (aborted at exit)
         self.outstanding: dict[BundleKey, int] = {}  # slot files not yet registered
-        self.covered_cache: OrderedDict[tuple[int, int], dict[int, set[int]]] = OrderedDict()
+        self.covered = CoverageCache(COVERAGE_CACHE)
         self.buffered = 0
         self.buffer_freed = anyio.Event()
         send, recv = anyio.create_memory_object_stream[Sealed](PUBLISH_QUEUE)
@@ -131,14 +132,26 @@ class Uploader:
         await self._relieve_pressure()
 
     async def _add(self, d: LocalDelivery, slot: int, table: pa.Table) -> None:
-        incoming = with_extras(table.schema)
-        fkey = (d.shard, d.client, slot)
+        nbytes = table.nbytes  # not free (it walks every buffer): once per slot
+        f = await self._file_for((d.shard, d.client, slot), table, nbytes)
+        f.parts.append(Part(table=table, segment_seq=d.segment_seq,
+                            bundle_index=d.bundle_index, ingestion_ts_ns=d.ingestion_ts_ns))
+        f.bundles.append((d.segment_seq, d.bundle_index))
+        f.buffered_bytes += nbytes
+        self._buffer(nbytes)
+        if f.buffered_bytes >= self.lake.row_group_bytes:
+            self.tg.start_soon(self._flush_then_check, f)
+
+    async def _file_for(self, fkey: FileKey, table: pa.Table, nbytes: int) -> OpenFile:
+        """The open file that takes ``table``: a new one on a schema it cannot take."""
         f = self.files.get(fkey)
-        if f is not None and (f.lock.locked() or f.buffered_bytes >= self.lake.row_group_bytes):
-            # A row group of this file is due or being written: wait for it and its size
-            # check, so a burst (a job's commit) cannot pile row groups past the size.
+        if f is not None and f.must_wait(nbytes, self.lake.row_group_bytes,
+                                         self.lake.file_size_bytes):
             await self._flush_then_check(f)
             f = self.files.get(fkey)
+        if f is not None and f.seen is not None and table.schema.equals(f.seen):
+            return f  # the schema of the last slot taken: unify would change nothing
+        incoming = with_extras(table.schema)
         if f is not None:
             rep = unify(f.schema, incoming)
             if rep is None or (f.frozen and rep != f.schema):
@@ -148,13 +161,8 @@ class Uploader:
                 f.schema = rep
         else:
             f = await self._open(fkey, normalize(incoming))
-        f.parts.append(Part(table=table, segment_seq=d.segment_seq,
-                            bundle_index=d.bundle_index, ingestion_ts_ns=d.ingestion_ts_ns))
-        f.bundles.append((d.segment_seq, d.bundle_index))
-        f.buffered_bytes += table.nbytes
-        self._buffer(table.nbytes)
-        if f.buffered_bytes >= self.lake.row_group_bytes:
-            self.tg.start_soon(self._flush_then_check, f)
+        f.seen = table.schema
+        return f
 
     async def _open(self, fkey: FileKey, schema: pa.Schema) -> OpenFile:
         file_id = str(ULID())
@@ -209,8 +217,9 @@ class Uploader:
 
     async def _flush_then_check(self, f: OpenFile) -> None:
         await self._flush(f)
+        # written_bytes, not active.bytes_written: the next row group may be encoding.
         if (f.active is not None and self.files.get(f.key) is f
-                and f.active.bytes_written >= self.lake.file_size_bytes):
+                and f.written_bytes >= self.lake.file_size_bytes):
             self._start_rotation(f, "size")
 
     async def _flush(self, f: OpenFile) -> None:
@@ -222,6 +231,7 @@ class Uploader:
                 return
             first = f.active is None
             f.frozen = True
+            f.inflight_bytes = nbytes
             started = anyio.current_time()
             try:
                 await anyio.to_thread.run_sync(self._encode, f, parts, f.schema,
@@ -230,30 +240,24 @@ class Uploader:
                 await self._fail(f, exc, "append")
                 return
             finally:
+                f.inflight_bytes = 0
                 self._buffer(-nbytes)
+            assert f.active is not None
+            f.written_bytes, f.encoded_bytes = f.active.bytes_written, f.active.uncompressed_bytes
             took = anyio.current_time() - started
             self.m.lake_append_latency.observe(took)
             if first:
                 await self.steps.transition(f, FileState.APPENDED, took)
 
     def _encode(self, f: OpenFile, parts: list[Part], schema: pa.Schema) -> None:
-        """Decode, add the bundle columns, conform and append one row group (worker thread)."""
-        tables = [conform(slot_table(p.table, shard=f.shard, segment_seq=p.segment_seq,
-                                      bundle_index=p.bundle_index,
-                                      ingestion_ts_ns=p.ingestion_ts_ns), schema)
-                  for p in parts]
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        """Append the parts as one row group, opening the file first (worker thread)."""
+        table = row_group(parts, schema, f.shard)
         if f.active is None:
-            time_column = self.lake.time_column or INGESTED_AT
-            i = schema.get_field_index(time_column)
-            kind = schema.field(i).type if i >= 0 else None
-            if kind is None or not (pa.types.is_timestamp(kind) or pa.types.is_integer(kind)):
-                time_column = INGESTED_AT  # absent here, or not a time: ingestion time
             f.active = ActiveFile.create(f.path, schema, self.settings, metadata={
                 "quiver.file_id": f.file_id, "quiver.client": f.client,
                 "quiver.slot": str(f.slot), "quiver.node_id": self.tier.node_id,
                 "quiver.source_id": self.tier.source_id, "quiver.shard": str(f.shard)},
-                time_column=time_column)
+                time_column=time_column_of(schema, self.lake.time_column))
             self.live.add(f)
         f.active.append(table)
 
@@ -334,7 +338,8 @@ class Uploader:
                 self.m.lake_pending_uploads.labels().inc(-1)
                 self._pending(-sealed.facts.compressed_size)
             if registered:
-                self._remember(sealed.file)
+                f = sealed.file
+                self.covered.remember(f.shard, f.slot, f.bundles)  # a redelivery may follow
                 await self.steps.fault("registered")
                 await self._settle(sealed.file, ackfmt.ACK)
                 await self.steps.fault("acked")
@@ -371,23 +376,12 @@ class Uploader:
 
     # ---- catalog ------------------------------------------------------------------
     async def _covered(self, shard: int, segment_seq: int) -> dict[int, set[int]]:
-        ck = (shard, segment_seq)
-        found = self.covered_cache.get(ck)
+        found = self.covered.get(shard, segment_seq)
         if found is None:
             found = await self.steps.catalog(self.tier.catalog.covered, self.tier.source_id,
-                                        shard, segment_seq)
-            self.covered_cache[ck] = found
-            while len(self.covered_cache) > COVERAGE_CACHE:
-                self.covered_cache.popitem(last=False)
-        self.covered_cache.move_to_end(ck)
+                                             shard, segment_seq)
+            self.covered.put(shard, segment_seq, found)
         return found
-
-    def _remember(self, f: OpenFile) -> None:
-        """Keep cached coverage true after a registration (a redelivery may follow)."""
-        for seg, idx in f.bundles:
-            cached = self.covered_cache.get((f.shard, seg))
-            if cached is not None:
-                cached.setdefault(f.slot, set()).add(idx)
 
     async def _abort_all(self) -> None:
         for f in list(self.live):
