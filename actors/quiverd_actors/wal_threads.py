@@ -84,7 +84,7 @@ class WalPipeline:
         # Plain C queues: a put from the loop never blocks and takes no Python lock,
         # so the loop never waits for a thread (nor for the GIL behind one).
         self.to_writer: queue.SimpleQueue[list[Item] | str] = queue.SimpleQueue()
-        # The syncer's queue: (written entries, bytes) per write, or a message below.
+        # The syncer's queue: (written entries, bytes, idle) per write, or a message below.
         self.to_syncer: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.space = threading.Event()  # set when a release freed WAL space
         self.stopping = threading.Event()  # the daemon stops: waits end in refusals
@@ -92,7 +92,8 @@ class WalPipeline:
         self.disk_full = Retry(log)
         self.full_refusals = 0
         self.reserve_bytes = wal.reserve_bytes  # + 1/8 while the disk is full
-        self.unsynced = 0  # entries written, not yet synced (the in-flight gauge)
+        self._batch_left = 0  # entries of the batch being written not yet written
+        self._idle_told = False  # the last write's message said "idle" already
         stats.last_sequence.set(next_sequence - 1)
 
     # ---- the loop's calls (never block) -----------------------------------------
@@ -154,8 +155,10 @@ class WalPipeline:
             self.to_syncer.put(_DONE)
 
     def _after_write(self) -> None:
-        if self.to_writer.empty():
+        """Nothing more to write: tell the syncer, unless the last write already did."""
+        if self.to_writer.empty() and not self._idle_told:
             self._tell_syncer(_IDLE)
+        self._idle_told = False
 
     def _write_batch(self, batch: list[Item]) -> None:
         pending = [(req, taken, self._slots(req.bundle)) for req, taken in batch]
@@ -172,6 +175,7 @@ class WalPipeline:
                 if total > MAX_BATCH_BYTES and i:
                     n = i
                     break
+            self._batch_left = len(pending)
             count, full = self._append(pending[:n])
             pending = pending[count:]
             if full is None:
@@ -239,7 +243,11 @@ class WalPipeline:
         if not self.policy.syncs:
             self.post(self.sink.on_durable, done)
             return
-        self.to_syncer.put((done, nbytes))
+        # The batch's last write with nothing queued behind it carries "idle" itself:
+        # one message, one wake-up of the syncer, per write.
+        idle = len(chunk) == self._batch_left and self.to_writer.empty()
+        self._idle_told = idle
+        self.to_syncer.put((done, nbytes, idle))
 
     def _no_space(self, full: WalNoSpace, rest: list[Any]) -> int:
         """``rest`` found no disk space. Returns how many of it were refused (0: the
@@ -335,12 +343,12 @@ class _SyncState:
             elif msg == _DONE:
                 self.done = True
             else:
-                done, nbytes = msg
+                done, nbytes, idle = msg
                 if not self.written:
                     self.oldest = time.monotonic()
                 self.written.extend(done)
                 self.nbytes += nbytes
-                self.idle = False
+                self.idle = idle
             try:
                 msg = q.get_nowait()
             except queue.Empty:
