@@ -193,8 +193,8 @@ class SchemaCache:
     def _remember(self, key: bytes, schema: pa.Schema, fp: bytes) -> None:
         if key in self._known:
             return
-        if len(self._known) >= self.capacity:
-            del self._known[next(iter(self._known))]
+        if len(self._known) >= self.capacity:  # (a worker thread may evict at once too)
+            self._known.pop(next(iter(self._known), b""), None)
         self._known[key] = (schema, fp)
 
 
