@@ -9,8 +9,9 @@ The loop hands over whole batches (``submit``); the writer takes everything queu
 at once, numbers the entries, and ``writev``s them; the syncer fdatasyncs what was
 written when ``FlushPolicy`` says so and hands every covered entry back to the loop
 in one ``post`` (``loop.call_soon_threadsafe``). Writes go on while a sync runs.
-No per-bundle hop, no anyio primitive: a plain ``threading.Condition`` guards the
-few fields both threads share.
+No per-bundle hop, no anyio primitive, no shared state: each thread owns its fields
+and hears from the others through its ``queue.SimpleQueue`` (C code: a put from the
+loop never blocks, nor waits for the GIL behind a lock).
 
 A commit is acknowledged only after the fdatasync that covers it returned. A sync
 waits until the loop has taken the previous commit (``delivered``): a slow
@@ -46,11 +47,6 @@ MAX_BATCH_BYTES = 16 * 1024 * 1024
 Refusal = Literal["capacity", "disk_full", "stopping"]
 
 
-class Request(Protocol):
-    @property
-    def bundle(self) -> Bundle: ...
-
-
 Item = tuple[Any, float]  # (request, monotonic time the loop took it)
 Written = tuple[Any, Bundle, float]  # (request, bundle stamped with sequence, taken)
 
@@ -63,7 +59,7 @@ class Sink(Protocol):
     def on_refused(self, reqs: list[Any], why: Refusal, message: str) -> None: ...
 
 
-# Messages to the syncer (its queue also carries lists of Written: a write landed).
+# Messages to the syncer (its queue also carries (written, bytes, idle): a write landed).
 _CREDIT = "credit"  # the loop took the last commit: the next sync may start
 _IDLE = "idle"  # the writer has nothing to write (or waits for room): sync now
 _DONE = "done"  # the writer exited: sync what is left, then exit too
@@ -133,7 +129,9 @@ class WalPipeline:
                 batch: list[Item] = []
                 nbytes, more = 0, first
                 while True:  # everything queued, up to MAX_BATCH_BYTES of payload
-                    if more in (_ABORT, _CLOSE):
+                    if more == _ABORT:
+                        return
+                    if more == _CLOSE:  # what was queued before it is written first
                         if batch:
                             self._write_batch(batch)
                             self._after_write()
