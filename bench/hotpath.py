@@ -47,7 +47,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import KiB, make_table  # noqa: E402
 
-from quiverd.kernel.bundle import Bundle, MetaCodec, SchemaCache  # noqa: E402
+from quiverd.kernel.bundle import Bundle, MetaCodec  # noqa: E402
+from quiverd.kernel.schema_cache import SchemaCache  # noqa: E402
 from quiverd.net.connection import shard_of  # noqa: E402
 from quiverd.protocol import codec as protocol  # noqa: E402
 from quiverd.segments.open_segment import OpenSegment  # noqa: E402

@@ -32,11 +32,11 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
-from quiverd.kernel.bundle import SchemaCache
 from quiverd.kernel.config import IngestConfig
 from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import IngestMetrics, Metrics
+from quiverd.kernel.schema_cache import SchemaCache
 from quiverd.net.budget import ByteBudget
 from quiverd.net.buffers import BufferPool
 from quiverd.net.connection import Connection, shard_of

@@ -18,7 +18,6 @@ import pyarrow as pa
 from quiverd.kernel.bundle import (
     META_SLOT,
     ReservedColumnName,
-    SchemaCache,
     Slot,
     TxnTag,
     inspect_ipc_stream,
@@ -26,6 +25,7 @@ from quiverd.kernel.bundle import (
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ProtocolError
 from quiverd.kernel.names import CLIENT_NAME_BYTES, SUBSCRIBER_NAME_BYTES
+from quiverd.kernel.schema_cache import SchemaCache
 from quiverd.protocol.frames import (
     ACK_BODY,
     BUNDLE_ID,

@@ -7,11 +7,11 @@ import pytest
 
 from quiverd.kernel.bundle import (
     ReservedColumnName,
-    SchemaCache,
     encode_ipc_stream,
     fingerprint,
     inspect_ipc_stream,
 )
+from quiverd.kernel.schema_cache import SchemaCache
 
 
 def stream(t: pa.Table, *, compression: str | None = None) -> bytes:
