@@ -177,6 +177,10 @@ class _Writer:
                 return
             except anyio.WouldBlock:
                 pass
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                # The builder is gone: the shard is stopping on a fatal error. These
+                # bundles are acked and in the WAL; the next start replays them.
+                return
         self.durable.append(batch)
         self._notify()
 
