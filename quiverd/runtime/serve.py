@@ -39,7 +39,17 @@ EXIT_STOP_TIMED_OUT = 75  # EX_TEMPFAIL: nothing acked is lost, the next start f
 EXIT_CONFIG = 78  # EX_CONFIG: the unit's RestartPreventExitStatus=78 stops a restart loop
 
 
-GIL_SWITCH_INTERVAL_S = float(os.environ.get("QUIVERD_GIL_SWITCH_S", "0.0005"))
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def gil_switch_interval_s(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
+    """0.5 ms, or ``QUIVERD_GIL_SWITCH_S`` (seconds, for measurements) if it is a number
+    in (0, 1]; anything else keeps the default rather than failing the start."""
+    try:
+        value = float(env.get("QUIVERD_GIL_SWITCH_S", GIL_SWITCH_INTERVAL_S))
+    except ValueError:
+        return GIL_SWITCH_INTERVAL_S
+    return value if 0 < value <= 1 else GIL_SWITCH_INTERVAL_S
 
 
 def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
@@ -52,7 +62,7 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
     # The WAL's writer and syncer threads hand the GIL back and forth with the event
     # loop on every commit; CPython's default 5 ms switch interval makes a thread
     # that returns from fdatasync wait up to 5 ms for a busy loop (bench/choices.py).
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(gil_switch_interval_s())
     logs.configure(cfg.log.format, cfg.log.level)
     log = logs.get("daemon")
     if fault_hooks is None:
