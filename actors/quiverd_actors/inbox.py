@@ -11,8 +11,8 @@ every bundle holds a slot of its connection's in-flight window and its bytes of
 the pending-bytes budget until it is answered, so at most
 ``max_connections × max_inflight_per_connection`` requests are ever here.
 
-``send``/``aclose`` keep the memory stream's names, so the ingest server treats
-this and a plain stream (tests' stand-in WAL writers) alike.
+``aclose`` keeps the memory stream's name; the ingest server wraps a plain stream
+(tests' stand-in WAL writers) in ``StreamInbox`` so it treats both alike.
 """
 
 from __future__ import annotations
@@ -91,9 +91,6 @@ class Batches(Generic[T]):
 class ShardInbox(Batches[AppendRequest]):
     async def put(self, reqs: Iterable[AppendRequest]) -> None:
         self.put_nowait(reqs)
-
-    async def send(self, req: AppendRequest) -> None:
-        self.send_nowait(req)
 
     async def aclose(self) -> None:
         self.close()
