@@ -6,6 +6,10 @@
     → JOB {"op": "abort", "job_id", "reason"}
                                   ← JOB_OK {JobDecision fields, "already": bool}
     → JOB {"op": "status", "job_id"}  ← JOB_OK {"job_id", "state", ...}
+    → JOB {"op": "visible", "job_id", "timeout_ms"}
+                                  ← JOB_OK {"visible": bool, "lake", "bundles", "pending",
+                                            "waited_ms", "reason"} once the committed job's
+                                     rows are in the catalog, or at the timeout
 
 A request that needs the catalog while it cannot be reached (a commit, an abort, the
 status of a job whose decision is not known here) is ERROR UNAVAILABLE, which the
@@ -46,6 +50,7 @@ class JobService(Protocol):
     async def commit(self, job_id: str, winners: list[Winner]) -> tuple[JobDecision, bool]: ...
     async def abort(self, job_id: str, reason: str = "") -> tuple[JobDecision, bool]: ...
     async def lookup(self, job_id: str) -> dict[str, Any]: ...
+    async def visible(self, job_id: str, timeout_ms: int) -> dict[str, Any]: ...
     def refusal(self) -> str: ...
     async def refusal_for(self, job_id: str) -> str: ...
 
@@ -77,11 +82,20 @@ class Status(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     job_id: str
 
 
-OPS: dict[str, type[EndPartition] | type[Commit] | type[Abort] | type[Status]] = {
-    "end_partition": EndPartition, "commit": Commit, "abort": Abort, "status": Status}
+class Visible(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    job_id: str
+    timeout_ms: int = 60_000
 
 
-def parse(body: dict[str, Any]) -> EndPartition | Commit | Abort | Status:
+MAX_VISIBLE_TIMEOUT_MS = 3_600_000
+Request = EndPartition | Commit | Abort | Status | Visible
+OPS: dict[str, type[Request]] = {
+    "end_partition": EndPartition, "commit": Commit, "abort": Abort, "status": Status,
+    "visible": Visible}
+
+
+def parse(body: dict[str, Any]) -> Request:
     """A JOB body as its request type; ProtocolError(MALFORMED) when it is not one."""
     kind = OPS.get(str(body.get("op")))
     if kind is None:
@@ -97,6 +111,9 @@ def parse(body: dict[str, Any]) -> EndPartition | Commit | Abort | Status:
     if isinstance(req, Commit):
         for w in req.winners:
             _check_ranges(w.partition, w.attempt, w.rows, w.checksum)
+    if isinstance(req, Visible) and not 0 <= req.timeout_ms <= MAX_VISIBLE_TIMEOUT_MS:
+        raise ProtocolError(ErrorCode.MALFORMED, f"JOB visible: timeout_ms must be 0.."
+                            f"{MAX_VISIBLE_TIMEOUT_MS}, not {req.timeout_ms}")
     return req
 
 
@@ -182,14 +199,18 @@ def decision_body(decision: JobDecision, already: bool) -> dict[str, Any]:
     return body
 
 
-async def answer(service: JobService | None, req: Commit | Abort | Status) -> dict[str, Any]:
-    """Commit, abort or status; QuiverError (JobConflict, CatalogUnavailable) propagates."""
+async def answer(service: JobService | None, req: Commit | Abort | Status | Visible
+                 ) -> dict[str, Any]:
+    """Commit, abort, status or visible; QuiverError (JobConflict, CatalogUnavailable)
+    propagates."""
     if service is None:
         raise QuiverError("this daemon takes no job requests (staging is not running)")
     if isinstance(req, Commit):
         return decision_body(*await service.commit(req.job_id, list(req.winners)))
     if isinstance(req, Abort):
         return decision_body(*await service.abort(req.job_id, req.reason))
+    if isinstance(req, Visible):
+        return await service.visible(req.job_id, req.timeout_ms)
     return await service.lookup(req.job_id)
 
 
