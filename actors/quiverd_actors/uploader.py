@@ -311,9 +311,11 @@ class Uploader:
         f.active.append(table)
 
     def _start_rotation(self, f: OpenFile, reason: str) -> None:
-        if f.active is None and not f.parts:
+        if f.active is None and not f.parts and not f.frozen:
             # Still being opened (its catalog row is being inserted, perhaps waiting out
             # a catalog outage): nothing to seal yet, and its first part is on the way.
+            # (A file whose first row group is being encoded is frozen: it is sealed
+            # once that row group is written; a committed job may be waiting for it.)
             return
         if self.files.get(f.key) is f:
             del self.files[f.key]

@@ -19,7 +19,7 @@ READ = frozenset({
 # df.write.format("quiver") and writeStream
 WRITE = frozenset({
     "path", "paths", "socket", "config", "client", "batch_rows", "batch_bytes", "job_id",
-    "query_id", "checkpointlocation", "_commit_gate", "_fail_after_end",
+    "query_id", "checkpointlocation", "visible_timeout_s", "_commit_gate", "_fail_after_end",
 })
 # spark.readStream.format("quiver")
 STREAM_READ = frozenset({"path", "socket", "config", "client", "slot"})

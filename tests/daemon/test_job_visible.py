@@ -18,6 +18,7 @@ import pytest
 from quiverd.client import Client
 from quiverd.kernel.errors import JobConflict
 from quiverd.lake.model import FileState
+from quiverd.spark.visible import wait_visible
 from tests.daemon.lake_helpers import registered_rows
 from tests.daemon.test_lake_degraded import s3_settings
 from tests.daemon.test_staging import write_attempt
@@ -82,7 +83,7 @@ def test_visible_lake_off_answers_at_once_that_there_is_no_lake(daemon_factory: 
 
 
 def test_visible_store_unreachable_times_out_saying_committed_and_durable(
-        daemon_factory: Any) -> None:
+        daemon_factory: Any, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as probe:  # a loopback port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -103,6 +104,10 @@ def test_visible_store_unreachable_times_out_saying_committed_and_durable(
     assert "committed and durable" in seen.reason, seen.reason
     assert "quiverd status" in seen.reason and "store" in seen.reason, seen.reason
     assert d.events("job_not_visible_yet")
+    # The Spark driver's side of it: the commit returns, with one warning saying why.
+    problems = wait_visible([str(d.socket)], "stuck", 1.0)
+    assert len(problems) == 1 and "committed and durable" in problems[0], problems
+    assert "spark_commit_not_visible" in capsys.readouterr().err
     # The file was rotated for the commit and waits for the store, not for its timer.
     states = Counter(r.state for r in pending_rows(d))
     assert states.get(FileState.ROTATED, 0) >= 1, states
