@@ -116,9 +116,10 @@ class Visibility:
                 break
             await self._any_change(versions)
         progress.step, progress.bundles = "publishing", len(keys)
+        left = keys
         while True:
             versions = self._versions()
-            left = self._left(keys)
+            left = self._left(left)
             progress.pending = len(left)
             if not left:
                 progress.step = "visible"
@@ -156,23 +157,20 @@ class Visibility:
         return out
 
     def _left(self, keys: list[BundleKey]) -> list[BundleKey]:
-        """The bundles the uploader has not acked yet (a deleted segment was acked by all)."""
+        """The bundles the uploader has not acked yet (a deleted segment was acked by all).
+        A bundle once acked stays so: callers pass the previous answer back in."""
         left: list[BundleKey] = []
-        by_shard: dict[int, tuple[int, set[tuple[int, int]]] | None] = {}
         for key in keys:
             index, seg, idx = key
             shard = self.shards[index]
-            if index not in by_shard:
-                try:
-                    by_shard[index] = (shard.acks.covered_below(self.subscriber),
-                                       shard.acks.gap_set(self.subscriber))
-                except UnknownSubscriber:  # the lake's subscriber is not registered yet
-                    by_shard[index] = None
-            acked = by_shard[index]
             if seg not in shard.segments:
                 continue
-            if acked is None or not (seg < acked[0] or (seg, idx) in acked[1]):
-                left.append(key)
+            try:
+                if shard.acks.is_done(self.subscriber, seg, idx):
+                    continue
+            except UnknownSubscriber:  # the lake's subscriber is not registered yet
+                pass
+            left.append(key)
         return left
 
     def _versions(self) -> list[int]:
