@@ -6,8 +6,10 @@ producer, two tasks share the connection:
     reader   recv_into → decoder (each BUNDLE or JOB header first reserves its length
              of the pending-bytes budget, within the peer uid's share; none free: stop
              reading until there is) → every complete frame of that read, in one loop
-             pass: validate (schema-only checks once per schema) → window slot → one
-             hand-over per shard (``ShardInbox.put``)
+             pass: validate (schema-only checks once per schema) → window slot →
+             lake.schema_mode = "strict": the (client, slot)'s established schema
+             (once per schema, ``quiverd.net.established``) → one hand-over per shard
+             (``ShardInbox.put``)
     replies  shard WAL writer → Ack/Error (``self.replies``) → release window slots
              and budget → one socket write per group of replies
 
@@ -200,14 +202,25 @@ class Connection:
                 if buffer is not None:
                     self.buffers[frame.request_id] = buffer
                 server.stats.bundles.inc()
+                # lake.schema_mode = "strict": a set lookup unless the schema is new here.
+                est = server.established
+                conflict = "" if est is None or est.accepts(frame.client, slots) \
+                    else await est.check(frame.client, slots)
                 if frame.txn is not None:
                     await self._hand_over(by_shard)  # in order with its staging check
                     refusal, code = await self._staging_refusal(frame)
+                    if not refusal and conflict:
+                        refusal, code = conflict, ErrorCode.SCHEMA_CONFLICT
                     self.attempts.took(frame, sum(s.row_count for s in slots))
                     if refusal:  # never acked; the attempt can no longer end
                         self.replies.send_nowait(protocol.Error(
                             request_id=frame.request_id, code=code, message=refusal))
                         continue
+                elif conflict:  # never acked, nothing stored
+                    self.replies.send_nowait(protocol.Error(
+                        request_id=frame.request_id, code=ErrorCode.SCHEMA_CONFLICT,
+                        message=conflict))
+                    continue
                 bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
                 by_shard.setdefault(shard_of(frame.client, shards), []).append(AppendRequest(
                     request_id=frame.request_id, bundle=bundle, reply=self.replies))
