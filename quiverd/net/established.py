@@ -16,17 +16,8 @@ on. Every schema accepted is covered by the established one, so a fingerprint on
 accepted stays accepted; a refused one is remembered too (its refusal text), since a
 wider established schema can never take a column it already refused.
 
-Record: one file per (client, slot), ``<data_dir>/schemas/<sha256(client/slot)>.schema``
-(client names may be 255 bytes, or "..": they are not file names), written with
-``durable.atomic_write`` (tmp, fsync, rename, fsync dir) from a worker thread::
-
-    "QVES"  magic                         4 bytes
-    u8      version (1)                   1
-    u32     crc32c of everything after    4
-    u8      slot                          1
-    u8      client length n               1
-    n       client (ASCII)
-    ...     Arrow IPC schema message (pa.Schema.serialize), to the end
+Record: one file per (client, slot) (``quiverd.lake.schema_record``: its layout), written
+crash-safely from a worker thread before the bundle that widened it goes on.
 
 Why a record of its own rather than the lake: the catalog knows uploaded files only,
 the WAL and segments hold what is not uploaded yet and are deleted after upload,
@@ -40,8 +31,6 @@ strict mode was turned on) is established by its first bundle in strict mode.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -50,18 +39,14 @@ import anyio
 import pyarrow as pa
 
 from quiverd.kernel.bundle import Slot
-from quiverd.kernel.crc import crc32c
-from quiverd.kernel.durable import atomic_write
-from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.errors import CorruptRecord, ProtocolError
 from quiverd.kernel.logs import Logger
-from quiverd.lake.drift import conflict, normalize, unify
+from quiverd.lake.drift import conflict, unify
+from quiverd.lake.schema_record import SCHEMAS_DIR, read_record, record_path, write_record
 from quiverd.protocol.frames import ErrorCode
 
-SCHEMAS_DIR = "schemas"
-MAGIC = b"QVES"
-VERSION = 1
-HEAD = struct.Struct("<4sBI")  # magic, version, crc32c of the rest
-KEY_HEAD = struct.Struct("<BB")  # slot, client length
+__all__ = ["SCHEMAS_DIR", "EstablishedSchemas"]
+
 CAPACITY = 4096  # (client, slot) schemas and fingerprint verdicts held in memory each
 
 K = TypeVar("K")
@@ -74,7 +59,7 @@ class EstablishedSchemas:
     """The strict-mode check, shared by every ingest connection of the daemon."""
 
     def __init__(self, data_dir: Path, *, log: Logger, capacity: int = CAPACITY) -> None:
-        self.directory = Path(data_dir) / SCHEMAS_DIR
+        self.data_dir = Path(data_dir)
         self.log, self.capacity = log, capacity
         self.schemas: dict[Key, pa.Schema | None] = {}  # None: no record yet
         self.accepted: set[Verdict] = set()
@@ -122,60 +107,18 @@ class EstablishedSchemas:
             return ""
 
     def path(self, key: Key) -> Path:
-        name = hashlib.sha256(f"{key[0]}/{key[1]}".encode()).hexdigest()
-        return self.directory / f"{name}.schema"
+        return record_path(self.data_dir, key)
 
     async def _load(self, key: Key) -> pa.Schema | None:
         if key not in self.schemas:
-            schema = await anyio.to_thread.run_sync(read_record, self.path(key), key)
+            try:
+                schema = await anyio.to_thread.run_sync(read_record, self.path(key), key)
+            except CorruptRecord as exc:
+                raise ProtocolError(ErrorCode.INTERNAL, f"{exc}; the daemon refuses this "
+                                    "(client, slot)'s bundles until it is fixed (delete it: "
+                                    "the next bundle establishes the schema again)") from None
             _bounded_put(self.schemas, key, schema, self.capacity)
         return self.schemas[key]
-
-
-def encode_record(key: Key, schema: pa.Schema) -> bytes:
-    client = key[0].encode("ascii")
-    rest = KEY_HEAD.pack(key[1], len(client)) + client + schema.serialize().to_pybytes()
-    return HEAD.pack(MAGIC, VERSION, crc32c(rest)) + rest
-
-
-def decode_record(data: bytes, key: Key, path: Path) -> pa.Schema:
-    """The schema of a record; ProtocolError(INTERNAL) naming the file if it is damaged."""
-    def bad(why: str) -> ProtocolError:
-        return ProtocolError(ErrorCode.INTERNAL, f"established schema record {path} of "
-                             f"client {key[0]!r} slot {key[1]}: {why}; the daemon refuses "
-                             "its bundles until it is fixed (delete it: the next bundle "
-                             "establishes the schema again)")
-    if len(data) < HEAD.size + KEY_HEAD.size:
-        raise bad(f"{len(data)} bytes, shorter than its header")
-    magic, version, crc = HEAD.unpack_from(data)
-    if magic != MAGIC or version != VERSION:
-        raise bad(f"magic {magic!r} version {version}, not {MAGIC!r} {VERSION}")
-    rest = data[HEAD.size:]
-    if crc32c(rest) != crc:
-        raise bad("CRC-32C mismatch")
-    slot, n = KEY_HEAD.unpack_from(rest)
-    client = rest[KEY_HEAD.size:KEY_HEAD.size + n].decode("ascii", "replace")
-    if (client, slot) != key:
-        raise bad(f"it names client {client!r} slot {slot}")
-    try:
-        return normalize(pa.ipc.read_schema(pa.py_buffer(rest[KEY_HEAD.size + n:])))
-    except (pa.ArrowException, ValueError) as exc:
-        raise bad(f"not an Arrow schema ({exc})") from None
-
-
-def read_record(path: Path, key: Key) -> pa.Schema | None:
-    """Blocking (a worker thread): the record's schema, None when there is none."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    return decode_record(data, key, path)
-
-
-def write_record(path: Path, key: Key, schema: pa.Schema) -> None:
-    """Blocking (a worker thread): the record, durably."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, encode_record(key, schema))
 
 
 def _refusal(client: str, slot: int, current: pa.Schema, incoming: pa.Schema) -> str:

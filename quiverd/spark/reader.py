@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -87,9 +87,11 @@ from quiverd.kernel.config import Config, load
 from quiverd.kernel.errors import LakeFileCorrupt
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
+from quiverd.lake.bundles import with_extras
 from quiverd.lake.catalog import open_catalog
-from quiverd.lake.drift import unify
+from quiverd.lake.drift import conflict, unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
+from quiverd.lake.schema_record import established_record
 from quiverd.lake.store_options import service_options
 from quiverd.lake.verified import corrupt_error, is_damage, open_verified
 from quiverd.spark.objects import (
@@ -100,7 +102,7 @@ from quiverd.spark.objects import (
     quarantined_error,
     with_hint,
 )
-from quiverd.spark.pruning import Bound, datetime_ns, may_match, to_bound
+from quiverd.spark.pruning import Bound, datetime_ns, may_match, row_groups, to_bound
 from quiverd.spark.types import as_ns, spark_schema, to_spark
 from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter, refuse_reserved_columns
 
@@ -109,6 +111,7 @@ DEFAULT_CONFIG = "/etc/quiverd/config.toml"
 BATCH_ROWS = 64 * 1024  # rows per RecordBatch handed to Spark
 MAX_FILES = 100_000  # files one read may plan; more: narrow it with since/until
 TRACE_FILE = "opened.log"
+TRACE_ROW_GROUPS = "row_groups.log"  # "<key> <row group index>" per row group read
 QUARANTINED_SHOWN = 100  # quarantined files one read's error looks up
 
 
@@ -124,12 +127,9 @@ class QuiverDataSource(DataSource):
         sel = Selection.parse(self.options)
         lake = Lake.open(sel.config_path)
         rows, _ = lake.query(sel, zone_maps=False)
-        if not rows:
-            raise ValueError(f"no registered lake file for client {sel.client!r} slot "
-                             f"{sel.slot}{sel.range_text()} in the catalog of "
-                             f"{sel.config_path}: nothing to take a schema from (pass one "
-                             "with .schema(...) to read an empty DataFrame)")
-        return spark_schema(lake.representative_schema(rows))
+        # An empty selection is an empty DataFrame, with the (client, slot)'s schema.
+        schema = lake.representative_schema(rows) if rows else lake.empty_schema(sel)
+        return spark_schema(sel.project(schema))
 
     def reader(self, schema: st.StructType) -> QuiverReader:
         return QuiverReader(Selection.parse(self.options), schema)
@@ -169,7 +169,10 @@ class QuiverReader(DataSourceReader):
         return [lake.partition(r) for r in kept]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, FilePartition), partition
+        if not isinstance(partition, FilePartition):
+            # No file to read: Spark asks for one partition of nothing (InputPartition(None)).
+            assert getattr(partition, "value", None) is None, partition
+            return
         if self.sel.trace_dir:
             _trace(Path(self.sel.trace_dir), partition.key)
         target = to_arrow_schema(self.schema, timezone="UTC")
@@ -183,12 +186,20 @@ class QuiverReader(DataSourceReader):
             columns = [n for n in target.names if n in names]
             ranged = self.sel.since_ns is not None or self.sel.until_ns is not None
             if ranged and self.time_column not in columns and self.time_column in names:
-                columns.append(self.time_column)
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+                columns.append(self.time_column)  # for the range only: to_spark drops it
+            groups = row_groups(pf.metadata, pf.schema_arrow, self.bounds, self.time_column,
+                                self.sel.since_ns, self.sel.until_ns)
+            if self.sel.trace_dir:
+                _trace(Path(self.sel.trace_dir), *(f"{p.key} {g}" for g in groups),
+                       name=TRACE_ROW_GROUPS)
+            if not groups:
+                return
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups,
+                                         columns=columns):
                 if ranged:
                     batch = batch.filter(self._in_range(batch))
                 if batch.num_rows:
-                    yield from to_spark(batch, target).to_batches()
+                    yield from _as_target(batch, target, p).to_batches()
         except opendal.exceptions.NotFound:
             raise missing_error(p) from None
         except LakeFileCorrupt as exc:  # the footer: open_verified's own error
@@ -230,6 +241,7 @@ class Selection:
     until_ns: int | None = None
     trace_dir: str = ""
     skip_quarantined: bool = False
+    columns: tuple[str, ...] = ()  # option "columns": only these; () = all
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Selection:
@@ -251,7 +263,20 @@ class Selection:
             raise ValueError(f'option "skip_quarantined" must be true or false, not {skip!r}')
         return cls(config_path=opts.get("config", DEFAULT_CONFIG), client=client, slot=slot,
                    since_ns=since, until_ns=until, trace_dir=opts.get("_trace_dir", ""),
-                   skip_quarantined=skip == "true")
+                   skip_quarantined=skip == "true", columns=_columns_option(opts))
+
+    def project(self, schema: pa.Schema) -> pa.Schema:
+        """``schema`` reduced to option "columns" (in its order); an unknown name fails,
+        listing the columns there are."""
+        if not self.columns:
+            return schema
+        unknown = [c for c in self.columns if c not in schema.names]
+        if unknown:
+            raise ValueError(f'option "columns": {", ".join(map(repr, unknown))} '
+                             f"{'is' if len(unknown) == 1 else 'are'} not a column of client "
+                             f"{self.client!r} slot {self.slot}; its columns: "
+                             f"{', '.join(schema.names)}")
+        return pa.schema([schema.field(c) for c in self.columns])
 
     def range_text(self) -> str:
         if self.since_ns is None and self.until_ns is None:
@@ -277,9 +302,10 @@ class Lake:
         return cls(cfg=cfg, time_column=cfg.lake.time_column or INGESTED_AT,
                    store_options=service_options(store, root))
 
-    def query(self, sel: Selection, *, zone_maps: bool
+    def query(self, sel: Selection, *, zone_maps: bool, latest: bool = False
               ) -> tuple[list[FileRow], dict[str, list[ZoneMap]]]:
-        """Registered files of the selection, ordered by (start_ts, file_id); zone maps."""
+        """Registered files of the selection, ordered by (start_ts, file_id); zone maps.
+        ``latest``: only the newest file, quarantined ones not checked."""
         db = DataDir(Path(self.cfg.data_dir)).catalog_db
         if not self.cfg.catalog.dsn and not db.exists():
             raise FileNotFoundError(f"no lake catalog at {db}: is data_dir in "
@@ -287,6 +313,10 @@ class Lake:
 
         async def ask() -> tuple[list[FileRow], list[FileRow], dict[str, list[ZoneMap]]]:
             async with open_catalog(self.cfg.catalog, db, log=_quiet_log()) as catalog:
+                if latest:
+                    return await catalog.list_files(
+                        client=sel.client, slot=sel.slot, states=REGISTERED, limit=1,
+                        newest_first=True), [], {}
                 rows = await catalog.list_files(
                     client=sel.client, slot=sel.slot, since_ns=sel.since_ns,
                     until_ns=sel.until_ns, states=REGISTERED, limit=MAX_FILES + 1)
@@ -313,30 +343,49 @@ class Lake:
                              size=row.compressed_size)
 
     def representative_schema(self, rows: list[FileRow]) -> pa.Schema:
-        """drift.unify over the footers of ``rows``, one per distinct schema_hash."""
+        """drift.unify over the footers of ``rows``, one per distinct schema_hash; where
+        two files hold a column as types no one type holds without loss, a ValueError
+        names both files and the ``.schema(...)`` that reads them as one."""
         firsts: dict[str, FileRow] = {}
         for row in rows:
             firsts.setdefault(row.schema_hash or row.file_id, row)
         schema: pa.Schema | None = None
+        seen: list[tuple[FileRow, pa.Schema]] = []
         for row in firsts.values():
-            part = self.partition(row)
-            source = open_object(part)
-            try:
-                # The footer: ranged reads at the tail.
-                found = open_verified(source, file_id=row.file_id, uri=row.uri).schema_arrow
-            except opendal.exceptions.NotFound:
-                raise missing_error(part) from None
-            except LakeFileCorrupt as exc:
-                raise with_hint(exc) from None
-            finally:
-                source.close()
+            found = self.footer_schema(row)
             merged = unify(schema, found)
             if merged is None:
-                raise ValueError(f"{row.uri}: {_conflict(schema, found)}; pass a schema "
-                                 "with .schema(...) to read the files as one type")
+                assert schema is not None, "unify(None, s) always succeeds"
+                raise ValueError(_drift_error(schema, found, row, seen))
+            seen.append((row, found))
             schema = merged
         assert schema is not None, "rows is not empty"
         return schema
+
+    def footer_schema(self, row: FileRow) -> pa.Schema:
+        """The Arrow schema of one file's footer (ranged reads at the object's tail)."""
+        part = self.partition(row)
+        source = open_object(part)
+        try:
+            return open_verified(source, file_id=row.file_id, uri=row.uri).schema_arrow
+        except opendal.exceptions.NotFound:
+            raise missing_error(part) from None
+        except LakeFileCorrupt as exc:
+            raise with_hint(exc) from None
+        finally:
+            source.close()
+
+    def empty_schema(self, sel: Selection) -> pa.Schema:
+        """The schema of a selection without files: the footer of the (client, slot)'s
+        latest registered file (outside the since/until range); else, in strict schema
+        mode, its established schema; else only the columns quiverd adds to every row.
+        Another slot's files are not used: a slot is another table."""
+        latest, _ = self.query(replace(sel, since_ns=None, until_ns=None), zone_maps=False,
+                               latest=True)
+        if latest:
+            return self.footer_schema(latest[0])
+        record = established_record(Path(self.cfg.data_dir), (sel.client, sel.slot))
+        return with_extras(record if record is not None else pa.schema([]))
 
 
 # ---- types: the lake's Arrow as Spark's ---------------------------------------------------
@@ -354,21 +403,79 @@ def _ns_option(opts: Mapping[str, str], name: str) -> int | None:
                          "epoch") from None
 
 
-def _conflict(schema: pa.Schema | None, found: pa.Schema) -> str:
-    for f in found:
-        if schema is not None and f.name in schema.names and unify(
-                pa.schema([schema.field(f.name)]), pa.schema([f])) is None:
-            return f"column {f.name!r} is {f.type} here, {schema.field(f.name).type} before"
-    return "schemas cannot be unified"
+def _columns_option(opts: Mapping[str, str]) -> tuple[str, ...]:
+    names = [n.strip() for n in opts.get("columns", "").split(",")]
+    if any(not n for n in names) and opts.get("columns", "").strip():
+        raise ValueError(f'option "columns" must be column names separated by commas, not '
+                         f"{opts['columns']!r}")
+    return tuple(dict.fromkeys(n for n in names if n))
 
 
-def _trace(directory: Path, key: str) -> None:
-    """Append ``key`` to the trace file; one short O_APPEND write is never interleaved."""
+def _drift_error(schema: pa.Schema, found: pa.Schema, row: FileRow,
+                 seen: list[tuple[FileRow, pa.Schema]]) -> str:
+    """Two files hold a column as types no one type holds without loss: name both,
+    and the ``.schema(...)`` that reads every file of the client as one."""
+    clash = conflict(schema, found)
+    if clash is None:
+        return f"lake file {row.file_id} ({row.uri}): its schema cannot be unified"
+    name, before, here = clash
+    other = next((r for r, s in seen if name in s.names
+                  and conflict(pa.schema([s.field(name)]), pa.schema([found.field(name)]))),
+                 None)
+    where = f"lake file {other.file_id} ({other.uri})" if other else "an earlier file"
+    fields = {f.name: f.type for f in schema}
+    fields.update({f.name: f.type for f in found if f.name not in fields})
+    scalar = not any(_nested(t) for t in (before, here))
+    fields[name] = pa.string() if scalar else fields[name]
+    ddl = ", ".join(f"`{n}` {spark_schema(pa.schema([pa.field(n, t)]))[0].dataType.simpleString()}"
+                    for n, t in fields.items())
+    cast = (f"as STRING, e.g. .schema(\"{ddl}\") (each file's values are cast to the given "
+            "types; a value that does not fit fails the read naming its file)"
+            if scalar else "with .schema(...) in a type both can be cast to")
+    return (f"column {name!r} is {here} in lake file {row.file_id} ({row.uri}) but {before} "
+            f"in {where}: no type holds both without loss, so the client has no one schema. "
+            f"Read the column {cast}, or narrow the read with since/until to one side")
+
+
+def _nested(t: pa.DataType) -> bool:
+    return bool(pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_list(t)
+                or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t))
+
+
+def _as_target(batch: pa.RecordBatch, target: pa.Schema, p: FilePartition) -> pa.Table:
+    """``to_spark``; a value the cast would change (a string that is no number, an int
+    past 2**53 into a double) fails naming the file, column and types, not Arrow's
+    words alone."""
+    try:
+        return to_spark(batch, target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        column = next((f.name for f in batch.schema if f.name in target.names
+                       and _cast_fails(batch.column(f.name), target.field(f.name).type)), None)
+        if column is None:
+            raise
+        raise ValueError(
+            f"lake file {p.file_id} ({p.uri or p.key}): column {column!r} is "
+            f"{batch.schema.field(column).type} there and cannot be read as "
+            f"{target.field(column).type} without changing values ({exc}); pass "
+            ".schema(...) with a type that holds every file's values (e.g. STRING), or "
+            "narrow the read with since/until") from None
+
+
+def _cast_fails(column: pa.Array, t: pa.DataType) -> bool:
+    try:
+        to_spark(pa.record_batch([column], names=["c"]), pa.schema([pa.field("c", t)]))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return True
+    return False
+
+
+def _trace(directory: Path, *lines: str, name: str = TRACE_FILE) -> None:
+    """Append ``lines`` to a trace file; one short O_APPEND write is never interleaved."""
     directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / TRACE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+    fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                  0o644)
     try:
-        os.write(fd, (key + "\n").encode())
+        os.write(fd, "".join(line + "\n" for line in lines).encode())
     finally:
         os.close(fd)
 

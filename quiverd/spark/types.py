@@ -3,7 +3,8 @@
 Dictionaries become their values, large strings/binaries plain ones, uint8/16/32 the next
 wider signed int, uint64 decimal(20, 0); timestamps with a zone become TimestampType in
 UTC, without one TimestampNTZType. Spark keeps microseconds: nanoseconds are truncated
-toward zero, as Arrow casts.
+toward zero, as Arrow casts. Files of one client read as one schema (``drift.unify``, or
+the user's ``.schema(...)``) are cast to it safely: a value the cast would change fails.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ def to_spark(batch: pa.RecordBatch, target: pa.Schema) -> pa.Table:
 def _cast(column: pa.Array, t: pa.DataType) -> pa.Array:
     if column.type == t:
         return column
-    # As drift.conform: ints into float64 may round (that is what unify chose).
-    safe = not (pa.types.is_integer(column.type) and pa.types.is_floating(t))
+    # Safe casts only: a value the cast would change (an int past 2**53 into a double, a
+    # string that is no number into an int) fails the read (the reader names the file)
+    # rather than come back different. Within one file the uploader already chose.
     try:
-        return column.cast(t, safe=safe)
+        return column.cast(t, safe=True)
     except pa.ArrowInvalid:
         if "timestamp" not in str(column.type):
             raise

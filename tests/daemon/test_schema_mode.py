@@ -10,7 +10,7 @@ from quiverd.client import Client
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.config import loads
 from quiverd.kernel.errors import ConfigError, SchemaConflict
-from quiverd.net.established import SCHEMAS_DIR
+from quiverd.lake.schema_record import SCHEMAS_DIR
 from tests.daemon.helpers import stored_bundles
 
 STRICT = {"lake.enabled": False, "lake.schema_mode": "strict",
