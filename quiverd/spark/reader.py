@@ -7,6 +7,7 @@
           .option("since", "2025-06-01T00:00:00Z")       # ISO-8601 (UTC if naive) or ns
           .option("until", "2025-06-02T00:00:00Z")       # rows with since <= time < until
           .option("skip_quarantined", "true")            # default false: fail on them
+          .option("columns", "status,path")              # only these (default: all)
           .load())
 
 Spark runs each step below in its own Python process; nothing crosses between them but
@@ -21,9 +22,33 @@ what is pickled (the DataSource's options, the reader, each partition):
              QuiverReader.partitions()   catalog again (+ zone maps): one FilePartition
                                          per file left, carrying its key and the store's
                                          OpenDAL options as plain strings
-    executor QuiverReader.read(p)        OpenDAL (fs, s3, ...: no Hadoop jars) → pyarrow,
-                                         64 Ki rows per batch → drift.conform → Arrow as
+    executor QuiverReader.read(p)        OpenDAL (fs, s3, ...: no Hadoop jars) → pyarrow:
+                                         the footer, then only the row groups whose
+                                         statistics may match, only the columns asked,
+                                         64 Ki rows per batch → safe casts → Arrow as
                                          Spark expects it (to_arrow_schema(schema, "UTC"))
+
+One schema per read. The files of a (client, slot) may differ (drift, SPEC §6): the
+schema is drift.unify over their footers (a new column is null in older files; int32
+and int64 read as int64; ints and floats as double, each value exactly or not at all;
+string and large_string as string). Values are cast safely: one the cast would change
+(an int past 2**53 as a double) fails the read naming the file. Where two files hold a
+column as types no one type holds (string, then int), the error names both files and
+gives the ``.schema("...")`` that reads the column as STRING; with ``.schema(...)``
+Spark skips schema() and every file is cast to the given types.
+
+An empty selection (an ``until`` before any file, an unused slot, a client with no file
+yet) is an empty DataFrame, never an error: a scheduled "last hour" query must run in a
+quiet hour. Its schema is the footer of the (client, slot)'s latest registered file (one
+catalog query, one footer); with no file at all, the established schema of
+``lake.schema_mode = "strict"`` (when the reader sees the daemon's data_dir) plus
+quiverd's columns, else quiverd's columns only (``_quiver_ingested_at``, ...). Another
+slot's files are not used: a slot is another table.
+
+Columns. Spark 4's Python data sources cannot prune columns yet, so option ``columns``
+("a,b") does it: schema() returns only those (an unknown name fails listing the
+client's columns), read() reads only those, plus the time column when since/until
+needs it (dropped before Spark sees the batch).
 
 Types as Spark sees them: dictionaries as their values, large strings/binaries as plain
 ones, uint8/16/32 as the next wider signed int, uint64 as decimal(20, 0), timestamps with
@@ -38,6 +63,11 @@ holds rows that do not), so pruning only decides which files are opened. Compari
         start_ts/end_ts of every registered file, indexed or not
     on other columns: the file's zone maps (min/max), where the indexer recorded them;
         a file without a zone map for the column is kept
+
+Inside each file opened, the same comparisons (and since/until) are checked against
+every row group's footer statistics (min/max per column, which Parquet writes for every
+column: the time column and the zone-map columns alike): only row groups that may hold a
+passing row are read (``pruning.row_groups``).
 
 A timestamp literal v stands for the data values Spark reads as v: [v, v + 999] ns
 (truncation toward zero; [v - 999, v] below the epoch), so a file is opened exactly when
@@ -54,8 +84,8 @@ DataFrame. The whole-object CRC-32C is not checked here (pyarrow reads ranges, n
 whole object); the lake scrub and ``quiverd fsck --lake`` check it.
 
 Test hook: option ``_trace_dir`` names a directory where ``read`` appends the key of
-every object it opens to ``opened.log`` (one line each, O_APPEND), so a test can assert
-which files a query opened.
+every object it opens to ``opened.log`` (one line each, O_APPEND), and "<key> <index>" of
+every row group it reads to ``row_groups.log``, so a test can assert what a query read.
 
 Filter pushdown needs ``spark.sql.python.filterPushdown.enabled=true``: Spark refuses a
 reader with ``pushFilters`` otherwise (``quiverd.spark.register`` sets it).
