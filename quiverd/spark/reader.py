@@ -119,7 +119,7 @@ from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
 from quiverd.lake.bundles import with_extras
 from quiverd.lake.catalog import open_catalog
-from quiverd.lake.drift import conflict, unify
+from quiverd.lake.drift import unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
 from quiverd.lake.schema_record import established_record
 from quiverd.lake.store_options import service_options
@@ -133,7 +133,13 @@ from quiverd.spark.objects import (
     with_hint,
 )
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, row_groups, to_bound
-from quiverd.spark.types import as_ns, spark_schema, to_spark
+from quiverd.spark.types import (  # to_spark: re-exported, tests import it from here
+    as_ns,
+    as_target,
+    drift_error,
+    spark_schema,
+    to_spark,  # noqa: F401
+)
 from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter, refuse_reserved_columns
 
 NAME = "quiver"
@@ -229,7 +235,7 @@ class QuiverReader(DataSourceReader):
                 if ranged:
                     batch = batch.filter(self._in_range(batch))
                 if batch.num_rows:
-                    yield from _as_target(batch, target, p).to_batches()
+                    yield from as_target(batch, target, p.file_id, p.uri or p.key).to_batches()
         except opendal.exceptions.NotFound:
             raise missing_error(p) from None
         except LakeFileCorrupt as exc:  # the footer: open_verified's own error
@@ -386,7 +392,8 @@ class Lake:
             merged = unify(schema, found)
             if merged is None:
                 assert schema is not None, "unify(None, s) always succeeds"
-                raise ValueError(_drift_error(schema, found, row, seen))
+                raise ValueError(drift_error(schema, found, (row.file_id, row.uri),
+                                             [((r.file_id, r.uri), f) for r, f in seen]))
             seen.append((row, found))
             schema = merged
         assert schema is not None, "rows is not empty"
@@ -439,64 +446,6 @@ def _columns_option(opts: Mapping[str, str]) -> tuple[str, ...]:
         raise ValueError(f'option "columns" must be column names separated by commas, not '
                          f"{opts['columns']!r}")
     return tuple(dict.fromkeys(n for n in names if n))
-
-
-def _drift_error(schema: pa.Schema, found: pa.Schema, row: FileRow,
-                 seen: list[tuple[FileRow, pa.Schema]]) -> str:
-    """Two files hold a column as types no one type holds without loss: name both,
-    and the ``.schema(...)`` that reads every file of the client as one."""
-    clash = conflict(schema, found)
-    if clash is None:
-        return f"lake file {row.file_id} ({row.uri}): its schema cannot be unified"
-    name, before, here = clash
-    other = next((r for r, s in seen if name in s.names
-                  and conflict(pa.schema([s.field(name)]), pa.schema([found.field(name)]))),
-                 None)
-    where = f"lake file {other.file_id} ({other.uri})" if other else "an earlier file"
-    fields = {f.name: f.type for f in schema}
-    fields.update({f.name: f.type for f in found if f.name not in fields})
-    scalar = not any(_nested(t) for t in (before, here))
-    fields[name] = pa.string() if scalar else fields[name]
-    ddl = ", ".join(f"`{n}` {spark_schema(pa.schema([pa.field(n, t)]))[0].dataType.simpleString()}"
-                    for n, t in fields.items())
-    cast = (f"as STRING, e.g. .schema(\"{ddl}\") (each file's values are cast to the given "
-            "types; a value that does not fit fails the read naming its file)"
-            if scalar else "with .schema(...) in a type both can be cast to")
-    return (f"column {name!r} is {here} in lake file {row.file_id} ({row.uri}) but {before} "
-            f"in {where}: no type holds both without loss, so the client has no one schema. "
-            f"Read the column {cast}, or narrow the read with since/until to one side")
-
-
-def _nested(t: pa.DataType) -> bool:
-    return bool(pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_list(t)
-                or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t))
-
-
-def _as_target(batch: pa.RecordBatch, target: pa.Schema, p: FilePartition) -> pa.Table:
-    """``to_spark``; a value the cast would change (a string that is no number, an int
-    past 2**53 into a double) fails naming the file, column and types, not Arrow's
-    words alone."""
-    try:
-        return to_spark(batch, target)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-        column = next((f.name for f in batch.schema if f.name in target.names
-                       and _cast_fails(batch.column(f.name), target.field(f.name).type)), None)
-        if column is None:
-            raise
-        raise ValueError(
-            f"lake file {p.file_id} ({p.uri or p.key}): column {column!r} is "
-            f"{batch.schema.field(column).type} there and cannot be read as "
-            f"{target.field(column).type} without changing values ({exc}); pass "
-            ".schema(...) with a type that holds every file's values (e.g. STRING), or "
-            "narrow the read with since/until") from None
-
-
-def _cast_fails(column: pa.Array, t: pa.DataType) -> bool:
-    try:
-        to_spark(pa.record_batch([column], names=["c"]), pa.schema([pa.field("c", t)]))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return True
-    return False
 
 
 def _trace(directory: Path, *lines: str, name: str = TRACE_FILE) -> None:
