@@ -85,10 +85,14 @@ class EstablishedSchemas:
                 assert s.schema is not None, "validated slots carry their schema"
                 key = (client, s.slot)
                 current = widened[key] if key in widened else await self._load(key)
-                merged = unify(current, s.schema)
+                try:
+                    merged = unify(current, s.schema)
+                    problem = ""
+                except ValueError as exc:  # a column named twice: no lake file takes it
+                    merged, problem = None, f"client {client!r} slot {s.slot}: {exc}"
                 if merged is None:
-                    assert current is not None, "unify(None, s) always succeeds"
-                    why = _refusal(client, s.slot, current, s.schema)
+                    assert current is not None or problem, "unify(None, s) succeeds or raises"
+                    why = problem or _refusal(client, s.slot, current, s.schema)
                     _bounded_put(self.refused, verdict, why, self.capacity)
                     self.log.warning("schema_conflict_refused", client=client, slot=s.slot,
                                      error=why)

@@ -58,6 +58,11 @@ def test_schema_mode_strict_established_schema_survives_restart(daemon_factory):
         with pytest.raises(SchemaConflict, match="'user' is int64"):
             c.send(_users([1], pa.int64()), client="web")
         c.send(_users(["b"], pa.string()), client="web")  # the connection is still good
+        # A column named twice: no lake file could take it; refused, not a closed connection.
+        twice = pa.table([pa.array([1]), pa.array([2])], names=["a", "a"])
+        with pytest.raises(SchemaConflict, match="names repeat"):
+            c.send(twice, client="dupes")
+        c.send(_users(["c"], pa.string()), client="web")
 
 
 def test_schema_mode_strict_refuses_staged_bundle_once(daemon_factory):
