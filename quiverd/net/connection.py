@@ -192,6 +192,11 @@ class Connection:
                 buffer = self.decoder.taken.popleft()
                 slots = protocol.validate_bundle(
                     frame, max_bundle_bytes=server.cfg.max_bundle_bytes, schemas=server.schemas)
+                # lake.schema_mode = "strict": a set lookup unless the schema is new here
+                # (before the frame takes a window slot: a damaged record raises).
+                est = server.established
+                conflict = "" if est is None or est.accepts(frame.client, slots) \
+                    else await est.check(frame.client, slots)
                 if frame.request_id in self.inflight:
                     raise ProtocolError(ErrorCode.MALFORMED, f"request_id {frame.request_id} "
                                         "is already in flight on this connection")
@@ -202,10 +207,6 @@ class Connection:
                 if buffer is not None:
                     self.buffers[frame.request_id] = buffer
                 server.stats.bundles.inc()
-                # lake.schema_mode = "strict": a set lookup unless the schema is new here.
-                est = server.established
-                conflict = "" if est is None or est.accepts(frame.client, slots) \
-                    else await est.check(frame.client, slots)
                 if frame.txn is not None:
                     await self._hand_over(by_shard)  # in order with its staging check
                     refusal, code = await self._staging_refusal(frame)

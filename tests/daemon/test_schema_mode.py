@@ -9,8 +9,9 @@ import pytest
 from quiverd.client import Client
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.config import loads
-from quiverd.kernel.errors import ConfigError, SchemaConflict
+from quiverd.kernel.errors import ConfigError, ProtocolError, SchemaConflict
 from quiverd.lake.schema_record import SCHEMAS_DIR
+from quiverd.protocol.frames import ErrorCode
 from tests.daemon.helpers import stored_bundles
 
 STRICT = {"lake.enabled": False, "lake.schema_mode": "strict",
@@ -63,6 +64,19 @@ def test_schema_mode_strict_established_schema_survives_restart(daemon_factory):
         with pytest.raises(SchemaConflict, match="names repeat"):
             c.send(twice, client="dupes")
         c.send(_users(["c"], pa.string()), client="web")
+    # A damaged record: that (client, slot)'s bundles are refused naming the file, until it
+    # is deleted; the next bundle establishes the schema again.
+    (record,) = (d.data_dir / SCHEMAS_DIR).glob("*.schema")
+    d.kill()
+    record.write_bytes(record.read_bytes()[:-3] + b"xyz")
+    d.start()
+    with Client.connect(d.socket) as c, pytest.raises(ProtocolError) as damaged:
+        c.send(_users(["d"], pa.string()), client="web")
+    assert damaged.value.code == ErrorCode.INTERNAL and str(record) in str(damaged.value)
+    record.unlink()
+    with Client.connect(d.socket) as c:
+        c.send(_users([1], pa.int64()), client="web")
+    assert d.stop() == 0
 
 
 def test_schema_mode_strict_refuses_staged_bundle_once(daemon_factory):
