@@ -115,10 +115,10 @@ def test_reader_empty_selection_is_empty_dataframe_with_the_clients_schema(
     assert d.stop() == 0
 
 
-def test_strict_daemon_fails_a_conflicting_spark_write_once(
+def test_strict_daemon_fails_a_conflicting_spark_write_once_and_reads_empty_as_established(
         daemon_factory: Any, spark: Any) -> None:
-    d = daemon_factory({"lake.enabled": False, "lake.schema_mode": "strict",
-                        "segment.max_open_duration_ms": 50}).start()
+    d = daemon_factory({**FAST_LAKE, "lake.schema_mode": "strict",
+                        "lake.file_duration_ms": 600_000}).start()  # no file registered
     with Client.connect(d.socket) as c:
         c.send(pa.table({"user": ["ann"]}), client="web")
     df = spark.createDataFrame([(i,) for i in range(100)], "user INT").repartition(2)
@@ -131,4 +131,8 @@ def test_strict_daemon_fails_a_conflicting_spark_write_once(
     assert time.monotonic() - started < 60
     # Refused once per schema: the daemon logged one refusal, not one per retry.
     assert len(d.events("schema_conflict_refused")) == 1
+    # No lake file yet: the empty DataFrame has the established schema (and quiverd's).
+    empty = _reader(spark, d, "web").load()
+    assert set(empty.columns) == {"user", *EXTRA_NAMES} and empty.count() == 0
+    assert dict(empty.dtypes)["user"] == "string"
     assert d.stop() == 0
