@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 # spark.read.format("quiver")
 READ = frozenset({
     "path", "socket", "config", "client", "slot", "since", "until", "skip_quarantined",
-    "_trace_dir",
+    "columns", "_trace_dir",
 })
 # df.write.format("quiver") and writeStream
 WRITE = frozenset({

@@ -82,7 +82,7 @@ from quiverd.client import Client, IpcPayload
 from quiverd.kernel import logs
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.crc import crc32c
-from quiverd.kernel.errors import ConfigError, JobConflict, QuiverError
+from quiverd.kernel.errors import ConfigError, JobConflict, QuiverError, SchemaConflict
 from quiverd.kernel.jobs import MAX_JOB_ID_BYTES, Winner, check_job_id
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import client_name_problem, reserved_column_problem
@@ -283,11 +283,12 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
         try:
             for _ in c.iter_send(stream.items(chunks, limit), client=opts.client):
                 pass
-        except (WriteRefused, JobConflict) as exc:
+        except (WriteRefused, JobConflict, SchemaConflict) as exc:
             # No end marker: the rows sent are staged, never published, and discarded
             # when Spark aborts the job after the driver's commit raised this reason.
             # Raising here instead would only make Spark run the task again. (JobConflict:
-            # the job id was decided before, so no bundle of it is accepted any more.)
+            # the job id was decided before, so no bundle of it is accepted any more;
+            # SchemaConflict: lake.schema_mode = "strict" refused the rows' schema.)
             message.refused = f"partition {partition}: {exc}"
             return message
         end = c.end_partition(job_id, partition, attempt, client=opts.client,
