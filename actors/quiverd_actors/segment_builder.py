@@ -14,12 +14,13 @@ entry each, on the loop. Decoding Arrow payloads (replayed bundles) happens in o
 worker-thread hop per batch.
 
 A job's commit must not wait out ``max_open_duration_ms`` (read your writes, SPEC §7):
-``SealRequests.sealed_through(sequence)`` (the highest WAL sequence acknowledged when
-the request came, so every bundle of the job is at or below it) seals the open segment
-at once if it holds a bundle at or below ``sequence``, waits for the bundles still on
-their way from the WAL writer, and answers with the number of the last segment sealed.
-One request costs one comparison per batch; the builder's wait is cut short only when
-the open segment must be sealed.
+``SealRequests.sealed_through(job_id, sequence)`` (``sequence``: the highest WAL
+sequence acknowledged when the request came, so every bundle of the job is at or below
+it) seals the open segment at once if it holds a bundle of the job, waits for the
+bundles still on their way from the WAL writer (sealing again if one of the job's
+arrives), and answers with the number of the last segment sealed. The builder notes the
+jobs of the open segment's tagged bundles (one attribute per bundle, on the loop); its
+wait is cut short only when the open segment must be sealed.
 """
 
 from __future__ import annotations
@@ -111,37 +112,43 @@ async def run(
 
 
 class SealRequests:
-    """Requests to seal a shard's open segment through a WAL sequence (one per shard,
-    shared by the builder and the job requests that wait on it)."""
+    """Requests to seal a shard's open segment for a committed job (one object per
+    shard, shared by the builder and the job requests that wait on it)."""
 
     def __init__(self) -> None:
-        self.through = -1  # the highest sequence a request asked for
+        self.jobs: dict[str, int] = {}  # job_id -> requests waiting for it
         self.seen = -1  # every sequence up to this one reached the builder
-        self.open_first: int | None = None  # first sequence of the open segment
+        self.open_jobs: set[str] = set()  # jobs with a bundle in the open segment
         self.last_segment = -1  # number of the last segment sealed (-1: none yet)
         self.ready = False  # the recovered bundles are in; False again at shutdown
         self.changes = Changes()  # the builder sealed or took a batch
         self.scope: anyio.CancelScope | None = None  # the builder's wait for a batch
 
     def due(self) -> bool:
-        """Must the open segment be sealed now?"""
-        return self.open_first is not None and self.open_first <= self.through
+        """Must the open segment be sealed now? (It holds a bundle of a job asked for.)"""
+        return bool(self.jobs) and not self.open_jobs.isdisjoint(self.jobs)
 
-    def done(self, sequence: int) -> bool:
-        return (self.ready and self.seen >= sequence
-                and (self.open_first is None or self.open_first > sequence))
+    def done(self, job_id: str, sequence: int) -> bool:
+        return self.ready and self.seen >= sequence and job_id not in self.open_jobs
 
-    async def sealed_through(self, sequence: int) -> int:
-        """Until every bundle with a sequence <= ``sequence`` is in a sealed segment;
-        returns the number of the last segment sealed by then (finalized later)."""
-        self.through = max(self.through, sequence)
-        if self.due() and self.scope is not None:
-            self.scope.cancel()
-        while True:
-            version = self.changes.version
-            if self.done(sequence):
-                return self.last_segment
-            await self.changes.wait_beyond(version)
+    async def sealed_through(self, job_id: str, sequence: int) -> int:
+        """Until every bundle of ``job_id`` is in a sealed segment, knowing that none has
+        a sequence above ``sequence``; returns the number of the last segment sealed by
+        then (finalized later). Other jobs' and untagged bundles are sealed with them
+        when they share the open segment, and never on their own account."""
+        self.jobs[job_id] = self.jobs.get(job_id, 0) + 1
+        try:
+            if self.due() and self.scope is not None:
+                self.scope.cancel()
+            while True:
+                version = self.changes.version
+                if self.done(job_id, sequence):
+                    return self.last_segment
+                await self.changes.wait_beyond(version)
+        finally:
+            left = self.jobs.pop(job_id) - 1
+            if left:
+                self.jobs[job_id] = left
 
 
 class _Builder:
@@ -165,6 +172,10 @@ class _Builder:
         if self.opened_at is None:
             self.opened_at = anyio.current_time()
         segment = self.open
+        seals = self.seals
+        for b in bundles:  # an attribute per bundle, on the loop: no hop, no bytes
+            if b.txn is not None:
+                seals.open_jobs.add(b.txn.job_id)
         if self.from_wal:
             # No decode, no bytes touched: on the loop, once per batch (a thread hop
             # would cost more). Only bundles whose payloads must be decoded go on.
@@ -181,10 +192,8 @@ class _Builder:
 
             await anyio.to_thread.run_sync(add_all, limiter=self.limiter)
         self._show(segment)
-        seals = self.seals
         if segment.last_sequence is not None:
             seals.seen = max(seals.seen, segment.last_sequence)
-        seals.open_first = segment.first_sequence
         seals.changes.notify()
 
     async def seal_if_due(self) -> None:
@@ -209,7 +218,7 @@ class _Builder:
         self._show(self.open)
         await self.outbox.send(sealed)
         self.seals.last_segment = sealed.segment_seq
-        self.seals.open_first = None
+        self.seals.open_jobs = set()
         self.seals.changes.notify()
 
     def _show(self, segment: OpenSegment) -> None:

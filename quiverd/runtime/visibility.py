@@ -2,9 +2,10 @@
 
     driver ──JOB visible(job_id, timeout_ms)──▶ Visibility.wait          (SPEC §7)
       1. the job is committed (staging, else the catalog)
-      2. per shard: seal through the highest WAL sequence acked so far ──▶ segment_builder
-         (every bundle of the job was acked before its commit, so it is at or below it),
-         then wait until ack.log lists that segment (``AckState.segment_floor``)
+      2. per shard: seal the open segment if it holds a bundle of the job, up to the
+         highest WAL sequence acked so far ──▶ segment_builder (every bundle of the job
+         was acked before its commit, so at or below it), then wait until ack.log lists
+         the segment (``AckState.segment_floor``)
       3. the job's published bundles here: its staged bundles whose verdict is PUBLISH
       4. until the uploader has acked each of them (acked = its files are registered):
          ``Uploader.rush`` rotates the files holding them once all have arrived
@@ -107,7 +108,7 @@ class Visibility:
     async def _until_visible(self, job_id: str, progress: _Progress) -> None:
         async with anyio.create_task_group() as tg:
             for shard in self.shards:
-                tg.start_soon(self._sealed, shard)
+                tg.start_soon(self._sealed, shard, job_id)
         progress.step = "deciding"
         while True:  # the job's verdicts are final once its decision is known here
             versions = self._versions()
@@ -129,10 +130,10 @@ class Visibility:
                 uploader.rush(job_id, set(left))
             await self._any_change(versions)
 
-    async def _sealed(self, shard: Shard) -> None:
-        """Every bundle acked on ``shard`` so far is in a segment ack.log lists."""
-        through = int(shard.wal_stats.last_sequence.value)
-        segment = await shard.seals.sealed_through(through)
+    async def _sealed(self, shard: Shard, job_id: str) -> None:
+        """Every bundle of the job on ``shard`` is in a segment ack.log lists."""
+        through = int(shard.wal_stats.last_sequence.value)  # the job's were acked before
+        segment = await shard.seals.sealed_through(job_id, through)
         while True:
             version = shard.changes.version
             if shard.acks.segment_floor > segment:

@@ -1,7 +1,8 @@
 """segment_builder: ``SealRequests`` (a committed job asks for its bundles now, SPEC §7).
 
 The builder's age limit is out of reach in every test: a segment sealed here was sealed
-by the request (reason ``commit``), at once, or when the bundle asked for arrived."""
+by the request (reason ``commit``), at once, or when a bundle of the job arrived; an
+open segment without a bundle of the job is left open."""
 
 from __future__ import annotations
 
@@ -10,14 +11,28 @@ from typing import Any
 import anyio
 import pytest
 
+from quiverd.kernel.bundle import Bundle, TxnTag
 from quiverd.kernel.config import SegmentConfig
 from quiverd.kernel.metrics import Metrics, SegmentMetrics
 from quiverd_actors import segment_builder
 from quiverd_actors.messages import DurableBatch, SealedSegment
-from tests.actors.test_segment_builder import NEVER_MS, Log, batch
+from tests.actors.test_segment_builder import NEVER_MS, Log, bundle
 
 pytestmark = pytest.mark.asyncio
 CFG = SegmentConfig(target_size_bytes=1 << 30, max_open_duration_ms=NEVER_MS)
+
+
+def tagged(seq: int, job: str | None) -> Bundle:
+    b = bundle(seq)
+    if job is None:
+        return b
+    return Bundle(client=b.client, slots=b.slots, ingestion_ts_ns=b.ingestion_ts_ns,
+                  sequence=seq, txn=TxnTag(job_id=job, partition=0, attempt=1,
+                                           row_offset=seq))
+
+
+def batch(*items: tuple[int, str | None]) -> DurableBatch:
+    return DurableBatch(bundles=tuple(tagged(seq, job) for seq, job in items))
 
 
 async def _run(seals: segment_builder.SealRequests, next_sequence: int,
@@ -44,19 +59,19 @@ async def test_seal_through_seals_the_open_segment_at_once() -> None:
     answers: list[int] = []
 
     async def body(inbox: Any, out: Any) -> None:
-        await inbox.send(batch(10, 11))
-        await inbox.send(batch(12))
-        answers.append(await seals.sealed_through(11))  # 12 is above: sealed with them
+        await inbox.send(batch((10, None), (11, "j")))
+        await inbox.send(batch((12, None)))
+        answers.append(await seals.sealed_through("j", 12))  # all of it sealed together
         first = out.receive_nowait()
         assert (first.segment_seq, first.reason) == (7, "commit")
         assert [e.sequence for e in first.segment.entries] == [10, 11, 12]
-        await inbox.send(batch(13))
-        answers.append(await seals.sealed_through(12))  # sealed already: nothing new
+        await inbox.send(batch((13, "other")))
+        answers.append(await seals.sealed_through("j", 12))  # sealed already: nothing new
         with pytest.raises(anyio.WouldBlock):
-            out.receive_nowait()
+            out.receive_nowait()  # 13 is not of the job: its segment stays open
 
     sealed = await _run(seals, 10, body)
-    assert answers == [7, 7]
+    assert answers == [7, 7] and seals.jobs == {}
     assert [(s.segment_seq, s.reason) for s in sealed] == [(8, "shutdown")]
 
 
@@ -67,17 +82,17 @@ async def test_seal_through_waits_for_a_bundle_still_on_its_way() -> None:
     async def body(inbox: Any, out: Any) -> None:
         async with anyio.create_task_group() as tg:
             async def ask() -> None:
-                answers.append(await seals.sealed_through(21))
+                answers.append(await seals.sealed_through("j", 21))
 
             tg.start_soon(ask)
             await anyio.sleep(0.05)
             assert answers == []  # 21 has not reached the builder: not yet
-            await inbox.send(batch(20))
+            await inbox.send(batch((20, "j")))
             await anyio.sleep(0.05)
-            first = out.receive_nowait()  # 20 is at or below 21: sealed at once
+            first = out.receive_nowait()  # a bundle of the job: sealed at once
             assert [e.sequence for e in first.segment.entries] == [20]
             assert answers == []
-            await inbox.send(batch(21, 22))
+            await inbox.send(batch((21, "j"), (22, None)))
         second = out.receive_nowait()
         assert [e.sequence for e in second.segment.entries] == [21, 22]
         assert second.reason == "commit"
@@ -86,10 +101,15 @@ async def test_seal_through_waits_for_a_bundle_still_on_its_way() -> None:
     assert answers == [8]
 
 
-async def test_seal_through_nothing_open_answers_at_once() -> None:
+async def test_seal_through_nothing_of_the_job_open_answers_at_once() -> None:
     seals = segment_builder.SealRequests()
 
     async def body(inbox: Any, out: Any) -> None:
-        assert await seals.sealed_through(99) == -1  # every sequence below 100 is sealed
+        assert await seals.sealed_through("j", 99) == -1  # below 100: all sealed before
+        await inbox.send(batch((100, None), (101, "k")))
+        assert await seals.sealed_through("j", 101) == -1  # open, but none of j's
+        with pytest.raises(anyio.WouldBlock):
+            out.receive_nowait()
 
-    assert await _run(seals, 100, body) == []
+    sealed = await _run(seals, 100, body)
+    assert [(s.segment_seq, s.reason) for s in sealed] == [(7, "shutdown")]
