@@ -27,6 +27,7 @@ import struct
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
@@ -93,6 +94,7 @@ class IngestServer:
         self.hub = SubscriberHub()
         self.schemas = SchemaCache()  # schema-only checks, once per schema (all connections)
         self.jobs: JobService | None = None  # the daemon's staging (commit, abort, status)
+        self.lake: dict[str, Any] | None = None  # JOB lake's answer (net/whereabouts.py)
         self.stopping = False
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

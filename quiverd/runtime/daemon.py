@@ -38,6 +38,7 @@ from quiverd.net.admin import AdminServer
 from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
 from quiverd.net.rawsock import BoundSocket
+from quiverd.net.whereabouts import lake_reply
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 from quiverd.runtime.staging import Staging
@@ -115,6 +116,7 @@ class Daemon:
                                            metrics=IngestMetrics(self.metrics),
                                            bound=self.bound.get(cfg.ingest_socket))
                 self.ingest.jobs = self.staging
+                self.ingest.lake = lake_reply(cfg)
                 admin = AdminServer(cfg.admin_socket, self, cfg.admin, log=logs.get("admin"),
                                     bound=self.bound.get(cfg.admin_socket))
                 self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards
