@@ -148,8 +148,9 @@ class WriteOptions:
     fail_after_end: tuple[int, int] | None = None
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> WriteOptions:
-        refuse_unknown(options, WRITE, 'df.write.format("quiver")')
+    def parse(cls, options: Mapping[str, str], where: str = 'df.write.format("quiver")'
+              ) -> WriteOptions:
+        refuse_unknown(options, WRITE, where)
         opts = lowered(options)
         paths, origin = writer_sockets(opts)
         client = opts.get("client", DEFAULT_CLIENT)
@@ -240,7 +241,7 @@ class QuiverStreamWriter(DataSourceStreamArrowWriter):
 
     def __init__(self, options: Mapping[str, str], overwrite: bool) -> None:
         _refuse_overwrite(overwrite)
-        self.opts = WriteOptions.parse(options)
+        self.opts = WriteOptions.parse(options, 'df.writeStream.format("quiver")')
         self.query_id = query_id_of(options)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> QuiverCommitMessage:
