@@ -94,7 +94,13 @@ from quiverd.client import Client, IpcPayload
 from quiverd.kernel import logs
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.crc import crc32c
-from quiverd.kernel.errors import ConfigError, DaemonUnreachable, JobConflict, QuiverError
+from quiverd.kernel.errors import (
+    CatalogUnavailable,
+    ConfigError,
+    DaemonUnreachable,
+    JobConflict,
+    QuiverError,
+)
 from quiverd.kernel.jobs import MAX_JOB_ID_BYTES, Winner, check_job_id
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import client_name_problem, reserved_column_problem
@@ -507,8 +513,13 @@ def connect(opts: WriteOptions, path: str, *, timeout: float | None = None) -> C
 def _decided_before(c: Client, job_id: str, if_committed: str,
                     message: QuiverCommitMessage) -> QuiverCommitMessage | None:
     """A batch write naming a job decided before: the message to return at once (a skip
-    or a refusal), or None when the job is new (or staged: this may be a retry)."""
-    status = c.job_status(job_id)
+    or a refusal), or None when the job is new (or staged: this may be a retry), or when
+    the catalog cannot tell now: the rows are then staged as for any job, and the
+    daemon still refuses a second decision (JOB_CONFLICT), so nothing is published twice."""
+    try:
+        status = c.job_status(job_id)
+    except CatalogUnavailable:
+        return None
     state, winners = status["state"], status.get("winners") or []
     if state == "committed" and if_committed == "skip" and winners:
         message.published_before = True
