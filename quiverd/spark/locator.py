@@ -39,7 +39,8 @@ from typing import Any
 import msgspec
 
 from quiverd.kernel.config import Config, load
-from quiverd.kernel.errors import ConfigError, DaemonUnreachable
+from quiverd.kernel.errors import ConfigError, DaemonUnreachable, ProtocolError
+from quiverd.protocol.frames import ErrorCode
 
 SOCKET_ENV = "QUIVERD_SOCKET"
 DEFAULT_SOCKET = "/var/lib/quiverd/ingest.sock"
@@ -130,6 +131,13 @@ def ask(socket: str, why: str = "") -> Located:
     except DaemonUnreachable as exc:
         raise DaemonUnreachable(f"{exc}{why}: the reader asks the daemon there where its "
                                 "lake is", hint=exc.hint) from None
+    except ProtocolError as exc:
+        if exc.code != ErrorCode.MALFORMED:
+            raise
+        raise ConfigError("", f"the daemon at {socket}{why} does not say where its lake is "
+                          f"({exc}): it is older than this reader",
+                          hint='name its config instead: .option("config", "<its config.toml>'
+                          '")') from None
     return Located(socket=socket, cfg=config_of(info), where=f"the daemon at {socket}{why}",
                    withheld=tuple(str(w) for w in info.get("withheld", ())))
 

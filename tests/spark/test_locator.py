@@ -14,7 +14,8 @@ pytest.importorskip("pyspark", reason="pip install 'quiverd[spark]' (scripts/set
 
 from quiverd.client import Client  # noqa: E402 - after the skip
 from quiverd.kernel.config import load  # noqa: E402
-from quiverd.kernel.errors import ConfigError, DaemonUnreachable  # noqa: E402
+from quiverd.kernel.errors import ConfigError, DaemonUnreachable, ProtocolError  # noqa: E402
+from quiverd.protocol.frames import ErrorCode  # noqa: E402
 from quiverd.spark import locator  # noqa: E402
 from quiverd.spark.locator import Locator, config_of, resolve, writer_sockets  # noqa: E402
 from quiverd.spark.paths import local_paths  # noqa: E402
@@ -126,5 +127,13 @@ def test_locator_reader_given_only_the_socket_reads_what_the_writer_wrote(
                        "\\(from \\$QUIVERD_SOCKET\\): the reader asks the daemon there"):
         monkeypatch.setenv(locator.SOCKET_ENV, "/nowhere.sock")
         resolve({})
+    # A daemon older than JOB lake answers MALFORMED: the error says to name its config.
+    def older(self: Client) -> dict[str, Any]:
+        raise ProtocolError(ErrorCode.MALFORMED, "JOB op must be one of ['abort', ...]")
+
+    monkeypatch.setattr(Client, "lake_info", older)
+    with pytest.raises(ConfigError, match=f"the daemon at {sock} does not say where its "
+                       "lake is .*older than this reader"):
+        resolve({"socket": sock})
     assert os.path.exists(sock)
     assert d.stop() == 0
