@@ -18,9 +18,11 @@ from quiverd.kernel.errors import ConfigError, DaemonUnreachable, ProtocolError 
 from quiverd.protocol.frames import ErrorCode  # noqa: E402
 from quiverd.spark import locator  # noqa: E402
 from quiverd.spark.locator import Locator, config_of, resolve, writer_sockets  # noqa: E402
+from quiverd.spark.objects import open_object  # noqa: E402
 from quiverd.spark.paths import local_paths  # noqa: E402
 from quiverd.spark.reader import Lake, Selection  # noqa: E402
-from tests.daemon.lake_helpers import FAST_LAKE, wait_for_lake  # noqa: E402
+from tests.daemon.lake_helpers import FAST_LAKE, send_logs, wait_for_lake  # noqa: E402
+from tests.daemon.test_lake_pg_s3 import _s3_settings  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -136,4 +138,42 @@ def test_locator_reader_given_only_the_socket_reads_what_the_writer_wrote(
                        "lake is .*older than this reader"):
         resolve({"socket": sock})
     assert os.path.exists(sock)
+    assert d.stop() == 0
+
+
+def test_locator_s3_keys_withheld_the_reader_reads_with_its_own(
+        daemon_factory: Any, s3_bucket: dict[str, str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    import pyarrow.parquet as pq
+
+    d = daemon_factory({**FAST_LAKE, **_s3_settings(s3_bucket)}).start()
+    sent = send_logs(d, clients=1, batches=2)
+    wait_for_lake(d, sent)
+    with Client.connect(d.socket) as c:
+        info = c.lake_info()
+    assert s3_bucket["secret_access_key"] not in str(info)
+    assert s3_bucket["access_key_id"] not in str(info)
+    assert info["withheld"] == ["lake.store.options.access_key_id",
+                                "lake.store.options.secret_access_key"]
+    sel = Selection.parse({"socket": str(d.socket), "client": "client-0"})
+    lake = Lake.open(sel.locator)
+    assert lake.store_options["bucket"] == s3_bucket["bucket"]
+    assert lake.store_options["disable_config_load"] == "false"
+    rows, _ = lake.query(sel, zone_maps=False)
+    assert sum(r.row_count for r in rows) == sent[("client-0", 0)]
+    # Without any (no AWS_* variables, no ~/.aws files), no request is signed.
+    for name in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.setenv(name, "/nonexistent")
+    for name in ("AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(Exception, match="(?i)credential"):
+        open_object(lake.partition(rows[0]))
+    # The reader's own credentials, from its environment (here moto's test keys).
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_bucket["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_bucket["secret_access_key"])
+    source = open_object(lake.partition(rows[0]))
+    try:
+        assert pq.ParquetFile(source).metadata.num_rows == rows[0].row_count
+    finally:
+        source.close()
     assert d.stop() == 0
