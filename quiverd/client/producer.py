@@ -4,7 +4,9 @@ Both speak protocol v1 (``quiverd.protocol``): HELLO, then BUNDLE frames pipelin
 up to the server's ``max_inflight``; each bundle is answered by an ACK (durable)
 or an ERROR, matched by request id. ERROR frames become quiverd.kernel.errors
 exceptions (``AtCapacity``, ``ShuttingDown``, ``Unauthorized``, ``JobConflict``,
-else ``ProtocolError`` with ``.code``); a lost connection is ``ConnectionError``.
+``SchemaConflict`` (``lake.schema_mode = "strict"``: the bundle's schema conflicts with
+its (client, slot)'s; not retryable), else ``ProtocolError`` with ``.code``); a lost
+connection is ``ConnectionError``.
 
 Transactional writes (SPEC §7, ``quiverd.client.jobs``) are JOB requests on the same
 connection, in the same request-id space and window as bundles: ``end_partition``

@@ -151,6 +151,10 @@ class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     enabled: bool = True
     node_id: str = ""  # "" = the host name; part of every object key
     time_column: str = ""  # "" = _quiver_ingested_at (the bundle's ingestion time)
+    # What an incompatible schema change of a (client, slot) does (lake.drift.unify
+    # decides what is compatible): "evolve" accepts it and starts a new lake file;
+    # "strict" refuses the bundle at ingest (SCHEMA_CONFLICT), see quiverd/net/established.py.
+    schema_mode: Literal["evolve", "strict"] = "evolve"
     compression_level: int = 3  # zstd
     row_group_bytes: int = 64 * MiB  # Arrow bytes buffered per file before a row group
     file_size_bytes: int = 128 * MiB  # rotate Active -> Stable at this Parquet size

@@ -187,6 +187,15 @@ class JobConflict(QuiverError):
             "under a new job id")
 
 
+class SchemaConflict(QuiverError):
+    """lake.schema_mode = "strict": a bundle's column has a type its (client, slot)'s
+    established schema cannot take; nothing of the bundle was stored."""
+
+    hint = ("send the column with its established type (or rename it), or write the new "
+            "shape under another client or slot; lake.schema_mode = \"evolve\" accepts it "
+            "and starts a new lake file instead")
+
+
 class LakeFileCorrupt(LakeError):
     """A lake file's bytes are not what was written: a Parquet page checksum, the
     file's structure, or its whole-object size or CRC-32C against the catalog."""

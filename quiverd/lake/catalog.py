@@ -274,8 +274,10 @@ class Catalog(abc.ABC):
     async def list_files(self, *, client: str | None = None, since_ns: int | None = None,
                          until_ns: int | None = None, states: Iterable[FileState] | None = None,
                          node_id: str | None = None, source_id: str | None = None,
-                         slot: int | None = None, limit: int | None = None) -> list[FileRow]:
-        """Rows matching every given filter, ordered by (start_ts, file_id).
+                         slot: int | None = None, limit: int | None = None,
+                         newest_first: bool = False) -> list[FileRow]:
+        """Rows matching every given filter, ordered by (start_ts, file_id), or the
+        other way round with ``newest_first`` (``limit=1``: the latest file).
 
         ``since_ns``/``until_ns`` select files whose [start_ts, end_ts] overlaps
         [since_ns, until_ns).

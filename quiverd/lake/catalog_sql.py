@@ -326,7 +326,8 @@ def _scalar(value: object) -> str:
 def list_files_query(*, client: str | None, since_ns: int | None, until_ns: int | None,
                      states: Iterable[FileState] | None, node_id: str | None,
                      source_id: str | None, slot: int | None,
-                     limit: int | None) -> tuple[str, list[Any]] | None:
+                     limit: int | None, newest_first: bool = False
+                     ) -> tuple[str, list[Any]] | None:
     """SQL and arguments for list_files; None when the answer is empty without asking."""
     where: list[str] = []
     args: list[Any] = []
@@ -347,7 +348,8 @@ def list_files_query(*, client: str | None, since_ns: int | None, until_ns: int 
             return None
         where.append(f"state IN {_in_states(wanted)}")
     sql = SELECT_FILES + (" WHERE " + " AND ".join(where) if where else "")
-    sql += " ORDER BY start_ts, file_id"
+    order = " DESC" if newest_first else ""
+    sql += f" ORDER BY start_ts{order}, file_id{order}"
     if limit is not None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, not {limit}")

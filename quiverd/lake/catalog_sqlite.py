@@ -109,10 +109,11 @@ class SqliteCatalog(Catalog):
     async def list_files(self, *, client: str | None = None, since_ns: int | None = None,
                          until_ns: int | None = None, states: Iterable[FileState] | None = None,
                          node_id: str | None = None, source_id: str | None = None,
-                         slot: int | None = None, limit: int | None = None) -> list[FileRow]:
+                         slot: int | None = None, limit: int | None = None,
+                         newest_first: bool = False) -> list[FileRow]:
         query = sql.list_files_query(client=client, since_ns=since_ns, until_ns=until_ns,
                                      states=states, node_id=node_id, source_id=source_id,
-                                     slot=slot, limit=limit)
+                                     slot=slot, limit=limit, newest_first=newest_first)
         if query is None:
             return []
         return await self._call(self._read, _select, *query)

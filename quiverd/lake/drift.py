@@ -62,6 +62,18 @@ def unify(current: pa.Schema | None, incoming: pa.Schema) -> pa.Schema | None:
     return None if fields is None else pa.schema([pa.field(n, t) for n, t in fields.items()])
 
 
+def conflict(current: pa.Schema, incoming: pa.Schema
+             ) -> tuple[str, pa.DataType, pa.DataType] | None:
+    """The first top-level column of ``incoming`` whose type cannot be unified with its
+    type in ``current``: (name, type in ``current``, type in ``incoming``), or None."""
+    before = {f.name: f.type for f in normalize(current)}
+    for f in normalize(incoming):
+        seen = before.get(f.name)
+        if seen is not None and _unify_top(seen, f.type) is None:
+            return f.name, seen, f.type
+    return None
+
+
 def normalize(schema: pa.Schema) -> pa.Schema:
     """``schema`` under the rules of one file: dictionaries as their value types, every
     field nullable, no metadata."""

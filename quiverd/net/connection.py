@@ -6,8 +6,10 @@ producer, two tasks share the connection:
     reader   recv_into → decoder (each BUNDLE or JOB header first reserves its length
              of the pending-bytes budget, within the peer uid's share; none free: stop
              reading until there is) → every complete frame of that read, in one loop
-             pass: validate (schema-only checks once per schema) → window slot → one
-             hand-over per shard (``ShardInbox.put``)
+             pass: validate (schema-only checks once per schema) → window slot →
+             lake.schema_mode = "strict": the (client, slot)'s established schema
+             (once per schema, ``quiverd.net.established``) → one hand-over per shard
+             (``ShardInbox.put``)
     replies  shard WAL writer → Ack/Error (``self.replies``) → release window slots
              and budget → one socket write per group of replies
 
@@ -190,6 +192,11 @@ class Connection:
                 buffer = self.decoder.taken.popleft()
                 slots = protocol.validate_bundle(
                     frame, max_bundle_bytes=server.cfg.max_bundle_bytes, schemas=server.schemas)
+                # lake.schema_mode = "strict": a set lookup unless the schema is new here
+                # (before the frame takes a window slot: a damaged record raises).
+                est = server.established
+                conflict = "" if est is None or est.accepts(frame.client, slots) \
+                    else await est.check(frame.client, slots)
                 if frame.request_id in self.inflight:
                     raise ProtocolError(ErrorCode.MALFORMED, f"request_id {frame.request_id} "
                                         "is already in flight on this connection")
@@ -203,11 +210,18 @@ class Connection:
                 if frame.txn is not None:
                     await self._hand_over(by_shard)  # in order with its staging check
                     refusal, code = await self._staging_refusal(frame)
+                    if not refusal and conflict:
+                        refusal, code = conflict, ErrorCode.SCHEMA_CONFLICT
                     self.attempts.took(frame, sum(s.row_count for s in slots))
                     if refusal:  # never acked; the attempt can no longer end
                         self.replies.send_nowait(protocol.Error(
                             request_id=frame.request_id, code=code, message=refusal))
                         continue
+                elif conflict:  # never acked, nothing stored
+                    self.replies.send_nowait(protocol.Error(
+                        request_id=frame.request_id, code=ErrorCode.SCHEMA_CONFLICT,
+                        message=conflict))
+                    continue
                 bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
                 by_shard.setdefault(shard_of(frame.client, shards), []).append(AppendRequest(
                     request_id=frame.request_id, bundle=bundle, reply=self.replies))

@@ -42,6 +42,7 @@ from quiverd.net.budget import ByteBudget
 from quiverd.net.buffers import BufferPool
 from quiverd.net.connection import Connection, shard_of
 from quiverd.net.consumers import SubscriberHub
+from quiverd.net.established import EstablishedSchemas
 from quiverd.net.jobs import JobService
 from quiverd.net.rawsock import BoundSocket, RawListener, RawStream
 from quiverd.protocol import codec as protocol
@@ -95,6 +96,8 @@ class IngestServer:
         self.schemas = SchemaCache()  # schema-only checks, once per schema (all connections)
         self.jobs: JobService | None = None  # the daemon's staging (commit, abort, status)
         self.lake: dict[str, Any] | None = None  # JOB lake's answer (net/whereabouts.py)
+        # lake.schema_mode = "strict" (set by the daemon); None: "evolve", no check at all
+        self.established: EstablishedSchemas | None = None
         self.stopping = False
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

@@ -55,6 +55,7 @@ from quiverd.kernel.errors import (
     JobConflict,
     ProtocolError,
     QuiverError,
+    SchemaConflict,
     ShuttingDown,
     Unauthorized,
 )
@@ -426,6 +427,8 @@ def exception_for(err: Error) -> QuiverError:
             return JobConflict(err.message)
         case ErrorCode.UNAVAILABLE:
             return CatalogUnavailable(err.message, hint=UNAVAILABLE_HINT)
+        case ErrorCode.SCHEMA_CONFLICT:
+            return SchemaConflict(err.message)
     return ProtocolError(err.code, err.message)
 
 
@@ -439,6 +442,7 @@ def error_code_for(exc: BaseException) -> ErrorCode:
         (Unauthorized, ErrorCode.UNAUTHORIZED),
         (JobConflict, ErrorCode.JOB_CONFLICT),
         (CatalogUnavailable, ErrorCode.UNAVAILABLE),
+        (SchemaConflict, ErrorCode.SCHEMA_CONFLICT),
     ):
         if isinstance(exc, cls):
             return code

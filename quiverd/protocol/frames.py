@@ -111,6 +111,7 @@ class ErrorCode(IntEnum):
     TIMEOUT = 9  # no HELLO in time, idle, or a frame stalled mid-body
     JOB_CONFLICT = 10  # a JOB contradicts the job's recorded decision (SPEC §7)
     UNAVAILABLE = 11  # a JOB needs the catalog, which cannot be reached now: retry
+    SCHEMA_CONFLICT = 12  # lake.schema_mode = "strict": the bundle's schema conflicts
 
 
 # After these the server closes the connection: the byte stream can no longer be

@@ -35,6 +35,7 @@ from quiverd.kernel.metrics import IngestMetrics, Metrics
 from quiverd.kernel.names import validate_subscriber_name
 from quiverd.kernel.reply import Reply
 from quiverd.net.admin import AdminServer
+from quiverd.net.established import EstablishedSchemas
 from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
 from quiverd.net.rawsock import BoundSocket
@@ -117,6 +118,9 @@ class Daemon:
                                            bound=self.bound.get(cfg.ingest_socket))
                 self.ingest.jobs = self.staging
                 self.ingest.lake = lake_reply(cfg)
+                if cfg.lake.schema_mode == "strict":
+                    self.ingest.established = EstablishedSchemas(Path(cfg.data_dir),
+                                                                 log=logs.get("ingest"))
                 admin = AdminServer(cfg.admin_socket, self, cfg.admin, log=logs.get("admin"),
                                     bound=self.bound.get(cfg.admin_socket))
                 self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards

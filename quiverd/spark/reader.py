@@ -8,6 +8,7 @@
           .option("since", "2025-06-01T00:00:00Z")       # ISO-8601 (UTC if naive) or ns
           .option("until", "2025-06-02T00:00:00Z")       # rows with since <= time < until
           .option("skip_quarantined", "true")            # default false: fail on them
+          .option("columns", "status,path")              # only these (default: all)
           .load())
 
 The daemon is named as for the writer (quiverd/spark/locator.py): option ``socket`` (the
@@ -29,9 +30,33 @@ what is pickled (the DataSource's options, the reader, each partition):
              QuiverReader.partitions()   catalog again (+ zone maps): one FilePartition
                                          per file left, carrying its key and the store's
                                          OpenDAL options as plain strings
-    executor QuiverReader.read(p)        OpenDAL (fs, s3, ...: no Hadoop jars) → pyarrow,
-                                         64 Ki rows per batch → drift.conform → Arrow as
+    executor QuiverReader.read(p)        OpenDAL (fs, s3, ...: no Hadoop jars) → pyarrow:
+                                         the footer, then only the row groups whose
+                                         statistics may match, only the columns asked,
+                                         64 Ki rows per batch → safe casts → Arrow as
                                          Spark expects it (to_arrow_schema(schema, "UTC"))
+
+One schema per read. The files of a (client, slot) may differ (drift, SPEC §6): the
+schema is drift.unify over their footers (a new column is null in older files; int32
+and int64 read as int64; ints and floats as double, each value exactly or not at all;
+string and large_string as string). Values are cast safely: one the cast would change
+(an int past 2**53 as a double) fails the read naming the file. Where two files hold a
+column as types no one type holds (string, then int), the error names both files and
+gives the ``.schema("...")`` that reads the column as STRING; with ``.schema(...)``
+Spark skips schema() and every file is cast to the given types.
+
+An empty selection (an ``until`` before any file, an unused slot, a client with no file
+yet) is an empty DataFrame, never an error: a scheduled "last hour" query must run in a
+quiet hour. Its schema is the footer of the (client, slot)'s latest registered file (one
+catalog query, one footer); with no file at all, the established schema of
+``lake.schema_mode = "strict"`` (when the reader sees the daemon's data_dir) plus
+quiverd's columns, else quiverd's columns only (``_quiver_ingested_at``, ...). Another
+slot's files are not used: a slot is another table.
+
+Columns. Spark 4's Python data sources cannot prune columns yet, so option ``columns``
+("a,b") does it: schema() returns only those (an unknown name fails listing the
+client's columns), read() reads only those, plus the time column when since/until
+needs it (dropped before Spark sees the batch).
 
 Types as Spark sees them: dictionaries as their values, large strings/binaries as plain
 ones, uint8/16/32 as the next wider signed int, uint64 as decimal(20, 0), timestamps with
@@ -46,6 +71,11 @@ holds rows that do not), so pruning only decides which files are opened. Compari
         start_ts/end_ts of every registered file, indexed or not
     on other columns: the file's zone maps (min/max), where the indexer recorded them;
         a file without a zone map for the column is kept
+
+Inside each file opened, the same comparisons (and since/until) are checked against
+every row group's footer statistics (min/max per column, which Parquet writes for every
+column: the time column and the zone-map columns alike): only row groups that may hold a
+passing row are read (``pruning.row_groups``).
 
 A timestamp literal v stands for the data values Spark reads as v: [v, v + 999] ns
 (truncation toward zero; [v - 999, v] below the epoch), so a file is opened exactly when
@@ -62,8 +92,8 @@ DataFrame. The whole-object CRC-32C is not checked here (pyarrow reads ranges, n
 whole object); the lake scrub and ``quiverd fsck --lake`` check it.
 
 Test hook: option ``_trace_dir`` names a directory where ``read`` appends the key of
-every object it opens to ``opened.log`` (one line each, O_APPEND), so a test can assert
-which files a query opened.
+every object it opens to ``opened.log`` (one line each, O_APPEND), and "<key> <index>" of
+every row group it reads to ``row_groups.log``, so a test can assert what a query read.
 
 Filter pushdown needs ``spark.sql.python.filterPushdown.enabled=true``: Spark refuses a
 reader with ``pushFilters`` otherwise (``quiverd.spark.register`` sets it).
@@ -73,7 +103,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -95,9 +125,11 @@ from quiverd.kernel.config import Config
 from quiverd.kernel.errors import LakeFileCorrupt
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
+from quiverd.lake.bundles import with_extras
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
+from quiverd.lake.schema_record import established_record
 from quiverd.lake.store_options import service_options
 from quiverd.lake.verified import corrupt_error, is_damage, open_verified
 from quiverd.spark.locator import Locator, resolve
@@ -110,14 +142,21 @@ from quiverd.spark.objects import (
     with_hint,
 )
 from quiverd.spark.options import READ, lowered, refuse_unknown
-from quiverd.spark.pruning import Bound, datetime_ns, may_match, to_bound
-from quiverd.spark.types import as_ns, spark_schema, to_spark
+from quiverd.spark.pruning import Bound, datetime_ns, may_match, row_groups, to_bound
+from quiverd.spark.types import (  # to_spark: re-exported, tests import it from here
+    as_ns,
+    as_target,
+    drift_error,
+    spark_schema,
+    to_spark,  # noqa: F401
+)
 from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter, refuse_reserved_columns
 
 NAME = "quiver"
 BATCH_ROWS = 64 * 1024  # rows per RecordBatch handed to Spark
 MAX_FILES = 100_000  # files one read may plan; more: narrow it with since/until
 TRACE_FILE = "opened.log"
+TRACE_ROW_GROUPS = "row_groups.log"  # "<key> <row group index>" per row group read
 QUARANTINED_SHOWN = 100  # quarantined files one read's error looks up
 
 
@@ -133,12 +172,9 @@ class QuiverDataSource(DataSource):
         sel = Selection.parse(self.options)
         lake = Lake.open(sel.config_path)
         rows, _ = lake.query(sel, zone_maps=False)
-        if not rows:
-            raise ValueError(f"no registered lake file for client {sel.client!r} slot "
-                             f"{sel.slot}{sel.range_text()} in the catalog of "
-                             f"{sel.config_path}: nothing to take a schema from (pass one "
-                             "with .schema(...) to read an empty DataFrame)")
-        return spark_schema(lake.representative_schema(rows))
+        # An empty selection is an empty DataFrame, with the (client, slot)'s schema.
+        schema = lake.representative_schema(rows) if rows else lake.empty_schema(sel)
+        return spark_schema(sel.project(schema))
 
     def reader(self, schema: st.StructType) -> QuiverReader:
         return QuiverReader(Selection.parse(self.options), schema)
@@ -178,7 +214,10 @@ class QuiverReader(DataSourceReader):
         return [lake.partition(r) for r in kept]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, FilePartition), partition
+        if not isinstance(partition, FilePartition):
+            # No file to read: Spark asks for one partition of nothing (InputPartition(None)).
+            assert getattr(partition, "value", None) is None, partition
+            return
         if self.sel.trace_dir:
             _trace(Path(self.sel.trace_dir), partition.key)
         target = to_arrow_schema(self.schema, timezone="UTC")
@@ -192,12 +231,20 @@ class QuiverReader(DataSourceReader):
             columns = [n for n in target.names if n in names]
             ranged = self.sel.since_ns is not None or self.sel.until_ns is not None
             if ranged and self.time_column not in columns and self.time_column in names:
-                columns.append(self.time_column)
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns):
+                columns.append(self.time_column)  # for the range only: to_spark drops it
+            groups = row_groups(pf.metadata, pf.schema_arrow, self.bounds, self.time_column,
+                                self.sel.since_ns, self.sel.until_ns)
+            if self.sel.trace_dir:
+                _trace(Path(self.sel.trace_dir), *(f"{p.key} {g}" for g in groups),
+                       name=TRACE_ROW_GROUPS)
+            if not groups:
+                return
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups,
+                                         columns=columns):
                 if ranged:
                     batch = batch.filter(self._in_range(batch))
                 if batch.num_rows:
-                    yield from to_spark(batch, target).to_batches()
+                    yield from as_target(batch, target, p.file_id, p.uri or p.key).to_batches()
         except opendal.exceptions.NotFound:
             raise missing_error(p) from None
         except LakeFileCorrupt as exc:  # the footer: open_verified's own error
@@ -239,6 +286,7 @@ class Selection:
     until_ns: int | None = None
     trace_dir: str = ""
     skip_quarantined: bool = False
+    columns: tuple[str, ...] = ()  # option "columns": only these; () = all
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Selection:
@@ -265,7 +313,20 @@ class Selection:
             raise ValueError(f'option "skip_quarantined" must be true or false, not {skip!r}')
         return cls(locator=Locator.parse(opts), client=client, slot=slot,
                    since_ns=since, until_ns=until, trace_dir=opts.get("_trace_dir", ""),
-                   skip_quarantined=skip == "true")
+                   skip_quarantined=skip == "true", columns=_columns_option(opts))
+
+    def project(self, schema: pa.Schema) -> pa.Schema:
+        """``schema`` reduced to option "columns" (in its order); an unknown name fails,
+        listing the columns there are."""
+        if not self.columns:
+            return schema
+        unknown = [c for c in self.columns if c not in schema.names]
+        if unknown:
+            raise ValueError(f'option "columns": {", ".join(map(repr, unknown))} '
+                             f"{'is' if len(unknown) == 1 else 'are'} not a column of client "
+                             f"{self.client!r} slot {self.slot}; its columns: "
+                             f"{', '.join(schema.names)}")
+        return pa.schema([schema.field(c) for c in self.columns])
 
     @property
     def config_path(self) -> Locator:
@@ -299,9 +360,10 @@ class Lake:
         return cls(cfg=cfg, time_column=cfg.lake.time_column or INGESTED_AT,
                    store_options=service_options(store, root))
 
-    def query(self, sel: Selection, *, zone_maps: bool
+    def query(self, sel: Selection, *, zone_maps: bool, latest: bool = False
               ) -> tuple[list[FileRow], dict[str, list[ZoneMap]]]:
-        """Registered files of the selection, ordered by (start_ts, file_id); zone maps."""
+        """Registered files of the selection, ordered by (start_ts, file_id); zone maps.
+        ``latest``: only the newest file, quarantined ones not checked."""
         db = DataDir(Path(self.cfg.data_dir)).catalog_db
         if not self.cfg.catalog.dsn and not db.exists():
             raise FileNotFoundError(f"no lake catalog at {db}: is data_dir in "
@@ -309,6 +371,10 @@ class Lake:
 
         async def ask() -> tuple[list[FileRow], list[FileRow], dict[str, list[ZoneMap]]]:
             async with open_catalog(self.cfg.catalog, db, log=_quiet_log()) as catalog:
+                if latest:
+                    return await catalog.list_files(
+                        client=sel.client, slot=sel.slot, states=REGISTERED, limit=1,
+                        newest_first=True), [], {}
                 rows = await catalog.list_files(
                     client=sel.client, slot=sel.slot, since_ns=sel.since_ns,
                     until_ns=sel.until_ns, states=REGISTERED, limit=MAX_FILES + 1)
@@ -335,30 +401,50 @@ class Lake:
                              size=row.compressed_size)
 
     def representative_schema(self, rows: list[FileRow]) -> pa.Schema:
-        """drift.unify over the footers of ``rows``, one per distinct schema_hash."""
+        """drift.unify over the footers of ``rows``, one per distinct schema_hash; where
+        two files hold a column as types no one type holds without loss, a ValueError
+        names both files and the ``.schema(...)`` that reads them as one."""
         firsts: dict[str, FileRow] = {}
         for row in rows:
             firsts.setdefault(row.schema_hash or row.file_id, row)
         schema: pa.Schema | None = None
+        seen: list[tuple[FileRow, pa.Schema]] = []
         for row in firsts.values():
-            part = self.partition(row)
-            source = open_object(part)
-            try:
-                # The footer: ranged reads at the tail.
-                found = open_verified(source, file_id=row.file_id, uri=row.uri).schema_arrow
-            except opendal.exceptions.NotFound:
-                raise missing_error(part) from None
-            except LakeFileCorrupt as exc:
-                raise with_hint(exc) from None
-            finally:
-                source.close()
+            found = self.footer_schema(row)
             merged = unify(schema, found)
             if merged is None:
-                raise ValueError(f"{row.uri}: {_conflict(schema, found)}; pass a schema "
-                                 "with .schema(...) to read the files as one type")
+                assert schema is not None, "unify(None, s) always succeeds"
+                raise ValueError(drift_error(schema, found, (row.file_id, row.uri),
+                                             [((r.file_id, r.uri), f) for r, f in seen]))
+            seen.append((row, found))
             schema = merged
         assert schema is not None, "rows is not empty"
         return schema
+
+    def footer_schema(self, row: FileRow) -> pa.Schema:
+        """The Arrow schema of one file's footer (ranged reads at the object's tail)."""
+        part = self.partition(row)
+        source = open_object(part)
+        try:
+            return open_verified(source, file_id=row.file_id, uri=row.uri).schema_arrow
+        except opendal.exceptions.NotFound:
+            raise missing_error(part) from None
+        except LakeFileCorrupt as exc:
+            raise with_hint(exc) from None
+        finally:
+            source.close()
+
+    def empty_schema(self, sel: Selection) -> pa.Schema:
+        """The schema of a selection without files: the footer of the (client, slot)'s
+        latest registered file (outside the since/until range); else, in strict schema
+        mode, its established schema; else only the columns quiverd adds to every row.
+        Another slot's files are not used: a slot is another table."""
+        latest, _ = self.query(replace(sel, since_ns=None, until_ns=None), zone_maps=False,
+                               latest=True)
+        if latest:
+            return self.footer_schema(latest[0])
+        record = established_record(Path(self.cfg.data_dir), (sel.client, sel.slot))
+        return with_extras(record if record is not None else pa.schema([]))
 
 
 # ---- types: the lake's Arrow as Spark's ---------------------------------------------------
@@ -376,21 +462,21 @@ def _ns_option(opts: Mapping[str, str], name: str) -> int | None:
                          "epoch") from None
 
 
-def _conflict(schema: pa.Schema | None, found: pa.Schema) -> str:
-    for f in found:
-        if schema is not None and f.name in schema.names and unify(
-                pa.schema([schema.field(f.name)]), pa.schema([f])) is None:
-            return f"column {f.name!r} is {f.type} here, {schema.field(f.name).type} before"
-    return "schemas cannot be unified"
+def _columns_option(opts: Mapping[str, str]) -> tuple[str, ...]:
+    names = [n.strip() for n in opts.get("columns", "").split(",")]
+    if any(not n for n in names) and opts.get("columns", "").strip():
+        raise ValueError(f'option "columns" must be column names separated by commas, not '
+                         f"{opts['columns']!r}")
+    return tuple(dict.fromkeys(n for n in names if n))
 
 
-def _trace(directory: Path, key: str) -> None:
-    """Append ``key`` to the trace file; one short O_APPEND write is never interleaved."""
+def _trace(directory: Path, *lines: str, name: str = TRACE_FILE) -> None:
+    """Append ``lines`` to a trace file; one short O_APPEND write is never interleaved."""
     directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / TRACE_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+    fd = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                  0o644)
     try:
-        os.write(fd, (key + "\n").encode())
+        os.write(fd, "".join(line + "\n" for line in lines).encode())
     finally:
         os.close(fd)
 

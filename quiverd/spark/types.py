@@ -3,7 +3,8 @@
 Dictionaries become their values, large strings/binaries plain ones, uint8/16/32 the next
 wider signed int, uint64 decimal(20, 0); timestamps with a zone become TimestampType in
 UTC, without one TimestampNTZType. Spark keeps microseconds: nanoseconds are truncated
-toward zero, as Arrow casts.
+toward zero, as Arrow casts. Files of one client read as one schema (``drift.unify``, or
+the user's ``.schema(...)``) are cast to it safely: a value the cast would change fails.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pyarrow.compute as pc
 from pyspark.sql import types as st
 from pyspark.sql.pandas.types import from_arrow_type
 
-from quiverd.lake.drift import conform
+from quiverd.lake.drift import conflict, conform
 
 
 def spark_schema(schema: pa.Schema) -> st.StructType:
@@ -63,15 +64,77 @@ def to_spark(batch: pa.RecordBatch, target: pa.Schema) -> pa.Table:
 def _cast(column: pa.Array, t: pa.DataType) -> pa.Array:
     if column.type == t:
         return column
-    # As drift.conform: ints into float64 may round (that is what unify chose).
-    safe = not (pa.types.is_integer(column.type) and pa.types.is_floating(t))
+    # Safe casts only: a value the cast would change (an int past 2**53 into a double, a
+    # string that is no number into an int) fails the read (the reader names the file)
+    # rather than come back different. Within one file the uploader already chose.
     try:
-        return column.cast(t, safe=safe)
+        return column.cast(t, safe=True)
     except pa.ArrowInvalid:
         if "timestamp" not in str(column.type):
             raise
         # Spark holds microseconds: the nanoseconds are dropped, not refused.
         return column.cast(t, safe=False)
+
+
+# ---- one schema for files that drifted -------------------------------------------------
+
+def drift_error(schema: pa.Schema, found: pa.Schema, file: tuple[str, str],
+                seen: list[tuple[tuple[str, str], pa.Schema]]) -> str:
+    """Lake file ``file`` (id, uri) with schema ``found`` cannot join ``schema``, the
+    unified schema of the files ``seen`` before it: name the column, both files and the
+    ``.schema(...)`` that reads every file of the client as one."""
+    clash = conflict(schema, found)
+    if clash is None:
+        return f"lake file {file[0]} ({file[1]}): its schema cannot be unified"
+    name, before, here = clash
+    other = next((f for f, s in seen if name in s.names
+                  and conflict(pa.schema([s.field(name)]), pa.schema([found.field(name)]))),
+                 None)
+    where = f"lake file {other[0]} ({other[1]})" if other else "an earlier file"
+    fields = {f.name: f.type for f in schema}
+    fields.update({f.name: f.type for f in found if f.name not in fields})
+    scalar = not any(_nested(t) for t in (before, here))
+    fields[name] = pa.string() if scalar else fields[name]
+    ddl = ", ".join(f"`{n}` {spark_schema(pa.schema([pa.field(n, t)]))[0].dataType.simpleString()}"
+                    for n, t in fields.items())
+    cast = (f"as STRING, e.g. .schema(\"{ddl}\") (each file's values are cast to the given "
+            "types; a value that does not fit fails the read naming its file)"
+            if scalar else "with .schema(...) in a type both can be cast to")
+    return (f"column {name!r} is {here} in lake file {file[0]} ({file[1]}) but {before} "
+            f"in {where}: no type holds both without loss, so the client has no one schema. "
+            f"Read the column {cast}, or narrow the read with since/until to one side")
+
+
+def _nested(t: pa.DataType) -> bool:
+    return bool(pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_list(t)
+                or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t))
+
+
+def as_target(batch: pa.RecordBatch, target: pa.Schema, file_id: str, uri: str) -> pa.Table:
+    """``to_spark``; a value the cast would change (a string that is no number, an int
+    past 2**53 into a double) fails naming the file, column and types, not Arrow's
+    words alone."""
+    try:
+        return to_spark(batch, target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        column = next((f.name for f in batch.schema if f.name in target.names
+                       and _cast_fails(batch.column(f.name), target.field(f.name).type)), None)
+        if column is None:
+            raise
+        raise ValueError(
+            f"lake file {file_id} ({uri}): column {column!r} is "
+            f"{batch.schema.field(column).type} there and cannot be read as "
+            f"{target.field(column).type} without changing values ({exc}); pass "
+            ".schema(...) with a type that holds every file's values (e.g. STRING), or "
+            "narrow the read with since/until") from None
+
+
+def _cast_fails(column: pa.Array, t: pa.DataType) -> bool:
+    try:
+        to_spark(pa.record_batch([column], names=["c"]), pa.schema([pa.field("c", t)]))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return True
+    return False
 
 
 # ---- pruning ------------------------------------------------------------------------------

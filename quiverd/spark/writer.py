@@ -100,6 +100,7 @@ from quiverd.kernel.errors import (
     DaemonUnreachable,
     JobConflict,
     QuiverError,
+    SchemaConflict,
 )
 from quiverd.kernel.jobs import MAX_JOB_ID_BYTES, Winner, check_job_id
 from quiverd.kernel.logs import Logger
@@ -333,11 +334,12 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
         try:
             for _ in c.iter_send(stream.items(chunks, limit), client=opts.client):
                 pass
-        except (WriteRefused, JobConflict) as exc:
+        except (WriteRefused, JobConflict, SchemaConflict) as exc:
             # No end marker: the rows sent are staged, never published, and discarded
             # when Spark aborts the job after the driver's commit raised this reason.
             # Raising here instead would only make Spark run the task again. (JobConflict:
-            # the job id was decided before, so no bundle of it is accepted any more.)
+            # the job id was decided before, so no bundle of it is accepted any more;
+            # SchemaConflict: lake.schema_mode = "strict" refused the rows' schema.)
             message.refused = f"partition {partition}: {exc}"
             return message
         end = c.end_partition(job_id, partition, attempt, client=opts.client,
