@@ -10,6 +10,8 @@ body back here to be checked and typed (docs/protocol.md, "Transactional writes"
                    → JobResult(decision, already): ``already`` when the job had been
                      decided the same way before (commit and abort are idempotent)
     status         {"op", "job_id"} → the reply as a dict ("state" at least)
+    lake           {"op"} → where the daemon's catalog and store are (secrets withheld):
+                   the reply as a dict ("data_dir", "catalog", "lake" at least)
 
 Arguments are checked here, before sending: the daemon answers a malformed JOB with
 MALFORMED and closes the connection, taking the bundles in flight with it.
@@ -84,6 +86,10 @@ def status_body(job_id: str) -> dict[str, Any]:
     return {"op": "status", "job_id": check_job_id(job_id)}
 
 
+def lake_body() -> dict[str, Any]:
+    return {"op": "lake"}
+
+
 def end_ack(reply: dict[str, Any]) -> EndAck:
     return _convert(reply, EndAck, "end_partition")
 
@@ -100,6 +106,14 @@ def job_result(reply: dict[str, Any], op: str) -> JobResult:
 def job_status(reply: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(reply.get("state"), str):
         raise ProtocolError(ErrorCode.MALFORMED, "JOB_OK for status: no 'state' string")
+    return reply
+
+
+def lake_answer(reply: dict[str, Any]) -> dict[str, Any]:
+    for name, kind in (("data_dir", str), ("catalog", dict), ("lake", dict)):
+        if not isinstance(reply.get(name), kind):
+            raise ProtocolError(ErrorCode.MALFORMED, f"JOB_OK for lake: no {name!r} "
+                                f"{kind.__name__}")
     return reply
 
 

@@ -52,6 +52,8 @@ from quiverd.client.jobs import (
     end_partition_body,
     job_result,
     job_status,
+    lake_answer,
+    lake_body,
     status_body,
 )
 from quiverd.kernel.bundle import TxnTag
@@ -172,6 +174,10 @@ class AsyncClient:
 
     async def job_status(self, job_id: str) -> dict[str, Any]:
         return job_status(await self._job(status_body(job_id)))
+
+    async def lake_info(self) -> dict[str, Any]:
+        """Where the daemon's catalog and store are, secrets withheld (JOB lake)."""
+        return lake_answer(await self._job(lake_body()))
 
     async def _job(self, body: Mapping[str, Any]) -> dict[str, Any]:
         self._check_open()
@@ -356,6 +362,11 @@ class Client:
     def job_status(self, job_id: str) -> dict[str, Any]:
         """``{"job_id", "state": staged|unknown|committed|aborted|expired, ...}``."""
         return job_status(self._job(status_body(job_id)))
+
+    def lake_info(self) -> dict[str, Any]:
+        """Where the daemon's catalog and store are, secrets withheld (docs/protocol.md,
+        "Where the lake is"): ``{"data_dir", "catalog", "lake", "withheld", ...}``."""
+        return lake_answer(self._job(lake_body()))
 
     def _job(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Send one JOB and wait for its reply. Bundles an ``iter_send`` left in flight

@@ -6,6 +6,8 @@
     → JOB {"op": "abort", "job_id", "reason"}
                                   ← JOB_OK {JobDecision fields, "already": bool}
     → JOB {"op": "status", "job_id"}  ← JOB_OK {"job_id", "state", ...}
+    → JOB {"op": "lake"}              ← JOB_OK where the catalog and store are, secrets
+                                        withheld (``quiverd.net.whereabouts``)
 
 A request that needs the catalog while it cannot be reached (a commit, an abort, the
 status of a job whose decision is not known here) is ERROR UNAVAILABLE, which the
@@ -77,11 +79,19 @@ class Status(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     job_id: str
 
 
-OPS: dict[str, type[EndPartition] | type[Commit] | type[Abort] | type[Status]] = {
-    "end_partition": EndPartition, "commit": Commit, "abort": Abort, "status": Status}
+class Lake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the lake is: a reader holding only the ingest socket asks this."""
+
+    op: str
 
 
-def parse(body: dict[str, Any]) -> EndPartition | Commit | Abort | Status:
+Request = EndPartition | Commit | Abort | Status | Lake
+OPS: dict[str, type[Request]] = {
+    "end_partition": EndPartition, "commit": Commit, "abort": Abort, "status": Status,
+    "lake": Lake}
+
+
+def parse(body: dict[str, Any]) -> Request:
     """A JOB body as its request type; ProtocolError(MALFORMED) when it is not one."""
     kind = OPS.get(str(body.get("op")))
     if kind is None:
@@ -89,7 +99,8 @@ def parse(body: dict[str, Any]) -> EndPartition | Commit | Abort | Status:
                             f"not {body.get('op')!r}")
     try:
         req = msgspec.convert(body, kind)
-        check_job_id(req.job_id)
+        if not isinstance(req, Lake):
+            check_job_id(req.job_id)
     except (msgspec.ValidationError, ValueError) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"JOB {body.get('op')}: {exc}") from exc
     if isinstance(req, EndPartition):
@@ -182,8 +193,14 @@ def decision_body(decision: JobDecision, already: bool) -> dict[str, Any]:
     return body
 
 
-async def answer(service: JobService | None, req: Commit | Abort | Status) -> dict[str, Any]:
-    """Commit, abort or status; QuiverError (JobConflict, CatalogUnavailable) propagates."""
+async def answer(service: JobService | None, req: Commit | Abort | Status | Lake, *,
+                 lake: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Commit, abort, status or lake; QuiverError (JobConflict, CatalogUnavailable)
+    propagates. ``lake``: the daemon's ``whereabouts.lake_reply``."""
+    if isinstance(req, Lake):
+        if lake is None:
+            raise QuiverError("this daemon does not say where its lake is")
+        return lake
     if service is None:
         raise QuiverError("this daemon takes no job requests (staging is not running)")
     if isinstance(req, Commit):
