@@ -22,7 +22,9 @@ WRITE = frozenset({
     "query_id", "checkpointlocation", "_commit_gate", "_fail_after_end",
 })
 # spark.readStream.format("quiver")
-STREAM_READ = frozenset({"path", "socket", "config", "client", "slot"})
+STREAM_READ = frozenset({
+    "path", "socket", "config", "client", "slot", "subscriber", "maxbundlespertrigger", "from",
+})
 
 
 def lowered(options: Mapping[str, object]) -> dict[str, str]:

@@ -144,6 +144,13 @@ class QuiverDataSource(DataSource):
         refuse_reserved_columns(schema)
         return QuiverStreamWriter(self.options, overwrite)
 
+    def streamReader(self, schema: st.StructType) -> Any:  # noqa: N802 - Spark's name
+        """``spark.readStream.format("quiver")``: a QuiverStreamReader, see
+        quiverd/spark/stream.py."""
+        from quiverd.spark.stream import QuiverStreamReader, StreamOptions
+
+        return QuiverStreamReader(StreamOptions.parse(self.options), schema)
+
 
 class QuiverReader(DataSourceReader):
     def __init__(self, sel: Selection, schema: st.StructType) -> None:
