@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from quiverd.acks import format as fmt
-from quiverd.kernel.errors import AtCapacity, QuiverError
+from quiverd.kernel.errors import AtCapacity, QuiverError, ShuttingDown
 from quiverd.kernel.jobs import Verdict
 from quiverd.kernel.reply import Reply
 from quiverd.segments.reader import SegmentReader
@@ -58,9 +58,8 @@ class HeldBundle(AtCapacity):
 async def register(d: Dispatcher, name: str, start: str) -> None:
     """Register subscriber ``name`` on this shard (durable in its ack.log on return)."""
     reply: Reply[None] = Reply()
-    await d.ack_log.send(ChangeSubscriber(op="add", name=name,
-                                          start="latest" if start == "latest" else "earliest",
-                                          reply=reply))
+    await _to_ack_log(d, ChangeSubscriber(
+        op="add", name=name, start="latest" if start == "latest" else "earliest", reply=reply))
     await reply.wait()
 
 
@@ -140,10 +139,18 @@ async def ack_through(d: Dispatcher, name: str, through: Position) -> int:
     for i in range(0, len(todo), ACK_BATCH):
         chunk = todo[i:i + ACK_BATCH]
         reply: Reply[tuple[Exception | None, ...]] = Reply()
-        await d.ack_log.send(RecordOutcomes(
+        await _to_ack_log(d, RecordOutcomes(
             outcomes=tuple((name, seg, idx, fmt.ACK) for seg, idx in chunk), reply=reply))
         await reply.wait()
     return len(todo)
+
+
+async def _to_ack_log(d: Dispatcher, request: ChangeSubscriber | RecordOutcomes) -> None:
+    try:
+        await d.ack_log.send(request)
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        # The shard's pipeline is stopping: its dispatcher closed the stream.
+        raise ShuttingDown(f"shard {d.shard} is stopping") from None
 
 
 def _pending_until(d: Dispatcher, name: str, through: Position) -> list[Position]:

@@ -212,8 +212,6 @@ async def _answer(hub: SubscriberHub, reader: FrameReader, frame: protocol.Strea
         body = await _run(hub, reader, req, log)
     except ProtocolError:
         raise
-    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-        raise ProtocolError(ErrorCode.SHUTTING_DOWN, "quiverd is shutting down") from None
     except QuiverError as exc:
         text = f"{exc} ({exc.hint})" if exc.hint else str(exc)
         await reader.stream.send(protocol.encode_error(
