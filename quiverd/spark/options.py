@@ -27,8 +27,9 @@ WRITE = frozenset({
     "_fail_after_end",
 })
 # spark.readStream.format("quiver")
-STREAM_READ = frozenset({"path", "socket", "config", "client", "slot", "subscriber",
-                         "maxbundlespertrigger"})
+STREAM_READ = frozenset({
+    "path", "socket", "config", "client", "slot", "subscriber", "maxbundlespertrigger", "from",
+})
 
 
 def lowered(options: Mapping[str, object]) -> dict[str, str]:

@@ -141,7 +141,7 @@ from quiverd.spark.objects import (
     quarantined_error,
     with_hint,
 )
-from quiverd.spark.options import READ, lowered, refuse_unknown
+from quiverd.spark.options import READ, STREAM_READ, lowered, refuse_unknown
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, row_groups, to_bound
 from quiverd.spark.types import (  # to_spark: re-exported, tests import it from here
     as_ns,
@@ -169,7 +169,13 @@ class QuiverDataSource(DataSource):
         return NAME
 
     def schema(self) -> st.StructType:
-        sel = Selection.parse(self.options)
+        # readStream without .schema(...) asks here too, with the stream's options.
+        streaming = "subscriber" in lowered(self.options)
+        if streaming and not ({"client", "path"} & set(lowered(self.options))):
+            raise ValueError('spark.readStream.format("quiver") of every client has no one '
+                             'schema: pass .schema(...) or name the client with option '
+                             '"client" (its lake schema is used)')
+        sel = Selection.parse(self.options, known=STREAM_READ if streaming else READ)
         lake = Lake.open(sel.config_path)
         rows, _ = lake.query(sel, zone_maps=False)
         # An empty selection is an empty DataFrame, with the (client, slot)'s schema.
@@ -188,6 +194,13 @@ class QuiverDataSource(DataSource):
                      overwrite: bool) -> QuiverStreamWriter:
         refuse_reserved_columns(schema)
         return QuiverStreamWriter(self.options, overwrite)
+
+    def streamReader(self, schema: st.StructType) -> Any:  # noqa: N802 - Spark's name
+        """``spark.readStream.format("quiver")``: a QuiverStreamReader, see
+        quiverd/spark/stream.py."""
+        from quiverd.spark.stream import QuiverStreamReader, StreamOptions
+
+        return QuiverStreamReader(StreamOptions.parse(self.options), schema)
 
 
 class QuiverReader(DataSourceReader):
@@ -289,8 +302,10 @@ class Selection:
     columns: tuple[str, ...] = ()  # option "columns": only these; () = all
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> Selection:
-        refuse_unknown(options, READ, 'spark.read.format("quiver")')
+    def parse(cls, options: Mapping[str, str], known: frozenset[str] = READ) -> Selection:
+        """``known``: the option names allowed (STREAM_READ when a stream's schema() asks)."""
+        refuse_unknown(options, known, 'spark.read.format("quiver")' if known is READ
+                       else 'spark.readStream.format("quiver")')
         opts = lowered(options)
         client, path = opts.get("client", ""), opts.get("path", "")
         if client and path and client != path:
