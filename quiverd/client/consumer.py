@@ -8,30 +8,46 @@
 Delivery is at least once: ``d.id == (shard, segment_seq, bundle_index)`` lets a
 consumer deduplicate. At most ``window`` deliveries are unanswered at a time;
 on disconnect the unanswered ones are delivered again on the next subscribe.
+
+``RangedReader`` is the other way to consume (Spark's streaming source uses it): a
+blocking client that asks for the bundles of a position range per shard and acks a
+prefix when done (STREAM requests, docs/protocol.md "Ranged reads"):
+
+    with RangedReader.connect(socket_path) as r:
+        start = r.open("exporter", register=True)["start"]     # {"0": [seg, idx], ...}
+        end = r.latest("exporter", start)["end"]
+        for shard in end:
+            for d in r.fetch("exporter", int(shard), start[shard], end[shard]):
+                handle(d)                                      # a protocol Delivery
+        r.ack_through("exporter", end)
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import anyio.abc
 import pyarrow as pa
 
-from quiverd.client.core import StrPath, tune_socket
+from quiverd.client.core import StrPath, handshake_result, tune_socket
 from quiverd.kernel.bundle import TxnTag, read_ipc_stream
 from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
 from quiverd.protocol.codec import (
+    REPLY_FRAME_MAX,
     Delivery,
     Error,
     FrameDecoder,
     Role,
+    StreamReply,
     Subscribed,
     encode_ack_bundle,
     encode_hello,
     encode_nack_bundle,
+    encode_stream_request,
     encode_subscribe,
     exception_for,
     max_frame_bytes,
@@ -141,3 +157,112 @@ async def _deliveries(frames: AsyncIterator[Any], conn: _Conn) -> AsyncIterator[
             raise exception_for(msg)
         else:
             raise ProtocolError(1, f"unexpected frame from quiverd: {type(msg).__name__}")
+
+
+PositionJson = Sequence[int]  # [segment_seq, bundle_index]: "after this bundle"
+
+
+class RangedReader:
+    """Blocking STREAM client: one request at a time on one subscriber connection."""
+
+    def __init__(self, sock: socket.socket, decoder: FrameDecoder) -> None:
+        self._sock, self._decoder = sock, decoder
+        self._next_id = 0
+        self._pending: list[Any] = []
+
+    @classmethod
+    def connect(cls, path: StrPath, *, timeout: float | None = None) -> RangedReader:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            tune_socket(sock)
+            try:
+                sock.connect(str(path))
+            except OSError as exc:
+                raise DaemonUnreachable.from_os_error(path, exc) from exc
+            sock.sendall(encode_hello(Role.SUBSCRIBER))
+            first = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
+            while True:
+                data = sock.recv(RECV_BYTES)
+                if not data:
+                    raise ConnectionError("quiverd closed the connection during the handshake")
+                messages = first.feed(data)
+                if messages:
+                    hello = handshake_result(messages)
+                    break
+            limit = max_frame_bytes(hello.max_bundle_bytes)
+            return cls(sock, FrameDecoder(limit, from_client=False))
+        except BaseException:
+            sock.close()
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def open(self, subscriber: str, *, register: bool = False, start: str = "earliest"
+             ) -> dict[str, Any]:
+        """``{"shards", "registered", "start": {shard: position}}``; ``register`` adds an
+        unknown subscriber (from ``start``: earliest or latest) instead of refusing it."""
+        return self._call({"op": "open", "subscriber": subscriber, "register": register,
+                           "start": start})
+
+    def latest(self, subscriber: str, start: Mapping[str, PositionJson], *,
+               cap: Mapping[str, PositionJson] | None = None, max_bundles: int = 0
+               ) -> dict[str, Any]:
+        """``{"end": {shard: position}, "bundles": n}``: the next range after ``start``."""
+        return self._call({"op": "latest", "subscriber": subscriber, "start": dict(start),
+                           "cap": None if cap is None else dict(cap),
+                           "max_bundles": max_bundles})
+
+    def ack_through(self, subscriber: str, through: Mapping[str, PositionJson]) -> int:
+        """Ack every pending bundle up to ``through`` per shard; returns once durable."""
+        reply = self._call({"op": "ack_through", "subscriber": subscriber,
+                            "through": dict(through)})
+        return int(reply["acked"])
+
+    def fetch(self, subscriber: str, shard: int, after: PositionJson, through: PositionJson,
+              *, client: str | None = None) -> Iterator[Delivery]:
+        """The bundles of ``(after, through]`` on ``shard`` (of ``client`` only, if given),
+        oldest first. Consume it to the end before the next request."""
+        request_id = self._send({"op": "fetch", "subscriber": subscriber, "shard": shard,
+                                 "after": list(after), "through": list(through),
+                                 "client": client})
+        while True:
+            msg = self._receive()
+            if isinstance(msg, Delivery):
+                yield msg
+                continue
+            self._check(msg, request_id)
+            return
+
+    def _call(self, body: dict[str, Any]) -> dict[str, Any]:
+        request_id = self._send(body)
+        msg = self._receive()
+        return self._check(msg, request_id)
+
+    def _send(self, body: dict[str, Any]) -> int:
+        self._next_id = self._next_id % 0xFFFF_FFFF + 1
+        self._sock.sendall(encode_stream_request(self._next_id, body))
+        return self._next_id
+
+    def _receive(self) -> Any:
+        while not self._pending:
+            data = self._sock.recv(RECV_BYTES)
+            if not data:
+                raise ConnectionError("quiverd closed the connection")
+            self._pending.extend(self._decoder.feed(data))
+        return self._pending.pop(0)
+
+    @staticmethod
+    def _check(msg: Any, request_id: int) -> dict[str, Any]:
+        if isinstance(msg, Error):
+            raise exception_for(msg)
+        if not isinstance(msg, StreamReply) or msg.request_id != request_id:
+            raise ProtocolError(1, f"unexpected frame from quiverd: {msg!r:.200}")
+        return msg.body

@@ -14,6 +14,8 @@ body back here to be checked and typed (docs/protocol.md, "Transactional writes"
                    → JobVisibility(visible, lake, bundles, pending, waited_ms, reason):
                      the committed job's rows on that daemon are in the catalog, or
                      ``reason`` says why not yet (the job stays committed and durable)
+    lake           {"op"} → where the daemon's catalog and store are (secrets withheld):
+                   the reply as a dict ("data_dir", "catalog", "lake" at least)
 
 Arguments are checked here, before sending: the daemon answers a malformed JOB with
 MALFORMED and closes the connection, taking the bundles in flight with it.
@@ -117,6 +119,10 @@ def job_visibility(reply: dict[str, Any]) -> JobVisibility:
     return _convert(reply, JobVisibility, "visible")
 
 
+def lake_body() -> dict[str, Any]:
+    return {"op": "lake"}
+
+
 def end_ack(reply: dict[str, Any]) -> EndAck:
     return _convert(reply, EndAck, "end_partition")
 
@@ -133,6 +139,14 @@ def job_result(reply: dict[str, Any], op: str) -> JobResult:
 def job_status(reply: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(reply.get("state"), str):
         raise ProtocolError(ErrorCode.MALFORMED, "JOB_OK for status: no 'state' string")
+    return reply
+
+
+def lake_answer(reply: dict[str, Any]) -> dict[str, Any]:
+    for name, kind in (("data_dir", str), ("catalog", dict), ("lake", dict)):
+        if not isinstance(reply.get(name), kind):
+            raise ProtocolError(ErrorCode.MALFORMED, f"JOB_OK for lake: no {name!r} "
+                                f"{kind.__name__}")
     return reply
 
 

@@ -55,6 +55,8 @@ from quiverd.client.jobs import (
     job_result,
     job_status,
     job_visibility,
+    lake_answer,
+    lake_body,
     status_body,
     visible_body,
 )
@@ -182,6 +184,10 @@ class AsyncClient:
         """Until the committed job's rows published by this daemon are in the catalog,
         at most ``timeout_s`` (0: the state now); see ``Client.wait_visible``."""
         return job_visibility(await self._job(visible_body(job_id, timeout_s)))
+
+    async def lake_info(self) -> dict[str, Any]:
+        """Where the daemon's catalog and store are, secrets withheld (JOB lake)."""
+        return lake_answer(await self._job(lake_body()))
 
     async def _job(self, body: Mapping[str, Any]) -> dict[str, Any]:
         self._check_open()
@@ -381,6 +387,11 @@ class Client:
             return job_visibility(self._job(body))
         finally:
             self._sock.settimeout(old)
+
+    def lake_info(self) -> dict[str, Any]:
+        """Where the daemon's catalog and store are, secrets withheld (docs/protocol.md,
+        "Where the lake is"): ``{"data_dir", "catalog", "lake", "withheld", ...}``."""
+        return lake_answer(self._job(lake_body()))
 
     def _job(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Send one JOB and wait for its reply. Bundles an ``iter_send`` left in flight

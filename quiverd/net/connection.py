@@ -297,13 +297,13 @@ class Connection:
 
     async def _job(self, frame: JobRequest) -> None:
         """One JOB request: an end marker goes the bundles' way (WAL, then JOB_OK);
-        commit, abort and status are answered here. A refusal is an ERROR frame."""
+        commit, abort, status and lake are answered here. A refusal is an ERROR frame."""
         try:
             req = jobs.parse(frame.body)
             if isinstance(req, jobs.EndPartition):
                 await self._end_partition(frame.request_id, req)
                 return
-            body = await jobs.answer(self.server.jobs, req)
+            body = await jobs.answer(self.server.jobs, req, lake=self.server.lake)
         except ProtocolError:
             raise
         except (QuiverError, ValueError) as exc:

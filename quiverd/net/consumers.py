@@ -1,4 +1,5 @@
-"""A subscriber connection: SUBSCRIBE, then DELIVERY frames out, ACK/NACK_BUNDLE in.
+"""A subscriber connection: SUBSCRIBE, then DELIVERY frames out, ACK/NACK_BUNDLE in;
+or STREAM requests, each answered in turn (ranged reads, ``serve_stream``).
 
 Runs on the ingest socket after a HELLO with role SUBSCRIBER (docs/protocol.md).
 One ``Session`` is attached to every shard's dispatcher; the window (bundles
@@ -8,20 +9,32 @@ delivered again to the next session of that subscriber.
 
 The acks and nacks of one read batch go to each shard's dispatcher as one
 ``Feedback`` message; the dispatcher applies them in its own task.
+
+A connection whose first frame is STREAM is a ranged reader (Spark's streaming
+source): it asks for the bundles of a position range, ``(after, through]`` per
+shard, and acks a prefix when done (``quiverd_actors.ranges``). Nothing is pushed
+and nothing is in flight: the subscriber's unacked bundles simply stay pending, so
+a range can be read again after a crash and holds the same bundles.
 """
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import anyio
+import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from quiverd.acks import format as fmt
-from quiverd.kernel.errors import ProtocolError
+from quiverd.acks.registry import SubscriberExists
+from quiverd.kernel.errors import ProtocolError, QuiverError, ShuttingDown
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.names import validate_subscriber_name
 from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
+from quiverd_actors import ranges
 from quiverd_actors.dispatcher import Dispatcher, OutgoingDelivery, Session
 from quiverd_actors.messages import Feedback
 
@@ -56,6 +69,9 @@ async def serve_subscriber(hub: SubscriberHub, reader: FrameReader,
             return
         frames = got
     first = frames.pop(0)
+    if isinstance(first, protocol.StreamRequest):
+        await serve_stream(hub, reader, [first, *frames], log)
+        return
     if not isinstance(first, protocol.Subscribe):
         raise ProtocolError(ErrorCode.MALFORMED, "a subscriber must send SUBSCRIBE first")
     if not hub.known(first.name):
@@ -132,3 +148,182 @@ async def _write_deliveries(stream: RawStream,
     async with deliveries:
         async for d in deliveries:
             await stream.send_parts(list(d.parts))
+
+
+# ---- ranged reads: STREAM requests (docs/protocol.md "Ranged reads") ---------------------
+
+class _Open(msgspec.Struct, tag_field="op", tag="open",
+                 forbid_unknown_fields=True):
+    subscriber: str
+    register: bool = False
+    start: Literal["earliest", "latest"] = "earliest"
+
+
+class _Latest(msgspec.Struct, tag_field="op", tag="latest",
+                 forbid_unknown_fields=True):
+    subscriber: str
+    start: dict[str, tuple[int, int]]
+    cap: dict[str, tuple[int, int]] | None = None
+    max_bundles: int = 0
+
+
+class _Fetch(msgspec.Struct, tag_field="op", tag="fetch",
+                 forbid_unknown_fields=True):
+    subscriber: str
+    shard: int
+    after: tuple[int, int]
+    through: tuple[int, int]
+    client: str | None = None
+
+
+class _AckThrough(msgspec.Struct, tag_field="op", tag="ack_through",
+                 forbid_unknown_fields=True):
+    subscriber: str
+    through: dict[str, tuple[int, int]]
+
+
+_Request = _Open | _Latest | _Fetch | _AckThrough
+
+
+async def serve_stream(hub: SubscriberHub, reader: FrameReader,
+                       frames: list[protocol.Message], log: Logger) -> None:
+    """Answer STREAM requests one at a time until the peer closes (ProtocolError on
+    misuse). A request that fails for a reason of its own gets ERROR with its id and
+    the connection stays; bad bytes or an unknown subscriber close it."""
+    while True:
+        for frame in frames:
+            if not isinstance(frame, protocol.StreamRequest):
+                raise ProtocolError(ErrorCode.MALFORMED,
+                                    "only STREAM frames may follow a STREAM request")
+            await _answer(hub, reader, frame, log)
+        got = await reader.receive("idle")
+        if got is None:
+            return
+        frames = got
+
+
+async def _answer(hub: SubscriberHub, reader: FrameReader, frame: protocol.StreamRequest,
+                  log: Logger) -> None:
+    try:
+        req = msgspec.convert(frame.body, type=_Request)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"STREAM request: {exc}") from None
+    try:
+        body = await _run(hub, reader, req, log)
+    except ProtocolError:
+        raise
+    except QuiverError as exc:
+        text = f"{exc} ({exc.hint})" if exc.hint else str(exc)
+        await reader.stream.send(protocol.encode_error(
+            frame.request_id, int(protocol.error_code_for(exc)), text[:4096]))
+        return
+    await reader.stream.send(protocol.encode_stream_reply(frame.request_id, body))
+
+
+async def _run(hub: SubscriberHub, reader: FrameReader, req: _Request, log: Logger
+               ) -> dict[str, Any]:
+    shards = hub.dispatchers
+    if not shards:
+        raise ShuttingDown("quiverd is starting or stopping: no shard serves yet")
+    registered = False
+    if isinstance(req, _Open) and req.register and not hub.known(req.subscriber):
+        await _register(hub, req.subscriber, req.start)
+        registered = True
+        log.info("subscriber_added", subscriber=req.subscriber, start=req.start,
+                 by="stream")
+    if not hub.known(req.subscriber):
+        raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER,
+                            f"no subscriber named {req.subscriber!r}; register it with "
+                            f"`quiverd subscribers add {req.subscriber}`")
+    if isinstance(req, _Open):
+        return {"shards": len(shards), "registered": registered,
+                "start": {str(d.shard): ranges.first_position(d, req.subscriber)
+                          for d in shards}}
+    if isinstance(req, _Latest):
+        return _latest(shards, req)
+    if isinstance(req, _AckThrough):
+        acked = 0
+        for key, through in sorted(req.through.items()):
+            acked += await ranges.ack_through(_shard(shards, key), req.subscriber, through)
+        return {"acked": acked}
+    return {"bundles": await _fetch(_shard(shards, str(req.shard)), reader, req)}
+
+
+async def _register(hub: SubscriberHub, name: str, start: str) -> None:
+    try:
+        validate_subscriber_name(name)
+    except ValueError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, str(exc)) from None
+    for d in hub.dispatchers:
+        try:
+            await ranges.register(d, name, start)
+        except SubscriberExists:
+            pass  # registered meanwhile (another query, or the admin command)
+
+
+def _shard(shards: list[Dispatcher], key: str) -> Dispatcher:
+    if not key.isdigit() or int(key) >= len(shards):
+        raise ProtocolError(ErrorCode.MALFORMED, f"no shard {key}")
+    return shards[int(key)]
+
+
+def _latest(shards: list[Dispatcher], req: _Latest) -> dict[str, Any]:
+    """Per shard the end of the next range: all that is finalized after ``start``
+    (within ``cap``), or at most ``max_bundles`` bundles shared fairly by the shards."""
+    starts = {d.shard: tuple(req.start[str(d.shard)]) if str(d.shard) in req.start
+              else ranges.first_position(d, req.subscriber) for d in shards}
+    caps = req.cap or {}
+
+    def cap(d: Dispatcher) -> tuple[int, int] | None:
+        c = caps.get(str(d.shard))
+        return None if c is None else (c[0], c[1])
+
+    limit = max(0, req.max_bundles)
+    shares = {d.shard: limit for d in shards}
+    if limit:
+        ready = {d.shard: ranges.span(d, starts[d.shard], cap=cap(d), limit=limit)[1]  # type: ignore[arg-type]
+                 for d in shards}
+        shares = _fair_shares(ready, limit)
+    ends: dict[str, tuple[int, int]] = {}
+    total = 0
+    for d in shards:
+        share = shares[d.shard]
+        if limit and share == 0:
+            ends[str(d.shard)] = starts[d.shard]  # type: ignore[assignment]
+            continue
+        end, count = ranges.span(d, starts[d.shard], cap=cap(d), limit=share)  # type: ignore[arg-type]
+        ends[str(d.shard)] = end
+        total += count
+    return {"end": ends, "bundles": total}
+
+
+def _fair_shares(ready: dict[int, int], limit: int) -> dict[int, int]:
+    """Split ``limit`` bundles over shards holding ``ready`` each: equal shares, and
+    what a shard cannot use goes to the others (water-filling)."""
+    shares = {k: 0 for k in ready}
+    left = limit
+    hungry = sorted((k for k in ready if ready[k] > 0), key=lambda k: ready[k])
+    while hungry and left > 0:
+        k = hungry.pop(0)
+        take = min(ready[k], max(1, left // (len(hungry) + 1)))
+        shares[k] = take
+        left -= take
+    return shares
+
+
+async def _fetch(d: Dispatcher, reader: FrameReader, req: _Fetch) -> int:
+    """Send the DELIVERY frames of ``(after, through]`` on shard ``d``, one read batch
+    (one worker hop) at a time; returns how many were sent."""
+    after, through = (req.after[0], req.after[1]), (req.through[0], req.through[1])
+    fetch = ranges.RangeFetch(d, req.client)
+    sent = 0
+    try:
+        while after < through:
+            wanted, after = ranges.picks(d, after, through)
+            if wanted:
+                for frame in await fetch.frames(wanted):
+                    await reader.stream.send_parts(list(frame.parts))
+                    sent += 1
+    finally:
+        fetch.close()
+    return sent

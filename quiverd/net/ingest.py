@@ -27,6 +27,7 @@ import struct
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import anyio
 from anyio import CapacityLimiter
@@ -94,6 +95,7 @@ class IngestServer:
         self.hub = SubscriberHub()
         self.schemas = SchemaCache()  # schema-only checks, once per schema (all connections)
         self.jobs: JobService | None = None  # the daemon's staging (commit, abort, status)
+        self.lake: dict[str, Any] | None = None  # JOB lake's answer (net/whereabouts.py)
         # lake.schema_mode = "strict" (set by the daemon); None: "evolve", no check at all
         self.established: EstablishedSchemas | None = None
         self.stopping = False

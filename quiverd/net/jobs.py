@@ -10,6 +10,8 @@
                                   ← JOB_OK {"visible": bool, "lake", "bundles", "pending",
                                             "waited_ms", "reason"} once the committed job's
                                      rows are in the catalog, or at the timeout
+    → JOB {"op": "lake"}              ← JOB_OK where the catalog and store are, secrets
+                                        withheld (``quiverd.net.whereabouts``)
 
 A request that needs the catalog while it cannot be reached (a commit, an abort, the
 status of a job whose decision is not known here) is ERROR UNAVAILABLE, which the
@@ -88,11 +90,17 @@ class Visible(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_ms: int = 60_000
 
 
+class Lake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the lake is: a reader holding only the ingest socket asks this."""
+
+    op: str
+
+
 MAX_VISIBLE_TIMEOUT_MS = 3_600_000
-Request = EndPartition | Commit | Abort | Status | Visible
+Request = EndPartition | Commit | Abort | Status | Visible | Lake
 OPS: dict[str, type[Request]] = {
     "end_partition": EndPartition, "commit": Commit, "abort": Abort, "status": Status,
-    "visible": Visible}
+    "visible": Visible, "lake": Lake}
 
 
 def parse(body: dict[str, Any]) -> Request:
@@ -103,7 +111,8 @@ def parse(body: dict[str, Any]) -> Request:
                             f"not {body.get('op')!r}")
     try:
         req = msgspec.convert(body, kind)
-        check_job_id(req.job_id)
+        if not isinstance(req, Lake):
+            check_job_id(req.job_id)
     except (msgspec.ValidationError, ValueError) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"JOB {body.get('op')}: {exc}") from exc
     if isinstance(req, EndPartition):
@@ -199,10 +208,14 @@ def decision_body(decision: JobDecision, already: bool) -> dict[str, Any]:
     return body
 
 
-async def answer(service: JobService | None, req: Commit | Abort | Status | Visible
-                 ) -> dict[str, Any]:
-    """Commit, abort, status or visible; QuiverError (JobConflict, CatalogUnavailable)
-    propagates."""
+async def answer(service: JobService | None, req: Commit | Abort | Status | Visible | Lake,
+                 *, lake: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Commit, abort, status, visible or lake; QuiverError (JobConflict,
+    CatalogUnavailable) propagates. ``lake``: the daemon's ``whereabouts.lake_reply``."""
+    if isinstance(req, Lake):
+        if lake is None:
+            raise QuiverError("this daemon does not say where its lake is")
+        return lake
     if service is None:
         raise QuiverError("this daemon takes no job requests (staging is not running)")
     if isinstance(req, Commit):

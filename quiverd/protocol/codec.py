@@ -20,6 +20,8 @@ All integers little-endian. Every frame::
                             | i64 ingestion_ts_ns | slots | end check
     ACK_BUNDLE  0x13  c->s  u16 shard | u64 segment_seq | u32 bundle_index
     NACK_BUNDLE 0x14  c->s  u16 shard | u64 segment_seq | u32 bundle_index
+    STREAM      0x15  c->s  u32 request_id (>0) | u32 len | utf8 JSON object (the request)
+    STREAM_OK   0x16  s->c  u32 request_id | u32 len | utf8 JSON object (the reply)
 
     client     u8 len | ascii [A-Za-z0-9._-]{1,255}
     txn        u8 flag (0 none, 1 tag) [| u16 len | utf8 job_id | u32 partition
@@ -33,6 +35,10 @@ commit, abort, status; docs/protocol.md lists their fields), producers only, in 
 same request-id space and window as BUNDLE. Its JSON is at most MAX_JOB_BODY_BYTES
 (1 MiB) and must be an object. The answer is JOB_OK or an ERROR (JOB_CONFLICT when
 the job was decided otherwise).
+
+STREAM carries a subscriber's ranged reads (``op``: open, latest, fetch, ack_through;
+docs/protocol.md "Ranged reads"), laid out like JOB but at most SMALL_FRAME_MAX long:
+a ``fetch`` is answered by the DELIVERY frames of its range, then STREAM_OK.
 
 The end check exists because an Arrow IPC stream cut at a message boundary reads
 back as complete: the declared row counts and the CRC are what catch a cut or
@@ -84,6 +90,8 @@ from quiverd.protocol.frames import (
     Message,
     NackBundle,
     Role,
+    StreamReply,
+    StreamRequest,
     Subscribe,
     Subscribed,
     encode_ack,
@@ -96,6 +104,8 @@ from quiverd.protocol.frames import (
     encode_job_reply,
     encode_job_request,
     encode_nack_bundle,
+    encode_stream_reply,
+    encode_stream_request,
     encode_subscribe,
     encode_subscribed,
     max_frame_bytes,
@@ -107,10 +117,12 @@ __all__ = [
     "CLOSES_CONNECTION", "JOB_FRAME_MAX", "MAX_FRAME_OVERHEAD", "MAX_JOB_BODY_BYTES",
     "PROTOCOL_VERSION", "REPLY_FRAME_MAX", "SMALL_FRAME_MAX", "Ack", "AckBundle",
     "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameDecoder", "FrameType", "Hello",
-    "HelloOk", "JobReply", "JobRequest", "Message", "NackBundle", "Role", "Subscribe",
+    "HelloOk", "JobReply", "JobRequest", "Message", "NackBundle", "Role", "StreamReply",
+    "StreamRequest", "Subscribe",
     "Subscribed", "decode_body", "encode_ack", "encode_ack_bundle", "encode_bundle",
     "encode_delivery", "encode_error", "encode_hello", "encode_hello_ok", "encode_job_reply",
-    "encode_job_request", "encode_nack_bundle", "encode_subscribe", "encode_subscribed",
+    "encode_job_request", "encode_nack_bundle", "encode_stream_reply",
+    "encode_stream_request", "encode_subscribe", "encode_subscribed",
     "error_code_for", "exception_for", "hello_reply", "max_frame_bytes", "negotiate",
     "validate_bundle",
 ]
@@ -120,6 +132,8 @@ Buffer = bytes | bytearray | memoryview
 # Frames without Arrow payloads are never longer than an ERROR with the longest message,
 # except JOB/JOB_OK, whose JSON may reach MAX_JOB_BODY_BYTES.
 SMALL_FRAME_MAX = 1 + ERROR_HEAD.size + MAX_MESSAGE_LEN
+# STREAM/STREAM_OK bodies are small JSON objects: SMALL_FRAME_MAX bounds them, and the
+# server reserves no budget for them (they are answered before the next one is read).
 JOB_FRAMES = frozenset({FrameType.JOB, FrameType.JOB_OK})
 # Frames whose body is reserved (``reserve``) before it is allocated: every kind that
 # may be longer than SMALL_FRAME_MAX (a JOB's JSON reaches 1 MiB).
@@ -128,13 +142,14 @@ RESERVED_FRAMES = PAYLOAD_FRAMES | JOB_FRAMES
 REPLY_FRAME_MAX = max(SMALL_FRAME_MAX, JOB_FRAME_MAX)
 SERVER_FRAMES = frozenset(
     {FrameType.HELLO_OK, FrameType.ACK, FrameType.ERROR, FrameType.JOB_OK,
-     FrameType.SUBSCRIBED, FrameType.DELIVERY}
+     FrameType.SUBSCRIBED, FrameType.DELIVERY, FrameType.STREAM_OK}
 )
 ROLE_FRAMES = MappingProxyType(
     {
         Role.PRODUCER: frozenset({FrameType.BUNDLE, FrameType.JOB}),
         Role.SUBSCRIBER: frozenset(
-            {FrameType.SUBSCRIBE, FrameType.ACK_BUNDLE, FrameType.NACK_BUNDLE}
+            {FrameType.SUBSCRIBE, FrameType.ACK_BUNDLE, FrameType.NACK_BUNDLE,
+             FrameType.STREAM}
         ),
     }
 )

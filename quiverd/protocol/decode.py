@@ -57,6 +57,8 @@ from quiverd.protocol.frames import (
     Message,
     NackBundle,
     Role,
+    StreamReply,
+    StreamRequest,
     Subscribe,
     Subscribed,
     nbytes,
@@ -90,7 +92,7 @@ def decode_body(frame_type: FrameType, body: memoryview) -> Message:
             # A garbled message must not hide the error code behind a decode failure.
             text = bytes(r.take(length)).decode("utf-8", "replace")
             msg = Error(request_id=request_id, code=code, message=text)
-        case FrameType.JOB | FrameType.JOB_OK:
+        case FrameType.JOB | FrameType.JOB_OK | FrameType.STREAM | FrameType.STREAM_OK:
             msg = _job(r, frame_type)
         case FrameType.SUBSCRIBE:
             name = _ascii(r, SUBSCRIBER_NAME_BYTES, "subscriber name")
@@ -158,11 +160,13 @@ def _hello(magic: bytes, lo: int, hi: int, role: int) -> Hello:
 _JOB_BODY = msgspec.json.Decoder(dict[str, Any])
 
 
-def _job(r: _Reader, frame_type: FrameType) -> JobRequest | JobReply:
+def _job(r: _Reader, frame_type: FrameType
+         ) -> JobRequest | JobReply | StreamRequest | StreamReply:
+    """JOB, JOB_OK, STREAM and STREAM_OK: one layout (request id, JSON object)."""
     what = frame_type.name
     request_id, length = r.unpack(JOB_HEAD)
-    if frame_type is FrameType.JOB and request_id == 0:
-        raise ProtocolError(ErrorCode.MALFORMED, "JOB: request_id 0 is reserved")
+    if frame_type in (FrameType.JOB, FrameType.STREAM) and request_id == 0:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: request_id 0 is reserved")
     if length > MAX_JOB_BODY_BYTES:
         raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body of {length} bytes exceeds "
                             f"{MAX_JOB_BODY_BYTES}")
@@ -177,8 +181,13 @@ def _job(r: _Reader, frame_type: FrameType) -> JobRequest | JobReply:
                             "with string keys") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is not JSON: {exc}") from None
-    if frame_type is FrameType.JOB:
-        return JobRequest(request_id=request_id, body=body)
+    match frame_type:
+        case FrameType.JOB:
+            return JobRequest(request_id=request_id, body=body)
+        case FrameType.STREAM:
+            return StreamRequest(request_id=request_id, body=body)
+        case FrameType.STREAM_OK:
+            return StreamReply(request_id=request_id, body=body)
     return JobReply(request_id=request_id, body=body)
 
 

@@ -24,11 +24,13 @@ __all__ = [
     "CLOSES_CONNECTION", "MAX_FRAME_OVERHEAD", "PROTOCOL_VERSION", "Ack", "AckBundle",
     "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameType", "Hello", "HelloOk",
     "JOB_FRAME_MAX", "JobReply", "JobRequest", "MAX_JOB_BODY_BYTES",
-    "Message", "NackBundle", "Role", "Subscribe", "Subscribed", "encode_ack",
+    "Message", "NackBundle", "Role", "StreamReply", "StreamRequest", "Subscribe",
+    "Subscribed", "encode_ack",
     "encode_ack_bundle", "encode_bundle", "encode_delivery", "encode_delivery_parts",
     "encode_error", "encode_hello",
     "encode_hello_ok", "encode_job_reply", "encode_job_request", "encode_nack_bundle",
-    "encode_subscribe", "encode_subscribed", "max_frame_bytes", "nbytes",
+    "encode_stream_reply", "encode_stream_request", "encode_subscribe", "encode_subscribed",
+    "max_frame_bytes", "nbytes",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -90,6 +92,8 @@ class FrameType(IntEnum):
     DELIVERY = 0x12  # server -> subscriber
     ACK_BUNDLE = 0x13  # subscriber -> server
     NACK_BUNDLE = 0x14  # subscriber -> server
+    STREAM = 0x15  # subscriber -> server: a ranged-read request (JSON), docs/protocol.md
+    STREAM_OK = 0x16  # server -> subscriber: its reply (JSON), after any DELIVERY it asked for
 
 
 class Role(IntEnum):
@@ -182,6 +186,20 @@ class JobReply(msgspec.Struct, frozen=True, kw_only=True):
     body: dict[str, Any]
 
 
+class StreamRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A ranged reader's request (``op`` and its fields, docs/protocol.md "Ranged reads")."""
+
+    request_id: int
+    body: dict[str, Any]
+
+
+class StreamReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The server's answer to the STREAM ``request_id`` (a refusal is an ERROR instead)."""
+
+    request_id: int
+    body: dict[str, Any]
+
+
 class Subscribe(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     window: int  # deliveries the server may have unacknowledged at once
@@ -215,7 +233,7 @@ class NackBundle(msgspec.Struct, frozen=True, kw_only=True):
 
 Message = (
     Hello | HelloOk | BundleFrame | Ack | Error | JobRequest | JobReply | Subscribe
-    | Subscribed | Delivery | AckBundle | NackBundle
+    | Subscribed | Delivery | AckBundle | NackBundle | StreamRequest | StreamReply
 )
 
 
@@ -249,6 +267,16 @@ def encode_job_request(request_id: int, body: Mapping[str, Any]) -> bytes:
 
 def encode_job_reply(request_id: int, body: Mapping[str, Any]) -> bytes:
     return _job_frame(FrameType.JOB_OK, request_id, body)
+
+
+def encode_stream_request(request_id: int, body: Mapping[str, Any]) -> bytes:
+    if not 1 <= request_id <= MAX_REQUEST_ID:
+        raise ValueError(f"request_id {request_id} outside 1..{MAX_REQUEST_ID}")
+    return _job_frame(FrameType.STREAM, request_id, body)
+
+
+def encode_stream_reply(request_id: int, body: Mapping[str, Any]) -> bytes:
+    return _job_frame(FrameType.STREAM_OK, request_id, body)
 
 
 def _job_frame(frame_type: FrameType, request_id: int, body: Mapping[str, Any]) -> bytes:

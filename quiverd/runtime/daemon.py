@@ -39,6 +39,7 @@ from quiverd.net.established import EstablishedSchemas
 from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
 from quiverd.net.rawsock import BoundSocket
+from quiverd.net.whereabouts import lake_reply
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 from quiverd.runtime.staging import Staging
@@ -121,6 +122,7 @@ class Daemon:
                                            metrics=IngestMetrics(self.metrics),
                                            bound=self.bound.get(cfg.ingest_socket))
                 self.ingest.jobs = self.staging
+                self.ingest.lake = lake_reply(cfg)
                 if cfg.lake.schema_mode == "strict":
                     self.ingest.established = EstablishedSchemas(Path(cfg.data_dir),
                                                                  log=logs.get("ingest"))

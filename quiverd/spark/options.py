@@ -12,17 +12,24 @@ import difflib
 from collections.abc import Iterable, Mapping
 
 # spark.read.format("quiver")
+# Spark itself adds "path" for load("<client>") (checked with Spark 4.3: load(x), CREATE
+# TEMPORARY VIEW ... OPTIONS add nothing else).
 READ = frozenset({
     "path", "socket", "config", "client", "slot", "since", "until", "skip_quarantined",
     "columns", "_trace_dir",
 })
-# df.write.format("quiver") and writeStream
+# df.write.format("quiver") and writeStream. Spark itself adds "path" (save(x),
+# writeStream.start(x)) and "checkpointlocation" (writeStream, toTable); foreachBatch,
+# saveAsTable, writeTo and INSERT INTO add nothing (checked with Spark 4.3).
 WRITE = frozenset({
     "path", "paths", "socket", "config", "client", "batch_rows", "batch_bytes", "job_id",
-    "query_id", "checkpointlocation", "visible_timeout_s", "_commit_gate", "_fail_after_end",
+    "if_committed", "visible_timeout_s", "query_id", "checkpointlocation", "_commit_gate",
+    "_fail_after_end",
 })
 # spark.readStream.format("quiver")
-STREAM_READ = frozenset({"path", "socket", "config", "client", "slot"})
+STREAM_READ = frozenset({
+    "path", "socket", "config", "client", "slot", "subscriber", "maxbundlespertrigger", "from",
+})
 
 
 def lowered(options: Mapping[str, object]) -> dict[str, str]:

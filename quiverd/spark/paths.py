@@ -2,6 +2,10 @@
 
     from quiverd.spark.paths import read_parquet
     df = read_parquet(spark, "/etc/quiverd/config.toml", client="web")
+    df = read_parquet(spark, socket="/var/lib/quiverd/ingest.sock", client="web")
+
+The daemon is named as for ``format("quiver")`` (quiverd/spark/locator.py): its config,
+or its socket (the daemon says where its lake is), or neither (the defaults).
 
 ``read_parquet`` is ``spark.read.parquet(*local_paths(...))`` plus what Spark needs for
 quiverd's files: Spark refuses Parquet TIMESTAMP(NANOS) (``_quiver_ingested_at`` is
@@ -25,22 +29,27 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from quiverd.spark.locator import Locator
 from quiverd.spark.reader import Lake, Selection
 
 NANOS_AS_LONG = "spark.sql.legacy.parquet.nanosAsLong"
 VERIFY_CHECKSUMS = "parquet.page.verify-checksum.enabled"  # parquet-mr's read option
 
 
-def local_paths(config: str, *, client: str, slot: int = 0, since: str | None = None,
-                until: str | None = None) -> list[str]:
+def local_paths(config: str = "", *, client: str, socket: str = "", slot: int = 0,
+                since: str | None = None, until: str | None = None) -> list[str]:
     """Absolute paths of the registered files of ``client`` (and slot, time range)."""
-    options = {"config": config, "client": client, "slot": str(slot)}
+    options = {"client": client, "slot": str(slot)}
+    if config:
+        options["config"] = config
+    if socket:
+        options["socket"] = socket
     if since is not None:
         options["since"] = since
     if until is not None:
         options["until"] = until
     sel = Selection.parse(options)
-    lake = Lake.open(sel.config_path)
+    lake = Lake.open(sel.locator)
     store = lake.cfg.lake.store
     if store.scheme != "fs":
         raise ValueError(f"lake.store.scheme is {store.scheme!r}: the files are not on a local "
@@ -50,15 +59,17 @@ def local_paths(config: str, *, client: str, slot: int = 0, since: str | None = 
     return [str(root / row.object_key) for row in rows]
 
 
-def read_parquet(spark: Any, config: str, *, client: str, slot: int = 0,
-                 since: str | None = None, until: str | None = None) -> Any:
+def read_parquet(spark: Any, config: str = "", *, client: str, socket: str = "",
+                 slot: int = 0, since: str | None = None, until: str | None = None) -> Any:
     """A DataFrame of the selection's files read by Spark's own Parquet reader."""
     from pyspark.sql import functions as F  # noqa: N812 - Spark's convention
 
-    paths = local_paths(config, client=client, slot=slot, since=since, until=until)
+    paths = local_paths(config, client=client, socket=socket, slot=slot, since=since,
+                        until=until)
     if not paths:
+        where = Locator(socket=socket, config=config)
         raise ValueError(f"no registered lake file for client {client!r} (slot {slot}) in "
-                         f"the catalog of {config}")
+                         f"the catalog of {where}")
     nanos = {f.name for p in paths[:1] for f in pq.read_schema(p)
              if pa.types.is_timestamp(f.type) and f.type.unit == "ns"}
     spark.conf.set(NANOS_AS_LONG, "true")

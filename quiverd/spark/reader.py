@@ -1,14 +1,22 @@
 """``spark.read.format("quiver")``: the registered lake files of one (client, slot).
 
     df = (spark.read.format("quiver")
-          .option("config", "/etc/quiverd/config.toml")  # whose catalog and store (default)
-          .option("client", "web")                       # required
+          .option("socket", "/var/lib/quiverd/ingest.sock")  # the daemon: its socket,
+          # or .option("config", "/etc/quiverd/config.toml")   or its config (see below)
+          .option("client", "web")                       # required; or .load("web")
           .option("slot", 0)                             # default 0
           .option("since", "2025-06-01T00:00:00Z")       # ISO-8601 (UTC if naive) or ns
           .option("until", "2025-06-02T00:00:00Z")       # rows with since <= time < until
           .option("skip_quarantined", "true")            # default false: fail on them
           .option("columns", "status,path")              # only these (default: all)
           .load())
+
+The daemon is named as for the writer (quiverd/spark/locator.py): option ``socket`` (the
+reader asks the daemon there where its catalog and store are, secrets withheld) or
+``config`` (read as the daemon reads it); neither: $QUIVERD_SOCKET, the default socket,
+the default config. ``load("web")`` is ``option("client", "web")`` (Spark passes it as
+option ``path``). An option not listed in quiverd/spark/options.py is refused, naming
+the closest known one.
 
 Spark runs each step below in its own Python process; nothing crosses between them but
 what is pickled (the DataSource's options, the reader, each partition):
@@ -113,7 +121,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("quiverd.spark needs pyspark 4: pip install 'quiverd[spark]'") from exc
 
 from quiverd.kernel import logs
-from quiverd.kernel.config import Config, load
+from quiverd.kernel.config import Config
 from quiverd.kernel.errors import LakeFileCorrupt
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
@@ -124,6 +132,7 @@ from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, Zone
 from quiverd.lake.schema_record import established_record
 from quiverd.lake.store_options import service_options
 from quiverd.lake.verified import corrupt_error, is_damage, open_verified
+from quiverd.spark.locator import Locator, resolve
 from quiverd.spark.objects import (
     FilePartition,
     missing_error,
@@ -132,6 +141,7 @@ from quiverd.spark.objects import (
     quarantined_error,
     with_hint,
 )
+from quiverd.spark.options import READ, STREAM_READ, lowered, refuse_unknown
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, row_groups, to_bound
 from quiverd.spark.types import (  # to_spark: re-exported, tests import it from here
     as_ns,
@@ -143,7 +153,6 @@ from quiverd.spark.types import (  # to_spark: re-exported, tests import it from
 from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter, refuse_reserved_columns
 
 NAME = "quiver"
-DEFAULT_CONFIG = "/etc/quiverd/config.toml"
 BATCH_ROWS = 64 * 1024  # rows per RecordBatch handed to Spark
 MAX_FILES = 100_000  # files one read may plan; more: narrow it with since/until
 TRACE_FILE = "opened.log"
@@ -160,7 +169,13 @@ class QuiverDataSource(DataSource):
         return NAME
 
     def schema(self) -> st.StructType:
-        sel = Selection.parse(self.options)
+        # readStream without .schema(...) asks here too, with the stream's options.
+        streaming = "subscriber" in lowered(self.options)
+        if streaming and not ({"client", "path"} & set(lowered(self.options))):
+            raise ValueError('spark.readStream.format("quiver") of every client has no one '
+                             'schema: pass .schema(...) or name the client with option '
+                             '"client" (its lake schema is used)')
+        sel = Selection.parse(self.options, known=STREAM_READ if streaming else READ)
         lake = Lake.open(sel.config_path)
         rows, _ = lake.query(sel, zone_maps=False)
         # An empty selection is an empty DataFrame, with the (client, slot)'s schema.
@@ -180,6 +195,13 @@ class QuiverDataSource(DataSource):
         refuse_reserved_columns(schema)
         return QuiverStreamWriter(self.options, overwrite)
 
+    def streamReader(self, schema: st.StructType) -> Any:  # noqa: N802 - Spark's name
+        """``spark.readStream.format("quiver")``: a QuiverStreamReader, see
+        quiverd/spark/stream.py."""
+        from quiverd.spark.stream import QuiverStreamReader, StreamOptions
+
+        return QuiverStreamReader(StreamOptions.parse(self.options), schema)
+
 
 class QuiverReader(DataSourceReader):
     def __init__(self, sel: Selection, schema: st.StructType) -> None:
@@ -188,7 +210,7 @@ class QuiverReader(DataSourceReader):
         self.bounds: list[Bound] = []
         # Read here, not in partitions(): Spark pickles the reader for the executors
         # before it calls partitions(), so only what __init__ and pushFilters set is there.
-        self.time_column = load(sel.config_path).lake.time_column or INGESTED_AT
+        self.time_column = Lake.open(sel.locator).time_column
 
     def pushFilters(self, filters: Sequence[Any]) -> list[Any]:  # noqa: N802 - Spark's name
         """Keep what can prune files; return every filter, so Spark applies them all."""
@@ -270,7 +292,7 @@ class QuiverReader(DataSourceReader):
 class Selection:
     """The reader's options, checked."""
 
-    config_path: str
+    locator: Locator  # which daemon: resolved by Lake.open, on the driver
     client: str
     slot: int = 0
     since_ns: int | None = None
@@ -280,12 +302,19 @@ class Selection:
     columns: tuple[str, ...] = ()  # option "columns": only these; () = all
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> Selection:
-        opts = {k.lower(): str(v) for k, v in options.items()}
-        client = opts.get("client", "")
+    def parse(cls, options: Mapping[str, str], known: frozenset[str] = READ) -> Selection:
+        """``known``: the option names allowed (STREAM_READ when a stream's schema() asks)."""
+        refuse_unknown(options, known, 'spark.read.format("quiver")' if known is READ
+                       else 'spark.readStream.format("quiver")')
+        opts = lowered(options)
+        client, path = opts.get("client", ""), opts.get("path", "")
+        if client and path and client != path:
+            raise ValueError(f'load("{path}") names client {path!r}, option "client" '
+                             f"{client!r}: give one of them")
+        client = client or path
         if not client:
-            raise ValueError('option "client" is required: '
-                             'spark.read.format("quiver").option("client", "<name>")')
+            raise ValueError('option "client" is required: spark.read.format("quiver")'
+                             '.option("client", "<name>"), or .load("<name>")')
         try:
             slot = int(opts.get("slot", "0"))
         except ValueError:
@@ -297,7 +326,7 @@ class Selection:
         skip = opts.get("skip_quarantined", "false").strip().lower()
         if skip not in ("true", "false"):
             raise ValueError(f'option "skip_quarantined" must be true or false, not {skip!r}')
-        return cls(config_path=opts.get("config", DEFAULT_CONFIG), client=client, slot=slot,
+        return cls(locator=Locator.parse(opts), client=client, slot=slot,
                    since_ns=since, until_ns=until, trace_dir=opts.get("_trace_dir", ""),
                    skip_quarantined=skip == "true", columns=_columns_option(opts))
 
@@ -314,6 +343,12 @@ class Selection:
                              f"{', '.join(schema.names)}")
         return pa.schema([schema.field(c) for c in self.columns])
 
+    @property
+    def config_path(self) -> Locator:
+        """The locator, under the name older call sites use: ``Lake.open`` takes it and
+        ``str()`` describes it (a config path, or the daemon at a socket)."""
+        return self.locator
+
     def range_text(self) -> str:
         if self.since_ns is None and self.until_ns is None:
             return ""
@@ -329,8 +364,10 @@ class Lake:
     store_options: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, config_path: str) -> Lake:
-        cfg = load(config_path)
+    def open(cls, where: Locator | str) -> Lake:
+        """The lake of the daemon ``where`` names (a Locator, or a config file's path):
+        read from the config, or asked of the daemon over its socket."""
+        cfg = resolve(where if isinstance(where, Locator) else Locator(config=where)).cfg
         store = cfg.lake.store
         root = store.root
         if store.scheme == "fs":

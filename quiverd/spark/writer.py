@@ -1,7 +1,7 @@
 """``df.write.format("quiver")``: exactly-once writes into quiverd (SPEC §7).
 
     (df.write.format("quiver")
-       .option("path", "/var/lib/quiverd/ingest.sock")  # default: $QUIVERD_SOCKET, else this
+       .option("path", "/var/lib/quiverd/ingest.sock")  # or "socket", or "config": see below
        .option("client", "web")                         # the rows' client name (default spark)
        .mode("append").save())
 
@@ -22,12 +22,23 @@ pickled writer (options and job id) and the pickled commit messages:
                                         every other attempt (failed, speculative)
     driver   QuiverWriter.abort(msgs)   JOB abort: the job's staged rows are discarded
 
-Options: ``path`` (one ingest socket), or ``paths`` (comma-separated sockets: partition
-p writes to paths[p % n], commit and abort go to paths[0]). ``paths`` stands for several
+Options: ``path`` or ``socket`` (one ingest socket), or ``config`` (the daemon's config
+file: its ingest socket), or ``paths`` (comma-separated sockets: partition
+p writes to paths[p % n], commit and abort go to paths[0]); none of them: the defaults
+of quiverd/spark/locator.py ($QUIVERD_SOCKET, the default socket, the default config's
+socket), and a socket that is not there says how it was chosen. ``paths`` stands for several
 hosts, each with its own daemon sharing one catalog; tests emulate that with several
 daemons on one machine. ``client`` (default "spark"), ``batch_rows`` (default 65536) and
 ``batch_bytes`` (default 8 MiB, and never more than the daemon's max_bundle_bytes) bound a
-bundle; ``job_id`` names the job (any 1..256 bytes of UTF-8 not used before).
+bundle; ``job_id`` names the job (any 1..256 bytes of UTF-8). An option not listed in
+quiverd/spark/options.py is refused on the driver, naming the closest known one.
+
+A batch write naming a ``job_id`` that is committed already (``foreachBatch`` replaying
+a micro-batch after a restart, with ``job_id=f"{query}-{batch_id}"``) follows option
+``if_committed``: "skip" (the default, as Delta does) sends no row, and the commit names
+the job's recorded winners again, which the daemon answers ``already``: a no-op;
+"error" fails the write once, saying so. A job id aborted or expired before fails the
+write once whatever the option says: a job id is decided once.
 
 Streaming (``df.writeStream.format("quiver")``, append mode): micro-batch b of a query is
 job ``f"{query_id}-{b}"``: option ``query_id``, else one derived from the
@@ -43,6 +54,13 @@ holds every row of the job, so the next ``spark.read.format("quiver")`` sees the
 At the timeout it returns all the same, with a warning: the job is committed and durable.
 
 quiverd only appends: ``mode("overwrite")`` and Complete output mode are refused.
+``saveAsTable`` (and CREATE TABLE ... AS SELECT, ``writeTo(...).create()``) is refused
+before any row is sent: Spark 4 does not keep a Python data source's options with a
+table, so its rows could never be read back. Spark hands the writer nothing that tells
+such a write from ``save()`` but its tasks' local properties: the write runs as a query
+nested in the command (its ``spark.sql.execution.id`` differs from
+``spark.sql.execution.root.id``) outside any streaming query (foreachBatch nests too).
+INSERT INTO a temporary view ``USING quiver OPTIONS (...)`` works: the view keeps them.
 
 Writes that can never succeed fail once, with one line saying why, instead of Spark's
 retries: a DataFrame with a ``_quiver_*`` column (SPEC §1) is refused on the driver
@@ -57,11 +75,10 @@ run again ``spark.task.maxFailures`` times.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -82,20 +99,41 @@ from quiverd.client import Client, IpcPayload
 from quiverd.kernel import logs
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.crc import crc32c
-from quiverd.kernel.errors import ConfigError, JobConflict, QuiverError, SchemaConflict
+from quiverd.kernel.errors import (
+    CatalogUnavailable,
+    ConfigError,
+    DaemonUnreachable,
+    JobConflict,
+    QuiverError,
+    SchemaConflict,
+)
 from quiverd.kernel.jobs import MAX_JOB_ID_BYTES, Winner, check_job_id
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import client_name_problem, reserved_column_problem
 from quiverd.protocol.frames import MAX_ROW_COUNT
+from quiverd.spark.locator import writer_sockets
+from quiverd.spark.options import WRITE, lowered, refuse_unknown
 from quiverd.spark.visible import VISIBLE_TIMEOUT_S, wait_visible
 
-SOCKET_ENV = "QUIVERD_SOCKET"
-DEFAULT_SOCKET = "/var/lib/quiverd/ingest.sock"
 DEFAULT_CLIENT = "spark"
+IF_COMMITTED = ("skip", "error")
 BATCH_ROWS = 64 * 1024
 BATCH_BYTES = 8 * 1024 * 1024
 MAX_ATTEMPT = 2**32 - 1  # TxnTag.attempt is a u32 on the wire
 BATCH_ID_PROPERTY = "streaming.sql.batchId"  # Spark's local property in micro-batch tasks
+# Spark's local properties that tell a nested write: a command that runs a query of its
+# own (CREATE TABLE AS SELECT: saveAsTable, writeTo(...).create()) gives that query an
+# execution id of its own under the command's root id. foreachBatch nests too, inside
+# a streaming query, whose tasks carry the query id.
+EXECUTION_ID_PROPERTY = "spark.sql.execution.id"
+ROOT_EXECUTION_ID_PROPERTY = "spark.sql.execution.root.id"
+STREAMING_QUERY_PROPERTY = "sql.streaming.queryId"
+TABLE_WRITE_REFUSED = (
+    "saveAsTable (and CREATE TABLE ... AS SELECT, writeTo(...).create()) cannot write to "
+    "quiver: Spark 4 keeps no options for a Python data source's table, so the rows would "
+    "be written and the table could never be read back; nothing was published. Write with "
+    'df.write.format("quiver").option("client", ...).save(), and give the rows a SQL name '
+    "with CREATE TEMPORARY VIEW v USING quiver OPTIONS (client '...', socket '...')")
 # The driver's commit and abort are idempotent, so a daemon restart or a full WAL
 # in between is retried: 6 tries over ~15 s.
 DECIDE_TRIES = 6
@@ -114,6 +152,11 @@ class WriteOptions:
     # Read your writes: commit() waits up to this long for the catalog to hold the job's
     # rows (quiverd.spark.visible); 0 = do not wait.
     visible_timeout_s: float = VISIBLE_TIMEOUT_S
+    # A batch write with an explicit job_id whose job is committed already (a
+    # foreachBatch replay): "skip" sends nothing and commits nothing new, "error" fails.
+    if_committed: str = "skip"
+    # How paths were chosen, for the errors of a socket that is not there.
+    origin: str = field(default="", compare=False)
     # Tests only: commit() writes <dir>/ready and waits for <dir>/go, so that a test can
     # kill the daemon between the tasks' writes and the driver's commit.
     commit_gate: str = ""
@@ -121,18 +164,24 @@ class WriteOptions:
     fail_after_end: tuple[int, int] | None = None
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> WriteOptions:
-        opts = {k.lower(): str(v) for k, v in options.items()}
-        listed = [p.strip() for p in opts.get("paths", "").split(",") if p.strip()]
-        single = opts.get("path") or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+    def parse(cls, options: Mapping[str, str], where: str = 'df.write.format("quiver")'
+              ) -> WriteOptions:
+        refuse_unknown(options, WRITE, where)
+        opts = lowered(options)
+        paths, origin = writer_sockets(opts)
         client = opts.get("client", DEFAULT_CLIENT)
         problem = client_name_problem(client)
         if problem is not None:
             raise ValueError(f'option "client": {problem}')
-        return cls(paths=tuple(listed) or (single,), client=client,
+        if_committed = opts.get("if_committed", "skip").strip().lower()
+        if if_committed not in IF_COMMITTED:
+            raise ValueError(f'option "if_committed" must be "skip" or "error", not '
+                             f"{opts['if_committed']!r}")
+        return cls(paths=paths, client=client,
                    batch_rows=_int_option(opts, "batch_rows", BATCH_ROWS, 1, MAX_ROW_COUNT),
                    batch_bytes=_int_option(opts, "batch_bytes", BATCH_BYTES, 1024, 2**40),
                    visible_timeout_s=_visible_timeout(opts),
+                   if_committed=if_committed, origin=origin,
                    commit_gate=opts.get("_commit_gate", ""),
                    fail_after_end=_pair(opts.get("_fail_after_end", "")))
 
@@ -152,8 +201,11 @@ class RowTooLarge(WriteRefused):
 class QuiverCommitMessage(WriterCommitMessage):
     """What one task attempt wrote, for the driver's commit (the list index is the
     partition). ``published_before``: a replayed micro-batch found its job committed
-    already and sent nothing. ``refused``: why the attempt stopped (no end marker) and
-    the job cannot be written; the driver's commit raises it."""
+    already and sent nothing; ``recorded``: a replayed batch write (if_committed=skip)
+    did the same, and these are the winners the job was committed with (partition,
+    attempt, rows, checksum), which the driver's commit names again: a no-op.
+    ``refused``: why the attempt stopped (no end marker) and the job cannot be written;
+    the driver's commit raises it."""
 
     job_id: str
     partition: int
@@ -167,6 +219,7 @@ class QuiverCommitMessage(WriterCommitMessage):
     sequence: int
     published_before: bool = False
     refused: str = ""
+    recorded: tuple[tuple[int, int, int, int], ...] = ()
 
 
 class QuiverWriter(DataSourceArrowWriter):
@@ -179,9 +232,11 @@ class QuiverWriter(DataSourceArrowWriter):
         # Chosen here, on the driver, before Spark pickles the writer for the tasks
         # and for commit/abort: all of them see the same id.
         self.job_id = check_job_id(str(given) if given else uuid.uuid4().hex)
+        # Only a job id given may have been used before (a foreachBatch replay).
+        self.if_committed = self.opts.if_committed if given else ""
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> QuiverCommitMessage:
-        return write_attempt(self.opts, self.job_id, iterator)
+        return write_attempt(self.opts, self.job_id, iterator, if_committed=self.if_committed)
 
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         winners = winners_of(messages, self.job_id)
@@ -206,7 +261,7 @@ class QuiverStreamWriter(DataSourceStreamArrowWriter):
 
     def __init__(self, options: Mapping[str, str], overwrite: bool) -> None:
         _refuse_overwrite(overwrite)
-        self.opts = WriteOptions.parse(options)
+        self.opts = WriteOptions.parse(options, 'df.writeStream.format("quiver")')
         self.query_id = query_id_of(options)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> QuiverCommitMessage:
@@ -251,8 +306,14 @@ class QuiverStreamWriter(DataSourceStreamArrowWriter):
 
 
 def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBatch], *,
-                  skip_if_committed: bool = False) -> QuiverCommitMessage:
-    """Stream one task attempt's rows as tagged bundles, then its end marker."""
+                  skip_if_committed: bool = False, if_committed: str = ""
+                  ) -> QuiverCommitMessage:
+    """Stream one task attempt's rows as tagged bundles, then its end marker.
+
+    ``skip_if_committed`` (micro-batches): a committed job sends nothing. ``if_committed``
+    (a batch write naming its job_id): "skip" likewise, recording the job's winners in the
+    message, "error" refuses; "" (a fresh job id) asks nothing. A table write
+    (saveAsTable) is refused before anything is sent."""
     ctx = TaskContext.get()
     if ctx is None:
         raise RuntimeError("QuiverWriter.write runs inside a Spark task")
@@ -265,7 +326,12 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
         job_id=job_id, partition=partition, task_attempt_id=attempt,
         attempt_number=ctx.attemptNumber(), stage_id=ctx.stageId(), rows=0, checksum=0,
         node_id="", shard=-1, sequence=-1)
-    with Client.connect(opts.path_for(partition)) as c:
+    if is_table_write(ctx):
+        message.refused = f"partition {partition}: {TABLE_WRITE_REFUSED}"
+        return message
+    with connect(opts, opts.path_for(partition)) as c:
+        if if_committed and (found := _decided_before(c, job_id, if_committed, message)):
+            return found
         if skip_if_committed:
             state = c.job_status(job_id)["state"]
             if state == "committed":  # a replayed micro-batch: published before
@@ -385,12 +451,22 @@ def _split(group: list[pa.RecordBatch], n: int) -> tuple[list[pa.RecordBatch],
 
 def winners_of(messages: Sequence[WriterCommitMessage | None], job_id: str) -> list[Winner]:
     """One Winner per partition; a missing or foreign message refuses the commit, and a
-    refused one raises its reason (WriteRefused)."""
+    refused one raises its reason (WriteRefused). A replayed batch write whose tasks all
+    found the job committed names the winners it was committed with."""
     refused = [m.refused for m in messages if isinstance(m, QuiverCommitMessage) and m.refused]
     if refused:
         more = f" (and {len(refused) - 1} more partitions)" if len(refused) > 1 else ""
         raise WriteRefused(f"job {job_id!r} not written, nothing of it is published: "
                            f"{refused[0]}{more}")
+    replays = [m for m in messages if isinstance(m, QuiverCommitMessage) and m.recorded]
+    if replays:
+        if len(replays) != len(messages):
+            raise JobConflict(f"job {job_id!r} was committed while this write ran: "
+                              f"{len(replays)} of {len(messages)} partitions found it "
+                              "committed, the others wrote rows (discarded)",
+                              hint="two writes used one job_id at once: give each its own")
+        return [Winner(partition=p, attempt=a, rows=r, checksum=c)
+                for p, a, r, c in replays[0].recorded]
     winners = []
     for index, m in enumerate(messages):
         if not isinstance(m, QuiverCommitMessage):
@@ -430,11 +506,59 @@ def stream_job_id(query_id: str, batch_id: int) -> str:
     return check_job_id(f"{query_id}-{batch_id}")
 
 
+def is_table_write(ctx: TaskContext) -> bool:
+    """Is this task's write nested in a command that runs a query of its own (a CREATE
+    TABLE AS SELECT: saveAsTable, writeTo(...).create()), outside a streaming query?
+    Spark hands the Python data source nothing else that tells a table write from
+    save(): the same options, schema and overwrite flag (checked with Spark 4.3)."""
+    execution = ctx.getLocalProperty(EXECUTION_ID_PROPERTY)
+    root = ctx.getLocalProperty(ROOT_EXECUTION_ID_PROPERTY)
+    return (execution is not None and root is not None and execution != root
+            and ctx.getLocalProperty(STREAMING_QUERY_PROPERTY) is None)
+
+
+def connect(opts: WriteOptions, path: str, *, timeout: float | None = None) -> Client:
+    """``Client.connect``; a socket that is not there says how it was chosen."""
+    try:
+        return Client.connect(path, timeout=timeout)
+    except DaemonUnreachable as exc:
+        if not opts.origin:
+            raise
+        raise DaemonUnreachable(f"{exc}{opts.origin}", hint=exc.hint) from None
+
+
+def _decided_before(c: Client, job_id: str, if_committed: str,
+                    message: QuiverCommitMessage) -> QuiverCommitMessage | None:
+    """A batch write naming a job decided before: the message to return at once (a skip
+    or a refusal), or None when the job is new (or staged: this may be a retry), or when
+    the catalog cannot tell now: the rows are then staged as for any job, and the
+    daemon still refuses a second decision (JOB_CONFLICT), so nothing is published twice."""
+    try:
+        status = c.job_status(job_id)
+    except CatalogUnavailable:
+        return None
+    state, winners = status["state"], status.get("winners") or []
+    if state == "committed" and if_committed == "skip" and winners:
+        message.published_before = True
+        message.recorded = tuple((int(w["partition"]), int(w["attempt"]), int(w["rows"]),
+                                  int(w["checksum"])) for w in winners)
+        return message
+    if state not in ("committed", "aborted", "expired"):
+        return None
+    if state == "committed" and if_committed == "error":
+        why = ('and option "if_committed" is "error": use a new job_id, or '
+               'if_committed="skip" to make writing a committed job again a no-op')
+    else:
+        why = "and a job id is decided once: use a new job_id"
+    message.refused = f"partition {message.partition}: job {job_id!r} is {state} already, {why}"
+    return message
+
+
 def _decide(opts: WriteOptions, decide: Callable[[Client], T]) -> T:
     """Run a commit/abort on paths[0], retried while the daemon is away or full."""
     for attempt in range(DECIDE_TRIES):
         try:
-            with Client.connect(opts.paths[0], timeout=60) as c:
+            with connect(opts, opts.paths[0], timeout=60) as c:
                 return decide(c)
         except (QuiverError, ConnectionError) as exc:
             retryable = exc.retryable if isinstance(exc, QuiverError) else True

@@ -366,7 +366,8 @@ def test_writer_job_id_already_decided_fails_once(daemon_factory: Any, spark: An
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     with pytest.raises(Exception, match="job 'once' not written, nothing of it is published"):
-        write(df.mapInArrow(marking(tasks), df.schema), d, job_id="once")
+        write(df.mapInArrow(marking(tasks), df.schema), d, job_id="once",
+              if_committed="error")  # the default, "skip", makes this write a no-op
     assert sorted(p.name for p in tasks.iterdir()) == ["0-0", "1-0"]  # not retried
     assert published(d, rows=0) is None
     assert d.stop() == 0

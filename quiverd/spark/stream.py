@@ -1,0 +1,252 @@
+"""``spark.readStream.format("quiver")``: a quiverd subscriber as a Structured Streaming source.
+
+    q = (spark.readStream.format("quiver")
+         .option("subscriber", "orders-to-parquet")  # required; registered on first use
+         .option("client", "web")                    # only this client's bundles (default: all)
+         .option("slot", 0)                          # default 0
+         .option("maxBundlesPerTrigger", 1000)       # admission control (default: all)
+         .option("from", "earliest")                 # where a new subscriber starts
+         .option("socket", "/run/quiverd/ingest.sock")
+         .schema(schema)                             # or the lake's, as for spark.read
+         .load())
+
+Offsets. One position per shard, ``{"0": [segment_seq, bundle_index], ...}``, each
+meaning "after that bundle" (docs/protocol.md "Ranged reads"): a micro-batch is the
+range ``(start, end]`` of every shard. Positions are exact (bundle ids never repeat,
+segments are finalized read-only files), so a batch Spark re-runs after a crash reads
+the same bundles. The daemon computes every offset; the driver never scans data.
+
+    driver   initialOffset()   STREAM open (registers the subscriber on first use):
+                               just before its oldest unacked bundle, per shard
+    driver   latestOffset()    STREAM latest: the end of what is finalized after start,
+                               at most maxBundlesPerTrigger bundles (ReadMaxFiles: one
+                               bundle counts as one "file"), never past the target
+                               of Trigger.AvailableNow, never over an undecided
+                               exactly-once job's bundles
+    driver   partitions()      one StreamPartition per shard and span of at most
+                               SEGMENTS_PER_PARTITION segment numbers (no daemon call)
+    executor read(p)           STREAM fetch over the ingest socket: the daemon reads
+                               the segment files (one worker hop per 64 bundles) and
+                               sends DELIVERY frames → Arrow → the lake's four
+                               _quiver_ columns → Spark's Arrow
+    driver   commit(end)       STREAM ack_through: acks every bundle up to end, so
+                               retention and the gc can free them
+
+Spark calls ``commit(end)`` only after the batch's sink commit is in its checkpoint:
+until then the subscriber's bundles stay unacked and retained, so a query killed at
+any point restarts from its checkpoint and reads again every range it had not
+committed: no loss, and with an idempotent sink (the file sink, foreachBatch keyed
+by batch id) no duplicate. A daemon restart between batches changes nothing: the
+subscriber's registration and acks are in ack.log.
+
+Latency: only finalized segments are read; a bundle reaches a micro-batch within
+``segment.max_open_duration_ms`` (1 s by default) of its ack, plus the trigger interval.
+Each row gets the lake's bundle columns (``_quiver_ingested_at``, ``_quiver_shard``,
+``_quiver_segment``, ``_quiver_bundle``) when the schema has them, so the stream and the
+lake share one schema and a row's bundle id is its dedup key.
+
+The daemon: option ``socket``, or ``config`` (its ingest socket), else the defaults of
+quiverd/spark/locator.py ($QUIVERD_SOCKET, the default socket, the default config).
+``load("<client>")`` names the client, as for ``spark.read``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import types as st
+from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxFiles,
+    SupportsTriggerAvailableNow,
+)
+
+from quiverd.client.consumer import RangedReader
+from quiverd.kernel.bundle import read_ipc_stream
+from quiverd.kernel.config import load
+from quiverd.kernel.errors import DaemonUnreachable
+from quiverd.kernel.names import client_name_problem, subscriber_name_problem
+from quiverd.lake.bundles import slot_table
+from quiverd.spark.locator import Locator, defaults
+from quiverd.spark.options import STREAM_READ, lowered, refuse_unknown
+from quiverd.spark.types import to_spark
+
+WHERE = 'spark.readStream.format("quiver")'
+SEGMENTS_PER_PARTITION = 8  # segment numbers one Spark task reads, at most
+BATCH_ROWS = 64 * 1024  # rows per RecordBatch handed to Spark (bundles are concatenated)
+TIMEOUT_S = 300.0  # no byte from the daemon for this long fails the call
+END_OF_SEGMENT = 0xFFFF_FFFF  # bundle_index u32: (s, END_OF_SEGMENT) is after all of s
+
+Offset = dict[str, list[int]]  # shard (as a string) -> [segment_seq, bundle_index]
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """The source's options, checked."""
+
+    socket: str
+    subscriber: str
+    client: str | None = None
+    slot: int = 0
+    max_bundles: int = 0  # 0: no limit
+    start: str = "earliest"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> StreamOptions:
+        refuse_unknown(options, STREAM_READ, WHERE)
+        opts = lowered(options)
+        subscriber = opts.get("subscriber", "")
+        if not subscriber:
+            raise ValueError(f'option "subscriber" is required: {WHERE}.option("subscriber", '
+                             '"<name>"), the durable name whose acks record what this query '
+                             "has committed (registered on first use)")
+        if (problem := subscriber_name_problem(subscriber)) is not None:
+            raise ValueError(f'option "subscriber": {problem}')
+        named, path = opts.get("client", ""), opts.get("path", "")
+        if named and path and named != path:
+            raise ValueError(f'load("{path}") names client {path!r}, option "client" '
+                             f"{named!r}: give one of them")
+        client = named or path or None
+        if client is not None and (problem := client_name_problem(client)) is not None:
+            raise ValueError(f'option "client": {problem}')
+        slot = _int(opts, "slot", 0, low=0, high=62)
+        max_bundles = _int(opts, "maxbundlespertrigger", 0, low=1, high=2**31 - 1)
+        start = opts.get("from", "earliest").strip().lower()
+        if start not in ("earliest", "latest"):
+            raise ValueError(f'option "from" must be earliest or latest, not {start!r}')
+        return cls(socket=socket_of(opts), subscriber=subscriber, client=client, slot=slot,
+                   max_bundles=max_bundles, start=start)
+
+
+def socket_of(opts: Mapping[str, str]) -> str:
+    """The ingest socket the options name, or the locator's defaults name."""
+    socket, config, _ = defaults(Locator.parse(opts))
+    return socket or str(load(config).ingest_socket)
+
+
+@dataclass(frozen=True)
+class StreamPartition(InputPartition):
+    """The bundles of ``(after, through]`` on one shard."""
+
+    shard: int
+    after: tuple[int, int]
+    through: tuple[int, int]
+
+
+class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """See the module doc. Spark pickles this object for each process: only ``opts``,
+    ``schema`` and the AvailableNow ``target`` travel."""
+
+    def __init__(self, opts: StreamOptions, schema: st.StructType) -> None:
+        self.opts = opts
+        self.schema = schema
+        self.target: Offset | None = None
+
+    def initialOffset(self) -> Offset:  # noqa: N802 - Spark's name
+        with self._connect() as r:
+            return _canon(r.open(self.opts.subscriber, register=True,
+                                 start=self.opts.start)["start"])
+
+    def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802 - Spark's name
+        if self.opts.max_bundles:
+            return ReadMaxFiles(self.opts.max_bundles)
+        return ReadAllAvailable()
+
+    def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:  # noqa: N802
+        max_bundles = limit.max_files if isinstance(limit, ReadMaxFiles) else 0
+        with self._connect() as r:
+            return _canon(r.latest(self.opts.subscriber, start, cap=self.target,
+                                   max_bundles=max_bundles)["end"])
+
+    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 - Spark's name
+        """Trigger.AvailableNow: stop at what is finalized now."""
+        with self._connect() as r:
+            start = r.open(self.opts.subscriber, register=True, start=self.opts.start)["start"]
+            self.target = _canon(r.latest(self.opts.subscriber, start)["end"])
+
+    def partitions(self, start: Offset, end: Offset) -> list[StreamPartition]:
+        parts: list[StreamPartition] = []
+        for key in sorted(end, key=int):
+            through = (end[key][0], end[key][1])
+            if key not in start:
+                raise ValueError(f"offset {end} names shard {key}, not in start {start}")
+            after = (start[key][0], start[key][1])
+            while after < through:
+                last_seg = after[0] + SEGMENTS_PER_PARTITION - 1
+                upto = through if last_seg >= through[0] else (last_seg, END_OF_SEGMENT)
+                parts.append(StreamPartition(shard=int(key), after=after, through=upto))
+                after = upto
+        return parts
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, StreamPartition), partition
+        target = to_arrow_schema(self.schema, timezone="UTC")
+        pending: list[pa.Table] = []
+        rows = 0
+        with self._connect() as r:
+            for d in r.fetch(self.opts.subscriber, partition.shard, list(partition.after),
+                             list(partition.through), client=self.opts.client):
+                slot = next((s for s in d.slots if s.slot == self.opts.slot), None)
+                if slot is None:
+                    continue
+                table = slot_table(read_ipc_stream(slot.ipc), shard=d.shard,
+                                   segment_seq=d.segment_seq, bundle_index=d.bundle_index,
+                                   ingestion_ts_ns=d.ingestion_ts_ns)
+                if pending and table.schema != pending[0].schema:
+                    yield from _spark_batches(pending, target)
+                    pending, rows = [], 0
+                pending.append(table)
+                rows += table.num_rows
+                if rows >= BATCH_ROWS:
+                    yield from _spark_batches(pending, target)
+                    pending, rows = [], 0
+        if pending:
+            yield from _spark_batches(pending, target)
+
+    def commit(self, end: Offset) -> None:
+        """Ack through ``end``. A daemon that cannot be reached now is not an error of
+        the query: the bundles stay retained, and the next commit acks them too."""
+        try:
+            with self._connect() as r:
+                r.ack_through(self.opts.subscriber, end)
+        except DaemonUnreachable as exc:
+            print(f"quiver stream source: commit of {end} not acked now ({exc}); the next "
+                  "commit acks it", file=sys.stderr)
+
+    def stop(self) -> None:
+        pass
+
+    def _connect(self) -> RangedReader:
+        return RangedReader.connect(self.opts.socket, timeout=TIMEOUT_S)
+
+
+def _spark_batches(tables: list[pa.Table], target: pa.Schema) -> Iterator[pa.RecordBatch]:
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    for batch in table.combine_chunks().to_batches():
+        yield from to_spark(batch, target).to_batches()
+
+
+def _canon(offset: Mapping[str, Any]) -> Offset:
+    """Shards in numeric order, positions as [segment_seq, bundle_index]: Spark compares
+    offsets as JSON text, so equal offsets must print alike."""
+    return {k: [int(offset[k][0]), int(offset[k][1])] for k in sorted(offset, key=int)}
+
+
+def _int(opts: Mapping[str, str], name: str, default: int, *, low: int, high: int) -> int:
+    text = opts.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f'option "{name}" must be an integer, not {text!r}') from None
+    if not low <= value <= high:
+        raise ValueError(f'option "{name}" must be in {low}..{high}, not {value}')
+    return value

@@ -1,0 +1,50 @@
+"""A streaming query in its own process (its own local Spark), for kill tests.
+
+    python -m tests.spark.stream_child SOCKET SUBSCRIBER CHECKPOINT OUT MODE [MAX_BUNDLES]
+
+MODE ``forever``: processing-time trigger, runs until killed; ``available``:
+Trigger.AvailableNow, exits 0 once it caught up. quiver → Parquet (Spark's file sink).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SCHEMA = "tag long, i long, s string, _quiver_shard int, _quiver_bundle long"
+
+
+def main(argv: list[str]) -> int:
+    socket, subscriber, checkpoint, out, mode = argv[:5]
+    max_bundles = argv[5] if len(argv) > 5 else ""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from pyspark.sql import SparkSession
+
+    from quiverd.spark import register
+
+    spark = (SparkSession.builder.master("local[2]").appName("quiver-stream-child")
+             .config("spark.ui.enabled", "false")
+             .config("spark.sql.session.timeZone", "UTC")
+             .config("spark.sql.shuffle.partitions", "2")
+             .getOrCreate())
+    register(spark)
+    reader = (spark.readStream.format("quiver").schema(SCHEMA)
+              .option("socket", socket).option("subscriber", subscriber))
+    if max_bundles:
+        reader = reader.option("maxBundlesPerTrigger", max_bundles)
+    writer = (reader.load().writeStream.format("parquet")
+              .option("checkpointLocation", checkpoint).option("path", out))
+    if mode == "available":
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime="100 milliseconds")
+    query = writer.start()
+    print("started", flush=True)
+    query.awaitTermination()
+    spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
