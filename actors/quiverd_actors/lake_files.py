@@ -61,6 +61,7 @@ class OpenFile:
     parts: list[Part] = field(default_factory=list)
     buffered_bytes: int = 0
     bundles: list[tuple[int, int]] = field(default_factory=list)  # (segment_seq, index)
+    jobs: set[str] = field(default_factory=set)  # Spark jobs whose rows it holds (SPEC §7)
     inflight_bytes: int = 0  # Arrow bytes of the row group being encoded
     written_bytes: int = 0  # the file's size after its last row group (read under lock)
     encoded_bytes: int = 0  # Arrow bytes in its row groups: with the above, the ratio

@@ -44,7 +44,7 @@ class ReplySink(Protocol):
 
     def send_nowait(self, item: ProducerReply, /) -> None: ...
 
-SealReason = Literal["size", "age", "streams", "shutdown", "pressure"]
+SealReason = Literal["size", "age", "streams", "shutdown", "pressure", "commit"]
 RetireReason = Literal["acked", "max_age", "size_cap", "corrupt"]
 
 

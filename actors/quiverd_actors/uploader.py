@@ -15,6 +15,12 @@ nothing left is acked at once. The catalog refuses a registration that would cov
 bundle twice (``DuplicateCoverage``); the file is then abandoned and its bundles
 nacked, to be redelivered and found covered.
 
+A committed job's rows do not wait for the file timer (read your writes, SPEC §7):
+``rush(job_id, bundles)`` names the job's bundles not in the lake yet; once every one
+of them has been taken into a file, every open file holding rows of the job is
+rotated (reason ``commit``) and published at once. Bundles still on their way are
+awaited first, so a job's rows are not cut into a file per delivery batch.
+
 Every row gets the bundle's ingestion time and id (``lake.bundles``), so the slots of
 a bundle rejoin across their files. Parquet encoding runs in worker threads
 (``limiter``), one hop per row group, while the file's next row group fills; files of
@@ -79,6 +85,8 @@ class Uploader:
         self.live: set[OpenFile] = set()  # files with a writer open (aborted at exit)
         self.outstanding: dict[BundleKey, int] = {}  # slot files not yet registered
         self.covered = CoverageCache(COVERAGE_CACHE)
+        self.rushes: dict[str, set[BundleKey]] = {}  # job_id -> its bundles not taken yet
+        self.intake: BundleKey | None = None  # the bundle ``_take`` is adding
         self.buffered = 0
         self.buffer_freed = anyio.Event()
         send, recv = anyio.create_memory_object_stream[Sealed](PUBLISH_QUEUE)
@@ -104,16 +112,55 @@ class Uploader:
             with anyio.CancelScope(shield=True):
                 await self._abort_all()
 
+    # ---- committed jobs: publish now -------------------------------------------------
+    def rush(self, job_id: str, bundles: set[BundleKey]) -> None:
+        """Publish the files holding ``job_id``'s rows as soon as each of ``bundles`` (its
+        bundles not yet acked) has been taken; replaces the job's previous request."""
+        waiting = {k for k in bundles if k not in self.outstanding or k == self.intake}
+        if waiting:
+            self.rushes[job_id] = waiting
+            return
+        self.rushes.pop(job_id, None)
+        self._rotate_job(job_id)
+
+    def unrush(self, job_id: str) -> None:
+        self.rushes.pop(job_id, None)
+
+    def _rushed(self, key: BundleKey) -> None:
+        """Bundle ``key`` was taken: a job waiting for nothing else is published now."""
+        for job_id, waiting in list(self.rushes.items()):
+            waiting.discard(key)
+            if not waiting:
+                del self.rushes[job_id]
+                self._rotate_job(job_id)
+
+    def _rotate_job(self, job_id: str) -> None:
+        for f in list(self.files.values()):
+            if job_id in f.jobs:
+                self._start_rotation(f, "commit")
+
     # ---- intake -------------------------------------------------------------------
     async def _take(self, d: LocalDelivery) -> None:
+        key = (d.shard, d.segment_seq, d.bundle_index)
+        self.intake = key
+        try:
+            added = await self._take_slots(d, key)
+        finally:
+            self.intake = None
+        if self.rushes:
+            self._rushed(key)
+        if added:
+            await self._relieve_pressure()
+
+    async def _take_slots(self, d: LocalDelivery, key: BundleKey) -> bool:
+        """Put the bundle's slots into their files; False when there was nothing to add."""
         covered = await self._covered(d.shard, d.segment_seq)
         todo = sorted(s for s in d.tables if d.bundle_index not in covered.get(s, ()))
         if len(todo) < len(d.tables):
             self.m.lake_bundles_skipped.labels().inc()
-        key = (d.shard, d.segment_seq, d.bundle_index)
         if not todo:
             await self._feedback(key, ackfmt.ACK)
-            return
+            return False
         self.outstanding[key] = len(todo)
         self.m.lake_unacked.labels().set(len(self.outstanding))
         for slot in todo:
@@ -129,7 +176,7 @@ class Uploader:
                 if self.outstanding.pop(key, None) is not None:
                     await self._feedback(key, ackfmt.NACK)
                 break
-        await self._relieve_pressure()
+        return True
 
     async def _add(self, d: LocalDelivery, slot: int, table: pa.Table) -> None:
         nbytes = table.nbytes  # not free (it walks every buffer): once per slot
@@ -137,6 +184,8 @@ class Uploader:
         f.parts.append(Part(table=table, segment_seq=d.segment_seq,
                             bundle_index=d.bundle_index, ingestion_ts_ns=d.ingestion_ts_ns))
         f.bundles.append((d.segment_seq, d.bundle_index))
+        if d.txn is not None:
+            f.jobs.add(d.txn.job_id)
         f.buffered_bytes += nbytes
         self._buffer(nbytes)
         if f.buffered_bytes >= self.lake.row_group_bytes:
@@ -262,9 +311,11 @@ class Uploader:
         f.active.append(table)
 
     def _start_rotation(self, f: OpenFile, reason: str) -> None:
-        if f.active is None and not f.parts:
+        if f.active is None and not f.parts and not f.frozen:
             # Still being opened (its catalog row is being inserted, perhaps waiting out
             # a catalog outage): nothing to seal yet, and its first part is on the way.
+            # (A file whose first row group is being encoded is frozen: it is sealed
+            # once that row group is written; a committed job may be waiting for it.)
             return
         if self.files.get(f.key) is f:
             del self.files[f.key]

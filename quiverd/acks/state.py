@@ -314,6 +314,15 @@ class AckState:
     def gap_set(self, sub: str) -> set[tuple[int, int]]:
         return {(s, i) for s, d in self._cursor(sub).done.items() for i in d}
 
+    def is_done(self, sub: str, segment_seq: int, bundle_index: int) -> bool:
+        """Has ``sub`` acked (or had dropped) this bundle? (A deleted segment's bundles
+        below the mark count as done; one never finalized does not.)"""
+        cursor = self._cursor(sub)
+        if segment_seq < cursor.covered_below:
+            return True
+        done = cursor.done.get(segment_seq)
+        return done is not None and bundle_index in done
+
     def nack_count(self, sub: str, segment_seq: int, bundle_index: int) -> int:
         return self._cursor(sub).nacks.get(segment_seq, {}).get(bundle_index, 0)
 

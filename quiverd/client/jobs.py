@@ -10,6 +10,10 @@ body back here to be checked and typed (docs/protocol.md, "Transactional writes"
                    → JobResult(decision, already): ``already`` when the job had been
                      decided the same way before (commit and abort are idempotent)
     status         {"op", "job_id"} → the reply as a dict ("state" at least)
+    visible        {"op", "job_id", "timeout_ms"}
+                   → JobVisibility(visible, lake, bundles, pending, waited_ms, reason):
+                     the committed job's rows on that daemon are in the catalog, or
+                     ``reason`` says why not yet (the job stays committed and durable)
     lake           {"op"} → where the daemon's catalog and store are (secrets withheld):
                    the reply as a dict ("data_dir", "catalog", "lake" at least)
 
@@ -56,6 +60,24 @@ class JobResult(msgspec.Struct, frozen=True, kw_only=True):
     already: bool
 
 
+class JobVisibility(msgspec.Struct, frozen=True, kw_only=True):
+    """One daemon's answer to ``visible``: ``visible`` once every row of the committed
+    job published there is in a registered lake file. ``lake`` False: that daemon runs
+    no lake, so no catalog will hold them. Otherwise ``reason`` says what is pending."""
+
+    job_id: str
+    node_id: str = ""
+    lake: bool = True
+    visible: bool = False
+    bundles: int = 0  # the job's published bundles on that daemon
+    pending: int = 0  # of them, not in the catalog yet
+    waited_ms: float = 0.0
+    reason: str = ""
+
+
+MAX_VISIBLE_TIMEOUT_MS = 3_600_000
+
+
 def end_partition_body(job_id: str, partition: int, attempt: int, *, client: str, rows: int,
                        checksum: int) -> dict[str, Any]:
     problem = client_name_problem(client)
@@ -84,6 +106,17 @@ def abort_body(job_id: str, reason: str) -> dict[str, Any]:
 
 def status_body(job_id: str) -> dict[str, Any]:
     return {"op": "status", "job_id": check_job_id(job_id)}
+
+
+def visible_body(job_id: str, timeout_s: float) -> dict[str, Any]:
+    timeout_ms = round(timeout_s * 1000)
+    if not 0 <= timeout_ms <= MAX_VISIBLE_TIMEOUT_MS:
+        raise ValueError(f"timeout_s {timeout_s!r} outside 0..{MAX_VISIBLE_TIMEOUT_MS // 1000}")
+    return {"op": "visible", "job_id": check_job_id(job_id), "timeout_ms": timeout_ms}
+
+
+def job_visibility(reply: dict[str, Any]) -> JobVisibility:
+    return _convert(reply, JobVisibility, "visible")
 
 
 def lake_body() -> dict[str, Any]:

@@ -10,7 +10,8 @@ connection is ``ConnectionError``.
 
 Transactional writes (SPEC §7, ``quiverd.client.jobs``) are JOB requests on the same
 connection, in the same request-id space and window as bundles: ``end_partition``
-after an attempt's tagged bundles, then ``commit_job`` / ``abort_job`` on the driver.
+after an attempt's tagged bundles, then ``commit_job`` / ``abort_job`` on the driver,
+and ``wait_visible`` until a committed job's rows are in the lake's catalog.
 
     async with await AsyncClient.connect(path) as c:
         ack = await c.send(table, client="web")
@@ -46,15 +47,18 @@ from quiverd.client.files import FileSplit, iter_file_batches
 from quiverd.client.jobs import (
     EndAck,
     JobResult,
+    JobVisibility,
     abort_body,
     commit_body,
     end_ack,
     end_partition_body,
     job_result,
     job_status,
+    job_visibility,
     lake_answer,
     lake_body,
     status_body,
+    visible_body,
 )
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
@@ -72,6 +76,7 @@ from quiverd.protocol.codec import (
 
 __all__ = [
     "Ack", "AsyncClient", "Client", "EndAck", "FileProgress", "FileSplit", "JobResult",
+    "JobVisibility",
     "SendData", "SendItem", "iter_file_batches", "send_files",
 ]
 
@@ -174,6 +179,11 @@ class AsyncClient:
 
     async def job_status(self, job_id: str) -> dict[str, Any]:
         return job_status(await self._job(status_body(job_id)))
+
+    async def wait_visible(self, job_id: str, timeout_s: float = 60.0) -> JobVisibility:
+        """Until the committed job's rows published by this daemon are in the catalog,
+        at most ``timeout_s`` (0: the state now); see ``Client.wait_visible``."""
+        return job_visibility(await self._job(visible_body(job_id, timeout_s)))
 
     async def lake_info(self) -> dict[str, Any]:
         """Where the daemon's catalog and store are, secrets withheld (JOB lake)."""
@@ -362,6 +372,21 @@ class Client:
     def job_status(self, job_id: str) -> dict[str, Any]:
         """``{"job_id", "state": staged|unknown|committed|aborted|expired, ...}``."""
         return job_status(self._job(status_body(job_id)))
+
+    def wait_visible(self, job_id: str, timeout_s: float = 60.0) -> JobVisibility:
+        """Until every row of the committed job ``job_id`` that this daemon published is
+        in a registered lake file (a read sees it), at most ``timeout_s`` (0: the state
+        now). The answer's ``visible`` says which; when False, ``reason`` says what is
+        pending (the job stays committed and durable). ``JobConflict`` if the job is not
+        committed. The daemon reads nothing else on this connection meanwhile."""
+        body = visible_body(job_id, timeout_s)
+        old = self._sock.gettimeout()
+        if old is not None:  # the answer may take the whole timeout
+            self._sock.settimeout(max(old, timeout_s + 30))
+        try:
+            return job_visibility(self._job(body))
+        finally:
+            self._sock.settimeout(old)
 
     def lake_info(self) -> dict[str, Any]:
         """Where the daemon's catalog and store are, secrets withheld (docs/protocol.md,

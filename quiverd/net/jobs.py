@@ -6,6 +6,10 @@
     → JOB {"op": "abort", "job_id", "reason"}
                                   ← JOB_OK {JobDecision fields, "already": bool}
     → JOB {"op": "status", "job_id"}  ← JOB_OK {"job_id", "state", ...}
+    → JOB {"op": "visible", "job_id", "timeout_ms"}
+                                  ← JOB_OK {"visible": bool, "lake", "bundles", "pending",
+                                            "waited_ms", "reason"} once the committed job's
+                                     rows are in the catalog, or at the timeout
     → JOB {"op": "lake"}              ← JOB_OK where the catalog and store are, secrets
                                         withheld (``quiverd.net.whereabouts``)
 
@@ -48,6 +52,7 @@ class JobService(Protocol):
     async def commit(self, job_id: str, winners: list[Winner]) -> tuple[JobDecision, bool]: ...
     async def abort(self, job_id: str, reason: str = "") -> tuple[JobDecision, bool]: ...
     async def lookup(self, job_id: str) -> dict[str, Any]: ...
+    async def visible(self, job_id: str, timeout_ms: int) -> dict[str, Any]: ...
     def refusal(self) -> str: ...
     async def refusal_for(self, job_id: str) -> str: ...
 
@@ -79,16 +84,23 @@ class Status(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     job_id: str
 
 
+class Visible(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    op: str
+    job_id: str
+    timeout_ms: int = 60_000
+
+
 class Lake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the lake is: a reader holding only the ingest socket asks this."""
 
     op: str
 
 
-Request = EndPartition | Commit | Abort | Status | Lake
+MAX_VISIBLE_TIMEOUT_MS = 3_600_000
+Request = EndPartition | Commit | Abort | Status | Visible | Lake
 OPS: dict[str, type[Request]] = {
     "end_partition": EndPartition, "commit": Commit, "abort": Abort, "status": Status,
-    "lake": Lake}
+    "visible": Visible, "lake": Lake}
 
 
 def parse(body: dict[str, Any]) -> Request:
@@ -108,6 +120,9 @@ def parse(body: dict[str, Any]) -> Request:
     if isinstance(req, Commit):
         for w in req.winners:
             _check_ranges(w.partition, w.attempt, w.rows, w.checksum)
+    if isinstance(req, Visible) and not 0 <= req.timeout_ms <= MAX_VISIBLE_TIMEOUT_MS:
+        raise ProtocolError(ErrorCode.MALFORMED, f"JOB visible: timeout_ms must be 0.."
+                            f"{MAX_VISIBLE_TIMEOUT_MS}, not {req.timeout_ms}")
     return req
 
 
@@ -193,10 +208,10 @@ def decision_body(decision: JobDecision, already: bool) -> dict[str, Any]:
     return body
 
 
-async def answer(service: JobService | None, req: Commit | Abort | Status | Lake, *,
-                 lake: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Commit, abort, status or lake; QuiverError (JobConflict, CatalogUnavailable)
-    propagates. ``lake``: the daemon's ``whereabouts.lake_reply``."""
+async def answer(service: JobService | None, req: Commit | Abort | Status | Visible | Lake,
+                 *, lake: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Commit, abort, status, visible or lake; QuiverError (JobConflict,
+    CatalogUnavailable) propagates. ``lake``: the daemon's ``whereabouts.lake_reply``."""
     if isinstance(req, Lake):
         if lake is None:
             raise QuiverError("this daemon does not say where its lake is")
@@ -207,6 +222,8 @@ async def answer(service: JobService | None, req: Commit | Abort | Status | Lake
         return decision_body(*await service.commit(req.job_id, list(req.winners)))
     if isinstance(req, Abort):
         return decision_body(*await service.abort(req.job_id, req.reason))
+    if isinstance(req, Visible):
+        return await service.visible(req.job_id, req.timeout_ms)
     return await service.lookup(req.job_id)
 
 

@@ -44,6 +44,7 @@ from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 from quiverd.runtime.staging import Staging
 from quiverd.runtime.status import StatusView
+from quiverd.runtime.visibility import Visibility
 from quiverd_actors.messages import ChangeSubscriber
 
 if TYPE_CHECKING:
@@ -110,6 +111,10 @@ class Daemon:
                 for shard in self.shards:
                     await pipelines.start(shard.run)
                 await self._start_lake(pipelines)
+                self.staging.visibility = Visibility(  # the JOB op "visible" (SPEC §7)
+                    self.shards, self.staging, lake=lambda: self.lake,
+                    enabled=cfg.lake.enabled, subscriber=LAKE_SUBSCRIBER,
+                    log=logs.get("visibility"))
                 self.ingest = IngestServer(cfg.ingest, cfg.ingest_socket,
                                            [s.inbox for s in self.shards],
                                            limiter=anyio.CapacityLimiter(2),

@@ -94,6 +94,7 @@ class Shard:
         per_shard_cap = cfg.retention.size_cap_bytes // shard_count
         self.gate = RetentionGate(cap_bytes=per_shard_cap, usage=self.usage_bytes)
         self.dispatcher: Dispatcher | None = None
+        self.seals = segment_builder.SealRequests()  # a job's commit: seal its bundles now
         self.stopping = anyio.Event()  # producers waiting for room are refused, not held
 
     async def recover(self) -> None:
@@ -176,7 +177,8 @@ class Shard:
                 durable_rx, sealed_tx, cfg=self.cfg.segment,
                 first_segment_seq=rec.next_segment_seq, recovered=rec.open_bundles,
                 limiter=build, stats=self.segment_stats, log=self.log,
-                seal_early=self._seal_early, from_wal=True, task_status=task_status))
+                seal_early=self._seal_early, from_wal=True, seals=self.seals,
+                next_sequence=rec.next_sequence, task_status=task_status))
             rec.open_bundles = []  # now owned by the builder
             await tg.start(lambda task_status: wal_writer.run(
                 self.inbox, durable_tx, release_rx, shard=self.index, wal=rec.wal,

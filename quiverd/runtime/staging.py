@@ -17,6 +17,9 @@ protocol runs on one host. Nothing here is durable on its own: the staged bundle
 are in segments (``SegmentInfo.staged``, rebuilt by recovery) and decisions are in
 the catalog, looked up again after a restart. A job neither committed nor aborted
 within ``staging.ttl_s`` of its last staged bundle is decided ``expired`` here.
+
+``visible`` (the JOB op of the same name) waits until a committed job's published
+rows are in the catalog: ``runtime.visibility``, which the daemon hands in.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -39,6 +42,9 @@ from quiverd.kernel.jobs import JobDecision, Verdict, Winner, check_job_id
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.metrics import Metrics
 from quiverd.segments.table import SegmentInfo, StagedRef
+
+if TYPE_CHECKING:
+    from quiverd.runtime.visibility import Visibility
 
 RETRY_MAX_S = 30.0
 MARKER_WAIT_S = 30.0  # a winner's end marker may still be in the open segment
@@ -78,6 +84,7 @@ class Staging:
         self._reported: set[tuple[str, int, int]] = set()
         self._last_prune = 0.0
         self.held_bytes = 0  # segment bytes of undecided jobs (pro rata)
+        self.visibility: Visibility | None = None  # set by the daemon once its shards run
 
     # ---- the segment index (ack_logger / recovery call these on the event loop) ------
     def add_segment(self, info: SegmentInfo) -> None:
@@ -230,6 +237,14 @@ class Staging:
             out.update(state=d.state, winners=[_winner(w) for w in d.winners],
                        decided_by=d.decided_by, reason=d.reason)
         return out
+
+    async def visible(self, job_id: str, timeout_ms: int) -> dict[str, Any]:
+        """Until the committed job's rows published here are in the catalog (at most
+        ``timeout_ms``); the reply says whether they are (``runtime.visibility``)."""
+        if self.visibility is None:
+            raise CatalogUnavailable("quiverd is still starting: job visibility is not "
+                                     "served yet", hint="retry in a moment")
+        return await self.visibility.wait(check_job_id(job_id), timeout_ms)
 
     async def _connected_catalog(self) -> Any:
         """The catalog, waiting up to CATALOG_WAIT_S for it to connect; None if it did not."""

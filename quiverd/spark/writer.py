@@ -48,6 +48,11 @@ sent again, and the commit is a no-op. An aborted micro-batch records no decisio
 restarted query replays it under the same job id, which must stay committable; the
 attempts it staged are discarded by that commit, or by staging.ttl_s.
 
+Read your writes: a batch job's commit, and each micro-batch's, returns once the catalog
+holds every row of the job, so the next ``spark.read.format("quiver")`` sees them
+(``quiverd.spark.visible``; option ``visible_timeout_s``, default 60, 0 = do not wait).
+At the timeout it returns all the same, with a warning: the job is committed and durable.
+
 quiverd only appends: ``mode("overwrite")`` and Complete output mode are refused.
 ``saveAsTable`` (and CREATE TABLE ... AS SELECT, ``writeTo(...).create()``) is refused
 before any row is sent: Spark 4 does not keep a Python data source's options with a
@@ -108,6 +113,7 @@ from quiverd.kernel.names import client_name_problem, reserved_column_problem
 from quiverd.protocol.frames import MAX_ROW_COUNT
 from quiverd.spark.locator import writer_sockets
 from quiverd.spark.options import WRITE, lowered, refuse_unknown
+from quiverd.spark.visible import VISIBLE_TIMEOUT_S, wait_visible
 
 DEFAULT_CLIENT = "spark"
 IF_COMMITTED = ("skip", "error")
@@ -143,6 +149,9 @@ class WriteOptions:
     client: str = DEFAULT_CLIENT
     batch_rows: int = BATCH_ROWS
     batch_bytes: int = BATCH_BYTES
+    # Read your writes: commit() waits up to this long for the catalog to hold the job's
+    # rows (quiverd.spark.visible); 0 = do not wait.
+    visible_timeout_s: float = VISIBLE_TIMEOUT_S
     # A batch write with an explicit job_id whose job is committed already (a
     # foreachBatch replay): "skip" sends nothing and commits nothing new, "error" fails.
     if_committed: str = "skip"
@@ -171,6 +180,7 @@ class WriteOptions:
         return cls(paths=paths, client=client,
                    batch_rows=_int_option(opts, "batch_rows", BATCH_ROWS, 1, MAX_ROW_COUNT),
                    batch_bytes=_int_option(opts, "batch_bytes", BATCH_BYTES, 1024, 2**40),
+                   visible_timeout_s=_visible_timeout(opts),
                    if_committed=if_committed, origin=origin,
                    commit_gate=opts.get("_commit_gate", ""),
                    fail_after_end=_pair(opts.get("_fail_after_end", "")))
@@ -232,6 +242,9 @@ class QuiverWriter(DataSourceArrowWriter):
         winners = winners_of(messages, self.job_id)
         _wait_at_gate(self.opts.commit_gate)
         _decide(self.opts, lambda c: c.commit_job(self.job_id, winners))
+        # Read your writes: returns once the catalog holds the rows, or warns (no raise).
+        wait_visible([self.opts.path_for(w.partition) for w in winners], self.job_id,
+                     self.opts.visible_timeout_s)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         reason = "Spark aborted the write: a task or the commit failed"
@@ -284,6 +297,8 @@ class QuiverStreamWriter(DataSourceStreamArrowWriter):
                                       "a new query_id / checkpoint") from exc
 
         _decide(self.opts, commit)
+        wait_visible([self.opts.path_for(w.partition) for w in winners], job_id,
+                     self.opts.visible_timeout_s)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None],
               batchId: int) -> None:  # noqa: N803 - Spark's name
@@ -583,6 +598,19 @@ def _int_option(opts: Mapping[str, str], name: str, default: int, low: int, high
         raise ValueError(f'option "{name}" must be an integer, not {text!r}') from None
     if not low <= value <= high:
         raise ValueError(f'option "{name}" must be between {low} and {high}, not {value}')
+    return value
+
+
+def _visible_timeout(opts: Mapping[str, str]) -> float:
+    text = opts.get("visible_timeout_s", "")
+    try:
+        value = float(text) if text else VISIBLE_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f'option "visible_timeout_s" must be a number of seconds, not '
+                         f'{text!r}') from None
+    if not 0 <= value <= 3600:
+        raise ValueError('option "visible_timeout_s" must be between 0 (do not wait) and '
+                         f"3600, not {value}")
     return value
 
 
