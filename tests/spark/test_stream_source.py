@@ -157,3 +157,27 @@ def test_stream_killed_mid_stream_restarts_exactly_once(spark, daemon_factory, t
     got = rows_of(spark, out)
     assert len(got) == len(set(got)), "a row was written twice"
     assert sorted(got) == expect(range(100))
+
+
+def test_stream_without_schema_takes_the_clients_lake_schema(spark, daemon_factory):
+    from tests.daemon.lake_helpers import FAST_LAKE, registered_rows
+
+    d = daemon_factory({**FAST, **FAST_LAKE}).start()
+    # Before the rows: once the lake has acked them, only a registered subscriber holds them.
+    request(d.admin_socket, "subscribers.add", {"name": "no-schema", "start": "earliest"})
+    produce(d, range(4), client="lk")
+    wait_for(lambda: sum(r.row_count for r in registered_rows(d)) == 4 * ROWS,
+             what="4 bundles in the lake")
+    q = (spark.readStream.format("quiver").option("socket", str(d.socket))
+         .option("subscriber", "no-schema").load("lk")  # load("<client>"): the client
+         .writeStream.format("memory").queryName("no_schema")
+         .trigger(availableNow=True).start())
+    q.awaitTermination(60)
+    assert q.exception() is None
+    df = spark.table("no_schema")
+    assert {"tag", "i", "s", "_quiver_shard", "_quiver_bundle"} <= set(df.columns)
+    assert sorted((r.tag, r.i) for r in df.collect()) == expect(range(4))
+    every = spark.readStream.format("quiver").option("socket", str(d.socket)) \
+        .option("subscriber", "every")
+    with pytest.raises(Exception, match="of every client has no one schema"):
+        every.load()
