@@ -168,6 +168,15 @@ class WriteOptions:
               ) -> WriteOptions:
         refuse_unknown(options, WRITE, where)
         opts = lowered(options)
+        if not opts:
+            # What INSERT INTO a table made by CREATE TABLE ... USING quiver hands over:
+            # Spark 4 keeps no options for a Python data source's table.
+            raise ValueError(f"{where} with no options at all is refused: name the client "
+                             '(.option("client", "<name>")) and the daemon (option "socket" '
+                             'or "config", else $QUIVERD_SOCKET). An INSERT INTO a table '
+                             "made with CREATE TABLE ... USING quiver arrives like this: "
+                             "Spark 4 keeps no options for a Python data source's table; "
+                             "use CREATE TEMPORARY VIEW ... USING quiver OPTIONS (...)")
         paths, origin = writer_sockets(opts)
         client = opts.get("client", DEFAULT_CLIENT)
         problem = client_name_problem(client)

@@ -94,3 +94,16 @@ def test_save_as_table_is_refused_before_any_row_is_sent(daemon_factory: Any,
     assert published(d, rows=0) is None
     spark.sql("DROP TABLE IF EXISTS quiver_table")
     d.stop()
+
+
+def test_insert_into_a_create_table_is_refused_on_the_driver(spark: Any) -> None:
+    # CREATE TABLE ... USING quiver keeps no options: INSERT INTO hands the writer none.
+    spark.sql("CREATE TABLE quiver_created (id BIGINT) USING quiver")
+    try:
+        with pytest.raises(Exception) as info:
+            spark.sql("INSERT INTO quiver_created VALUES (1), (2)").collect()
+        text = str(info.value)
+        assert "with no options at all is refused" in text
+        assert "CREATE TEMPORARY VIEW ... USING quiver OPTIONS" in text
+    finally:
+        spark.sql("DROP TABLE IF EXISTS quiver_created")
