@@ -1,0 +1,175 @@
+"""``df.write.format("quiver")`` exactly once on a Spark standalone cluster: a master and
+two workers as separate processes (conftest.py), a driver process of its own, real
+daemons. A plain job; a real speculative copy overtaking a slow first attempt; a worker
+killed with SIGKILL mid-job (its executor and Python workers with it).
+
+Every job writes ids 0..n-1 with h = 7 * id. Exactly once is checked twice: subscriber
+x receives each id once, and the lake's registered files hold every bundle once
+(lake_helpers.assert_exactly_once) with the same ids. What Spark did (which attempt ran
+where, which was speculative, why one ended) comes from its event log and from marks
+each task attempt leaves; quiverd's side from the job's winners and the daemon's
+discarded-bundle counter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+pytest.importorskip("pyspark", reason="pip install 'quiverd[spark]' (scripts/setup)")
+
+from quiverd.client import Client  # noqa: E402 - after the skip
+from tests.daemon.lake_helpers import (  # noqa: E402
+    FAST_LAKE,
+    assert_exactly_once,
+    lake_contents,
+    wait_for_lake,
+)
+from tests.spark.cluster.conftest import Driver  # noqa: E402
+from tests.spark.cluster.standalone import Cluster  # noqa: E402
+from tests.spark.test_writer import published, start, wait_discarded  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+DAEMON = {**FAST_LAKE, "lake.enabled": True, "segment.max_open_duration_ms": 50,
+          "staging.poll_interval_ms": 100, "metrics.listen": "127.0.0.1:0"}
+
+
+def check_exactly_once(d: Any, client: str, rows: int) -> None:
+    """Subscriber x got ids 0..rows-1 once each (h = 7 * id), and so did the lake."""
+    got = published(d, rows=rows)
+    assert got is not None, "nothing was published"
+    check_ids(got, rows)
+    sent = Counter({(client, 0): rows})
+    wait_for_lake(d, sent)
+    files, tables = lake_contents(d)
+    assert_exactly_once(files, tables, sent)
+    check_ids(pa.concat_tables(t.select(["id", "h"]) for t in tables.values()), rows)
+
+
+def check_ids(t: pa.Table, rows: int) -> None:
+    assert t.num_rows == rows
+    assert sorted(t["id"].to_pylist()) == list(range(rows))
+    assert pc.all(pc.equal(t["h"], pc.multiply(t["id"], 7))).as_py()
+
+
+def winners(d: Any, job_id: str) -> dict[int, int]:
+    with Client.connect(d.socket) as c:
+        status = c.job_status(job_id)
+    assert status["state"] == "committed", status
+    return {w["partition"]: w["attempt"] for w in status["winners"]}
+
+
+def write(driver: Driver, d: Any, job_id: str, **kw: Any) -> dict[str, Any]:
+    reply = driver.call("write", socket=str(d.socket), client=job_id, job_id=job_id, **kw)
+    assert "error" not in reply, f"{reply['error']}\n{reply['traceback']}\n{driver.logs()}"
+    return reply
+
+
+def test_cluster_writer_job_over_two_workers_lands_every_row_once(
+        cluster: Cluster, cluster_driver: Driver, daemon_factory: Any) -> None:
+    assert cluster_driver.call("executors")["hosts"] == cluster.hosts  # two hosts
+    d = start(daemon_factory, **DAEMON)
+    write(cluster_driver, d, "plain", rows=20_000, partitions=4)
+    marks = cluster_driver.marks("plain")
+    assert sorted(m["partition"] for m in marks) == [0, 1, 2, 3]
+    assert {m["host"] for m in marks} == set(cluster.hosts)  # both workers wrote
+    assert sorted(winners(d, "plain")) == [0, 1, 2, 3]
+    check_exactly_once(d, "plain", 20_000)
+    assert d.stop() == 0
+
+
+def test_cluster_writer_speculative_copy_overtakes_a_slow_attempt_once(
+        cluster_driver: Driver, daemon_factory: Any, tmp_path: Path) -> None:
+    d = start(daemon_factory, **DAEMON)
+    gate = tmp_path / "gate"  # never opened during the job: the original waits it out
+    gate.mkdir()
+    try:
+        write(cluster_driver, d, "spec", rows=4_000, partitions=2, hold=[0], gate=str(gate),
+              hold_s=90)
+    finally:
+        (gate / "go").touch()
+    marks = {m["task"]: m for m in cluster_driver.marks("spec")}
+    tasks = cluster_driver.tasks(set(marks))
+    [original] = [m for m in marks.values() if m["partition"] == 0 and m["attempt"] == 0]
+    copies = [t for t, m in marks.items() if m["partition"] == 0 and m["attempt"] > 0]
+    assert copies, f"Spark placed no speculative copy of partition 0: {tasks}"
+    [copy] = copies
+    assert original["held"], original  # it had sent half its rows when the copy started
+    assert tasks[copy]["speculative"] is True, tasks
+    assert tasks[copy]["end"] == "Success", tasks
+    assert tasks[copy]["host"] != tasks[original["task"]]["host"], tasks
+    assert tasks[original["task"]]["speculative"] is False, tasks
+    assert winners(d, "spec")[0] == copy  # quiverd published the copy's rows ...
+    wait_discarded(d)  # ... and discarded the original's staged half
+    check_exactly_once(d, "spec", 4_000)
+    assert d.stop() == 0
+
+
+def test_cluster_writer_worker_killed_mid_job_lands_every_row_once(
+        cluster: Cluster, cluster_driver: Driver, daemon_factory: Any, tmp_path: Path) -> None:
+    d = start(daemon_factory, **DAEMON)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    replies: list[dict[str, Any]] = []
+    job = threading.Thread(target=lambda: replies.append(cluster_driver.call(
+        "write", socket=str(d.socket), client="kill", job_id="kill", rows=4_000, partitions=2,
+        hold=[0, 1], gate=str(gate), hold_s=90)))
+    job.start()
+    victim = -1
+    try:
+        held = wait_held(cluster_driver, "kill", 2)
+        assert {m["host"] for m in held} == set(cluster.hosts), held
+        wait_staged(d, "kill", bundles=4)  # each held attempt's first 1000 rows are staged
+        [doomed] = [m for m in held if m["partition"] == 1]
+        victim = cluster.hosts.index(doomed["host"])
+        cluster.kill_worker(victim)  # the worker, its executor and Python workers: SIGKILL
+        (gate / "go").touch()
+        job.join(120)
+        assert replies and "error" not in replies[0], (replies, cluster_driver.logs())
+        retries = [m for m in cluster_driver.marks("kill")
+                   if m["partition"] == 1 and m["task"] != doomed["task"]]
+        assert [m["host"] for m in retries] == [h for h in cluster.hosts if h != doomed["host"]]
+        assert winners(d, "kill")[1] == retries[0]["task"] != doomed["task"]
+        lost = cluster_driver.tasks({doomed["task"]})[doomed["task"]]
+        assert lost["end"] == "ExecutorLostFailure", lost
+        wait_discarded(d)  # the doomed attempt's staged rows were dropped at the commit
+        check_exactly_once(d, "kill", 4_000)
+        assert d.stop() == 0
+    finally:
+        (gate / "go").touch()
+        job.join(120)
+        if victim >= 0:  # the next module or test gets two workers again
+            cluster.start_worker(victim)
+            wait_executors(cluster_driver, len(cluster.hosts))
+
+
+def wait_held(driver: Driver, job_id: str, n: int, timeout_s: float = 90) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = [m for m in driver.marks(job_id) if m["held"]]
+        if len(held) >= n:
+            return held
+        assert time.monotonic() < deadline, f"{len(held)} attempts held:\n{driver.logs()}"
+        time.sleep(0.1)
+
+
+def wait_staged(d: Any, job_id: str, *, bundles: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    with Client.connect(d.socket) as c:
+        while (status := c.job_status(job_id)).get("staged_bundles", 0) < bundles:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+
+
+def wait_executors(driver: Driver, n: int, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(hosts := driver.call("executors")["hosts"]) < n:
+        assert time.monotonic() < deadline, f"executors on {hosts}:\n{driver.logs()}"
+        time.sleep(0.5)
