@@ -32,11 +32,15 @@ from tests.daemon.lake_helpers import (  # noqa: E402
     lake_contents,
     wait_for_lake,
 )
+from tests.daemon.test_metrics import scrape  # noqa: E402
 from tests.spark.cluster.conftest import Driver  # noqa: E402
 from tests.spark.cluster.standalone import Cluster  # noqa: E402
-from tests.spark.test_writer import published, start, wait_discarded  # noqa: E402
+from tests.spark.test_writer import DISCARDED, published, start  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
+# 20 000 rows a partition: half of one (160 KB) is past the 64 KiB buffers between
+# pyspark's Python workers and the JVM, so a held attempt's first half reaches the daemon.
+ROWS = 40_000
 DAEMON = {**FAST_LAKE, "lake.enabled": True, "segment.max_open_duration_ms": 50,
           "staging.poll_interval_ms": 100, "metrics.listen": "127.0.0.1:0"}
 
@@ -66,6 +70,23 @@ def winners(d: Any, job_id: str) -> dict[int, int]:
     return {w["partition"]: w["attempt"] for w in status["winners"]}
 
 
+def discarded_bundles(d: Any, ends: int, timeout_s: float = 30) -> int:
+    """Bundles of losing attempts that subscriber x was never given: its discarded count
+    (which includes every end marker) less the ``ends`` end markers of the job, once
+    that count has settled."""
+    [listening] = d.events("metrics_listening")
+    deadline = time.monotonic() + timeout_s
+    last, since = -1.0, time.monotonic()
+    while True:
+        count = scrape(listening["address"]).get(DISCARDED, {}).get((("subscriber", "x"),), 0)
+        if count != last:
+            last, since = count, time.monotonic()
+        elif count >= ends and time.monotonic() - since > 1.0:
+            return int(count) - ends
+        assert time.monotonic() < deadline, f"{count} bundles discarded for x"
+        time.sleep(0.2)
+
+
 def write(driver: Driver, d: Any, job_id: str, **kw: Any) -> dict[str, Any]:
     reply = driver.call("write", socket=str(d.socket), client=job_id, job_id=job_id, **kw)
     assert "error" not in reply, f"{reply['error']}\n{reply['traceback']}\n{driver.logs()}"
@@ -91,7 +112,7 @@ def test_cluster_writer_speculative_copy_overtakes_a_slow_attempt_once(
     gate = tmp_path / "gate"  # never opened during the job: the original waits it out
     gate.mkdir()
     try:
-        write(cluster_driver, d, "spec", rows=4_000, partitions=2, hold=[0], gate=str(gate),
+        write(cluster_driver, d, "spec", rows=ROWS, partitions=2, hold=[0], gate=str(gate),
               hold_s=90)
     finally:
         (gate / "go").touch()
@@ -107,8 +128,9 @@ def test_cluster_writer_speculative_copy_overtakes_a_slow_attempt_once(
     assert tasks[copy]["host"] != tasks[original["task"]]["host"], tasks
     assert tasks[original["task"]]["speculative"] is False, tasks
     assert winners(d, "spec")[0] == copy  # quiverd published the copy's rows ...
-    wait_discarded(d)  # ... and discarded the original's staged half
-    check_exactly_once(d, "spec", 4_000)
+    check_exactly_once(d, "spec", ROWS)
+    # ... and discarded the original's staged half (2 end markers: the copy's, partition 1's).
+    assert discarded_bundles(d, ends=2) > 0
     assert d.stop() == 0
 
 
@@ -119,14 +141,14 @@ def test_cluster_writer_worker_killed_mid_job_lands_every_row_once(
     gate.mkdir()
     replies: list[dict[str, Any]] = []
     job = threading.Thread(target=lambda: replies.append(cluster_driver.call(
-        "write", socket=str(d.socket), client="kill", job_id="kill", rows=4_000, partitions=2,
+        "write", socket=str(d.socket), client="kill", job_id="kill", rows=ROWS, partitions=2,
         hold=[0, 1], gate=str(gate), hold_s=90)))
     job.start()
     victim = -1
     try:
         held = wait_held(cluster_driver, "kill", 2)
         assert {m["host"] for m in held} == set(cluster.hosts), held
-        wait_staged(d, "kill", bundles=4)  # each held attempt's first 1000 rows are staged
+        wait_staged(d, "kill")  # the held attempts' first halves are in the daemon
         [doomed] = [m for m in held if m["partition"] == 1]
         victim = cluster.hosts.index(doomed["host"])
         cluster.kill_worker(victim)  # the worker, its executor and Python workers: SIGKILL
@@ -139,8 +161,9 @@ def test_cluster_writer_worker_killed_mid_job_lands_every_row_once(
         assert winners(d, "kill")[1] == retries[0]["task"] != doomed["task"]
         lost = cluster_driver.tasks({doomed["task"]})[doomed["task"]]
         assert lost["end"] == "ExecutorLostFailure", lost
-        wait_discarded(d)  # the doomed attempt's staged rows were dropped at the commit
-        check_exactly_once(d, "kill", 4_000)
+        check_exactly_once(d, "kill", ROWS)
+        # The doomed attempt's staged rows were dropped (2 end markers: both winners').
+        assert discarded_bundles(d, ends=2) > 0
         assert d.stop() == 0
     finally:
         (gate / "go").touch()
@@ -160,11 +183,19 @@ def wait_held(driver: Driver, job_id: str, n: int, timeout_s: float = 90) -> lis
         time.sleep(0.1)
 
 
-def wait_staged(d: Any, job_id: str, *, bundles: int, timeout_s: float = 30) -> None:
+def wait_staged(d: Any, job_id: str, timeout_s: float = 30) -> None:
+    """Until the job's staged bundles have stopped growing for a second (both attempts
+    hold, what they sent is in sealed segments)."""
     deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
     with Client.connect(d.socket) as c:
-        while (status := c.job_status(job_id)).get("staged_bundles", 0) < bundles:
-            assert time.monotonic() < deadline, status
+        while True:
+            staged = c.job_status(job_id).get("staged_bundles", 0)
+            if staged != last:
+                last, since = staged, time.monotonic()
+            elif staged >= 2 and time.monotonic() - since > 1.0:
+                return
+            assert time.monotonic() < deadline, f"{staged} bundles of {job_id!r} staged"
             time.sleep(0.1)
 
 
