@@ -74,6 +74,13 @@ class Driver:
         self.conn.send({"op": op, **args})
         return self._recv(timeout_s)
 
+    def wait_executors(self, hosts: list[str], timeout_s: float = 120) -> None:
+        """Until the application has an executor on each of ``hosts``."""
+        deadline = time.monotonic() + timeout_s
+        while (got := self.call("executors")["hosts"]) != sorted(hosts):
+            assert time.monotonic() < deadline, f"executors on {got}:\n{self.logs()}"
+            time.sleep(0.5)
+
     def _recv(self, timeout_s: float) -> dict[str, Any]:
         assert self.conn is not None
         deadline = time.monotonic() + timeout_s
@@ -109,7 +116,7 @@ class Driver:
         return out
 
     def tasks(self, task_ids: set[int]) -> dict[int, dict[str, Any]]:
-        """Task id → {"host", "speculative", "index", "end": reason or None}."""
+        """Task id → {"host", "speculative", "index", "end": reason or None, "kill": why}."""
         out: dict[int, dict[str, Any]] = {}
         for e in self.events():
             if e["Event"] not in ("SparkListenerTaskStart", "SparkListenerTaskEnd"):
@@ -122,7 +129,17 @@ class Driver:
                         index=info["Index"])
             if e["Event"] == "SparkListenerTaskEnd":
                 task["end"] = e["Task End Reason"]["Reason"]
+                task["kill"] = e["Task End Reason"].get("Kill Reason")
         return out
+
+    def wait_ended(self, task_id: int, timeout_s: float = 60) -> dict[str, Any]:
+        """The task, once Spark's event log has its end."""
+        deadline = time.monotonic() + timeout_s
+        while (task := self.tasks({task_id}).get(task_id, {})).get("end") is None:
+            assert time.monotonic() < deadline, f"task {task_id} never ended: {task}"
+            self.call("sync")
+            time.sleep(0.5)
+        return task
 
     def stop(self) -> None:
         if self.conn is not None:
@@ -155,9 +172,20 @@ def cluster(cluster_root: Path) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def cluster_driver(cluster: Cluster, cluster_root: Path) -> Iterator[Driver]:
+def cluster_app(cluster: Cluster, cluster_root: Path) -> Iterator[Driver]:
     d = Driver(cluster_root, cluster)
     try:
         yield d.start()
     finally:
         d.stop()
+
+
+@pytest.fixture
+def cluster_driver(cluster: Cluster, cluster_app: Driver) -> Driver:
+    """The driver, with every worker up and an executor on each: a test before may have
+    killed one (restarting it here costs that test nothing when it ran last)."""
+    for i, proc in enumerate(cluster.workers):
+        if proc is None:
+            cluster.start_worker(i)
+    cluster_app.wait_executors(cluster.hosts)
+    return cluster_app

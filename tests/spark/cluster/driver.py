@@ -9,6 +9,9 @@ listens on the Unix socket ADDRESS (``multiprocessing.connection``, authkey
 ``AUTHKEY``), and answers one request at a time:
 
     {"op": "executors"}                      → {"hosts": [...]}  (the driver's excluded)
+    {"op": "sync"}                           → {}: runs a one-task job, so that the event
+                                               log is flushed (at stage and job ends) with
+                                               every task end Spark has heard of so far
     {"op": "write", "socket", "client", "job_id", "rows", "partitions",
      "hold": [partitions], "gate": dir, "hold_s": s}
                                              → {"seconds": s} or {"error": "..."}
@@ -79,6 +82,7 @@ def main() -> None:
         time.sleep(0.2)
     ops: dict[str, Callable[..., dict[str, Any]]] = {
         "executors": lambda: {"hosts": executor_hosts(spark)},
+        "sync": lambda: sync(spark),
         "write": lambda **kw: write(spark, Path(marks), **kw),
     }
     with Listener(address, family="AF_UNIX", authkey=AUTHKEY) as listener:
@@ -110,6 +114,12 @@ def flush_event_log(spark: Any) -> None:
     """Let the listener bus deliver what happened so far (the event log writer flushes at
     each stage and job end)."""
     spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty(10_000)
+
+
+def sync(spark: Any) -> dict[str, Any]:
+    flush_event_log(spark)
+    spark.sparkContext.parallelize([0], 1).count()
+    return {}
 
 
 def write(spark: Any, marks: Path, *, socket: str, client: str, job_id: str, rows: int,

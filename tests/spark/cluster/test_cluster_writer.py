@@ -99,7 +99,8 @@ def test_cluster_writer_job_over_two_workers_lands_every_row_once(
     d = start(daemon_factory, **DAEMON)
     write(cluster_driver, d, "plain", rows=20_000, partitions=4)
     marks = cluster_driver.marks("plain")
-    assert sorted(m["partition"] for m in marks) == [0, 1, 2, 3]
+    # Speculation is on for the application: on a busy machine a partition may get a copy.
+    assert {m["partition"] for m in marks} == {0, 1, 2, 3}
     assert {m["host"] for m in marks} == set(cluster.hosts)  # both workers wrote
     assert sorted(winners(d, "plain")) == [0, 1, 2, 3]
     check_exactly_once(d, "plain", 20_000)
@@ -127,6 +128,11 @@ def test_cluster_writer_speculative_copy_overtakes_a_slow_attempt_once(
     assert tasks[copy]["end"] == "Success", tasks
     assert tasks[copy]["host"] != tasks[original["task"]]["host"], tasks
     assert tasks[original["task"]]["speculative"] is False, tasks
+    killed = cluster_driver.wait_ended(original["task"])
+    # Spark kills the original: "another attempt succeeded", or, when the copy's success
+    # ended the stage first, "Stage cancelled: Stage finished".
+    assert killed["end"] == "TaskKilled", killed
+    assert killed["kill"] in ("another attempt succeeded", "Stage cancelled: Stage finished")
     assert winners(d, "spec")[0] == copy  # quiverd published the copy's rows ...
     check_exactly_once(d, "spec", ROWS)
     # ... and discarded the original's staged half (2 end markers: the copy's, partition 1's).
@@ -144,7 +150,6 @@ def test_cluster_writer_worker_killed_mid_job_lands_every_row_once(
         "write", socket=str(d.socket), client="kill", job_id="kill", rows=ROWS, partitions=2,
         hold=[0, 1], gate=str(gate), hold_s=90)))
     job.start()
-    victim = -1
     try:
         held = wait_held(cluster_driver, "kill", 2)
         assert {m["host"] for m in held} == set(cluster.hosts), held
@@ -167,10 +172,7 @@ def test_cluster_writer_worker_killed_mid_job_lands_every_row_once(
         assert d.stop() == 0
     finally:
         (gate / "go").touch()
-        job.join(120)
-        if victim >= 0:  # the next module or test gets two workers again
-            cluster.start_worker(victim)
-            wait_executors(cluster_driver, len(cluster.hosts))
+        job.join(120)  # the worker killed is restarted by the next test's cluster_driver
 
 
 def wait_held(driver: Driver, job_id: str, n: int, timeout_s: float = 90) -> list[dict[str, Any]]:
@@ -197,10 +199,3 @@ def wait_staged(d: Any, job_id: str, timeout_s: float = 30) -> None:
                 return
             assert time.monotonic() < deadline, f"{staged} bundles of {job_id!r} staged"
             time.sleep(0.1)
-
-
-def wait_executors(driver: Driver, n: int, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(hosts := driver.call("executors")["hosts"]) < n:
-        assert time.monotonic() < deadline, f"executors on {hosts}:\n{driver.logs()}"
-        time.sleep(0.5)
