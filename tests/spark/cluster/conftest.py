@@ -9,6 +9,7 @@ ask over a Unix socket. Skips, saying why, when pyspark or Java is missing.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def require_spark() -> None:
         import pyspark
     except ImportError:
         pytest.skip("pyspark is not installed: pip install 'quiverd[spark]' (scripts/setup)")
-    if shutil.which("java") is None:
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("no Java: Spark needs Java 17+ (apt-get install openjdk-17-jre-headless)")
     if not (Path(pyspark.__file__).parent / "bin" / "spark-class").exists():
         pytest.skip("this pyspark has no bin/spark-class to start a standalone cluster")
@@ -166,7 +167,7 @@ def cluster(cluster_root: Path) -> Iterator[Cluster]:
     require_spark()
     c = Cluster(cluster_root, workers=2, python=sys.executable)
     try:
-        yield c.start()
+        yield c.start(wait=False)  # cluster_app waits, starting its driver meanwhile
     finally:
         c.stop()
 
@@ -175,7 +176,9 @@ def cluster(cluster_root: Path) -> Iterator[Cluster]:
 def cluster_app(cluster: Cluster, cluster_root: Path) -> Iterator[Driver]:
     d = Driver(cluster_root, cluster)
     try:
-        yield d.start()
+        d.start()  # up once it has an executor on each worker
+        cluster.wait_alive(len(cluster.workers))
+        yield d
     finally:
         d.stop()
 

@@ -110,7 +110,9 @@ class Cluster:
                 # No REST submission server on a fixed port (6066) and no update checks.
                 "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false"}
 
-    def start(self) -> Cluster:
+    def start(self, *, wait: bool = True) -> Cluster:
+        """Start the master and the workers; with ``wait``, until all are registered
+        (without, a driver can start its JVM meanwhile: it waits for executors anyway)."""
         spark_class = str(self.home / "bin" / "spark-class")
         self.master = spawn([spark_class, "org.apache.spark.deploy.master.Master",
                              "--host", "127.0.0.1", "--port", str(self.port),
@@ -118,7 +120,8 @@ class Cluster:
                             self.root / "master.log", self.env("127.0.0.1"))
         for i in range(len(self.workers)):
             self.start_worker(i, wait=False)
-        self.wait_alive(len(self.workers))
+        if wait:
+            self.wait_alive(len(self.workers))
         return self
 
     def start_worker(self, i: int, *, wait: bool = True) -> None:

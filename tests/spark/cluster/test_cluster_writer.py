@@ -37,7 +37,8 @@ from tests.spark.cluster.conftest import Driver  # noqa: E402
 from tests.spark.cluster.standalone import Cluster  # noqa: E402
 from tests.spark.test_writer import DISCARDED, published, start  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+# About 40 s on a quiet machine, 100 s on a busy one: one cluster, one driver for all.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 # 20 000 rows a partition: half of one (160 KB) is past the 64 KiB buffers between
 # pyspark's Python workers and the JVM, so a held attempt's first half reaches the daemon.
 ROWS = 40_000
