@@ -142,6 +142,42 @@ def test_cluster_writer_speculative_copy_overtakes_a_slow_attempt_once(
     assert d.stop() == 0
 
 
+def test_cluster_writer_original_racing_its_speculative_copy_lands_once(
+        cluster_driver: Driver, daemon_factory: Any, tmp_path: Path) -> None:
+    # The original holds until its copy has started, then both run to the end: whichever
+    # commits first wins; the other is killed, or (its end marker sent) denied the commit.
+    d = start(daemon_factory, **DAEMON)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    done = threading.Event()
+
+    def release_once_copied() -> None:
+        while not done.is_set():
+            if any(m["partition"] == 0 and m["attempt"] > 0
+                   for m in cluster_driver.marks("race")):
+                (gate / "go").touch()
+                return
+            time.sleep(0.05)
+
+    releaser = threading.Thread(target=release_once_copied)
+    releaser.start()
+    try:
+        write(cluster_driver, d, "race", rows=ROWS, partitions=2, hold=[0], gate=str(gate),
+              hold_s=90)
+    finally:
+        done.set()
+        (gate / "go").touch()
+        releaser.join(10)
+    attempts = [m["task"] for m in cluster_driver.marks("race") if m["partition"] == 0]
+    assert len(attempts) == 2, f"Spark placed no speculative copy: {attempts}"
+    winner = winners(d, "race")[0]
+    [loser] = [t for t in attempts if t != winner]
+    assert cluster_driver.tasks({winner})[winner]["end"] == "Success"
+    assert cluster_driver.wait_ended(loser)["end"] in ("TaskKilled", "TaskCommitDenied")
+    check_exactly_once(d, "race", ROWS)
+    assert d.stop() == 0
+
+
 def test_cluster_writer_worker_killed_mid_job_lands_every_row_once(
         cluster: Cluster, cluster_driver: Driver, daemon_factory: Any, tmp_path: Path) -> None:
     d = start(daemon_factory, **DAEMON)
