@@ -133,6 +133,15 @@ class Driver:
                 task["kill"] = e["Task End Reason"].get("Kill Reason")
         return out
 
+    def describe(self, job_id: str) -> str:
+        """The job's attempts (marks) and every task end that was not a success: for
+        failure messages."""
+        ends = [(e["Task Info"]["Task ID"], e["Task Info"]["Index"], e["Task Info"]["Host"],
+                 e["Task End Reason"]) for e in self.events()
+                if e["Event"] == "SparkListenerTaskEnd"
+                and e["Task End Reason"]["Reason"] != "Success"]
+        return f"attempts of {job_id!r}: {self.marks(job_id)}\nunsuccessful task ends: {ends}"
+
     def wait_ended(self, task_id: int, timeout_s: float = 60) -> dict[str, Any]:
         """The task, once Spark's event log has its end."""
         deadline = time.monotonic() + timeout_s
@@ -155,11 +164,13 @@ class Driver:
 
 @pytest.fixture(scope="module")
 def cluster_root() -> Iterator[Path]:
+    """Logs, work dirs, event log and marks; QUIVERD_KEEP_CLUSTER=1 keeps them."""
     root = Path(tempfile.mkdtemp(prefix="qc", dir="/tmp"))  # short: Unix socket paths
     try:
         yield root
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if os.environ.get("QUIVERD_KEEP_CLUSTER") != "1":
+            shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,17 @@ listens on the Unix socket ADDRESS (``multiprocessing.connection``, authkey
                                                log is flushed (at stage and job ends) with
                                                every task end Spark has heard of so far
     {"op": "write", "socket", "client", "job_id", "rows", "partitions",
-     "hold": [partitions], "gate": dir, "hold_s": s}
+     "hold": {partition: fraction}, "gate": dir, "hold_s": s}
                                              → {"seconds": s} or {"error": "..."}
 
 ``write`` saves ids 0..rows-1 with ``h = 7 * id`` through ``df.write.format("quiver")``
 in ``partitions`` partitions. Every task attempt leaves ``MARKS_DIR/<job>.<task attempt
 id>.json`` (partition, attempt number, task attempt id, host, "held"). The first attempt
-(attempt number 0) of each partition in ``hold`` sends half its rows, marks itself
-held, and then waits until ``<gate>/go`` exists (at most ``hold_s``) before sending the
-rest: a test kills its worker meanwhile, or lets a speculative copy overtake it.
+to run of each partition p in ``hold`` (the first to leave a mark: a retry or a
+speculative copy is never held) sends ``hold[p]`` of its batches, marks itself held,
+and waits until ``<gate>/go`` or ``<gate>/go-<p>`` exists (at most ``hold_s``) before
+sending the rest: meanwhile a test kills its worker, or lets a speculative copy overtake
+it.
 
 Spark's event log (uncompressed, one file) is in EVENT_LOG_DIR: tests read task
 attempts, their hosts and the speculative flag from it.
@@ -123,12 +125,12 @@ def sync(spark: Any) -> dict[str, Any]:
 
 
 def write(spark: Any, marks: Path, *, socket: str, client: str, job_id: str, rows: int,
-          partitions: int, hold: list[int] | None = None, gate: str = "",
+          partitions: int, hold: dict[int, float] | None = None, gate: str = "",
           hold_s: float = 60.0) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     df = spark.range(0, rows, 1, partitions).select("id", (F.col("id") * 7).alias("h"))
-    run = attempts(marks, job_id, set(hold or []), Path(gate) if gate else None, hold_s)
+    run = attempts(marks, job_id, hold or {}, Path(gate) if gate else marks / "no-gate", hold_s)
     started = time.monotonic()
     (df.mapInArrow(run, df.schema).write.format("quiver").mode("append")
      .option("path", socket).option("client", client).option("job_id", job_id)
@@ -136,7 +138,7 @@ def write(spark: Any, marks: Path, *, socket: str, client: str, job_id: str, row
     return {"seconds": round(time.monotonic() - started, 2)}
 
 
-def attempts(marks: Path, job_id: str, hold: set[int], gate: Path | None, hold_s: float
+def attempts(marks: Path, job_id: str, hold: dict[int, float], gate: Path, hold_s: float
              ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The mapInArrow function in front of the writer: marks and maybe holds an attempt."""
 
@@ -144,23 +146,26 @@ def attempts(marks: Path, job_id: str, hold: set[int], gate: Path | None, hold_s
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
-        mark = {"partition": ctx.partitionId(), "attempt": ctx.attemptNumber(),
-                "task": ctx.taskAttemptId(), "host": os.environ.get("SPARK_LOCAL_IP", "?"),
-                "held": False}
+        p = ctx.partitionId()
+        first = not any(json.loads(m.read_text())["partition"] == p
+                        for m in marks.glob(f"{job_id}.*.json"))
+        mark = {"partition": p, "attempt": ctx.attemptNumber(), "task": ctx.taskAttemptId(),
+                "host": os.environ.get("SPARK_LOCAL_IP", "?"), "held": False}
         path = marks / f"{job_id}.{ctx.taskAttemptId()}.json"
         write_mark(path, mark)
-        held = ctx.partitionId() in hold and ctx.attemptNumber() == 0
-        whole = list(batches) if held else None
-        if whole is None:
+        if not first or p not in hold:
             yield from batches
             return
-        half = len(whole) // 2
-        yield from whole[:half]
+        whole = list(batches)
+        cut = int(len(whole) * hold[p])
+        yield from whole[:cut]
         write_mark(path, {**mark, "held": True})
         deadline = time.monotonic() + hold_s
-        while gate is not None and not (gate / "go").exists() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if (gate / "go").exists() or (gate / f"go-{p}").exists():
+                break
             time.sleep(0.05)
-        yield from whole[half:]
+        yield from whole[cut:]
 
     return run
 

@@ -109,23 +109,67 @@ def test_cluster_writer_job_over_two_workers_lands_every_row_once(
     assert d.stop() == 0
 
 
+class Job(threading.Thread):
+    """One ``write`` of ROWS rows in 2 partitions, running in the driver while the test
+    watches and opens gates (``<gate>/go-<p>`` releases partition p's held attempt)."""
+
+    def __init__(self, driver: Driver, d: Any, job_id: str, gate: Path,
+                 hold: dict[int, float]) -> None:
+        super().__init__(name=f"job-{job_id}")
+        self.driver, self.gate = driver, gate
+        self.request = {"socket": str(d.socket), "client": job_id, "job_id": job_id,
+                        "rows": ROWS, "partitions": 2, "hold": hold, "gate": str(gate),
+                        "hold_s": 90}
+        self.reply: dict[str, Any] | None = None
+        gate.mkdir()
+        self.start()
+
+    def run(self) -> None:
+        self.reply = self.driver.call("write", timeout_s=240, **self.request)
+
+    def open(self, name: str = "go") -> None:
+        (self.gate / name).touch()
+
+    def result(self) -> dict[str, Any]:
+        self.join(240)
+        assert self.reply is not None, f"no reply:\n{self.driver.logs()}"
+        assert "error" not in self.reply, (f"{self.reply['error']}\n"
+                                           f"{self.reply['traceback']}\n{self.driver.logs()}")
+        return self.reply
+
+    def close(self) -> None:
+        """Release every held attempt and wait for the driver's reply (even on failure)."""
+        self.open()
+        self.join(240)
+
+
+def held_then_staged(driver: Driver, d: Any, job_id: str) -> list[dict[str, Any]]:
+    """Until both partitions' first attempts hold and the rows sent so far (one of them
+    sends half, the other nothing yet) are staged in the daemon: their attempts."""
+    held = wait_held(driver, job_id, 2)
+    wait_staged(d, job_id)
+    return held
+
+
 def test_cluster_writer_speculative_copy_overtakes_a_slow_attempt_once(
         cluster_driver: Driver, daemon_factory: Any, tmp_path: Path) -> None:
     d = start(daemon_factory, **DAEMON)
-    gate = tmp_path / "gate"  # never opened during the job: the original waits it out
-    gate.mkdir()
+    # Partition 0's original sends half its rows and holds for good (up to 90 s);
+    # partition 1 holds before sending anything until those rows are staged, so that
+    # the original has really written something when its copy overtakes it.
+    job = Job(cluster_driver, d, "spec", tmp_path / "gate", hold={0: 0.5, 1: 0.0})
     try:
-        write(cluster_driver, d, "spec", rows=ROWS, partitions=2, hold=[0], gate=str(gate),
-              hold_s=90)
+        held_then_staged(cluster_driver, d, "spec")
+        job.open("go-1")  # partition 1 ends: Spark speculates partition 0 on the other host
+        job.result()
     finally:
-        (gate / "go").touch()
+        job.close()
     marks = {m["task"]: m for m in cluster_driver.marks("spec")}
     tasks = cluster_driver.tasks(set(marks))
-    [original] = [m for m in marks.values() if m["partition"] == 0 and m["attempt"] == 0]
-    copies = [t for t, m in marks.items() if m["partition"] == 0 and m["attempt"] > 0]
-    assert copies, f"Spark placed no speculative copy of partition 0: {tasks}"
+    [original] = [m for m in marks.values() if m["partition"] == 0 and m["held"]]
+    copies = [t for t, m in marks.items() if m["partition"] == 0 and not m["held"]]
+    assert copies, f"Spark placed no speculative copy: {cluster_driver.describe('spec')}"
     [copy] = copies
-    assert original["held"], original  # it had sent half its rows when the copy started
     assert tasks[copy]["speculative"] is True, tasks
     assert tasks[copy]["end"] == "Success", tasks
     assert tasks[copy]["host"] != tasks[original["task"]]["host"], tasks
@@ -144,32 +188,24 @@ def test_cluster_writer_speculative_copy_overtakes_a_slow_attempt_once(
 
 def test_cluster_writer_original_racing_its_speculative_copy_lands_once(
         cluster_driver: Driver, daemon_factory: Any, tmp_path: Path) -> None:
-    # The original holds until its copy has started, then both run to the end: whichever
-    # commits first wins; the other is killed, or (its end marker sent) denied the commit.
+    # As above, but the original is released the moment its copy starts: both run to the
+    # end, whichever commits first wins; the other is killed, or (its end marker sent)
+    # denied the commit.
     d = start(daemon_factory, **DAEMON)
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    done = threading.Event()
-
-    def release_once_copied() -> None:
-        while not done.is_set():
-            if any(m["partition"] == 0 and m["attempt"] > 0
-                   for m in cluster_driver.marks("race")):
-                (gate / "go").touch()
-                return
-            time.sleep(0.05)
-
-    releaser = threading.Thread(target=release_once_copied)
-    releaser.start()
+    job = Job(cluster_driver, d, "race", tmp_path / "gate", hold={0: 0.5, 1: 0.0})
     try:
-        write(cluster_driver, d, "race", rows=ROWS, partitions=2, hold=[0], gate=str(gate),
-              hold_s=90)
+        held_then_staged(cluster_driver, d, "race")
+        job.open("go-1")
+        deadline = time.monotonic() + 90
+        while not any(m["partition"] == 0 and not m["held"] for m in cluster_driver.marks("race")):
+            assert job.is_alive(), f"no copy was placed: {cluster_driver.describe('race')}"
+            assert time.monotonic() < deadline, cluster_driver.describe("race")
+            time.sleep(0.05)
+        job.open("go-0")
+        job.result()
     finally:
-        done.set()
-        (gate / "go").touch()
-        releaser.join(10)
+        job.close()
     attempts = [m["task"] for m in cluster_driver.marks("race") if m["partition"] == 0]
-    assert len(attempts) == 2, f"Spark placed no speculative copy: {attempts}"
     winner = winners(d, "race")[0]
     [loser] = [t for t in attempts if t != winner]
     assert cluster_driver.tasks({winner})[winner]["end"] == "Success"
@@ -181,36 +217,28 @@ def test_cluster_writer_original_racing_its_speculative_copy_lands_once(
 def test_cluster_writer_worker_killed_mid_job_lands_every_row_once(
         cluster: Cluster, cluster_driver: Driver, daemon_factory: Any, tmp_path: Path) -> None:
     d = start(daemon_factory, **DAEMON)
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    replies: list[dict[str, Any]] = []
-    job = threading.Thread(target=lambda: replies.append(cluster_driver.call(
-        "write", socket=str(d.socket), client="kill", job_id="kill", rows=ROWS, partitions=2,
-        hold=[0, 1], gate=str(gate), hold_s=90)))
-    job.start()
+    # Partition 1's first attempt sends half its rows and holds; partition 0's holds
+    # before sending anything, so the rows staged are the doomed attempt's.
+    job = Job(cluster_driver, d, "kill", tmp_path / "gate", hold={0: 0.0, 1: 0.5})
     try:
-        held = wait_held(cluster_driver, "kill", 2)
+        held = held_then_staged(cluster_driver, d, "kill")
         assert {m["host"] for m in held} == set(cluster.hosts), held
-        wait_staged(d, "kill")  # the held attempts' first halves are in the daemon
         [doomed] = [m for m in held if m["partition"] == 1]
-        victim = cluster.hosts.index(doomed["host"])
-        cluster.kill_worker(victim)  # the worker, its executor and Python workers: SIGKILL
-        (gate / "go").touch()
-        job.join(120)
-        assert replies and "error" not in replies[0], (replies, cluster_driver.logs())
-        retries = [m for m in cluster_driver.marks("kill")
-                   if m["partition"] == 1 and m["task"] != doomed["task"]]
-        assert [m["host"] for m in retries] == [h for h in cluster.hosts if h != doomed["host"]]
-        assert winners(d, "kill")[1] == retries[0]["task"] != doomed["task"]
-        lost = cluster_driver.tasks({doomed["task"]})[doomed["task"]]
-        assert lost["end"] == "ExecutorLostFailure", lost
-        check_exactly_once(d, "kill", ROWS)
-        # The doomed attempt's staged rows were dropped (2 end markers: both winners').
-        assert discarded_bundles(d, ends=2) > 0
-        assert d.stop() == 0
+        cluster.kill_worker(cluster.hosts.index(doomed["host"]))  # worker, executor, Python
+        job.open()
+        job.result()
     finally:
-        (gate / "go").touch()
-        job.join(120)  # the worker killed is restarted by the next test's cluster_driver
+        job.close()  # the worker killed is restarted by the next test's cluster_driver
+    retries = [m for m in cluster_driver.marks("kill")
+               if m["partition"] == 1 and m["task"] != doomed["task"]]
+    assert [m["host"] for m in retries] == [h for h in cluster.hosts if h != doomed["host"]]
+    assert winners(d, "kill")[1] == retries[0]["task"] != doomed["task"]
+    lost = cluster_driver.tasks({doomed["task"]})[doomed["task"]]
+    assert lost["end"] == "ExecutorLostFailure", lost
+    check_exactly_once(d, "kill", ROWS)
+    # The doomed attempt's staged rows were dropped (2 end markers: both winners').
+    assert discarded_bundles(d, ends=2) > 0
+    assert d.stop() == 0
 
 
 def wait_held(driver: Driver, job_id: str, n: int, timeout_s: float = 90) -> list[dict[str, Any]]:
@@ -219,13 +247,12 @@ def wait_held(driver: Driver, job_id: str, n: int, timeout_s: float = 90) -> lis
         held = [m for m in driver.marks(job_id) if m["held"]]
         if len(held) >= n:
             return held
-        assert time.monotonic() < deadline, f"{len(held)} attempts held:\n{driver.logs()}"
+        assert time.monotonic() < deadline, f"{driver.describe(job_id)}\n{driver.logs()}"
         time.sleep(0.1)
 
 
 def wait_staged(d: Any, job_id: str, timeout_s: float = 30) -> None:
-    """Until the job's staged bundles have stopped growing for a second (both attempts
-    hold, what they sent is in sealed segments)."""
+    """Until the job has staged bundles and no more for a second (its attempts hold)."""
     deadline = time.monotonic() + timeout_s
     last, since = -1, time.monotonic()
     with Client.connect(d.socket) as c:
@@ -233,7 +260,7 @@ def wait_staged(d: Any, job_id: str, timeout_s: float = 30) -> None:
             staged = c.job_status(job_id).get("staged_bundles", 0)
             if staged != last:
                 last, since = staged, time.monotonic()
-            elif staged >= 2 and time.monotonic() - since > 1.0:
+            elif staged > 0 and time.monotonic() - since > 1.0:
                 return
             assert time.monotonic() < deadline, f"{staged} bundles of {job_id!r} staged"
             time.sleep(0.1)
