@@ -1,7 +1,8 @@
 """``df.write.format("quiver")`` exactly once on a Spark standalone cluster: a master and
 two workers as separate processes (conftest.py), a driver process of its own, real
-daemons. A plain job; a real speculative copy overtaking a slow first attempt; a worker
-killed with SIGKILL mid-job (its executor and Python workers with it).
+daemons. A plain job; a real speculative copy overtaking a held first attempt; the same
+with the original released to race its copy to the end; a worker killed with SIGKILL
+mid-job (its executor and Python workers with it).
 
 Every job writes ids 0..n-1 with h = 7 * id. Exactly once is checked twice: subscriber
 x receives each id once, and the lake's registered files hold every bundle once
