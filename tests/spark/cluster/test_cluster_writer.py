@@ -39,8 +39,8 @@ from tests.spark.cluster.conftest import Driver  # noqa: E402
 from tests.spark.cluster.standalone import Cluster  # noqa: E402
 from tests.spark.test_writer import DISCARDED, published, start  # noqa: E402
 
-# One cluster and one driver for the module: 100 s in all on 2 cores at load 10-12
-# (other sessions running): mostly JVMs starting and the first job (26-35 s; later jobs 5-10 s).
+# One cluster and one driver for the module: 70-115 s in all on 2 cores at load 4-14
+# (other sessions running), mostly JVMs starting (25-55 s) and the first job's (17-38 s).
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 # 20 000 rows a partition: half of one (160 KB) is past the 64 KiB buffers between
 # pyspark's Python workers and the JVM, so a held attempt's first half reaches the daemon.
