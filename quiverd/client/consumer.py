@@ -33,11 +33,10 @@ import anyio
 import anyio.abc
 import pyarrow as pa
 
-from quiverd.client.core import StrPath, handshake_result, tune_socket
+from quiverd.client.core import StrPath, connect_blocking, tune_socket
 from quiverd.kernel.bundle import TxnTag, read_ipc_stream
 from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
 from quiverd.protocol.codec import (
-    REPLY_FRAME_MAX,
     Delivery,
     Error,
     FrameDecoder,
@@ -172,29 +171,9 @@ class RangedReader:
 
     @classmethod
     def connect(cls, path: StrPath, *, timeout: float | None = None) -> RangedReader:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            tune_socket(sock)
-            try:
-                sock.connect(str(path))
-            except OSError as exc:
-                raise DaemonUnreachable.from_os_error(path, exc) from exc
-            sock.sendall(encode_hello(Role.SUBSCRIBER))
-            first = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
-            while True:
-                data = sock.recv(RECV_BYTES)
-                if not data:
-                    raise ConnectionError("quiverd closed the connection during the handshake")
-                messages = first.feed(data)
-                if messages:
-                    hello = handshake_result(messages)
-                    break
-            limit = max_frame_bytes(hello.max_bundle_bytes)
-            return cls(sock, FrameDecoder(limit, from_client=False))
-        except BaseException:
-            sock.close()
-            raise
+        sock, hello, _ = connect_blocking(path, Role.SUBSCRIBER, timeout=timeout)
+        return cls(sock, FrameDecoder(max_frame_bytes(hello.max_bundle_bytes),
+                                      from_client=False))
 
     def __enter__(self) -> Self:
         return self

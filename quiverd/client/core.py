@@ -18,17 +18,21 @@ from typing import TypeAlias
 import pyarrow as pa
 
 from quiverd.kernel.bundle import USER_SLOTS, TxnTag, encode_ipc_stream
-from quiverd.kernel.errors import ProtocolError
+from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
 from quiverd.kernel.names import reserved_column_problem
 from quiverd.protocol.codec import (
     CLOSES_CONNECTION,
+    REPLY_FRAME_MAX,
     Ack,
     Error,
     ErrorCode,
+    FrameDecoder,
     HelloOk,
     JobReply,
     Message,
+    Role,
     encode_bundle,
+    encode_hello,
     exception_for,
 )
 from quiverd.protocol.frames import MAX_REQUEST_ID, nbytes
@@ -53,6 +57,7 @@ StrPath: TypeAlias = "str | PathLike[str]"
 Reply: TypeAlias = "Ack | JobReply"
 Outcome: TypeAlias = "Ack | JobReply | BaseException"
 
+HANDSHAKE_RECV_BYTES = 64 * 1024  # HELLO_OK (and what may follow it) is small
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024  # NOTES: 4 MiB buffers nearly double Unix socket GB/s
 
 
@@ -208,6 +213,33 @@ def handshake_result(messages: list[Message]) -> HelloOk:
     if not isinstance(first, HelloOk) or len(messages) > 1:
         raise ProtocolError(ErrorCode.MALFORMED, f"expected HELLO_OK, got {type(first).__name__}")
     return first
+
+
+def connect_blocking(path: StrPath, role: Role, *, timeout: float | None
+                     ) -> tuple[socket.socket, HelloOk, FrameDecoder]:
+    """A blocking connection that said HELLO as ``role`` and got HELLO_OK: the socket,
+    the server's HELLO_OK and the decoder that read it (more frames may follow in it).
+    Refused or unreachable: the error raised, the socket closed."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        tune_socket(sock)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            raise DaemonUnreachable.from_os_error(path, exc) from exc
+        sock.sendall(encode_hello(role))
+        decoder = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
+        while True:
+            data = sock.recv(HANDSHAKE_RECV_BYTES)
+            if not data:
+                raise ConnectionError("quiverd closed the connection during the handshake")
+            messages = decoder.feed(data)
+            if messages:
+                return sock, handshake_result(messages), decoder
+    except BaseException:
+        sock.close()
+        raise
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -38,6 +38,7 @@ from quiverd.client.core import (
     SendData,
     SendItem,
     StrPath,
+    connect_blocking,
     encode_request,
     handshake_result,
     split_item,
@@ -280,26 +281,8 @@ class Client:
 
     @classmethod
     def connect(cls, path: StrPath, *, timeout: float | None = None) -> Client:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            tune_socket(sock)
-            try:
-                sock.connect(str(path))
-            except OSError as exc:
-                raise DaemonUnreachable.from_os_error(path, exc) from exc
-            sock.sendall(encode_hello(Role.PRODUCER))
-            decoder = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
-            while True:
-                data = sock.recv(RECV_BYTES)
-                if not data:
-                    raise ConnectionError("quiverd closed the connection during the handshake")
-                messages = decoder.feed(data)
-                if messages:
-                    return cls(sock, handshake_result(messages), decoder)
-        except BaseException:
-            sock.close()
-            raise
+        sock, hello, decoder = connect_blocking(path, Role.PRODUCER, timeout=timeout)
+        return cls(sock, hello, decoder)
 
     def __enter__(self) -> Self:
         return self
