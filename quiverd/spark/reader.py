@@ -150,6 +150,7 @@ from quiverd.spark.types import (  # to_spark: re-exported, tests import it from
     spark_schema,
     to_spark,  # noqa: F401
 )
+from quiverd.spark.write_options import refuse_no_options
 from quiverd.spark.writer import QuiverStreamWriter, QuiverWriter, refuse_reserved_columns
 
 NAME = "quiver"
@@ -187,6 +188,7 @@ class QuiverDataSource(DataSource):
 
     def writer(self, schema: st.StructType, overwrite: bool) -> QuiverWriter:
         """``df.write.format("quiver")``: see quiverd/spark/writer.py."""
+        refuse_no_options(self.options, 'df.write.format("quiver")')
         refuse_reserved_columns(schema)
         return QuiverWriter(self.options, overwrite)
 

@@ -78,7 +78,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -95,10 +95,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("quiverd.spark needs pyspark 4: pip install 'quiverd[spark]'") from exc
 
-from quiverd.client import Client, IpcPayload
+from quiverd.client import Client
 from quiverd.kernel import logs
 from quiverd.kernel.bundle import TxnTag
-from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import (
     CatalogUnavailable,
     ConfigError,
@@ -109,16 +108,22 @@ from quiverd.kernel.errors import (
 )
 from quiverd.kernel.jobs import MAX_JOB_ID_BYTES, Winner, check_job_id
 from quiverd.kernel.logs import Logger
-from quiverd.kernel.names import client_name_problem, reserved_column_problem
-from quiverd.protocol.frames import MAX_ROW_COUNT
-from quiverd.spark.locator import writer_sockets
-from quiverd.spark.options import WRITE, lowered, refuse_unknown
-from quiverd.spark.visible import VISIBLE_TIMEOUT_S, wait_visible
+from quiverd.kernel.names import reserved_column_problem
+from quiverd.spark.chunks import (  # noqa: F401 - re-exported: tests import them from here
+    AttemptStream,
+    RowTooLarge,
+    WriteRefused,
+    encode_bounded,
+    rechunk,
+)
+from quiverd.spark.visible import wait_visible
+from quiverd.spark.write_options import (  # noqa: F401 - re-exported
+    BATCH_BYTES,
+    BATCH_ROWS,
+    DEFAULT_CLIENT,
+    WriteOptions,
+)
 
-DEFAULT_CLIENT = "spark"
-IF_COMMITTED = ("skip", "error")
-BATCH_ROWS = 64 * 1024
-BATCH_BYTES = 8 * 1024 * 1024
 MAX_ATTEMPT = 2**32 - 1  # TxnTag.attempt is a u32 on the wire
 BATCH_ID_PROPERTY = "streaming.sql.batchId"  # Spark's local property in micro-batch tasks
 # Spark's local properties that tell a nested write: a command that runs a query of its
@@ -139,71 +144,6 @@ TABLE_WRITE_REFUSED = (
 DECIDE_TRIES = 6
 DECIDE_BACKOFF_S = 0.5
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class WriteOptions:
-    """The writer's options, checked on the driver."""
-
-    paths: tuple[str, ...]
-    client: str = DEFAULT_CLIENT
-    batch_rows: int = BATCH_ROWS
-    batch_bytes: int = BATCH_BYTES
-    # Read your writes: commit() waits up to this long for the catalog to hold the job's
-    # rows (quiverd.spark.visible); 0 = do not wait.
-    visible_timeout_s: float = VISIBLE_TIMEOUT_S
-    # A batch write with an explicit job_id whose job is committed already (a
-    # foreachBatch replay): "skip" sends nothing and commits nothing new, "error" fails.
-    if_committed: str = "skip"
-    # How paths were chosen, for the errors of a socket that is not there.
-    origin: str = field(default="", compare=False)
-    # Tests only: commit() writes <dir>/ready and waits for <dir>/go, so that a test can
-    # kill the daemon between the tasks' writes and the driver's commit.
-    commit_gate: str = ""
-    # Tests only: (partition, attemptNumber) that fails right after its end marker.
-    fail_after_end: tuple[int, int] | None = None
-
-    @classmethod
-    def parse(cls, options: Mapping[str, str], where: str = 'df.write.format("quiver")'
-              ) -> WriteOptions:
-        refuse_unknown(options, WRITE, where)
-        opts = lowered(options)
-        if not opts:
-            # What INSERT INTO a table made by CREATE TABLE ... USING quiver hands over:
-            # Spark 4 keeps no options for a Python data source's table.
-            raise ValueError(f"{where} with no options at all is refused: name the client "
-                             '(.option("client", "<name>")) and the daemon (option "socket" '
-                             'or "config", else $QUIVERD_SOCKET). An INSERT INTO a table '
-                             "made with CREATE TABLE ... USING quiver arrives like this: "
-                             "Spark 4 keeps no options for a Python data source's table; "
-                             "use CREATE TEMPORARY VIEW ... USING quiver OPTIONS (...)")
-        paths, origin = writer_sockets(opts)
-        client = opts.get("client", DEFAULT_CLIENT)
-        problem = client_name_problem(client)
-        if problem is not None:
-            raise ValueError(f'option "client": {problem}')
-        if_committed = opts.get("if_committed", "skip").strip().lower()
-        if if_committed not in IF_COMMITTED:
-            raise ValueError(f'option "if_committed" must be "skip" or "error", not '
-                             f"{opts['if_committed']!r}")
-        return cls(paths=paths, client=client,
-                   batch_rows=_int_option(opts, "batch_rows", BATCH_ROWS, 1, MAX_ROW_COUNT),
-                   batch_bytes=_int_option(opts, "batch_bytes", BATCH_BYTES, 1024, 2**40),
-                   visible_timeout_s=_visible_timeout(opts),
-                   if_committed=if_committed, origin=origin,
-                   commit_gate=opts.get("_commit_gate", ""),
-                   fail_after_end=_pair(opts.get("_fail_after_end", "")))
-
-    def path_for(self, partition: int) -> str:
-        return self.paths[partition % len(self.paths)]
-
-
-class WriteRefused(QuiverError):
-    """The job's rows can never be written as they are: it fails once, at commit."""
-
-
-class RowTooLarge(WriteRefused):
-    """One row is larger than the daemon's max_bundle_bytes: no bundle can hold it."""
 
 
 @dataclass
@@ -379,85 +319,6 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
     return message
 
 
-class AttemptStream:
-    """Bundles of one attempt: each tagged with the rows before it, checksummed as sent."""
-
-    def __init__(self, tag: TxnTag) -> None:
-        self.tag = tag
-        self.rows = 0
-        self.checksum = 0
-
-    def items(self, chunks: Iterable[list[pa.RecordBatch]], max_bundle_bytes: int
-              ) -> Iterator[tuple[IpcPayload, TxnTag]]:
-        for chunk in chunks:
-            for ipc, rows in encode_bounded(chunk, max_bundle_bytes):
-                tag = TxnTag(job_id=self.tag.job_id, partition=self.tag.partition,
-                             attempt=self.tag.attempt, row_offset=self.rows)
-                self.rows += rows
-                self.checksum = crc32c(ipc, self.checksum)
-                yield IpcPayload(ipc=ipc, rows=rows), tag
-
-
-def rechunk(batches: Iterable[pa.RecordBatch], *, max_rows: int, max_bytes: int
-            ) -> Iterator[list[pa.RecordBatch]]:
-    """Group (and slice, without copying) batches into chunks of at most ``max_rows``
-    rows and about ``max_bytes`` bytes, estimated from each batch's bytes per row."""
-    group: list[pa.RecordBatch] = []
-    rows = size = 0
-    for batch in batches:
-        if batch.num_rows == 0:
-            continue
-        row_bytes = max(1, batch.nbytes // batch.num_rows)
-        start = 0
-        while start < batch.num_rows:
-            fit = min(batch.num_rows - start, max_rows - rows, (max_bytes - size) // row_bytes)
-            if fit <= 0 and group:
-                yield group
-                group, rows, size = [], 0, 0
-                continue
-            fit = max(fit, 1)  # one row above max_bytes goes alone: encode_bounded judges it
-            group.append(batch.slice(start, fit))
-            rows, size, start = rows + fit, size + fit * row_bytes, start + fit
-    if group:
-        yield group
-
-
-def encode_bounded(group: list[pa.RecordBatch], limit: int) -> Iterator[tuple[memoryview, int]]:
-    """One IPC stream per chunk, halved by rows until each fits ``limit`` bytes; a single
-    row that does not fit raises RowTooLarge."""
-    rows = sum(b.num_rows for b in group)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, group[0].schema) as writer:
-        for batch in group:
-            writer.write_batch(batch)
-    ipc = memoryview(sink.getvalue())
-    if ipc.nbytes <= limit:
-        yield ipc, rows
-        return
-    if rows <= 1:
-        raise RowTooLarge(f"a row of {ipc.nbytes} bytes (as Arrow IPC) is larger than the "
-                          f"daemon's ingest.max_bundle_bytes of {limit}: no bundle can hold "
-                          "it; raise ingest.max_bundle_bytes (and wal.max_entry_bytes) or "
-                          "write smaller rows")
-    head, tail = _split(group, rows // 2)
-    yield from encode_bounded(head, limit)
-    yield from encode_bounded(tail, limit)
-
-
-def _split(group: list[pa.RecordBatch], n: int) -> tuple[list[pa.RecordBatch],
-                                                          list[pa.RecordBatch]]:
-    head: list[pa.RecordBatch] = []
-    tail: list[pa.RecordBatch] = []
-    for batch in group:
-        take = min(max(n, 0), batch.num_rows)
-        if take:
-            head.append(batch.slice(0, take))
-        if take < batch.num_rows:
-            tail.append(batch.slice(take))
-        n -= take
-    return head, tail
-
-
 def winners_of(messages: Sequence[WriterCommitMessage | None], job_id: str) -> list[Winner]:
     """One Winner per partition; a missing or foreign message refuses the commit, and a
     refused one raises its reason (WriteRefused). A replayed batch write whose tasks all
@@ -577,13 +438,6 @@ def _decide(opts: WriteOptions, decide: Callable[[Client], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def _pair(text: str) -> tuple[int, int] | None:
-    if not text:
-        return None
-    a, _, b = text.partition(":")
-    return int(a), int(b)
-
-
 def _wait_at_gate(gate: str, timeout_s: float = 120.0) -> None:
     if not gate:
         return
@@ -597,30 +451,6 @@ def _refuse_overwrite(overwrite: bool) -> None:
     if overwrite:
         raise ConfigError("mode", "quiverd only appends: write with mode('append') (or "
                           "outputMode('append') when streaming)")
-
-
-def _int_option(opts: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
-    text = opts.get(name, "")
-    try:
-        value = int(text) if text else default
-    except ValueError:
-        raise ValueError(f'option "{name}" must be an integer, not {text!r}') from None
-    if not low <= value <= high:
-        raise ValueError(f'option "{name}" must be between {low} and {high}, not {value}')
-    return value
-
-
-def _visible_timeout(opts: Mapping[str, str]) -> float:
-    text = opts.get("visible_timeout_s", "")
-    try:
-        value = float(text) if text else VISIBLE_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f'option "visible_timeout_s" must be a number of seconds, not '
-                         f'{text!r}') from None
-    if not 0 <= value <= 3600:
-        raise ValueError('option "visible_timeout_s" must be between 0 (do not wait) and '
-                         f"3600, not {value}")
-    return value
 
 
 def _quiet_log() -> Logger:
