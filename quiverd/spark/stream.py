@@ -37,7 +37,11 @@ until then the subscriber's bundles stay unacked and retained, so a query killed
 any point restarts from its checkpoint and reads again every range it had not
 committed: no loss, and with an idempotent sink (the file sink, foreachBatch keyed
 by batch id) no duplicate. A daemon restart between batches changes nothing: the
-subscriber's registration and acks are in ack.log.
+subscriber's registration and acks are in ack.log. Spark calls ``commit(end)`` when it
+plans the next batch, so the acks trail the checkpoint by one batch: the last batch of
+an AvailableNow or stopped query is acked only when the query runs again (from its
+checkpoint, which starts after it); a new checkpoint on the same subscriber starts at
+the oldest unacked bundle and reads that batch again.
 
 Latency: only finalized segments are read; a bundle reaches a micro-batch within
 ``segment.max_open_duration_ms`` (1 s by default) of its ack, plus the trigger interval.
