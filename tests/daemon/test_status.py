@@ -59,7 +59,10 @@ def test_status_after_clean_restart_keeps_sequence_and_wal_bytes(daemon_factory:
     d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 100}).start()
     with Client.connect(d.socket) as c:
         c.send_many([tagged_table(i, rows=2000) for i in range(20)], client="s")
-    wait_for(lambda: shard0(d)["open_bundles"] == 0 and shard0(d)["segments"] >= 1)
+    # The segment is listed before its WAL region is released (the finalizer's
+    # WalReleased reaches the WAL writer a moment later): wait for both.
+    wait_for(lambda: shard0(d)["open_bundles"] == 0 and shard0(d)["segments"] >= 1
+             and shard0(d)["wal_bytes"] < 4096)
     before = shard0(d)
     assert before["last_sequence"] == 20
     assert d.stop() == 0
