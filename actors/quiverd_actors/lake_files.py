@@ -10,7 +10,6 @@ tests stop the process right after a step).
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import ParamSpec, TypeVar
 import anyio
 import pyarrow as pa
 
+from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.errors import CatalogUnavailable
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
@@ -32,8 +32,6 @@ from quiverd.lake.tier import Tier
 
 P = ParamSpec("P")
 T = TypeVar("T")
-RETRY_BASE_S = 0.5
-RETRY_MAX_S = 30.0
 
 FileKey = tuple[int, str, int]  # (shard, client, slot)
 
@@ -144,7 +142,7 @@ class Steps:
             except CatalogUnavailable as exc:
                 attempt += 1
                 self.m.lake_errors.labels("catalog").inc()
-                delay = backoff(attempt)
+                delay = backoff_s(attempt)
                 self.log.warning("lake_catalog_unavailable", error=str(exc),
                                  retry_in_s=round(delay, 2), hint=exc.hint)
                 await anyio.sleep(delay)
@@ -185,8 +183,3 @@ def file_row(tier: Tier, f: OpenFile, facts: FileFacts, *, uri: str, key: str, l
         last_bundle=last[1], bundle_count=len(f.bundles), crc32c=facts.crc32c,
         state=FileState.META_REGISTERED, local_path=str(local), created_at=f.created_ns,
         updated_at=time.time_ns())
-
-
-def backoff(attempt: int) -> float:
-    """Exponential backoff with jitter: 0.5 s doubling to 30 s, times 0.5..1."""
-    return random.uniform(0.5, 1.0) * min(RETRY_MAX_S, RETRY_BASE_S * 2 ** min(attempt, 10))

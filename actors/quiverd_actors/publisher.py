@@ -25,6 +25,7 @@ from typing import ParamSpec, TypeVar
 
 import anyio
 
+from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.errors import (
     CatalogUnavailable,
     CorruptRecord,
@@ -43,7 +44,7 @@ from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import FileState
 from quiverd.lake.parquet import FileFacts
 from quiverd.lake.tier import Tier
-from quiverd_actors.lake_files import OpenFile, Sealed, Steps, backoff, file_row
+from quiverd_actors.lake_files import OpenFile, Sealed, Steps, file_row
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -103,7 +104,7 @@ class Publisher:
                 self.m.lake_errors.labels(kind).inc()
                 if kind == "unavailable":
                     self.health.fail("store", kind, exc)
-                delay = backoff(attempt)
+                delay = backoff_s(attempt)
                 self.log.warning("lake_upload_failed", file_id=f.file_id, key=key,
                                  error=str(exc), retry_in_s=round(delay, 2))
                 await anyio.sleep(delay)

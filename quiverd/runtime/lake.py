@@ -17,13 +17,13 @@ while any part is, as ``status``, ``/metrics`` and ``/healthz`` show.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from quiverd.kernel import logs
+from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import (
     CatalogUnavailable,
@@ -44,7 +44,6 @@ from quiverd_actors.uploader import INGESTED_AT, SUBSCRIBER, Uploader
 if TYPE_CHECKING:
     from quiverd.runtime.shard import Shard
 
-RETRY_MAX_S = 30.0
 Subscribe = Callable[[str, str, str], Awaitable[Any]]  # (op, name, start): Daemon.subscriber_op
 
 
@@ -74,7 +73,7 @@ class Lake:
                 except Exception as raised:  # noqa: BLE001 - the lake must never stop ingest
                     exc = _first(raised)
                     attempt += 1
-                    delay = random.uniform(0.5, 1.0) * min(RETRY_MAX_S, 0.5 * 2 ** attempt)
+                    delay = backoff_s(attempt)
                     part, kind = _part_of(exc)
                     self.health.fail(part, kind, exc)
                     self.state = f"waiting: {exc}"

@@ -24,7 +24,6 @@ rows are in the catalog: ``runtime.visibility``, which the daemon hands in.
 
 from __future__ import annotations
 
-import random
 import socket
 import time
 from collections.abc import Iterable
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from quiverd.kernel import logs
+from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import CatalogUnavailable, JobConflict, LakeError
@@ -46,7 +46,6 @@ from quiverd.segments.table import SegmentInfo, StagedRef
 if TYPE_CHECKING:
     from quiverd.runtime.visibility import Visibility
 
-RETRY_MAX_S = 30.0
 MARKER_WAIT_S = 30.0  # a winner's end marker may still be in the open segment
 PRUNE_EVERY_S = 3600.0
 STATUS_RETRY_HINT = "retry the status request in a moment; staged rows stay held meanwhile"
@@ -304,7 +303,7 @@ class Staging:
                 # CatalogUnavailable is the expected one; anything else (a driver error
                 # the catalog did not translate) is logged with its type and retried too.
                 attempt += 1
-                delay = random.uniform(0.5, 1.0) * min(RETRY_MAX_S, 0.5 * 2 ** attempt)
+                delay = backoff_s(attempt)
                 self.state = f"waiting for the catalog: {exc}"
                 self.log.error("staging_catalog_unavailable", error=str(exc),
                                error_type=type(exc).__name__,
