@@ -4,7 +4,7 @@
     drift      one representative schema per file out of drifting bundle schemas
     parquet    Active Parquet files: append row groups, close, name, zone maps
     objects    the object store through OpenDAL: upload, verify, list, delete
-    catalog    the catalog interface; catalog_sqlite (embedded) and catalog_pg (asyncpg)
+    catalog/   the catalog: base (interface), sql + jobs, sqlite (embedded), pg (asyncpg)
 
 The uploader actor (``quiverd_actors.uploader``) drives these; SPEC §6.
 """

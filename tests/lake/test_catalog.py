@@ -29,7 +29,7 @@ from quiverd.lake.catalog import (
     StateConflict,
     open_catalog,
 )
-from quiverd.lake.catalog_sql import FILE_COLUMNS, numbered
+from quiverd.lake.catalog.sql import FILE_COLUMNS, numbered
 from quiverd.lake.model import REGISTERED, Coverage, FileRow, FileState, ZoneMap
 from tests.lake.catalogs import Log, Opener, Target, heard_until_closed
 from tests.services.postgres import PostgresServer

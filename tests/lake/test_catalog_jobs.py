@@ -21,8 +21,8 @@ from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import CatalogUnavailable
 from quiverd.kernel.jobs import MAX_JOB_ID_BYTES, JobDecision, Winner
 from quiverd.lake.catalog import Catalog, open_catalog
-from quiverd.lake.catalog_jobs import INSERT_JOB, decision_values
-from quiverd.lake.catalog_sql import numbered
+from quiverd.lake.catalog.jobs import INSERT_JOB, decision_values
+from quiverd.lake.catalog.sql import numbered
 from quiverd.lake.model import Coverage, FileRow
 from tests.lake.catalogs import Log, Opener, Target, heard_until_closed
 

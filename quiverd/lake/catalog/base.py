@@ -15,7 +15,7 @@ all times are BIGINT nanoseconds since the Unix epoch (UTC):
       file_id ─▶ files │ column_name │ min_value │ max_value │ null_count
       PK (file_id, column_name)
     schema_version   one row per applied migration step: version PK │ applied_at
-    quiver_jobs  one row per decided Spark write job (SPEC §7), see ``catalog_jobs``
+    quiver_jobs  one row per decided Spark write job (SPEC §7), see ``jobs``
       job_id PK │ state │ winners (JSON text / jsonb) │ decided_at_ns │ decided_by │ reason
 
 Exactly once into the lake: a bundle (source_id, shard, slot, segment_seq, bundle_index)
@@ -45,13 +45,11 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import anyio
 
-from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import LakeError
 from quiverd.kernel.jobs import JobDecision
 from quiverd.kernel.logs import Logger
@@ -357,13 +355,3 @@ class Catalog(abc.ABC):
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()
-
-
-def open_catalog(cfg: CatalogConfig, db_path: Path, *, log: Logger) -> Catalog:
-    """PostgreSQL when ``cfg.dsn`` is set, else SQLite at ``db_path``; call ``start`` next."""
-    # The backends import this module, so they are imported here, on first use.
-    if cfg.dsn:
-        from quiverd.lake.catalog_pg import PostgresCatalog
-        return PostgresCatalog(cfg, log=log)
-    from quiverd.lake.catalog_sqlite import SqliteCatalog
-    return SqliteCatalog(db_path, log=log)

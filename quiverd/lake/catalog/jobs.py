@@ -29,13 +29,13 @@ import msgspec
 
 from quiverd.kernel.errors import LakeError
 from quiverd.kernel.jobs import JobDecision, check_job_id
-from quiverd.lake.catalog_sql import in_list
+from quiverd.lake.catalog.sql import in_list
 
 JOB_COLUMNS: tuple[str, ...] = ("job_id", "state", "winners", "decided_at_ns", "decided_by",
                                 "reason")
 assert JOB_COLUMNS == JobDecision.__struct_fields__, "quiver_jobs columns must follow JobDecision"
 
-# "{json}" and "{id}" as in catalog_sql.MIGRATIONS (render with catalog_sql.migration_sql).
+# "{json}" and "{id}" as in sql.MIGRATIONS (render with sql.migration_sql).
 JOBS_DDL: tuple[str, ...] = (
     "CREATE TABLE IF NOT EXISTS quiver_jobs (job_id {id} NOT NULL PRIMARY KEY, "
     "state TEXT NOT NULL, winners {json} NOT NULL, decided_at_ns BIGINT NOT NULL, "

@@ -1,4 +1,4 @@
-"""The catalog's SQL, shared by both backends (``catalog_sqlite``, ``catalog_pg``).
+"""The catalog's SQL, shared by both backends (``sqlite``, ``pg``).
 
 Statements use "?" placeholders; PostgreSQL's get numbered (``numbered``). The table
 layout is drawn in ``quiverd.lake.catalog``; migrations are ordered steps, never edited
@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from quiverd.lake.catalog import ReplaceConflict, StateConflict
+from quiverd.lake.catalog.base import ReplaceConflict, StateConflict
 from quiverd.lake.model import (
     REGISTERED,
     UNFINISHED,

@@ -13,7 +13,7 @@ exactly one succeeds, with no serialization failures to retry. The lock covers o
 are also locked (SELECT … FOR UPDATE), so ``set_state`` cannot slip between check and write.
 
 Job decisions (``decide_job``) take an advisory lock keyed on the job id
-(``catalog_jobs.lock_key``), then read and insert: of two daemons deciding a job at once,
+(``jobs.lock_key``), then read and insert: of two daemons deciding a job at once,
 the second waits, then reads the first one's decision.
 
 Notifications: ``register``/``replace`` run ``pg_notify('quiver_files', file_id)`` in their
@@ -38,9 +38,8 @@ from quiverd.kernel.config import CatalogConfig
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.jobs import JobDecision
 from quiverd.kernel.logs import Logger
-from quiverd.lake import catalog_jobs as jobs
-from quiverd.lake import catalog_sql as sql
-from quiverd.lake.catalog import (
+from quiverd.lake.catalog import jobs, sql
+from quiverd.lake.catalog.base import (
     JOBS_CHANNEL,
     NOTIFY_CHANNEL,
     Catalog,

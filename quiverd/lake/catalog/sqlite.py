@@ -28,9 +28,8 @@ import anyio
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.jobs import JobDecision
 from quiverd.kernel.logs import Logger
-from quiverd.lake import catalog_jobs as jobs
-from quiverd.lake import catalog_sql as sql
-from quiverd.lake.catalog import (
+from quiverd.lake.catalog import jobs, sql
+from quiverd.lake.catalog.base import (
     JOBS_CHANNEL,
     Catalog,
     DuplicateCoverage,
