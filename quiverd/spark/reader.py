@@ -177,7 +177,7 @@ class QuiverDataSource(DataSource):
                              'schema: pass .schema(...) or name the client with option '
                              '"client" (its lake schema is used)')
         sel = Selection.parse(self.options, known=STREAM_READ if streaming else READ)
-        lake = Lake.open(sel.config_path)
+        lake = Lake.open(sel.locator)
         rows, _ = lake.query(sel, zone_maps=False)
         # An empty selection is an empty DataFrame, with the (client, slot)'s schema.
         schema = lake.representative_schema(rows) if rows else lake.empty_schema(sel)
@@ -222,7 +222,7 @@ class QuiverReader(DataSourceReader):
         return list(filters)
 
     def partitions(self) -> list[FilePartition]:
-        lake = Lake.open(self.sel.config_path)
+        lake = Lake.open(self.sel.locator)
         rows, maps = lake.query(self.sel, zone_maps=bool(self.bounds))
         kept = [r for r in rows if may_match(r, maps.get(r.file_id, []), self.bounds,
                                              lake.time_column)]
@@ -345,12 +345,6 @@ class Selection:
                              f"{', '.join(schema.names)}")
         return pa.schema([schema.field(c) for c in self.columns])
 
-    @property
-    def config_path(self) -> Locator:
-        """The locator, under the name older call sites use: ``Lake.open`` takes it and
-        ``str()`` describes it (a config path, or the daemon at a socket)."""
-        return self.locator
-
     def range_text(self) -> str:
         if self.since_ns is None and self.until_ns is None:
             return ""
@@ -383,8 +377,8 @@ class Lake:
         ``latest``: only the newest file, quarantined ones not checked."""
         db = DataDir(Path(self.cfg.data_dir)).catalog_db
         if not self.cfg.catalog.dsn and not db.exists():
-            raise FileNotFoundError(f"no lake catalog at {db}: is data_dir in "
-                                    f"{sel.config_path} the daemon's?")
+            raise FileNotFoundError(f"no lake catalog at {db}, the data_dir that "
+                                    f"{sel.locator} names: is it the daemon's?")
 
         async def ask() -> tuple[list[FileRow], list[FileRow], dict[str, list[ZoneMap]]]:
             async with open_catalog(self.cfg.catalog, db, log=_quiet_log()) as catalog:
