@@ -230,6 +230,22 @@ class Metrics:
                                       "scrub (quarantined)", ())
         self.lake_scrub_bytes = c("quiver_lake_scrub_bytes_total",
                                   "lake object bytes read back and checked by the scrub", ())
+        # the Iceberg projection (actors/quiverd_actors/projector.py)
+        self.lake_iceberg_lag_files = g("quiver_lake_iceberg_lag_files",
+                                        "registered lake files not yet in their Iceberg "
+                                        "table's current snapshot", ())
+        self.lake_iceberg_lag_seconds = g("quiver_lake_iceberg_lag_seconds",
+                                          "age of the oldest registered file not yet in its "
+                                          "Iceberg table", ())
+        self.lake_iceberg_commits = c("quiver_lake_iceberg_commits_total",
+                                      "Iceberg snapshots committed, by kind (append, "
+                                      "reconcile, replace)", ("kind",))
+        self.lake_iceberg_files = c("quiver_lake_iceberg_files_total",
+                                    "data files added to or removed from Iceberg tables",
+                                    ("change",))
+        self.lake_iceberg_skipped = c("quiver_lake_iceberg_skipped_total",
+                                      "registered files Iceberg cannot hold (not projected), "
+                                      "by reason", ("reason",))
         # staging: transactional (Spark) writes held until their job is decided
         self.staged_jobs = g("quiver_staged_jobs",
                              "jobs with staged bundles in segments, by decision state",
@@ -251,6 +267,10 @@ class Metrics:
         self.lake_append_latency = Histogram(
             "quiver_lake_append_seconds", "one row-group append (conform + Parquet encode)", (),
             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.lake_iceberg_commit_latency = Histogram(
+            "quiver_lake_iceberg_commit_seconds", "one Iceberg commit (one snapshot, "
+            "compare-and-swap retries included)", (),
+            buckets=LATENCY_BUCKETS + (30.0, 60.0), registry=self.registry)
         self.registry.register(self)
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...]) -> Series:

@@ -4,6 +4,7 @@
     store     lake.store (OpenDAL)                      missing, denied, unavailable, config
     catalog   catalog.sqlite / catalog.dsn              unavailable
     staging   <data_dir>/staging (local Parquet files)  no_space, io
+    iceberg   the Iceberg projection's catalog or store  unavailable
     lake      anything else the lake raised             internal
 
 The lake is a subscriber like any other: a fault in one of its parts never stops the
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass
 from quiverd.kernel.errors import QuiverError
 from quiverd.kernel.logs import Logger
 
-PARTS = ("store", "catalog", "staging", "lake")
+PARTS = ("store", "catalog", "staging", "iceberg", "lake")
 MAX_ERROR_CHARS = 500  # an error text is bounded (S3 answers can be long)
 
 

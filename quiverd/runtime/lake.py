@@ -1,6 +1,7 @@
 """The lake inside the daemon: the uploader, the indexer, the janitor and compaction.
 
     dispatcher[n] ──Delivery──▶ uploader ──▶ object store + catalog ──NOTIFY──▶ indexer
+                                                    └──registered──▶ projector ──▶ Iceberg
                                          janitor, compactor (timers)
 
 Readiness never waits for the lake: ingest and delivery go on while the catalog or
@@ -18,6 +19,7 @@ while any part is, as ``status``, ``/metrics`` and ``/healthz`` show.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -34,11 +36,13 @@ from quiverd.kernel.errors import (
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
+from quiverd.lake.iceberg import Projection, catalog_uri
 from quiverd.lake.tier import Tier, open_tier
 from quiverd_actors.dispatcher import Session
 from quiverd_actors.indexer import Indexer
 from quiverd_actors.janitor import Janitor
 from quiverd_actors.messages import LocalDelivery
+from quiverd_actors.projector import Projector
 from quiverd_actors.uploader import INGESTED_AT, SUBSCRIBER, Uploader
 
 if TYPE_CHECKING:
@@ -57,6 +61,7 @@ class Lake:
         self.tier: Tier | None = None
         self.uploader: Uploader | None = None
         self.janitor: Janitor | None = None
+        self.projector: Projector | None = None
         self.scope = anyio.CancelScope()
         self.state = "starting"
 
@@ -112,6 +117,7 @@ class Lake:
                           time_column=cfg.time_column or INGESTED_AT,
                           hook=self.faults.get("lake"))
         self.janitor = Janitor(tier, log=self.log, metrics=self.m)
+        self.projector = self._projector(tier)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.uploader.run, rx)
@@ -119,6 +125,8 @@ class Lake:
                     d.attach(session)
                 await tg.start(indexer.run)
                 await tg.start(self.janitor.run)
+                if self.projector is not None:
+                    await tg.start(self.projector.run)
                 self.state = "running"
                 self.log.info("lake_started", node_id=tier.node_id, source_id=tier.source_id,
                               store=tier.store.uri(""), catalog=tier.catalog.backend)
@@ -126,6 +134,21 @@ class Lake:
             for d in dispatchers:
                 d.detach(session)
             tx.close()
+
+    def _projector(self, tier: Tier) -> Projector | None:
+        """The Iceberg projection's actor (``[lake.iceberg] enabled``), or None."""
+        cfg = self.cfg
+        if not cfg.lake.iceberg.enabled:
+            return None
+
+        def open_projection() -> Projection:
+            return Projection(catalog_uri=catalog_uri(cfg.catalog, Path(cfg.data_dir)),
+                              warehouse=tier.store.location(""),
+                              io_properties=tier.store.iceberg_io_properties(),
+                              cfg=cfg.lake.iceberg)
+
+        return Projector(tier, open_projection, log=self.log, metrics=self.m,
+                         health=self.health)
 
     async def _ensure_subscriber(self) -> None:
         if all(SUBSCRIBER in s.acks.registry for s in self.shards):
@@ -155,6 +178,7 @@ class Lake:
             "store_denied": bool(m.lake_denied.total()),
             "errors": {k: int(v) for k, v in m.lake_errors.by_label("kind").items() if v},
             "transitions": {k: int(v) for k, v in m.lake_transitions.by_label("state").items()},
+            "iceberg": self.projector.status() if self.projector else {"enabled": False},
         }
 
 

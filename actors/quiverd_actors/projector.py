@@ -1,0 +1,326 @@
+"""Projector: registered lake files in, Iceberg snapshots out (SPEC §6, "Iceberg projection").
+
+    publisher ──registered(row)──▶ notices (bounded, never waits) ──▶ gather linger_ms
+                                                                        │ group by table
+    janitor (compaction done) ──nudge()──▶ reconcile                    ▼
+    timer reconcile_interval_s ──────────▶ reconcile ──▶ Projection.commit: one snapshot
+                                                         per table per round (thread)
+
+quiverd's catalog is the source of truth; the Iceberg tables are a projection of it.
+Each round commits every file gathered since the last one: one snapshot per table,
+whose summary names the quiverd file ids. The uploader never waits on the projection:
+``registered`` drops a notice when the channel is full and marks the projector
+*behind*, and the next reconcile finds the file anyway.
+
+The reconciler (at start, on its timer, after a compaction, and whenever notices were
+dropped) compares, per table, this source's registered files with the table's current
+snapshot: registered files missing from it are added, files of this source that the
+catalog no longer holds as live (compacted) are removed, both in one snapshot (so a
+compaction is one replace). It only ever touches this source's files, so several
+daemons on one catalog never remove or add each other's; their commits race through
+Iceberg's compare-and-swap, retried in ``Projection.commit``. Commits and reconcile
+passes run one at a time (a single task), so a file is never added twice by one
+daemon. After each pass snapshots older than ``keep_snapshots_s`` are expired.
+
+A file Iceberg cannot hold (a ``timestamp[ns]`` column kept for precision, a type
+change Iceberg cannot express) is *skipped*: logged once, counted
+(``quiver_lake_iceberg_skipped_total{reason}``), and remembered so no pass retries it.
+A failing commit (catalog or store down) marks the lake's ``iceberg`` part degraded,
+keeps the files pending and retries with backoff; ingest and upload go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from quiverd.kernel.backoff import backoff_s
+from quiverd.kernel.config import IcebergConfig
+from quiverd.kernel.errors import LakeError
+from quiverd.kernel.logs import Logger
+from quiverd.kernel.metrics import Metrics
+from quiverd.lake.health import LakeHealth
+from quiverd.lake.iceberg import CommitResult, DataFileRef, Projection, table_name
+from quiverd.lake.model import REGISTERED, FileRow
+from quiverd.lake.tier import Tier
+
+NOTICES = 4096  # registrations buffered for the next round; more: reconcile finds them
+NS_PER_S = 1_000_000_000
+RECENT_COMMITS = 1000  # status's commit p99 is over the last this many commits
+T = TypeVar("T")
+
+
+class Pending:
+    """Files waiting for their snapshot, per table, with when each was registered."""
+
+    def __init__(self) -> None:
+        self.by_table: dict[str, dict[str, FileRow]] = defaultdict(dict)
+        self.since_ns: dict[str, int] = {}  # file id -> wall ns it became pending
+
+    def add(self, row: FileRow, since_ns: int) -> None:
+        self.by_table[table_name(row.client_name, row.slot)][row.file_id] = row
+        self.since_ns.setdefault(row.file_id, since_ns)
+
+    def done(self, file_ids: list[str]) -> None:
+        for fid in file_ids:
+            self.since_ns.pop(fid, None)
+        for table in list(self.by_table):
+            files = self.by_table[table]
+            for fid in file_ids:
+                files.pop(fid, None)
+            if not files:
+                del self.by_table[table]
+
+    def oldest_ns(self) -> int | None:
+        return min(self.since_ns.values(), default=None)
+
+    def __len__(self) -> int:
+        return len(self.since_ns)
+
+
+class Projector:
+    def __init__(self, tier: Tier, open_projection: Callable[[], Projection], *, log: Logger,
+                 metrics: Metrics, health: LakeHealth) -> None:
+        self.tier, self.log, self.m = tier, log, metrics
+        self.open_projection = open_projection  # blocking (connects): run in a thread
+        self._projection: Projection | None = None
+        self.health = health
+        self.cfg: IcebergConfig = tier.cfg.lake.iceberg
+        self.time_column = tier.cfg.lake.time_column
+        send, recv = anyio.create_memory_object_stream[FileRow](NOTICES)
+        self.notices_tx: MemoryObjectSendStream[FileRow] = send
+        self.notices_rx: MemoryObjectReceiveStream[FileRow] = recv
+        self.pending = Pending()
+        self.skipped: dict[str, str] = {}  # file id -> reason, never tried again
+        self.reconcile_due = anyio.Event()
+        self.limiter = anyio.CapacityLimiter(1)  # one Projection call at a time
+        self.commits = 0
+        self.snapshots_expired = 0
+        self.last_commit_s: float | None = None
+        self.recent_commit_s: deque[float] = deque(maxlen=RECENT_COMMITS)
+        self.last_reconcile_ns: int | None = None
+        self.last_error: str | None = None
+
+    # ---- inputs (event loop, never wait) -------------------------------------------
+    def registered(self, row: FileRow) -> None:
+        """A file was registered in quiverd's catalog: project it in the next round."""
+        try:
+            self.notices_tx.send_nowait(row)
+        except anyio.WouldBlock:
+            self.nudge()  # the reconciler finds it in the catalog
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # stopping: the next start reconciles
+
+    def nudge(self) -> None:
+        """Reconcile soon (after a compaction, or when notices were dropped)."""
+        self.reconcile_due.set()
+
+    # ---- the actor -------------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        self.nudge()  # at start: files registered before a crash, compactions since
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._timer)
+            task_status.started()
+            try:
+                await self._rounds()
+            finally:
+                tg.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    await self.close()
+
+    @property
+    def projection(self) -> Projection:
+        if self._projection is None:
+            raise LakeError("the Iceberg projection is not open yet")
+        return self._projection
+
+    async def close(self) -> None:
+        if self._projection is not None:
+            await anyio.to_thread.run_sync(self._projection.close)
+            self._projection = None
+
+    async def _timer(self) -> None:
+        while True:
+            await anyio.sleep(self.cfg.reconcile_interval_s)
+            self.nudge()
+
+    async def _rounds(self) -> None:
+        attempt = 0
+        while True:
+            await self._gather()
+            try:
+                if self._projection is None:
+                    self._projection = await anyio.to_thread.run_sync(self.open_projection)
+                if self.reconcile_due.is_set():
+                    self.reconcile_due = anyio.Event()
+                    await self.reconcile()
+                await self._commit_pending()
+            except Exception as exc:  # noqa: BLE001 - the projection never stops the lake
+                attempt += 1
+                delay = backoff_s(attempt)
+                self.last_error = str(exc)
+                self.m.lake_errors.labels("iceberg").inc()
+                self.health.fail("iceberg", "unavailable", exc)
+                self.log.warning("iceberg_commit_failed", error=str(exc), pending=len(self.pending),
+                                 retry_in_s=round(delay, 2))
+                await anyio.sleep(delay)
+                continue
+            if attempt:
+                attempt = 0
+                self.health.ok("iceberg")
+                self.last_error = None
+            self._gauges()
+
+    async def _gather(self) -> None:
+        """Wait for a notice or a reconcile request, then linger to fill the round."""
+        if not len(self.pending) and not self.reconcile_due.is_set():
+            with anyio.move_on_after(self.cfg.reconcile_interval_s):
+                async with anyio.create_task_group() as tg:
+                    async def first_notice() -> None:
+                        self.pending.add(await self.notices_rx.receive(), time.time_ns())
+                        tg.cancel_scope.cancel()
+
+                    async def reconcile_asked() -> None:
+                        await self.reconcile_due.wait()
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(first_notice)
+                    tg.start_soon(reconcile_asked)
+        await anyio.sleep(self.cfg.linger_ms / 1000)
+        while True:
+            try:
+                self.pending.add(self.notices_rx.receive_nowait(), time.time_ns())
+            except anyio.WouldBlock:
+                return
+
+    # ---- commits ---------------------------------------------------------------------
+    async def _commit_pending(self) -> None:
+        for table, files in list(self.pending.by_table.items()):
+            rows = [r for r in files.values() if r.file_id not in self.skipped]
+            if rows:
+                await self._commit(table, rows, [], kind="append")
+            self.pending.done([r.file_id for r in files.values()])
+            self._gauges()
+
+    async def _commit(self, table: str, add: list[FileRow], remove: list[str], *,
+                      kind: str) -> CommitResult:
+        refs = [self._ref(r) for r in add]
+        summary = {"quiverd.source-id": self.tier.source_id, "quiverd.node-id": self.tier.node_id,
+                   "quiverd.kind": kind}
+        result = await self._call(self.projection.commit, table, refs, remove, summary=summary)
+        self.commits += 1
+        self.last_commit_s = result.took_s
+        self.recent_commit_s.append(result.took_s)
+        self.m.lake_iceberg_commit_latency.observe(result.took_s)
+        self.m.lake_iceberg_commits.labels(kind).inc()
+        self.m.lake_iceberg_files.labels("added").inc(len(result.added))
+        self.m.lake_iceberg_files.labels("removed").inc(len(result.removed))
+        for file_id, reason in result.skipped:
+            if file_id not in self.skipped:
+                self.skipped[file_id] = reason
+                self.m.lake_iceberg_skipped.labels(_reason_kind(reason)).inc()
+                self.log.warning("iceberg_file_skipped", table=table, file_id=file_id,
+                                 reason=reason)
+        self.log.info("iceberg_committed", table=table, kind=kind, snapshot=result.snapshot_id,
+                      added=len(result.added), removed=len(result.removed),
+                      skipped=len(result.skipped), retries=result.retries,
+                      took_ms=round(result.took_s * 1000, 1))
+        return result
+
+    def _ref(self, row: FileRow) -> DataFileRef:
+        return DataFileRef(file_id=row.file_id, location=self.tier.store.location(row.object_key),
+                           client=row.client_name, slot=row.slot,
+                           partition_column=self.time_column)
+
+    async def _call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        def call() -> T:
+            return fn(*args, **kwargs)
+        return await anyio.to_thread.run_sync(call, limiter=self.limiter)
+
+    # ---- the reconciler ----------------------------------------------------------------
+    async def reconcile(self) -> None:
+        """Make each table's current snapshot hold exactly this source's live files."""
+        mine = await self.tier.catalog.list_files(source_id=self.tier.source_id)
+        not_live = {r.file_id for r in mine if r.state not in REGISTERED}
+        want: dict[str, dict[str, FileRow]] = defaultdict(dict)
+        for row in mine:
+            if row.state in REGISTERED and row.file_id not in self.skipped:
+                want[table_name(row.client_name, row.slot)][row.file_id] = row
+        tables = set(want) | set(await self._call(self.projection.tables))
+        for table in sorted(tables):
+            present = await self._call(self.projection.live_locations, table)
+            wanted = want.get(table, {})
+            present_ids = set(present.values())
+            add = [r for fid, r in wanted.items() if fid not in present_ids]
+            # Of the files the snapshot holds, this source's that the catalog no longer
+            # holds as live (compacted): those leave the table, in the same snapshot.
+            remove = [loc for loc, fid in present.items() if fid in not_live]
+            if add or remove:
+                await self._commit(table, add, remove,
+                                   kind="replace" if remove else "reconcile")
+                self.log.info("iceberg_reconciled", table=table, added=len(add),
+                              removed=len(remove))
+            self.pending.done(list(wanted))
+            expired = await self._call(self.projection.expire, table,
+                                       older_than_s=self.cfg.keep_snapshots_s)
+            self.snapshots_expired += expired
+        self.last_reconcile_ns = time.time_ns()
+
+    # ---- what the janitor asks ---------------------------------------------------------
+    async def referenced(self, rows: list[FileRow]) -> set[str]:
+        """Ids of ``rows`` whose object a live (unexpired) snapshot still references:
+        the janitor keeps those objects. On any error every one counts as referenced."""
+        by_table: dict[str, list[FileRow]] = defaultdict(list)
+        for r in rows:
+            by_table[table_name(r.client_name, r.slot)].append(r)
+        held: set[str] = set()
+        for table, group in by_table.items():
+            try:
+                locations = await self._call(self.projection.referenced_locations, table)
+            except Exception as exc:  # noqa: BLE001 - unknown means keep
+                self.log.warning("iceberg_references_unknown", table=table, error=str(exc))
+                held.update(r.file_id for r in group)
+                continue
+            held.update(r.file_id for r in group
+                        if self.tier.store.location(r.object_key) in locations)
+        return held
+
+    # ---- status ------------------------------------------------------------------------
+    def _gauges(self) -> None:
+        self.m.lake_iceberg_lag_files.labels().set(len(self.pending))
+        self.m.lake_iceberg_lag_seconds.labels().set(self.lag_s())
+
+    def lag_s(self) -> float:
+        oldest = self.pending.oldest_ns()
+        return 0.0 if oldest is None else max(0.0, (time.time_ns() - oldest) / NS_PER_S)
+
+    def status(self) -> dict[str, object]:
+        recent = sorted(self.recent_commit_s)
+        p99 = recent[min(len(recent) - 1, int(len(recent) * 0.99))] if recent else None
+        return {
+            "enabled": True,
+            "lag_files": len(self.pending),
+            "lag_s": round(self.lag_s(), 3),
+            "commits": self.commits,
+            "last_commit_ms": None if self.last_commit_s is None
+            else round(self.last_commit_s * 1000, 1),
+            "commit_p99_ms": None if p99 is None else round(p99 * 1000, 1),
+            "files_skipped": len(self.skipped),
+            "snapshots_expired": self.snapshots_expired,
+            "last_reconcile_ns": self.last_reconcile_ns,
+            "last_error": self.last_error,
+        }
+
+
+def _reason_kind(reason: str) -> str:
+    """The metric label of a skip reason: its first word (``timestamp_ns``, ...)."""
+    return reason.split(":", 1)[0].split()[0] if reason else "unknown"
+
+
+__all__ = ["Projector"]
