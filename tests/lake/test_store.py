@@ -123,3 +123,12 @@ def test_store_iceberg_io_properties_fs_and_memory_are_empty(tmp_path: Path) -> 
 def test_store_s3_iceberg_io_properties_map_the_store_options(
         tmp_path: Path, options: dict[str, str], expected: dict[str, Any]) -> None:
     assert s3_store(tmp_path, **options).iceberg_io_properties() == expected
+
+
+def test_store_keys_withheld_lets_an_s3_reader_find_its_own() -> None:
+    options = {"bucket": "b", "region": "r"}
+    store_class("s3").keys_withheld(options)
+    assert options["disable_config_load"] == "false"
+    options = {"root": "/r"}
+    store_class("fs").keys_withheld(options)
+    assert options == {"root": "/r"}

@@ -15,9 +15,9 @@ scheme from one table (litestream's replica_url.go is the model).
 Guarantees: ``SCHEMES`` below is the only place that names a scheme; everything else
 asks a store (``is_local``, ``uri``, ``location``, ``local_path``, ``key_of``,
 ``iceberg_io_properties``) or, holding only a StoreConfig, the class ``store_class``
-returns (``store_root``, ``opendal_options``). Opening a store (``open_store``, or
-``ObjectStore(cfg, ...)``, which is the same) builds the operator and, for fs, creates the
-temp directory; the class methods do no I/O.
+returns (``store_root``, ``opendal_options``, ``file_under``, ``keys_withheld``).
+Opening a store (``open_store``, or ``ObjectStore(cfg, ...)``, which is the same) builds
+the operator and, for fs, creates the temp directory; the class methods do no I/O.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ class S3Store(ObjectStore):
             raise ConfigError(where, "access_key_id and secret_access_key go together")
         # No surprise credentials: ~/.aws and AWS_* are read only when asked for.
         options.setdefault("disable_config_load", "true")
+
+    @classmethod
+    def keys_withheld(cls, options: dict[str, str]) -> None:
+        options["disable_config_load"] = "false"  # AWS_* and ~/.aws, as AWS SDKs do
 
     def iceberg_io_properties(self) -> dict[str, str]:
         """s3.endpoint, s3.region, the keys and s3.session-token as configured, and the

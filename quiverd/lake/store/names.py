@@ -55,6 +55,11 @@ class StoreNames:
         """What this service requires or defaults beyond OpenDAL's own checks (in place)."""
 
     @classmethod
+    def keys_withheld(cls, options: dict[str, str]) -> None:
+        """A reader got ``options`` with the daemon's secrets left out: let it find its
+        own credentials where the service's SDK looks (in place; nothing by default)."""
+
+    @classmethod
     def file_under(cls, root: str, key: str) -> Path | None:
         """The local path of ``key`` under ``root``; None when objects are not local files."""
         return None
