@@ -1,6 +1,6 @@
 """The storage tier as one value: config, object store, catalog, node and source ids.
 
-    Tier ── store   (lake.objects.ObjectStore: OpenDAL, fs under <data_dir>/objects by default)
+    Tier ── store   (lake.store.ObjectStore: OpenDAL, fs under <data_dir>/objects by default)
        ├── catalog (lake.catalog: PostgreSQL when catalog.dsn is set, else catalog.sqlite)
        ├── node_id    lake.node_id or the host name: part of every object key, so several
        │              daemons can share one bucket and one catalog
@@ -41,8 +41,7 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import node_id_problem
 from quiverd.lake.catalog import Catalog, open_catalog
 from quiverd.lake.model import REGISTERED, UNFINISHED, FileRow, FileState
-from quiverd.lake.objects import ObjectStore
-from quiverd.lake.store_options import service_options
+from quiverd.lake.store import ObjectStore, open_store, opendal_options
 
 
 @dataclass
@@ -93,7 +92,7 @@ async def open_tier(cfg: Config, log: Logger) -> AsyncIterator[Tier]:
     node_id = cfg.lake.node_id or socket.gethostname()
     validate_node_id(node_id)
     source_id = await anyio.to_thread.run_sync(load_source_id, data)
-    store = ObjectStore(cfg.lake.store, data_dir=data.root, log=log)
+    store = open_store(cfg.lake.store, data_dir=data.root, log=log)
     catalog = open_catalog(cfg.catalog, data.catalog_db, log=log)
     try:
         await catalog.start()
@@ -112,9 +111,7 @@ def check_config(cfg: Config) -> None:
     if not cfg.lake.enabled:
         return
     validate_node_id(cfg.lake.node_id or socket.gethostname())
-    root = cfg.lake.store.root or (str(DataDir(Path(cfg.data_dir)).objects)
-                                   if cfg.lake.store.scheme == "fs" else "")
-    service_options(cfg.lake.store, root)
+    opendal_options(cfg.lake.store, data_dir=Path(cfg.data_dir))
 
 
 async def probe(cfg: Config, log: Logger) -> list[str]:
@@ -126,7 +123,7 @@ async def probe(cfg: Config, log: Logger) -> list[str]:
         return ["lake: off (lake.enabled = false), nothing to probe"]
     data = DataDir(Path(cfg.data_dir))
     node_id = cfg.lake.node_id or socket.gethostname()
-    store = ObjectStore(cfg.lake.store, data_dir=data.root, log=log)
+    store = open_store(cfg.lake.store, data_dir=data.root, log=log)
     key = f"quiverd-probe/{node_id}-{ULID()}"
     try:
         await store.probe(key)

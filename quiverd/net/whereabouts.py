@@ -29,6 +29,7 @@ from typing import Any
 from quiverd.kernel.config import Config
 from quiverd.kernel.layout import DataDir
 from quiverd.lake.model import INGESTED_AT
+from quiverd.lake.store import store_root
 
 # A store option or DSN query parameter whose name contains one of these is a secret
 # (OpenDAL: secret_access_key, access_key_id, session_token, account_key, sas_token,
@@ -53,9 +54,7 @@ def lake_reply(cfg: Config) -> dict[str, Any]:
             withheld.append(f"lake.store.options.{name}")
         else:
             options[name] = value
-    root = store.root
-    if store.scheme == "fs" and not root:
-        root = str(DataDir(Path(cfg.data_dir)).objects)
+    root = store_root(store, data_dir=Path(cfg.data_dir))
     return {
         "node_id": cfg.lake.node_id or socket.gethostname(),
         "data_dir": cfg.data_dir,

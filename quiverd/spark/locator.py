@@ -40,6 +40,7 @@ import msgspec
 
 from quiverd.kernel.config import Config, load
 from quiverd.kernel.errors import ConfigError, DaemonUnreachable, ProtocolError
+from quiverd.lake.store import store_class
 from quiverd.protocol.frames import ErrorCode
 
 SOCKET_ENV = "QUIVERD_SOCKET"
@@ -148,10 +149,9 @@ def config_of(info: Mapping[str, Any]) -> Config:
     store = dict(lake.get("store", {}))
     options = dict(store.get("options", {}))
     withheld = [str(w) for w in info.get("withheld", ())]
-    if store.get("scheme") == "s3" and any(w.startswith("lake.store.options.")
-                                           for w in withheld):
-        # The daemon kept its keys: the reader's own come from AWS_* or ~/.aws.
-        options["disable_config_load"] = "false"
+    if any(w.startswith("lake.store.options.") for w in withheld):
+        # The daemon kept its keys: the reader's own come from where its service looks.
+        store_class(str(store.get("scheme", ""))).keys_withheld(options)
     tree = {
         "data_dir": info["data_dir"],
         "catalog": {k: catalog[k] for k in ("dsn", "connect_timeout_ms", "pool_size")

@@ -23,12 +23,12 @@ pruning of ``format("quiver")`` (only the catalog's time range narrows the list)
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from quiverd.lake.store import store_class
 from quiverd.spark.locator import Locator
 from quiverd.spark.reader import Lake, Selection
 
@@ -51,12 +51,13 @@ def local_paths(config: str = "", *, client: str, socket: str = "", slot: int = 
     sel = Selection.parse(options)
     lake = Lake.open(sel.locator)
     store = lake.cfg.lake.store
-    if store.scheme != "fs":
+    kind = store_class(store.scheme)
+    if not kind.is_local:
         raise ValueError(f"lake.store.scheme is {store.scheme!r}: the files are not on a local "
                          'path; read them with spark.read.format("quiver")')
     rows, _ = lake.query(sel, zone_maps=False)
-    root = Path(lake.store_options["root"])
-    return [str(root / row.object_key) for row in rows]
+    root = lake.store_options["root"]
+    return [str(kind.file_under(root, row.object_key)) for row in rows]
 
 
 def read_parquet(spark: Any, config: str = "", *, client: str, socket: str = "",

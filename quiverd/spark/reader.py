@@ -130,7 +130,7 @@ from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
 from quiverd.lake.schema_record import established_record
-from quiverd.lake.store_options import service_options
+from quiverd.lake.store import opendal_options
 from quiverd.lake.verified import corrupt_error, is_damage, open_verified
 from quiverd.spark.locator import Locator, resolve
 from quiverd.spark.objects import (
@@ -364,12 +364,8 @@ class Lake:
         """The lake of the daemon ``where`` names (a Locator, or a config file's path):
         read from the config, or asked of the daemon over its socket."""
         cfg = resolve(where if isinstance(where, Locator) else Locator(config=where)).cfg
-        store = cfg.lake.store
-        root = store.root
-        if store.scheme == "fs":
-            root = str(Path(root or DataDir(Path(cfg.data_dir)).objects).absolute())
         return cls(cfg=cfg, time_column=cfg.lake.time_column or INGESTED_AT,
-                   store_options=service_options(store, root))
+                   store_options=opendal_options(cfg.lake.store, data_dir=Path(cfg.data_dir)))
 
     def query(self, sel: Selection, *, zone_maps: bool, latest: bool = False
               ) -> tuple[list[FileRow], dict[str, list[ZoneMap]]]:

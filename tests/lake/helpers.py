@@ -26,8 +26,8 @@ from quiverd.lake.bundles import EXTRA_FIELDS
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import conform, normalize
 from quiverd.lake.model import INGESTED_AT, Coverage, FileRow, FileState
-from quiverd.lake.objects import ObjectStore
 from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, file_name
+from quiverd.lake.store import ObjectStore
 from quiverd.lake.tier import Tier
 
 LOG = logs.get("test")

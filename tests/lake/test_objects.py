@@ -28,8 +28,8 @@ from quiverd.kernel.errors import (
     StoreUnavailable,
     VerifyFailed,
 )
-from quiverd.lake import objects, store_options
-from quiverd.lake.objects import ObjectStore
+from quiverd.lake import store as store_options
+from quiverd.lake.store import ObjectStore, local, objects
 
 KEY = "client=c/slot=0/node/01J0000000000000000000000A.parquet"
 
@@ -99,7 +99,7 @@ async def test_objects_put_file_stat_read_and_crc_metadata(make_store: Callable[
     assert store.bytes_uploaded_total == 1 * MiB + 3 and store.retries_total == 0
     assert await store.stat("client=c/absent") is None
     if store.cfg.scheme == "fs":
-        assert store.uri(KEY) == (tmp_path / "data" / "objects" / KEY).as_uri()
+        assert store.uri(KEY) == f"file://{tmp_path}/data/objects/{KEY}"  # plain: client=c
     else:
         assert store.uri(KEY) == f"s3://{store.cfg.options['bucket']}/lake/{KEY}"
 
@@ -205,7 +205,7 @@ async def test_objects_verify_reads_back_without_user_metadata(tmp_path: Path) -
 @pytest.mark.asyncio
 async def test_objects_fs_without_xattrs_verifies_by_reading_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(objects, "_has_user_xattrs", lambda _: False)  # e.g. NFS
+    monkeypatch.setattr(local, "_has_user_xattrs", lambda _: False)  # e.g. NFS
     store = ObjectStore(StoreConfig(), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
     assert not store.keeps_user_metadata
     path, crc = sealed(tmp_path, 9 * MiB)

@@ -1,23 +1,23 @@
 """How quiverd talks OpenDAL: service options checked before use, errors classified.
 
 OpenDAL accepts unknown service options silently and its Python exceptions carry no
-HTTP status, so both are done here: ``service_options`` refuses what OpenDAL would
-ignore, with a did-you-mean hint; ``classify`` turns an exception into the kind the
-store retries on (throttled, server, timeout, connection), fails on (denied) or reports.
+HTTP status, so both are done here: ``checked_options`` refuses what OpenDAL would
+ignore, with a did-you-mean hint (what one service adds or requires beyond that is its
+store class's ``complete_options``, see ``quiverd.lake.store``); ``classify`` turns an
+exception into the kind the store retries on (throttled, server, timeout, connection),
+fails on (denied) or reports. Nothing here knows a scheme by name.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from pathlib import Path
 
 import opendal.exceptions as oe
 
 from quiverd.kernel.config import StoreConfig
 from quiverd.kernel.errors import ConfigError, ObjectExists, VerifyFailed
 
-FS_TMP_DIR = ".tmp"  # under the fs root: same filesystem, so the commit is a rename
 _STATUS = re.compile(r"status: (\d{3})\b")
 
 
@@ -74,8 +74,9 @@ def brief(exc: BaseException | None) -> str:
     return f"{first} (HTTP {match.group(1)})" if match and match.group(1) not in first else first
 
 
-def service_options(cfg: StoreConfig, root: str) -> dict[str, str]:
-    """OpenDAL's options for ``cfg``, checked here: OpenDAL accepts unknown keys silently."""
+def checked_options(cfg: StoreConfig) -> dict[str, str]:
+    """A copy of ``cfg.options``, checked against OpenDAL's typed config of the service
+    (which accepts unknown keys silently); ``root`` is refused (lake.store.root owns it)."""
     where = "lake.store.options"
     options = dict(cfg.options)
     if "root" in options:
@@ -92,21 +93,6 @@ def service_options(cfg: StoreConfig, root: str) -> dict[str, str]:
             raise ConfigError(where, f"{missing[0]} is missing: the {cfg.scheme} service "
                               "needs it", hint=f'add {missing[0]} = "..." under '
                               "[lake.store.options]")
-    if cfg.scheme == "s3":
-        if "bucket" not in options:  # also when opendal.config is not there to tell us
-            raise ConfigError(where, "bucket is missing: the s3 service needs it",
-                              hint='add bucket = "my-bucket" under [lake.store.options]')
-        if "region" not in options:
-            raise ConfigError(where, "region is missing: S3 signs requests for a region",
-                              hint='add region = "us-east-1" (MinIO and moto accept it)')
-        if ("access_key_id" in options) != ("secret_access_key" in options):
-            raise ConfigError(where, "access_key_id and secret_access_key go together")
-        # No surprise credentials: ~/.aws and AWS_* are read only when asked for.
-        options.setdefault("disable_config_load", "true")
-    if cfg.scheme == "fs":
-        options.setdefault("atomic_write_dir", str(Path(root, FS_TMP_DIR)))
-    if root:
-        options["root"] = root
     return options
 
 

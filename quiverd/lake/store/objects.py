@@ -1,13 +1,20 @@
 """The object store: any OpenDAL service, with bounded concurrency, timeouts and retries.
 
+``ObjectStore`` is the generic store (any scheme the table in ``quiverd.lake.store``
+does not name); a subclass says what one service does differently through the hooks
+below (``LocalStore`` for fs, ``S3Store`` for s3). ``ObjectStore(cfg, ...)`` builds the
+class the table names for ``cfg.scheme``, as ``open_store`` does. The store owns its
+root: only it (or, for code holding just a StoreConfig, its class) relates a root, a
+key, a URI and a location.
+
 What an upload leaves in the store (``put_file``):
 
     <root>/<key>                 the sealed local file's bytes, never overwritten
         user metadata            crc32c = "%08x"  (whole-file CRC-32C, when the service
                                  keeps user metadata: s3 does, fs does in user.* xattrs
                                  where the filesystem has them, memory does not)
-    <root>/.tmp/<name>.<rand>    fs only: OpenDAL's atomic_write_dir, renamed into place
-                                 on commit, so a reader never sees half an object
+    <root>/.tmp/<name>.<rand>    fs only (LocalStore): OpenDAL's atomic_write_dir, renamed
+                                 into place on commit, so a reader never sees half an object
 
 Upload protocol, per attempt: open a conditional writer (``if_not_exists``), stream the
 file in 8 MiB chunks read in a worker thread while computing its CRC-32C, check the local
@@ -30,12 +37,10 @@ from __future__ import annotations
 
 import builtins
 import errno
-import glob
-import os
 import random
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -43,26 +48,26 @@ import opendal
 import opendal.exceptions as oe
 from opendal.layers import TimeoutLayer
 
-from quiverd.kernel.config import MiB, StoreConfig
-from quiverd.kernel.crc import crc32c
-from quiverd.kernel.durable import fsync_dir, write_all
+from quiverd.kernel.config import StoreConfig
 from quiverd.kernel.errors import (
     ConfigError,
-    CorruptRecord,
     ObjectExists,
     StoreDenied,
     StoreMisconfigured,
     StoreUnavailable,
     VerifyFailed,
 )
-from quiverd.kernel.layout import DataDir, tmp_path
 from quiverd.kernel.logs import Logger
 from quiverd.lake.model import ObjectInfo
-from quiverd.lake.store_options import FS_TMP_DIR, brief, classify, service_options
+from quiverd.lake.store.names import FS_TMP_DIR, StoreNames
+from quiverd.lake.store.names import check_key as _check_key
+from quiverd.lake.store.options import brief, classify
+from quiverd.lake.store.transfer import CHUNK_BYTES, crc_of, receive, send
+
+__all__ = ["CHUNK_BYTES", "CRC_KEY", "FS_TMP_DIR", "ObjectStore"]
 
 T = TypeVar("T")
 
-CHUNK_BYTES = 8 * MiB  # one file read, one writer.write, one S3 part (>= the 5 MiB minimum)
 LIST_LIMIT = 100_000
 CRC_KEY = "crc32c"  # user metadata key of the whole-file CRC-32C, 8 lowercase hex digits
 PARQUET_TYPE = "application/vnd.apache.parquet"
@@ -71,17 +76,23 @@ KINDS = ("throttled", "server", "timeout", "connection", "denied", "verify", "ex
          "other")
 
 
-class ObjectStore:
-    """One OpenDAL operator behind quiverd's rules; share one per process and store."""
+class ObjectStore(StoreNames):
+    """One OpenDAL operator behind quiverd's rules; share one per process and store.
+    Its names (root, uri, location, local_path, ...) are StoreNames'."""
+
+    def __new__(cls, cfg: StoreConfig, **_: Any) -> ObjectStore:
+        if cls is ObjectStore:
+            # The scheme table lives in the package, which imports this module.
+            from quiverd.lake.store import store_class
+            cls = store_class(cfg.scheme)
+        return super().__new__(cls)
 
     def __init__(self, cfg: StoreConfig, *, data_dir: Path, log: Logger) -> None:
         self.cfg = cfg
         self.log = log
-        self.root = cfg.root or (str(DataDir(data_dir).objects) if cfg.scheme == "fs" else "")
-        if cfg.scheme == "fs":
-            self.root = str(Path(self.root).absolute())
-            Path(self.root, FS_TMP_DIR).mkdir(parents=True, exist_ok=True)
-        options = service_options(cfg, self.root)
+        self.root = self.resolve_root(cfg, data_dir)
+        self._prepare()
+        options = self.service_options(cfg, self.root)
         try:
             operator = opendal.AsyncOperator(cfg.scheme, **options)
         except oe.Unsupported as exc:  # a scheme this OpenDAL build does not have
@@ -95,9 +106,7 @@ class ObjectStore:
                                                io_timeout=self._timeout_s))
         cap = self._op.capability()
         self.conditional_create = cap.write_with_if_not_exists
-        # fs keeps user metadata in xattrs, which not every filesystem has (NFS, old tmpfs).
-        self.keeps_user_metadata = cap.write_with_user_metadata and (
-            cfg.scheme != "fs" or _has_user_xattrs(Path(self.root, FS_TMP_DIR)))
+        self.keeps_user_metadata = cap.write_with_user_metadata and self._metadata_kept()
         self._content_type = cap.write_with_content_type
         self._limiter = anyio.CapacityLimiter(cfg.max_concurrency)
         self._file_limiter = anyio.CapacityLimiter(cfg.max_concurrency)
@@ -106,15 +115,7 @@ class ObjectStore:
         self.retries_total = 0
         self.errors_total: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.bytes_uploaded_total = 0  # bytes of verified uploads
-        bucket = options.get("bucket") or options.get("container") or ""
-        self._uri_prefix = "/".join(p for p in (bucket, self.root.strip("/")) if p)
-
-    def uri(self, key: str) -> str:
-        """file:///abs/objects/<key> (percent-encoded), s3://<bucket>/<root>/<key>,
-        <scheme>://<root>/<key> (with the bucket or container first when there is one)."""
-        if self.cfg.scheme == "fs":
-            return (Path(self.root) / key).as_uri()
-        return f"{self.cfg.scheme}://" + "/".join(p for p in (self._uri_prefix, key) if p)
+        self._options = options
 
     async def put_file(self, key: str, path: Path, *, size: int, crc32c: int) -> None:
         """Upload a sealed local file as a new object, then verify it (see the module doc).
@@ -188,9 +189,7 @@ class ObjectStore:
                 await self._op.copy(source, target)
             except oe.NotFound:
                 raise _absent(self.uri(source)) from None
-            if self.cfg.scheme == "fs":
-                await anyio.to_thread.run_sync(_fsync_parents, Path(self.root), target,
-                                               limiter=self._file_limiter)
+            await self._committed(target)
 
         await self._retrying("copy", target, attempt)
 
@@ -214,7 +213,7 @@ class ObjectStore:
             out: builtins.list[ObjectInfo] = []
             async for entry in await self._op.list(prefix, recursive=True):
                 path = entry.path
-                if path.endswith("/") or (self.cfg.scheme == "fs" and _is_fs_tmp(path)):
+                if path.endswith("/") or self._hidden(path):
                     continue
                 meta = entry.metadata
                 out.append(ObjectInfo(key=path, size=meta.content_length,
@@ -226,13 +225,9 @@ class ObjectStore:
         return await self._retrying("list", prefix, attempt)
 
     async def stale_temp_files(self, older_than_ns: int, *, remove: bool) -> builtins.list[str]:
-        """fs only: upload temp files (OpenDAL's atomic_write_dir) a crash left behind,
-        last written before ``older_than_ns``; removed when ``remove``. Paths returned."""
-        if self.cfg.scheme != "fs":
-            return []
-        return await anyio.to_thread.run_sync(_stale_temps, Path(self.root, FS_TMP_DIR),
-                                              older_than_ns, remove,
-                                              limiter=self._file_limiter)
+        """Upload temp files a crash left behind, last written before ``older_than_ns``;
+        removed when ``remove``. Paths returned. Only fs has any (LocalStore)."""
+        return []
 
     async def probe(self, key: str) -> None:
         """Write, stat and delete a small object at ``key`` (``check-config --probe``):
@@ -251,6 +246,24 @@ class ObjectStore:
 
     async def close(self) -> None:
         """Nothing is held between operations: OpenDAL pools connections per operator."""
+
+    # -- hooks: what a service does differently (LocalStore) -------------------------------
+    def _prepare(self) -> None:
+        """Before the operator is built (LocalStore: its temp directory)."""
+
+    def _metadata_kept(self) -> bool:
+        """Does the service keep user metadata where OpenDAL says it can?"""
+        return True
+
+    def _hidden(self, key: str) -> bool:
+        """Is a listed path the store's own, not an object?"""
+        return False
+
+    async def _committed(self, key: str) -> None:
+        """After an object was committed (upload, copy): make it durable where needed."""
+
+    async def _discarded(self, key: str) -> None:
+        """After a failed upload's object was deleted: sweep what the writer left."""
 
     # -- one operation, retried -------------------------------------------------------------
     async def _retrying(self, op: str, key: str, attempt: Callable[[int], Awaitable[T]], *,
@@ -315,42 +328,16 @@ class ObjectStore:
 
     # -- attempts ----------------------------------------------------------------------------
     async def _upload(self, key: str, path: Path, size: int, expected_crc: int) -> None:
-        kwargs: dict[str, Any] = {}
+        write_args: dict[str, Any] = {}
         if self.conditional_create:
-            kwargs["if_not_exists"] = True
+            write_args["if_not_exists"] = True
         if self.keeps_user_metadata:
-            kwargs["user_metadata"] = {CRC_KEY: f"{expected_crc:08x}"}
+            write_args["user_metadata"] = {CRC_KEY: f"{expected_crc:08x}"}
         if self._content_type and key.endswith(".parquet"):
-            kwargs["content_type"] = PARQUET_TYPE
-        fd = await anyio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC,
-                                            limiter=self._file_limiter)
-        try:
-            # Not `async with`: leaving that block on an exception would commit a partial
-            # object. A writer dropped without close() commits nothing.
-            writer = await self._op.open(key, "wb", **kwargs)
-            sent, crc = 0, 0
-            while True:
-                # Read at most one byte past ``size``: a longer file is caught, not uploaded.
-                want = min(CHUNK_BYTES, size + 1 - sent)
-                chunk, crc = await anyio.to_thread.run_sync(
-                    _read_chunk, fd, sent, want, crc, limiter=self._file_limiter)
-                if not chunk:
-                    break
-                if sent + len(chunk) > size:
-                    raise CorruptRecord(str(path), size, f"longer than the {size} bytes sealed")
-                await writer.write(chunk)
-                sent += len(chunk)
-            if sent != size or crc != expected_crc:
-                raise CorruptRecord(str(path), sent, f"local file has {sent} bytes, CRC-32C "
-                                    f"{crc:08x}; sealed as {size} bytes, {expected_crc:08x}")
-            await writer.close()
-        finally:
-            os.close(fd)  # closing a regular file does not block
-        if self.cfg.scheme == "fs":
-            # OpenDAL's fs backend renames the tmp file into place but never fsyncs the
-            # directory: without this a power cut could lose an object already registered.
-            await anyio.to_thread.run_sync(_fsync_parents, Path(self.root), key,
-                                           limiter=self._file_limiter)
+            write_args["content_type"] = PARQUET_TYPE
+        await send(self._op, key, path, size=size, expected_crc=expected_crc,
+                   write_args=write_args, limiter=self._file_limiter)
+        await self._committed(key)
 
     async def _verify(self, key: str, size: int, expected_crc: int) -> None:
         meta = await self._stat(key)
@@ -359,7 +346,7 @@ class ObjectStore:
         if meta.content_length != size:
             raise VerifyFailed(f"{key!r}: {meta.content_length} bytes stored, {size} sent")
         stored = (meta.user_metadata or {}).get(CRC_KEY)
-        actual = stored if stored is not None else f"{await self._crc_of(key):08x}"
+        actual = stored if stored is not None else f"{await crc_of(self._op, key):08x}"
         if actual != f"{expected_crc:08x}":
             raise VerifyFailed(f"{key!r}: CRC-32C {actual} stored, {expected_crc:08x} sent")
 
@@ -370,16 +357,6 @@ class ObjectStore:
         except VerifyFailed:
             return False
         return True
-
-    async def _crc_of(self, key: str) -> int:
-        crc = 0
-        reader = await self._op.open(key, "rb")
-        try:
-            while chunk := await reader.read(CHUNK_BYTES):
-                crc = crc32c(chunk, crc)  # ~0.3 ms per chunk: not worth a thread hop
-        finally:
-            await reader.close()
-        return crc
 
     async def _stat(self, key: str) -> Any:
         try:
@@ -392,33 +369,9 @@ class ObjectStore:
         meta = await self._stat(key)
         if meta is None:
             raise _absent(self.uri(key))
-        stored = (meta.user_metadata or {}).get(CRC_KEY)
-        tmp = tmp_path(path)
-        fd = await anyio.to_thread.run_sync(_create, tmp, limiter=self._file_limiter)
-        owned = True
-        try:
-            got, crc = 0, 0
-            reader = await self._op.open(key, "rb")
-            try:
-                while chunk := await reader.read(CHUNK_BYTES):
-                    crc = await anyio.to_thread.run_sync(_write_chunk, fd, chunk, crc,
-                                                         limiter=self._file_limiter)
-                    got += len(chunk)
-            finally:
-                await reader.close()
-            if got != meta.content_length or (stored is not None and stored != f"{crc:08x}"):
-                raise VerifyFailed(f"{key!r}: read {got} bytes, CRC-32C {crc:08x}; the store "
-                                   f"says {meta.content_length} bytes, {stored}")
-            owned = False  # _commit_download closes it
-            await anyio.to_thread.run_sync(_commit_download, fd, tmp, path,
-                                           limiter=self._file_limiter)
-        except BaseException:
-            # Inline, not in a thread: this must run even when we are being cancelled,
-            # and close + unlink of one local file do not wait on anything.
-            if owned:
-                os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
+        await receive(self._op, key, path, size=meta.content_length,
+                      stored_crc=(meta.user_metadata or {}).get(CRC_KEY),
+                      limiter=self._file_limiter)
 
     async def _discard(self, key: str) -> None:
         """After a failed upload attempt: delete what may have been committed (bounded)."""
@@ -426,22 +379,9 @@ class ObjectStore:
             try:
                 async with self._limiter:
                     await self._op.delete(key)
-                if self.cfg.scheme == "fs":
-                    await anyio.to_thread.run_sync(_sweep_fs_tmp, Path(self.root), key,
-                                                   limiter=self._file_limiter)
+                await self._discarded(key)
             except Exception as exc:
                 self.log.warning("object_cleanup_failed", key=key, error=brief(exc))
-
-
-def _check_key(key: str) -> None:
-    parts = key.split("/")
-    if not key or any(p in ("", ".", "..") for p in parts) or parts[0] == FS_TMP_DIR:
-        raise ValueError(f"bad object key {key!r}: relative, '/'-separated, no empty, '.' "
-                         f"or '..' parts, not under {FS_TMP_DIR}/")
-
-
-def _is_fs_tmp(path: str) -> bool:
-    return path == FS_TMP_DIR or path.startswith(FS_TMP_DIR + "/")
 
 
 def _absent(uri: str) -> FileNotFoundError:
@@ -455,74 +395,3 @@ def _ns(when: datetime | None) -> int:
         when = when.replace(tzinfo=UTC)
     delta = when - datetime(1970, 1, 1, tzinfo=UTC)
     return (delta.days * 86_400 + delta.seconds) * 10**9 + delta.microseconds * 1000
-
-
-# -- worker-thread helpers (blocking) ---------------------------------------------------------
-def _read_chunk(fd: int, offset: int, n: int, crc: int) -> tuple[bytes, int]:
-    chunk = os.pread(fd, n, offset)
-    return chunk, crc32c(chunk, crc)
-
-
-def _create(path: Path) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)  # FileNotFoundError means: no object
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-
-
-def _write_chunk(fd: int, chunk: bytes, crc: int) -> int:
-    write_all(fd, [chunk])
-    return crc32c(chunk, crc)
-
-
-def _commit_download(fd: int, tmp: Path, path: Path) -> None:
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
-
-
-def _fsync_parents(root: Path, key: str) -> None:
-    """fsync every directory from the object's parent up to the root (new ones included)."""
-    parent = PurePosixPath(key).parent
-    while True:
-        fsync_dir(root / parent)
-        if parent == PurePosixPath("."):
-            return
-        parent = parent.parent
-
-
-def _has_user_xattrs(directory: Path) -> bool:
-    probe = directory / f"xattr-probe-{os.getpid()}"
-    try:
-        probe.touch()
-        os.setxattr(probe, "user.quiverd-probe", b"1")
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-
-
-def _sweep_fs_tmp(root: Path, key: str) -> None:
-    """Remove the tmp files a dropped fs writer left (OpenDAL names them <name>.<random>)."""
-    name = PurePosixPath(key).name
-    for entry in (root / FS_TMP_DIR).glob(f"{glob.escape(name)}.*"):
-        entry.unlink(missing_ok=True)
-
-
-def _stale_temps(directory: Path, older_than_ns: int, remove: bool) -> list[str]:
-    found: list[str] = []
-    try:
-        entries = list(directory.iterdir())
-    except FileNotFoundError:
-        return found
-    for path in entries:
-        try:
-            if path.is_file() and path.stat().st_mtime_ns < older_than_ns:
-                if remove:
-                    path.unlink()
-                found.append(str(path))
-        except FileNotFoundError:
-            continue  # an upload finished (renamed it) meanwhile
-    return found
