@@ -18,7 +18,7 @@ from quiverd.acks import format as ackfmt
 from quiverd.lake.bundles import CoverageCache, slot_table, time_column_of, with_extras
 from quiverd.lake.drift import conform, unify
 from quiverd.lake.model import INGESTED_AT
-from quiverd_actors.lake_files import OpenFile, Part, row_group
+from quiverd_actors.uploader.files import OpenFile, Part, row_group
 from tests.actors.test_uploader import delivery, registered, rows, running
 from tests.daemon.lake_helpers import uri_path
 from tests.lake.helpers import open_test_tier

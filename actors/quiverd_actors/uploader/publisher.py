@@ -44,7 +44,7 @@ from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import FileState
 from quiverd.lake.parquet import FileFacts
 from quiverd.lake.tier import Tier
-from quiverd_actors.lake_files import OpenFile, Sealed, Steps, file_row
+from quiverd_actors.uploader.files import OpenFile, Sealed, Steps, file_row
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import errno
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import anyio
 import pyarrow as pa
@@ -54,10 +56,10 @@ from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
 from quiverd.lake.tier import Tier
-from quiverd_actors.dispatcher import Dispatcher, Session
-from quiverd_actors.lake_files import FileKey, OpenFile, Part, Sealed, row_group
 from quiverd_actors.messages import LocalDelivery
-from quiverd_actors.publisher import Publisher, WatchedSteps
+from quiverd_actors.sessions import Session
+from quiverd_actors.uploader.files import FileKey, OpenFile, Part, Sealed, row_group
+from quiverd_actors.uploader.publisher import Publisher, WatchedSteps
 
 SUBSCRIBER = "uploader"
 MAX_OPEN_FILES = 128
@@ -67,8 +69,16 @@ PUBLISH_QUEUE = 8
 BundleKey = tuple[int, int, int]  # (shard, segment_seq, bundle_index)
 
 
+class FeedbackSink(Protocol):
+    """Where a shard's acks and nacks go: its dispatcher (``Dispatcher.feedback``), known
+    by this one method so the uploader does not import another actor."""
+
+    async def feedback(self, session: Session, segment_seq: int, bundle_index: int,
+                       outcome: int) -> None: ...
+
+
 class Uploader:
-    def __init__(self, tier: Tier, dispatchers: list[Dispatcher], session: Session, *,
+    def __init__(self, tier: Tier, dispatchers: Sequence[FeedbackSink], session: Session, *,
                  limiter: anyio.CapacityLimiter, log: Logger, metrics: Metrics,
                  health: LakeHealth, hook: Hook | None = None) -> None:
         lake = tier.cfg.lake
@@ -441,4 +451,5 @@ class Uploader:
         self.live.clear()
 
 
-__all__ = ["EXTRA_FIELDS", "INGESTED_AT", "SUBSCRIBER", "Uploader"]
+__all__ = ["EXTRA_FIELDS", "INGESTED_AT", "MAX_OPEN_FILES", "SUBSCRIBER", "FeedbackSink",
+           "Uploader"]
