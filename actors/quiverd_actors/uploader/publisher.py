@@ -59,7 +59,7 @@ class Publisher:
 
     async def publish(self, s: Sealed) -> bool:
         f, facts = s.file, s.facts
-        key = self.tier.object_key(f.client, f.slot, s.path.name)
+        key = self.tier.object_key(f.client, f.slot, s.path.name, f.hour)
         took = await self._upload(f, key, s.path, facts)
         if took is None:
             return False
