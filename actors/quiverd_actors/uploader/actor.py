@@ -188,7 +188,8 @@ class Uploader:
                       for slot in sorted(d.tables)
                       if d.bundle_index not in covered.get((slot, ""), ())
                       for column, hour, table in self._pieces(d, d.tables[slot])
-                      if d.bundle_index not in covered.get((slot, hour_dirs(hour)), ())]
+                      if not covered  # the usual case: nothing of the segment held yet
+                      or d.bundle_index not in covered.get((slot, hour_dirs(hour)), ())]
         except (pa.ArrowException, ValueError) as exc:
             self._refused(d, None, exc)
             await self._feedback(key, ackfmt.NACK)
