@@ -12,6 +12,23 @@ never one above, lazy imports (inside functions) included:
     net                            servers that feed the actors
     runtime                        wires shards and servers into the daemon
     cli                            the command line
+
+Inside quiverd_actors, actors do not import each other: an actor's module may import
+the modules of its own room (the ``uploader/`` package's modules among themselves; a
+helper module that is part of one actor, below) and the shared modules, never another
+actor's, lazy and TYPE_CHECKING imports included. Actors talk through streams and the
+shared types; where one calls another, it names a small Protocol (``FeedbackSink``).
+
+    shared (no actor's code)       messages (what crosses a boundary), sessions (Session,
+                                   OutgoingDelivery), feedback (a dispatcher's inbox),
+                                   inbox (a shard's append inbox), segment_checks (CRC
+                                   bookkeeping shared by dispatcher and scrubber), retry
+                                   (pacing), retention_gate (gc_sweeper -> wal_writer)
+    helpers in an actor's room     ranges -> dispatcher (reads its state for STREAM
+                                   connections), wal_threads -> wal_writer (its threads)
+    actors (one room each)         ack_logger, dispatcher, finalizer, gc_sweeper, indexer,
+                                   janitor, scrubber, segment_builder, uploader (package),
+                                   wal_writer
 """
 
 from __future__ import annotations
@@ -62,6 +79,24 @@ def _source_of(module: str) -> Path:
     return base.joinpath(*module.split(".")).with_suffix(".py")
 
 
+def _is_module(module: str) -> bool:
+    source = _source_of(module)
+    return source.exists() or source.with_suffix("").joinpath("__init__.py").exists()
+
+
+def _absolute(path: Path, module: str | None, level: int) -> str:
+    """The absolute name of ``from <dots><module> import ...`` written in ``path``."""
+    if level == 0:
+        return module or ""
+    if not (path.is_relative_to(ROOT / "quiverd") or path.is_relative_to(ROOT / "actors")):
+        return ""  # a file outside the packages (a test's planted source): none of ours
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package.pop()
+    package = package[:len(package) - (level - 1)]
+    return ".".join([*package, module] if module else package)
+
+
 def _group(module: str) -> str:
     best = ""
     for prefix in RANKS:
@@ -77,11 +112,14 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(path, node.module, node.level)
+            if not base:
+                continue
+            found.append((node.lineno, base))
             # ``from quiverd.wal import replay``: the submodule is what is used.
-            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
-                      if _source_of(f"{node.module}.{a.name}").exists()]
+            found += [(node.lineno, f"{base}.{a.name}") for a in node.names
+                      if _is_module(f"{base}.{a.name}")]
     return [(n, m) for n, m in found if m.split(".")[0] in ("quiverd", "quiverd_actors")]
 
 
@@ -99,6 +137,65 @@ def test_layers_no_import_points_upward() -> None:
                 violations.append(f"{path.relative_to(ROOT)}:{line}: format package {me} "
                                   f"imports its peer {target}")
     assert not violations, "\n".join(violations)
+
+
+SHARED_ACTOR_MODULES = {"messages", "sessions", "feedback", "inbox", "segment_checks", "retry",
+                        "retention_gate"}
+ACTOR_HELPERS = {"ranges": "dispatcher", "wal_threads": "wal_writer"}  # module -> its room
+
+
+def _room(module: str) -> str | None:
+    """The actor room a quiverd_actors module belongs to; None for a shared module (or
+    the package itself, or anything outside quiverd_actors)."""
+    parts = module.split(".")
+    if parts[0] != "quiverd_actors" or len(parts) == 1 or parts[1] in SHARED_ACTOR_MODULES:
+        return None
+    return ACTOR_HELPERS.get(parts[1], parts[1])
+
+
+def _actor_violations(paths: list[Path]) -> list[str]:
+    violations = []
+    for path in paths:
+        me = _module_name(path)
+        for line, target in _imports(path):
+            theirs = _room(target)
+            if theirs is not None and theirs != _room(me):
+                violations.append(f"{path.relative_to(ROOT)}:{line}: {me} imports {target} "
+                                  f"(the {theirs} actor's room)")
+    return violations
+
+
+def test_layers_actors_do_not_import_each_other() -> None:
+    actors = [p for p in _modules() if p.is_relative_to(ROOT / "actors")]
+    known = SHARED_ACTOR_MODULES | set(ACTOR_HELPERS)
+    for path in actors:  # every top-level module is shared, a helper, or an actor's room
+        name = _module_name(path).split(".")
+        assert len(name) == 1 or name[1] in known or _room(".".join(name)) == name[1]
+    assert not _actor_violations(actors), "\n".join(_actor_violations(actors))
+
+
+@pytest.mark.parametrize("planted", [
+    "from quiverd_actors.dispatcher import Session\n",
+    "def f():\n    from quiverd_actors.finalizer import run\n    return run\n",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+    "    from quiverd_actors import janitor\n",
+    "from .. import dispatcher\n",
+    "from ..scrubber import run\n",
+])
+def test_layers_actor_rule_catches_a_planted_import(planted: str) -> None:
+    """The rule can fail: an uploader module importing another actor, however spelled, is
+    reported; one importing its own room or a shared module is not. The planted module
+    is written into the real package tree (then removed) so relative imports resolve."""
+    planted_at = ROOT / "actors" / "quiverd_actors" / "uploader" / "_planted_for_test.py"
+    try:
+        planted_at.write_text(planted)
+        assert _actor_violations([planted_at]), planted
+        planted_at.write_text("from quiverd_actors.uploader.files import OpenFile\n"
+                              "from . import publisher\nfrom ..messages import LocalDelivery\n"
+                              "from quiverd_actors.sessions import Session\n")
+        assert not _actor_violations([planted_at])
+    finally:
+        planted_at.unlink()
 
 
 def test_layers_check_sees_lazy_imports(tmp_path: Path) -> None:

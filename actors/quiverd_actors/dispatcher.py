@@ -36,14 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
-import msgspec
 import pyarrow as pa
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectSendStream
 
 from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
-from quiverd.kernel.bundle import Buffer
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.jobs import Verdict
@@ -55,57 +53,13 @@ from quiverd.segments.reader import SegmentReader
 from quiverd.segments.table import SegmentView, StagedRef
 from quiverd_actors.feedback import FeedbackInbox, Outcome, OutcomeBatch
 from quiverd_actors.messages import AckLogRequest, Feedback, LocalDelivery, RecordOutcome
-from quiverd_actors.scrubber import SegmentChecks
+from quiverd_actors.segment_checks import SegmentChecks
+from quiverd_actors.sessions import OutgoingDelivery, Session
 
 BACKOFF_BASE_S = 0.1
 BACKOFF_MAX_S = 30.0
 MAX_OPEN_READERS = 8
 READ_BATCH = 64
-
-
-class OutgoingDelivery(msgspec.Struct, frozen=True, kw_only=True):
-    """One DELIVERY frame ready for a subscriber's socket: ``parts`` go out in order
-    with sendmsg; large payload pieces are views of the mapped segment file (the
-    mapping stays alive as long as they do, even after the reader is closed)."""
-
-    shard: int
-    segment_seq: int
-    bundle_index: int
-    parts: tuple[Buffer, ...]
-
-
-@dataclass(eq=False)
-class Session:
-    """One consumer connection attached as subscriber ``name`` (shared by all shards)."""
-
-    name: str
-    window: int
-    # buffer == window: send_nowait never blocks. A socket session gets encoded
-    # DELIVERY frames; an in-process one (``local``, the uploader) LocalDelivery tables.
-    deliveries: (MemoryObjectSendStream[OutgoingDelivery]
-                 | MemoryObjectSendStream[LocalDelivery])
-    local: bool = False
-    unacked: int = 0
-    closed: bool = False
-    ended: str = ""  # why the daemon ended this session (e.g. the subscriber was removed)
-    scope: anyio.CancelScope | None = None  # the connection's, cancelled by ``end``
-    # Every attached shard's Changes: the window is shared, so room freed by an ack
-    # on one shard must wake the dispatchers of all shards.
-    wakers: list[Changes] = field(default_factory=list)
-
-    def room_freed(self) -> None:
-        for changes in self.wakers:
-            changes.notify()
-
-    def end(self, reason: str) -> None:
-        if not self.ended:
-            self.ended = reason
-            if self.scope is not None:
-                self.scope.cancel()
-
-    @property
-    def room(self) -> int:
-        return 0 if self.closed else self.window - self.unacked
 
 
 @dataclass

@@ -25,7 +25,7 @@ from quiverd.kernel.reply import Reply
 from quiverd_actors.messages import Feedback, RecordOutcome, RecordOutcomes
 
 if TYPE_CHECKING:
-    from quiverd_actors.dispatcher import Session
+    from quiverd_actors.sessions import Session
 
 # Outcomes queued before a sender waits: a subscriber can hold at most its window
 # (<= 4096) in flight, so a well-behaved one never waits on a pass.

@@ -30,7 +30,7 @@ from quiverd.segments.open_segment import OpenSegment
 from quiverd.segments.table import SegmentInfo
 
 if TYPE_CHECKING:
-    from quiverd_actors.dispatcher import Session
+    from quiverd_actors.sessions import Session
 
 ProducerReply = Ack | Error
 

@@ -1,7 +1,11 @@
-"""Compaction: many small registered files of one (client, slot, shard) -> one larger file.
+"""Compaction: many small registered files of one (client, slot, shard, hour) -> one larger
+file, under the same hour's key.
 
     catalog: this source's Registered files < small_file_bytes
-        │ group by (client, slot, shard); groups of >= min_files, oldest first (start_ts)
+        │ group by (client, slot, shard, hour partition of the object key): files of
+        │ different hours never merge (a file never spans two hours, lake.partitions);
+        │ keys of the layout before hours are left as they are (their hours are unknown)
+        │ groups of >= min_files, oldest first (start_ts)
         ▼ split into tasks: <= max_files, <= memory_limit_bytes of Arrow bytes,
     task    about lake.file_size_bytes of Parquet out
         │ fetch   local copy hard-linked, else downloaded   staging/active/<input name>
@@ -9,7 +13,8 @@
         │         new output (runs of one file are left alone)
         │ write   read, conform, append (row groups of ~row_group_bytes), close,
         │         rename Active -> Stable, fsync            staging/stable/<new name>
-        │ upload  put_file (conditional create + verify)    client=<c>/slot=<s>/<node>/<new name>
+        │ upload  put_file (conditional create + verify)    client=<c>/slot=<s>/date=<d>/
+        │                                                   hour=<h>/<new name>
         ▼ replace catalog.replace(old ids, new row): one transaction; the new row is
                   MetaRegistered and takes the inputs' coverage, the inputs become Compacted
 
@@ -51,6 +56,7 @@ from quiverd.lake.catalog import ReplaceConflict
 from quiverd.lake.drift import conform, normalize, unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, crc32c_file, file_name
+from quiverd.lake.partitions import key_partition, parse_object_key
 from quiverd.lake.tier import Tier
 from quiverd.lake.verified import read_verified
 
@@ -61,7 +67,7 @@ REPLACE_RETRY_S = 0.5  # doubled per attempt
 FAILURES = (LakeError, OSError, ValueError, pa.ArrowException)
 
 Outcome = Literal["planned", "compacted", "conflict", "failed"]
-GroupKey = tuple[str, int, int]  # (client, slot, shard)
+GroupKey = tuple[str, int, int, str]  # (client, slot, shard, hour partition of the key)
 
 
 class CompactionResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,8 +119,9 @@ def plan(rows: list[FileRow], lake: LakeConfig) -> list[Task]:
     comp = lake.compaction
     groups: dict[GroupKey, list[FileRow]] = {}
     for row in rows:
-        if row.state in REGISTERED and row.compressed_size < comp.small_file_bytes:
-            groups.setdefault((row.client_name, row.slot, row.shard), []).append(row)
+        part = key_partition(row.object_key)
+        if row.state in REGISTERED and row.compressed_size < comp.small_file_bytes and part:
+            groups.setdefault((row.client_name, row.slot, row.shard, part), []).append(row)
     tasks: list[Task] = []
     for key, members in sorted(groups.items()):
         if len(members) < comp.min_files:
@@ -140,7 +147,7 @@ async def _run(tier: Tier, task: Task, limiter: anyio.CapacityLimiter, log: Logg
                ) -> list[CompactionResult]:
     """Fetch the inputs once, then write one output per run of unifiable schemas."""
     started = anyio.current_time()
-    paths = [tier.data.staging_active / file_name(r.client_name, r.created_at, r.file_id,
+    paths = [tier.data.staging_active / file_name(tier.node_id, r.created_at, r.file_id,
                                                   "active") for r in task.rows]
     try:
         try:
@@ -164,7 +171,7 @@ async def _run(tier: Tier, task: Task, limiter: anyio.CapacityLimiter, log: Logg
 
 
 def _failed(task: Task, exc: Exception, started: float, log: Logger) -> CompactionResult:
-    client, slot, shard = task.key
+    client, slot, shard, _ = task.key
     log.warning("lake_compaction_failed", client=client, slot=slot, shard=shard,
                 inputs=[r.file_id for r in task.rows], error=str(exc),
                 hint=getattr(exc, "hint", "") or None)
@@ -193,10 +200,12 @@ async def _merge(tier: Tier, task: Task, paths: list[Path], schema: pa.Schema,
                  limiter: anyio.CapacityLimiter, log: Logger) -> CompactionResult:
     started = anyio.current_time()
     lake = tier.cfg.lake
-    (client, slot, shard), rows = task.key, task.rows
+    (client, slot, shard, _), rows = task.key, task.rows
+    parsed = parse_object_key(rows[0].object_key)
+    assert parsed is not None and parsed.partitioned, rows[0].object_key  # plan() checked
     new_id, now = str(ULID()), time.time_ns()
-    active = tier.data.staging_active / file_name(client, now, new_id, "active")
-    stable = tier.data.staging_stable / file_name(client, now, new_id, "stable")
+    active = tier.data.staging_active / file_name(tier.node_id, now, new_id, "active")
+    stable = tier.data.staging_stable / file_name(tier.node_id, now, new_id, "stable")
     time_column = lake.time_column or INGESTED_AT
     if time_column not in schema.names:
         time_column = INGESTED_AT
@@ -210,7 +219,7 @@ async def _merge(tier: Tier, task: Task, paths: list[Path], schema: pa.Schema,
     facts = await anyio.to_thread.run_sync(
         _write, paths, schema, active, stable, settings, metadata, time_column,
         lake.row_group_bytes, limiter=limiter)
-    key = tier.object_key(client, slot, stable.name)
+    key = tier.object_key(client, slot, stable.name, parsed.hour)
     try:
         expected = sum(r.row_count for r in rows)
         if facts.rows != expected:

@@ -1,8 +1,10 @@
 """The janitor: reconcile this node's objects, the catalog's rows and the staging area.
 
     object store                                  catalog rows of this node
-    client=<c>/slot=<s>/<node_id>/<file name> ◀──▶ object_key, state, updated_at
-    (other nodes' keys are theirs: never read)
+    client=<c>/slot=<s>/date=<d>/hour=<h>/        ◀──▶ object_key, state, updated_at
+      <time>_<ulid>~<node_id>_stable.parquet
+    client=<c>/slot=<s>/<node_id>/<file name>     (keys before issue 20: still this node's)
+    (other nodes' objects are theirs: never judged; lake.partitions.is_node_key)
 
     finding                                        action
     object, no live row, older than grace_s ─────▶ orphan: object deleted
@@ -40,6 +42,7 @@ from ulid import ULID
 from quiverd.kernel.errors import LakeError
 from quiverd.lake.model import REGISTERED, UNFINISHED, FileRow, FileState, ObjectInfo
 from quiverd.lake.parquet import parse_file_name
+from quiverd.lake.partitions import is_node_key
 from quiverd.lake.tier import Tier
 
 NS_PER_S = 1_000_000_000
@@ -82,7 +85,7 @@ async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None
     # Rows first: an object that appears after this listing is young, hence kept.
     rows = await tier.catalog.list_files(node_id=tier.node_id, limit=LIST_LIMIT)
     listed = await tier.store.list("", limit=LIST_LIMIT)
-    objects = {o.key: o for o in listed if _is_node_key(o.key, tier.node_id)}
+    objects = {o.key: o for o in listed if is_node_key(o.key, tier.node_id)}
     report.rows_seen, report.objects_seen = len(rows), len(objects)
     report.truncated = len(rows) >= LIST_LIMIT or len(listed) >= LIST_LIMIT
 
@@ -118,13 +121,6 @@ async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None
                   upload_temps_removed=len(report.stale_upload_temps),
                   failures=len(report.failures), duration_ms=report.duration_ms)
     return report
-
-
-def _is_node_key(key: str, node_id: str) -> bool:
-    """``client=<c>/slot=<s>/<node_id>/<name>``: an object this node wrote."""
-    parts = key.split("/")
-    return (len(parts) == 4 and parts[0].startswith("client=")
-            and parts[1].startswith("slot=") and parts[2] == node_id and bool(parts[3]))
 
 
 def _is_live(row: FileRow, now_ns: int, delete_grace_ns: int) -> bool:
@@ -207,7 +203,7 @@ def _born_ns(obj: ObjectInfo) -> int | None:
     if parsed is None:
         return None
     try:
-        return ULID.from_str(parsed[2]).milliseconds * 1_000_000
+        return ULID.from_str(parsed.ulid).milliseconds * 1_000_000
     except ValueError:  # 26 valid characters, yet past the ULID range
         return None
 
@@ -244,7 +240,7 @@ def _clear_stale(dirs: Iterable[Path], live_ids: set[str], cutoff_ns: int,
             if not stat.S_ISREG(st.st_mode) or st.st_mtime_ns >= cutoff_ns:
                 continue
             parsed = parse_file_name(entry.name)
-            if parsed is not None and parsed[2] in live_ids:
+            if parsed is not None and parsed.ulid in live_ids:
                 continue
             if not dry_run:
                 _unlink(Path(entry.path))

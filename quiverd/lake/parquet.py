@@ -1,14 +1,22 @@
 """Active Parquet files: append conformed tables as row groups, close with facts, name
 files, read zone maps and bloom filter presence back from a footer.
 
-File names (design doc 001), parsed from the right because client names may hold '_':
+File names (design doc 001; the node id joined them with issue 20, the client left: the
+object key holds it):
 
-    {client}_{timestamp}_{ulid}_{status}.parquet
-     client     [A-Za-z0-9._-]{1,255}             (kernel.names.CLIENT_NAME_RULE)
+    {timestamp}_{ulid}~{node_id}_{status}.parquet        written since issue 20
+    {client}_{timestamp}_{ulid}_{status}.parquet         before: still parsed
      timestamp  YYYYMMDDTHHMMSS + 9 digits of ns + Z, UTC: 8 + 1 + 6 + 9 + 1 = 25 chars,
-                fixed width, so names of one client sort by time
+                fixed width, so names in one partition sort by time
      ulid       26 Crockford base32 chars         (the file_id)
+     node_id    [A-Za-z0-9._-]{1,64}              (kernel.names.NODE_ID)
+     client     [A-Za-z0-9._-]{1,255}             (kernel.names.CLIENT_NAME_RULE)
      status     active | stable
+
+Neither a client name nor a node id may hold '~', so a name with one is of the new
+grammar; in it the node id is what lies between '~' and the last '_' (node ids may hold
+'_', the status may not). Names start with a digit: Spark and Hadoop skip files whose
+names start with '_' or '.'.
 
 Layout of one file, as pyarrow's writer lays it out with ``ParquetSettings``:
 
@@ -39,7 +47,7 @@ import weakref
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, NamedTuple
 
 import msgspec
 import pyarrow as pa
@@ -47,7 +55,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from quiverd.kernel.crc import crc32c
-from quiverd.kernel.names import CLIENT_NAME_RULE, client_name_problem
+from quiverd.kernel.names import CLIENT_NAME_RULE, NODE_ID, node_id_problem
 from quiverd.lake.drift import schema_hash
 from quiverd.lake.model import ZoneMap
 from quiverd.lake.verified import corrupt_error, is_damage, open_verified
@@ -64,6 +72,10 @@ ULID_LEN = 26
 # than rows, so ``create`` uses min(row_group_rows, BLOOM_NDV_MAX).
 BLOOM_NDV_MAX = 1 << 20
 _NAME = re.compile(
+    rf"(?P<ts>\d{{8}}T\d{{15}}Z)_(?P<ulid>[0-9A-HJKMNP-TV-Z]{{{ULID_LEN}}})"
+    rf"~(?P<node>{NODE_ID.pattern})_(?P<status>active|stable)\.parquet"
+)
+_OLD_NAME = re.compile(
     rf"(?P<client>{CLIENT_NAME_RULE})_(?P<ts>\d{{8}}T\d{{15}}Z)"
     rf"_(?P<ulid>[0-9A-HJKMNP-TV-Z]{{{ULID_LEN}}})_(?P<status>active|stable)\.parquet"
 )
@@ -234,26 +246,41 @@ def bloom_columns(schema: pa.Schema, wanted: tuple[str, ...]) -> list[str]:
             if c in schema.names and not pa.types.is_nested(schema.field(c).type)]
 
 
-def file_name(client: str, ts_ns: int, file_id: str, status: Status) -> str:
-    """``{client}_{timestamp}_{ulid}_{status}.parquet`` for a file opened at ``ts_ns``."""
-    problem = client_name_problem(client)
+class FileName(NamedTuple):
+    """A lake file name read back: ``node_id`` set for the current grammar, ``client``
+    for names written before issue 20."""
+
+    ts: str
+    ulid: str
+    status: str
+    node_id: str | None
+    client: str | None
+
+
+def file_name(node_id: str, ts_ns: int, file_id: str, status: Status) -> str:
+    """``{timestamp}_{ulid}~{node_id}_{status}.parquet`` for a file node ``node_id``
+    opened at ``ts_ns``."""
+    problem = node_id_problem(node_id)
     if problem is not None:
         raise ValueError(problem)
     assert ts_ns >= 0 and status in ("active", "stable"), (ts_ns, status)
     seconds, ns = divmod(ts_ns, 10**9)
     stamp = datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%dT%H%M%S") + f"{ns:09d}Z"
     assert len(stamp) == TIMESTAMP_LEN, f"year out of range: {stamp}"
-    name = f"{client}_{stamp}_{file_id}_{status}{SUFFIX}"
+    name = f"{stamp}_{file_id}~{node_id}_{status}{SUFFIX}"
     assert parse_file_name(name) is not None, f"not a lake file name: {name!r}"
     return name
 
 
-def parse_file_name(name: str) -> tuple[str, str, str, str] | None:
-    """``(client, timestamp, ulid, status)`` of a lake file name, None for other names."""
+def parse_file_name(name: str) -> FileName | None:
+    """A lake file name (either grammar) read back; None for other names."""
     m = _NAME.fullmatch(name)
-    if m is None:
-        return None
-    return m["client"], m["ts"], m["ulid"], m["status"]
+    if m is not None:
+        return FileName(m["ts"], m["ulid"], m["status"], m["node"], None)
+    m = _OLD_NAME.fullmatch(name)
+    if m is not None:
+        return FileName(m["ts"], m["ulid"], m["status"], None, m["client"])
+    return None
 
 
 def crc32c_file(path: Path, chunk_bytes: int = 8 << 20) -> int:

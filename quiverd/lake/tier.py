@@ -11,8 +11,10 @@ new data directory, while a shared catalog outlives it. Coverage is keyed by sou
 id, so a wiped data directory on the same host can never find its new bundles
 "already uploaded" under an old directory's rows.
 
-Object keys: ``client=<client>/slot=<slot>/<node_id>/<file name>`` (the ``client=``
-prefix keeps a client called ``..`` a plain path component).
+Object keys: ``client=<client>/slot=<slot>/date=YYYY-MM-DD/hour=HH/<file name>``, the
+node id in the file name (``lake.partitions``, ``lake.parquet.file_name``; keys of the
+older ``client=<client>/slot=<slot>/<node_id>/<file name>`` layout stay valid). The
+``client=`` prefix keeps a client called ``..`` a plain path component.
 
 Startup (``recover``): rows this source left unfinished (Received .. Uploaded) are a
 crash's leftovers. Their bundles were never acked, so they will be delivered again:
@@ -41,6 +43,7 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import node_id_problem
 from quiverd.lake.catalog import Catalog, open_catalog
 from quiverd.lake.model import REGISTERED, UNFINISHED, FileRow, FileState
+from quiverd.lake.partitions import Hour, hour_dirs
 from quiverd.lake.store import ObjectStore, open_store, opendal_options
 
 
@@ -54,8 +57,9 @@ class Tier:
     source_id: str
     log: Logger
 
-    def object_key(self, client: str, slot: int, file_name: str) -> str:
-        return f"client={client}/slot={slot}/{self.node_id}/{file_name}"
+    def object_key(self, client: str, slot: int, file_name: str, hour: Hour) -> str:
+        """Where a file of partition ``hour`` (None: null partition) goes in the store."""
+        return f"client={client}/slot={slot}/{hour_dirs(hour)}/{file_name}"
 
     async def recover(self) -> int:
         """Abandon this source's unfinished files and clear staging; returns rows abandoned."""

@@ -61,6 +61,7 @@ from quiverd_actors.messages import (
     WalReleased,
 )
 from quiverd_actors.retention_gate import RetentionGate
+from quiverd_actors.segment_checks import SegmentChecks
 
 
 class Shard:
@@ -79,7 +80,7 @@ class Shard:
         self.gc_stats = GcMetrics(metrics, index)
         self.dispatch_stats = DispatchMetrics(metrics, index)
         self.scrub_stats = ScrubMetrics(metrics, index)
-        self.checks = scrubber.SegmentChecks()  # filled by recover()
+        self.checks = SegmentChecks()  # filled by recover()
         self.corrupt_entries = metrics.wal_corrupt_entries.labels(index)
         self.bundles_lost = metrics.bundles_lost.labels(index)
         # Filled by connections once per read batch; bounded upstream by their windows.
@@ -102,7 +103,7 @@ class Shard:
             recover_shard, self.index, self.layout, self.cfg, self.faults, self.log)
         self.recovered.ack_file.fault_hook = self.faults.get("acklog")
         self._table = SegmentTable(self.recovered.segments, listener=self.staging)
-        self.checks = scrubber.SegmentChecks(self.recovered.unverified)
+        self.checks = SegmentChecks(self.recovered.unverified)
         self.segments = self._table.view()
         self.corrupt_entries.inc(self.recovered.replay.get("corrupt_entries", 0))
         fs_bytes = await anyio.to_thread.run_sync(_filesystem_bytes, self.layout.dir)

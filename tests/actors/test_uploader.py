@@ -135,14 +135,14 @@ async def test_uploader_abandons_file_and_nacks_on_duplicate_coverage(
     async with open_test_tier(tmp_path, **ROTATE_AT_TWO) as tier, \
             running(tier) as (acks, uploader, tx):
         looked_up = anyio.Event()
-        covered = tier.catalog.covered
+        covered = tier.catalog.covered_parts
 
         async def covered_then_tell(*args: Any) -> Any:
             found = await covered(*args)
             looked_up.set()  # the uploader caches it before the test runs again
             return found
 
-        monkeypatch.setattr(tier.catalog, "covered", covered_then_tell)
+        monkeypatch.setattr(tier.catalog, "covered_parts", covered_then_tell)
         await tx.send(delivery(7, 0, {0: rows(2)}))  # caches "nothing held" for segment 7
         with anyio.fail_after(10):
             await looked_up.wait()

@@ -18,7 +18,8 @@ from quiverd.acks import format as ackfmt
 from quiverd.lake.bundles import CoverageCache, slot_table, time_column_of, with_extras
 from quiverd.lake.drift import conform, unify
 from quiverd.lake.model import INGESTED_AT
-from quiverd_actors.lake_files import OpenFile, Part, row_group
+from quiverd.lake.partitions import hour_of_ns
+from quiverd_actors.uploader.files import OpenFile, Part, row_group
 from tests.actors.test_uploader import delivery, registered, rows, running
 from tests.daemon.lake_helpers import uri_path
 from tests.lake.helpers import open_test_tier
@@ -34,8 +35,12 @@ async def eventually(done: Callable[[], bool]) -> None:
             await anyio.sleep(0.01)
 
 
+# (shard, client, slot, partition column, hour): test_uploader's deliveries' hour.
+KEY = (0, "app", 0, INGESTED_AT, hour_of_ns(1_700_000_000_000_000_000))
+
+
 def open_file() -> OpenFile:
-    return OpenFile(key=(0, "app", 0), file_id="f", path=Path("/nonexistent"),
+    return OpenFile(key=KEY, file_id="f", path=Path("/nonexistent"),
                     schema=pa.schema([]), opened_at=0.0, created_ns=0)
 
 
@@ -71,8 +76,8 @@ async def test_uploader_buffers_next_row_group_while_one_encodes(tmp_path: Path)
                               window_bundles=4096, file_duration_ms=3_600_000) as tier, \
             running(tier) as (acks, uploader, tx):
         await tx.send(delivery(1, 0, {0: rows(10)}))
-        await eventually(lambda: bool(uploader.files.get((0, "app", 0), open_file()).parts))
-        f = uploader.files[(0, "app", 0)]
+        await eventually(lambda: bool(uploader.files.get(KEY, open_file()).parts))
+        f = uploader.files[KEY]
         f.encoded_bytes, f.written_bytes = 1000, 100  # as after a first row group
         async with f.lock:  # "a row group is being encoded"
             for i in range(1, 5):

@@ -134,7 +134,8 @@ def test_lake_two_nodes_share_bucket_and_catalog(
     total.update(sent_b)
     rows = wait_for_lake(a, total)  # one catalog: either daemon sees every file
     assert {r.node_id for r in rows} == {"node-a", "node-b"}
-    assert {r.object_key.split("/")[2] for r in rows} == {"node-a", "node-b"}
+    assert {r.object_key.rsplit("~", 1)[1].rsplit("_", 1)[0] for r in rows} == {"node-a",
+                                                                                "node-b"}
     assert len({r.source_id for r in rows}) == 2
     for d, sent in ((a, sent_a), (b, sent_b)):
         mine = [r for r in rows if r.node_id == ("node-a" if d is a else "node-b")]

@@ -27,6 +27,7 @@ from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import conform, normalize
 from quiverd.lake.model import INGESTED_AT, Coverage, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, file_name
+from quiverd.lake.partitions import hour_of_ns
 from quiverd.lake.store import ObjectStore
 from quiverd.lake.tier import Tier
 
@@ -79,8 +80,8 @@ async def add_file(tier: Tier, table: pa.Table, *, client: str = "app", slot: in
     file_id = str(ULID())
     full = with_extras(table, ts_ns=ts_ns, segment=segment, bundle=bundle)
     schema = normalize(full.schema)
-    active = tier.data.staging_active / file_name(client, ts_ns, file_id, "active")
-    stable = tier.data.staging_stable / file_name(client, ts_ns, file_id, "stable")
+    active = tier.data.staging_active / file_name(tier.node_id, ts_ns, file_id, "active")
+    stable = tier.data.staging_stable / file_name(tier.node_id, ts_ns, file_id, "stable")
 
     def write() -> FileFacts:
         f = ActiveFile.create(active, schema, ParquetSettings(), metadata={
@@ -91,7 +92,7 @@ async def add_file(tier: Tier, table: pa.Table, *, client: str = "app", slot: in
         return facts
 
     facts = await anyio.to_thread.run_sync(write)
-    key = tier.object_key(client, slot, stable.name)
+    key = tier.object_key(client, slot, stable.name, hour_of_ns(ts_ns))
     await tier.store.put_file(key, stable, size=facts.compressed_size,
                               crc32c=facts.crc32c)
     if not keep_local:

@@ -22,6 +22,7 @@ from ulid import ULID
 from quiverd.kernel.config import CompactionConfig, LakeConfig, StoreConfig
 from quiverd.lake.compaction import CompactionResult, compact, plan
 from quiverd.lake.model import FileRow, FileState
+from quiverd.lake.partitions import key_partition
 from quiverd.lake.tier import Tier
 from quiverd_actors import uploader
 from tests.lake.helpers import LOG, add_file, open_test_tier
@@ -79,7 +80,9 @@ async def check_merged(tier: Tier, result: CompactionResult, rows: list[FileRow]
                                                       rows[-1].last_segment)
     assert new.bundle_count == len(rows)
     assert (new.start_ts, new.end_ts) == (rows[0].start_ts, rows[-1].end_ts)
-    assert new.object_key.startswith(f"client=app/slot=0/{tier.node_id}/")
+    assert new.object_key.startswith("client=app/slot=0/date=")  # the inputs' hour:
+    assert key_partition(new.object_key) == key_partition(rows[0].object_key) != ""
+    assert new.object_key.endswith(f"~{tier.node_id}_stable.parquet")
     assert new.local_path and await anyio.Path(new.local_path).exists()
 
     merged = await read_object(tier, new.object_key)

@@ -153,13 +153,13 @@ def test_crc32c_file_equals_one_shot_crc_when_read_in_small_chunks(tmp_path: Pat
     assert crc32c_file(path, chunk_bytes=1000) == expected == crc32c_file(path)
 
 
-@pytest.mark.parametrize("client", ["web", "my_client", "a_b_c.d-e", "_", "x" * 255])
-def test_file_name_round_trips_when_client_has_underscores(client: str) -> None:
+@pytest.mark.parametrize("node", ["web", "my_node", "a_b_c.d-e", "_", "x" * 64])
+def test_file_name_round_trips_when_node_id_has_underscores(node: str) -> None:
     file_id = str(ULID())
     ts_ns = 1_718_000_000_123_456_789
     for status in ("active", "stable"):
-        name = file_name(client, ts_ns, file_id, status)
-        assert parse_file_name(name) == (client, "20240610T061320123456789Z", file_id, status)
+        name = file_name(node, ts_ns, file_id, status)
+        assert parse_file_name(name) == ("20240610T061320123456789Z", file_id, status, node, None)
 
 
 def test_file_name_sorts_by_time_when_client_is_same() -> None:

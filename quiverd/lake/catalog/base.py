@@ -265,6 +265,14 @@ class Catalog(abc.ABC):
         """slot -> bundle indexes of that segment held by files in REGISTERED states."""
 
     @abc.abstractmethod
+    async def covered_parts(self, source_id: str, shard: int, segment_seq: int
+                            ) -> dict[tuple[int, str], set[int]]:
+        """(slot, hour partition) -> bundle indexes of that segment held by files in
+        REGISTERED states. The partition is the file key's ``date=../hour=..`` (a slot of
+        a bundle spanning hours is held by one file per hour); "" for a key of the
+        layout before hours, whose file holds the whole slot (``lake.partitions``)."""
+
+    @abc.abstractmethod
     async def get(self, file_id: str) -> FileRow | None:
         """The row, or None."""
 

@@ -146,7 +146,7 @@ class PostgresCatalog(Catalog):
                 return False
             candidates = await conn.fetch(sql.numbered(sql.OVERLAP_CANDIDATES),
                                           *sql.overlap_args(row, coverage))
-            clash = sql.overlapping_files(coverage, candidates)
+            clash = sql.overlapping_files(coverage, candidates, row.object_key)
             if clash:
                 raise DuplicateCoverage(row.file_id, clash)
             if await conn.execute(sql.numbered(sql.UPSERT_REGISTERED), *values) == "INSERT 0 0":
@@ -162,6 +162,10 @@ class PostgresCatalog(Catalog):
         for r in await self._fetch(sql.COVERED, source_id, shard, segment_seq):
             out.setdefault(r["slot"], set()).update(decode_indexes(r["bundle_indexes"]))
         return out
+
+    async def covered_parts(self, source_id: str, shard: int, segment_seq: int
+                            ) -> dict[tuple[int, str], set[int]]:
+        return sql.covered_parts(await self._fetch(sql.COVERED, source_id, shard, segment_seq))
 
     async def get(self, file_id: str) -> FileRow | None:
         rows = await self._fetch(sql.SELECT_FILES + " WHERE file_id = ?", file_id)

@@ -25,6 +25,7 @@ from quiverd.lake.model import (
     decode_indexes,
     encode_indexes,
 )
+from quiverd.lake.partitions import key_partition, same_partition
 
 CHUNK_IDS = 500  # ids per IN (...) list: SQLite allows 32766 parameters, PostgreSQL 65535
 
@@ -103,12 +104,13 @@ INSERT_COVERAGE = ("INSERT INTO coverage (file_id, source_id, shard, slot, segme
                    "bundle_indexes) VALUES (?, ?, ?, ?, ?, ?)")
 # Coverage of other registered files in the segment range of a new file (same slot).
 OVERLAP_CANDIDATES = (
-    "SELECT c.file_id, c.segment_seq, c.bundle_indexes FROM coverage c "
+    "SELECT c.file_id, c.segment_seq, c.bundle_indexes, f.object_key FROM coverage c "
     "JOIN files f ON f.file_id = c.file_id "
     "WHERE c.source_id = ? AND c.shard = ? AND c.slot = ? AND c.segment_seq BETWEEN ? AND ? "
     f"AND c.file_id <> ? AND f.state IN {REGISTERED_SQL}"
 )
-COVERED = ("SELECT c.slot, c.bundle_indexes FROM coverage c JOIN files f ON f.file_id = c.file_id "
+COVERED = ("SELECT c.slot, c.bundle_indexes, f.object_key FROM coverage c "
+           "JOIN files f ON f.file_id = c.file_id "
            "WHERE c.source_id = ? AND c.shard = ? AND c.segment_seq = ? "
            f"AND f.state IN {REGISTERED_SQL}")
 FILE_STATE = "SELECT state FROM files WHERE file_id = ?"
@@ -190,13 +192,27 @@ def overlap_args(row: FileRow, coverage: Sequence[Coverage]) -> tuple[Any, ...]:
     return (row.source_id, row.shard, row.slot, min(seqs), max(seqs), row.file_id)
 
 
-def overlapping_files(coverage: Sequence[Coverage],
-                      candidates: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Other files (OVERLAP_CANDIDATES rows) holding any bundle of ``coverage``."""
+def overlapping_files(coverage: Sequence[Coverage], candidates: Iterable[Mapping[str, Any]],
+                      object_key: str = "") -> list[str]:
+    """Other files (OVERLAP_CANDIDATES rows) holding any bundle of ``coverage`` in the
+    same hour partition as ``object_key``: the uploader splits a bundle's slot that spans
+    hours into one file per hour (``lake.partitions``), each covering the bundle for its
+    hour; a key of the layout before hours covers the whole slot."""
     mine = {c.segment_seq: set(c.bundle_indexes) for c in coverage}
+    part = key_partition(object_key)
     return sorted({rec["file_id"] for rec in candidates
                    if mine.get(rec["segment_seq"], set()) & set(decode_indexes(
-                       rec["bundle_indexes"]))})
+                       rec["bundle_indexes"]))
+                   and same_partition(part, key_partition(rec["object_key"] or ""))})
+
+
+def covered_parts(records: Iterable[Mapping[str, Any]]) -> dict[tuple[int, str], set[int]]:
+    """COVERED rows as (slot, hour partition of the file: "" for a whole slot) -> bundles."""
+    out: dict[tuple[int, str], set[int]] = {}
+    for r in records:
+        part = (r["slot"], key_partition(r["object_key"] or ""))
+        out.setdefault(part, set()).update(decode_indexes(r["bundle_indexes"]))
+    return out
 
 
 def coverage_equal(coverage: Sequence[Coverage], recs: Iterable[Mapping[str, Any]]) -> bool:

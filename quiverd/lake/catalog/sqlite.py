@@ -100,6 +100,10 @@ class SqliteCatalog(Catalog):
     async def covered(self, source_id: str, shard: int, segment_seq: int) -> dict[int, set[int]]:
         return await self._call(self._read, _covered, source_id, shard, segment_seq)
 
+    async def covered_parts(self, source_id: str, shard: int, segment_seq: int
+                            ) -> dict[tuple[int, str], set[int]]:
+        return await self._call(self._read, _covered_parts, source_id, shard, segment_seq)
+
     async def get(self, file_id: str) -> FileRow | None:
         rows = await self._call(self._read, _select, sql.SELECT_FILES + " WHERE file_id = ?",
                                 [file_id])
@@ -274,7 +278,7 @@ def _register(conn: sqlite3.Connection, row: FileRow, coverage: list[Coverage],
         sql.check_repeat(row, state, coverage, stored)
         return False
     candidates = conn.execute(sql.OVERLAP_CANDIDATES, sql.overlap_args(row, coverage))
-    clash = sql.overlapping_files(coverage, candidates)
+    clash = sql.overlapping_files(coverage, candidates, row.object_key)
     if clash:
         raise DuplicateCoverage(row.file_id, clash)
     conn.execute(sql.UPSERT_REGISTERED, values)
@@ -289,6 +293,11 @@ def _covered(conn: sqlite3.Connection, source_id: str, shard: int,
     for r in conn.execute(sql.COVERED, (source_id, shard, segment_seq)):
         out.setdefault(r["slot"], set()).update(decode_indexes(r["bundle_indexes"]))
     return out
+
+
+def _covered_parts(conn: sqlite3.Connection, source_id: str, shard: int,
+                   segment_seq: int) -> dict[tuple[int, str], set[int]]:
+    return sql.covered_parts(conn.execute(sql.COVERED, (source_id, shard, segment_seq)))
 
 
 def _record_index(conn: sqlite3.Connection, file_id: str, maps: list[tuple[Any, ...]],

@@ -1,5 +1,10 @@
-"""What the uploader and its publisher share: the lake file being built, and ``Steps``,
-which moves a file through its lifecycle states.
+"""What the uploader and its publisher share: the lake file being built, the coverage
+cache, and ``Steps``, which moves a file through its lifecycle states.
+
+An open file is keyed by ``FileKey`` = (shard, client, slot, partition column, hour):
+its rows all fall in one hour of one partition column (``lake.partitions``), so its
+object key names that hour. A bundle's slot whose rows span hours is split into one
+piece per hour, each in its own file and covering the bundle for its hour only.
 
 A step is one catalog transition (retried until the catalog answers: an outage stalls
 the lake, never ingest), one log event ``lake_file_<state>`` with the file's id,
@@ -11,6 +16,7 @@ tests stop the process right after a step).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +34,14 @@ from quiverd.lake.bundles import EXTRA_NAMES, slot_table, with_bundle_columns
 from quiverd.lake.drift import conform
 from quiverd.lake.model import FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, FileFacts
+from quiverd.lake.partitions import Hour, hour_dirs
 from quiverd.lake.tier import Tier
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
-FileKey = tuple[int, str, int]  # (shard, client, slot)
+FileKey = tuple[int, str, int, str, Hour]  # (shard, client, slot, partition column, hour)
+SlotPart = tuple[int, str]  # (slot, hour partition: ``key_partition``; "" a whole slot)
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,44 @@ class OpenFile:
     @property
     def slot(self) -> int:
         return self.key[2]
+
+    @property
+    def hour(self) -> Hour:
+        return self.key[4]
+
+    @property
+    def part(self) -> str:
+        """Its object key's ``date=../hour=..``: what its coverage holds of each bundle."""
+        return hour_dirs(self.hour)
+
+
+class PartsCache:
+    """Which (slot, hour) pieces of a segment's bundles registered files already hold:
+    asked of the catalog once per (shard, segment), the ``limit`` most recent kept, and
+    kept true after each registration (a crash between registering and acking
+    redelivers)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.entries: OrderedDict[tuple[int, int], dict[SlotPart, set[int]]] = OrderedDict()
+
+    def get(self, shard: int, segment_seq: int) -> dict[SlotPart, set[int]] | None:
+        found = self.entries.get((shard, segment_seq))
+        if found is not None:
+            self.entries.move_to_end((shard, segment_seq))
+        return found
+
+    def put(self, shard: int, segment_seq: int, covered: dict[SlotPart, set[int]]) -> None:
+        self.entries[(shard, segment_seq)] = covered
+        while len(self.entries) > self.limit:
+            self.entries.popitem(last=False)
+
+    def remember(self, f: OpenFile) -> None:
+        """File ``f`` was registered: its pieces of its bundles are held."""
+        for seg, idx in f.bundles:
+            cached = self.entries.get((f.shard, seg))
+            if cached is not None:
+                cached.setdefault((f.slot, f.part), set()).add(idx)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Uploader: the built-in subscriber ``uploader``. Finalized bundles in, Parquet in the lake out.
 
-    dispatcher[n] ──LocalDelivery──▶ uploader ──▶ Active Parquet file per (shard, client, slot)
-         ▲                        │ rotate on size, time, schema change or window pressure
+    dispatcher[n] ──LocalDelivery──▶ uploader ──▶ Active Parquet file per (shard, client,
+         ▲                        │               slot, partition column, hour)
+         │                        │ rotate on size, time, schema change or window pressure
          │                        ▼
          │                Stable file ──▶ publisher: upload + verify ──▶ register (catalog)
-         └──── ack (Feedback, queued) once every slot's file of the bundle is registered
+         └──── ack (Feedback, queued) once every piece's file of the bundle is registered
 
 It is a subscriber like any other, so the shared ack.log decides when a segment may
 be deleted: a bundle stays on local disk until the files holding it are in the
@@ -21,6 +22,14 @@ of them has been taken into a file, every open file holding rows of the job is
 rotated (reason ``commit``) and published at once. Bundles still on their way are
 awaited first, so a job's rows are not cut into a file per delivery batch.
 
+A file never spans two hours (``lake.partitions``): each slot's table is split by hour
+of its partition column (``lake.time_column`` when the table has it as a timestamp,
+else the bundle's ingestion time, which is one hour), rows whose value is null form a
+piece of their own, and each piece goes to the open file of its hour; late rows for an
+old hour open a file for that hour (MAX_OPEN_FILES and the window still bound them).
+A bundle is acked once every piece's file is registered; each file covers the bundle
+for its hour, so a redelivery after a crash writes only the pieces not yet registered.
+
 Every row gets the bundle's ingestion time and id (``lake.bundles``), so the slots of
 a bundle rejoin across their files. Parquet encoding runs in worker threads
 (``limiter``), one hop per row group, while the file's next row group fills; files of
@@ -31,6 +40,8 @@ from __future__ import annotations
 
 import errno
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import anyio
 import pyarrow as pa
@@ -44,7 +55,6 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.bundles import (
     EXTRA_FIELDS,
-    CoverageCache,
     close_to_stable,
     time_column_of,
     with_extras,
@@ -53,11 +63,20 @@ from quiverd.lake.drift import normalize, unify
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
+from quiverd.lake.partitions import Hour, hour_dirs, hour_of_ns, partition_column, split_by_hour
 from quiverd.lake.tier import Tier
-from quiverd_actors.dispatcher import Dispatcher, Session
-from quiverd_actors.lake_files import FileKey, OpenFile, Part, Sealed, row_group
 from quiverd_actors.messages import LocalDelivery
-from quiverd_actors.publisher import Publisher, WatchedSteps
+from quiverd_actors.sessions import Session
+from quiverd_actors.uploader.files import (
+    FileKey,
+    OpenFile,
+    Part,
+    PartsCache,
+    Sealed,
+    SlotPart,
+    row_group,
+)
+from quiverd_actors.uploader.publisher import Publisher, WatchedSteps
 
 SUBSCRIBER = "uploader"
 MAX_OPEN_FILES = 128
@@ -67,8 +86,16 @@ PUBLISH_QUEUE = 8
 BundleKey = tuple[int, int, int]  # (shard, segment_seq, bundle_index)
 
 
+class FeedbackSink(Protocol):
+    """Where a shard's acks and nacks go: its dispatcher (``Dispatcher.feedback``), known
+    by this one method so the uploader does not import another actor."""
+
+    async def feedback(self, session: Session, segment_seq: int, bundle_index: int,
+                       outcome: int) -> None: ...
+
+
 class Uploader:
-    def __init__(self, tier: Tier, dispatchers: list[Dispatcher], session: Session, *,
+    def __init__(self, tier: Tier, dispatchers: Sequence[FeedbackSink], session: Session, *,
                  limiter: anyio.CapacityLimiter, log: Logger, metrics: Metrics,
                  health: LakeHealth, hook: Hook | None = None) -> None:
         lake = tier.cfg.lake
@@ -84,7 +111,7 @@ class Uploader:
         self.files: dict[FileKey, OpenFile] = {}
         self.live: set[OpenFile] = set()  # files with a writer open (aborted at exit)
         self.outstanding: dict[BundleKey, int] = {}  # slot files not yet registered
-        self.covered = CoverageCache(COVERAGE_CACHE)
+        self.covered = PartsCache(COVERAGE_CACHE)
         self.rushes: dict[str, set[BundleKey]] = {}  # job_id -> its bundles not taken yet
         self.intake: BundleKey | None = None  # the bundle ``_take`` is adding
         self.buffered = 0
@@ -153,34 +180,56 @@ class Uploader:
             await self._relieve_pressure()
 
     async def _take_slots(self, d: LocalDelivery, key: BundleKey) -> bool:
-        """Put the bundle's slots into their files; False when there was nothing to add."""
+        """Put the bundle's slots into their files, one piece per hour of the partition
+        column; False when there was nothing to add (every piece already registered)."""
         covered = await self._covered(d.shard, d.segment_seq)
-        todo = sorted(s for s in d.tables if d.bundle_index not in covered.get(s, ()))
-        if len(todo) < len(d.tables):
+        try:
+            pieces = [(slot, column, hour, table)
+                      for slot in sorted(d.tables)
+                      if d.bundle_index not in covered.get((slot, ""), ())
+                      for column, hour, table in self._pieces(d, d.tables[slot])
+                      if not covered  # the usual case: nothing of the segment held yet
+                      or d.bundle_index not in covered.get((slot, hour_dirs(hour)), ())]
+        except (pa.ArrowException, ValueError) as exc:
+            self._refused(d, None, exc)
+            await self._feedback(key, ackfmt.NACK)
+            return True
+        if not pieces or len({p[0] for p in pieces}) < len(d.tables):
             self.m.lake_bundles_skipped.labels().inc()
-        if not todo:
+        if not pieces:
             await self._feedback(key, ackfmt.ACK)
             return False
-        self.outstanding[key] = len(todo)
+        self.outstanding[key] = len(pieces)  # acked once every piece's file is registered
         self.m.lake_unacked.labels().set(len(self.outstanding))
-        for slot in todo:
+        for slot, column, hour, table in pieces:
             try:
-                await self._add(d, slot, d.tables[slot])
+                await self._add(d, (d.shard, d.client, slot, column, hour), table)
             except (pa.ArrowException, ValueError) as exc:
                 # A schema no Parquet file here can take (e.g. a column named twice):
                 # nack it; it comes back after a backoff and is reported each time.
-                self.m.lake_errors.labels("schema").inc()
-                self.log.error("lake_bundle_refused", shard=d.shard, segment_seq=d.segment_seq,
-                               bundle_index=d.bundle_index, client=d.client, slot=slot,
-                               error=f"{type(exc).__name__}: {exc}")
+                self._refused(d, slot, exc)
                 if self.outstanding.pop(key, None) is not None:
                     await self._feedback(key, ackfmt.NACK)
                 break
         return True
 
-    async def _add(self, d: LocalDelivery, slot: int, table: pa.Table) -> None:
-        nbytes = table.nbytes  # not free (it walks every buffer): once per slot
-        f = await self._file_for((d.shard, d.client, slot), table, nbytes)
+    def _pieces(self, d: LocalDelivery, table: pa.Table) -> list[tuple[str, Hour, pa.Table]]:
+        """The slot's rows by hour of its partition column (``lake.partitions``): one
+        piece unless they span hours. The ingestion time is the bundle's own, one hour."""
+        column = partition_column(table.schema, self.lake.time_column)
+        if column == INGESTED_AT or table.num_rows == 0:
+            return [(INGESTED_AT, hour_of_ns(d.ingestion_ts_ns), table)]
+        return [(column, hour, piece) for hour, piece in split_by_hour(table, column)]
+
+    def _refused(self, d: LocalDelivery, slot: int | None, exc: Exception) -> None:
+        self.m.lake_errors.labels("schema").inc()
+        self.log.error("lake_bundle_refused", shard=d.shard, segment_seq=d.segment_seq,
+                       bundle_index=d.bundle_index, client=d.client, slot=slot,
+                       error=f"{type(exc).__name__}: {exc}")
+
+    async def _add(self, d: LocalDelivery, fkey: FileKey, table: pa.Table) -> None:
+        nbytes = table.nbytes  # not free (it walks every buffer): once per piece
+        f = await self._file_for(fkey, table, nbytes)
         f.parts.append(Part(table=table, segment_seq=d.segment_seq,
                             bundle_index=d.bundle_index, ingestion_ts_ns=d.ingestion_ts_ns))
         f.bundles.append((d.segment_seq, d.bundle_index))
@@ -216,7 +265,7 @@ class Uploader:
     async def _open(self, fkey: FileKey, schema: pa.Schema) -> OpenFile:
         file_id = str(ULID())
         now_ns = time.time_ns()
-        name = file_name(fkey[1], now_ns, file_id, "active")
+        name = file_name(self.tier.node_id, now_ns, file_id, "active")
         f = OpenFile(key=fkey, file_id=file_id, path=self.tier.data.staging_active / name,
                      schema=schema, opened_at=anyio.current_time(), created_ns=now_ns)
         self.files[fkey] = f
@@ -331,8 +380,8 @@ class Uploader:
                 await self._fail(f, LakeError("rotated before its first row group"), "rotate")
                 return
             started = anyio.current_time()
-            stable = self.tier.data.staging_stable / file_name(f.client, f.created_ns,
-                                                               f.file_id, "stable")
+            stable = self.tier.data.staging_stable / file_name(
+                self.tier.node_id, f.created_ns, f.file_id, "stable")
             try:
                 facts = await anyio.to_thread.run_sync(close_to_stable, f.active, f.path,
                                                        stable, limiter=self.limiter)
@@ -390,7 +439,7 @@ class Uploader:
                 self._pending(-sealed.facts.compressed_size)
             if registered:
                 f = sealed.file
-                self.covered.remember(f.shard, f.slot, f.bundles)  # a redelivery may follow
+                self.covered.remember(f)  # a redelivery may follow
                 await self.steps.fault("registered")
                 await self._settle(sealed.file, ackfmt.ACK)
                 await self.steps.fault("acked")
@@ -426,10 +475,11 @@ class Uploader:
             pass  # shutting down: the bundle is delivered again after the restart
 
     # ---- catalog ------------------------------------------------------------------
-    async def _covered(self, shard: int, segment_seq: int) -> dict[int, set[int]]:
+    async def _covered(self, shard: int, segment_seq: int) -> dict[SlotPart, set[int]]:
         found = self.covered.get(shard, segment_seq)
         if found is None:
-            found = await self.steps.catalog(self.tier.catalog.covered, self.tier.source_id,
+            found = await self.steps.catalog(self.tier.catalog.covered_parts,
+                                             self.tier.source_id,
                                              shard, segment_seq)
             self.covered.put(shard, segment_seq, found)
         return found
@@ -441,4 +491,5 @@ class Uploader:
         self.live.clear()
 
 
-__all__ = ["EXTRA_FIELDS", "INGESTED_AT", "SUBSCRIBER", "Uploader"]
+__all__ = ["EXTRA_FIELDS", "INGESTED_AT", "MAX_OPEN_FILES", "SUBSCRIBER", "FeedbackSink",
+           "Uploader"]

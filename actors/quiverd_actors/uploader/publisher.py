@@ -44,7 +44,7 @@ from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import FileState
 from quiverd.lake.parquet import FileFacts
 from quiverd.lake.tier import Tier
-from quiverd_actors.lake_files import OpenFile, Sealed, Steps, file_row
+from quiverd_actors.uploader.files import OpenFile, Sealed, Steps, file_row
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -59,7 +59,7 @@ class Publisher:
 
     async def publish(self, s: Sealed) -> bool:
         f, facts = s.file, s.facts
-        key = self.tier.object_key(f.client, f.slot, s.path.name)
+        key = self.tier.object_key(f.client, f.slot, s.path.name, f.hour)
         took = await self._upload(f, key, s.path, facts)
         if took is None:
             return False
