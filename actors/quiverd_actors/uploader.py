@@ -49,7 +49,7 @@ from quiverd.lake.bundles import (
     time_column_of,
     with_extras,
 )
-from quiverd.lake.drift import normalize, unify
+from quiverd.lake.drift import micros_where_lossless, normalize, unify
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
@@ -179,6 +179,7 @@ class Uploader:
         return True
 
     async def _add(self, d: LocalDelivery, slot: int, table: pa.Table) -> None:
+        table = micros_where_lossless(table)  # ns -> us where exact (SPEC §6)
         nbytes = table.nbytes  # not free (it walks every buffer): once per slot
         f = await self._file_for((d.shard, d.client, slot), table, nbytes)
         f.parts.append(Part(table=table, segment_seq=d.segment_seq,
