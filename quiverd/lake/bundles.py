@@ -2,10 +2,19 @@
 
 Every row gets four columns, so the slots of one bundle (one file per slot) rejoin:
 
-    _quiver_ingested_at  timestamp[ns, UTC]  the bundle's ingestion time
-    _quiver_shard        uint16              ┐
-    _quiver_segment      uint64              ├ the bundle id (SPEC §5)
-    _quiver_bundle       uint32              ┘
+    _quiver_ingested_at  timestamp[us, UTC]  the bundle's ingestion time (ns // 1000)
+    _quiver_shard        int32               ┐
+    _quiver_segment      int64               ├ the bundle id (SPEC §5)
+    _quiver_bundle       int64               ┘
+
+Types every engine reads as they are (Spark, Iceberg, DuckDB): signed ints wide enough
+for the id's range (a shard fits 16 bits, a bundle index 32, a segment seq 63: the
+catalog stores it as a signed 64-bit int too; a seq of 2**63 or more is refused with
+ValueError, never wrapped), microseconds for the time. Files written before issue 20
+hold the *legacy* types (timestamp[ns, UTC], uint16, uint64, uint32): ``as_current``
+names their columns with the current types and ``upgrade`` casts their values (the
+ingestion time truncated to microseconds, the ids exactly), so readers and compaction
+present one schema across old and new files.
 
 Ingest refuses producer columns with the ``_quiver_`` prefix (SPEC §1); in a bundle
 stored before that rule, a producer column of the same name wins (it is left as sent).
@@ -29,11 +38,16 @@ from quiverd.lake.model import (
 )
 from quiverd.lake.parquet import ActiveFile, FileFacts
 
-EXTRA_FIELDS = (pa.field(INGESTED_AT, pa.timestamp("ns", tz="UTC")),
-                pa.field(SHARD_COLUMN, pa.uint16()),
-                pa.field(SEGMENT_COLUMN, pa.uint64()),
-                pa.field(BUNDLE_COLUMN, pa.uint32()))
+EXTRA_FIELDS = (pa.field(INGESTED_AT, pa.timestamp("us", tz="UTC")),
+                pa.field(SHARD_COLUMN, pa.int32()),
+                pa.field(SEGMENT_COLUMN, pa.int64()),
+                pa.field(BUNDLE_COLUMN, pa.int64()))
 EXTRA_NAMES = frozenset(f.name for f in EXTRA_FIELDS)
+# The same columns in files written before issue 20 (SPEC §6, "Lake file columns").
+LEGACY_TYPES = {INGESTED_AT: pa.timestamp("ns", tz="UTC"), SHARD_COLUMN: pa.uint16(),
+                SEGMENT_COLUMN: pa.uint64(), BUNDLE_COLUMN: pa.uint32()}
+MAX_SEGMENT_SEQ = 2**63 - 1  # int64's largest: the column's and the catalog's
+NS_PER_US = 1000
 
 
 def with_extras(schema: pa.Schema) -> pa.Schema:
@@ -45,16 +59,12 @@ def with_extras(schema: pa.Schema) -> pa.Schema:
 def slot_table(table: pa.Table, *, shard: int, segment_seq: int, bundle_index: int,
                ingestion_ts_ns: int) -> pa.Table:
     """One slot's table with the bundle columns added (worker thread)."""
+    _check_segment_seqs([segment_seq])
     n = table.num_rows
-    columns = {
-        INGESTED_AT: _constant(ingestion_ts_ns, n, pa.timestamp("ns", tz="UTC")),
-        SHARD_COLUMN: _constant(shard, n, pa.uint16()),
-        SEGMENT_COLUMN: _constant(segment_seq, n, pa.uint64()),
-        BUNDLE_COLUMN: _constant(bundle_index, n, pa.uint32()),
-    }
-    for name, column in columns.items():
-        if table.schema.get_field_index(name) < 0:
-            table = table.append_column(name, column)
+    for field, value in zip(EXTRA_FIELDS, (ingestion_ts_ns // NS_PER_US, shard, segment_seq,
+                                           bundle_index), strict=True):
+        if table.schema.get_field_index(field.name) < 0:
+            table = table.append_column(field, _constant(value, n, field.type))
     return table
 
 
@@ -64,12 +74,14 @@ def with_bundle_columns(table: pa.Table, rows: list[int], *, shard: int,
     """Many bundles' slots concatenated (``rows[k]`` rows of the k-th, one schema
     without any bundle column) with the bundle columns added for all of them at once:
     a few numpy repeats per row group instead of four arrays per bundle."""
+    _check_segment_seqs(segment_seqs)
     counts = np.asarray(rows, dtype=np.int64)
+    micros = np.asarray(ingestion_ts_ns, dtype=np.int64) // NS_PER_US
     columns: dict[str, np.ndarray] = {
-        INGESTED_AT: np.repeat(np.asarray(ingestion_ts_ns, dtype=np.int64), counts),
-        SHARD_COLUMN: np.full(int(counts.sum()), shard, dtype=np.uint16),
-        SEGMENT_COLUMN: np.repeat(np.asarray(segment_seqs, dtype=np.uint64), counts),
-        BUNDLE_COLUMN: np.repeat(np.asarray(bundle_indexes, dtype=np.uint32), counts),
+        INGESTED_AT: np.repeat(micros, counts),
+        SHARD_COLUMN: np.full(int(counts.sum()), shard, dtype=np.int32),
+        SEGMENT_COLUMN: np.repeat(np.asarray(segment_seqs, dtype=np.int64), counts),
+        BUNDLE_COLUMN: np.repeat(np.asarray(bundle_indexes, dtype=np.int64), counts),
     }
     for field in EXTRA_FIELDS:
         values = columns[field.name]
@@ -86,9 +98,39 @@ def _constant(value: int, n: int, type_: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(type_, n, [None, pa.py_buffer(values)])
 
 
-# numpy storage of the bundle columns' types (timestamp[ns] is an int64 array).
-_STORAGE = {pa.timestamp("ns").id: np.int64, pa.uint16().id: np.uint16,
-            pa.uint32().id: np.uint32, pa.uint64().id: np.uint64}
+# numpy storage of the bundle columns' types (timestamp[us] is an int64 array).
+_STORAGE = {pa.timestamp("us").id: np.int64, pa.int32().id: np.int32,
+            pa.int64().id: np.int64}
+
+
+def _check_segment_seqs(segment_seqs: list[int]) -> None:
+    """Refuse a segment seq the int64 column cannot hold (never reached: seqs count
+    segments from 1), rather than let numpy raise OverflowError or wrap it."""
+    if segment_seqs and not 0 <= max(segment_seqs) <= MAX_SEGMENT_SEQ:
+        raise ValueError(f"segment seq {max(segment_seqs)} does not fit the lake's int64 "
+                         f"{SEGMENT_COLUMN} column (at most {MAX_SEGMENT_SEQ})")
+
+
+def as_current(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with quiverd's columns of the legacy types (a file from before issue
+    20) named with the current ones; every other column as it is."""
+    if not any(schema.get_field_index(n) >= 0 for n in LEGACY_TYPES):
+        return schema
+    current = {f.name: f for f in EXTRA_FIELDS}
+    return pa.schema([current[f.name] if LEGACY_TYPES.get(f.name) == f.type else f
+                      for f in schema], metadata=schema.metadata)
+
+
+def upgrade(table: pa.Table) -> pa.Table:
+    """``table`` (a lake file's rows) with quiverd's columns of the legacy types cast to
+    the current ones: the ids exactly (a segment seq past int64 fails), the ingestion
+    time truncated to microseconds (the daemon's clock means no more)."""
+    for i, f in enumerate(table.schema):
+        if LEGACY_TYPES.get(f.name) == f.type:
+            new = next(x for x in EXTRA_FIELDS if x.name == f.name)
+            safe = f.name != INGESTED_AT
+            table = table.set_column(i, new, table.column(i).cast(new.type, safe=safe))
+    return table
 
 
 def time_column_of(schema: pa.Schema, wanted: str) -> str:

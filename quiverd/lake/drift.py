@@ -29,6 +29,16 @@ Rules, applied recursively to struct fields and list values:
     list + list        list of unified values (list + large_list: large_list)
     anything else      equal, or not unifiable (utf8 vs int64, timestamps of different tz)
 
+Nanoseconds. A producer's timestamp[ns] column (any time zone, top level or nested) is
+cast to timestamp[us] (same zone) by ``micros_where_lossless`` before its table meets
+the file's schema, when every value of that table's column is a whole microsecond (nulls
+do not count); otherwise the column stays ns, as sent, and the file holding it is not
+projected into Iceberg (``has_ns_timestamps``; Iceberg v2 and Spark have no ns). A table
+whose ns column stays ns, next to a file that took the column as us, unifies to ns: the
+uploader rotates a file whose first row group is written (its schema is frozen), as for
+any widening. Which columns to try is decided once per schema (cached); the check is
+Arrow's safe cast, one vectorised pass over each ns column, no Python per row.
+
 Metadata (schema and field level) is dropped: quiverd puts its own key-value metadata in
 the Parquet footer, and ``schema_hash`` must not depend on what a producer attached.
 A schema naming a column twice cannot be laid out by name: ``normalize`` and ``unify``
@@ -37,6 +47,7 @@ raise ValueError for it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -47,6 +58,7 @@ _SIGNED = {8: pa.int8(), 16: pa.int16(), 32: pa.int32(), 64: pa.int64()}
 _UNIT_RANK = {"s": 0, "ms": 1, "us": 2, "ns": 3}
 # Bumped if the canonical form below ever changes, so old and new hashes never collide.
 _HASH_VERSION = "quiverd.schema.v1"
+_SCHEMAS_CACHED = 256  # distinct table schemas whose ns columns are remembered
 
 TypePredicate = Callable[[pa.DataType], bool]
 
@@ -72,6 +84,28 @@ def conflict(current: pa.Schema, incoming: pa.Schema
         if seen is not None and _unify_top(seen, f.type) is None:
             return f.name, seen, f.type
     return None
+
+
+def micros_where_lossless(table: pa.Table) -> pa.Table:
+    """``table`` with each column holding timestamp[ns] cast to timestamp[us] (same time
+    zone, nested ones too) when no value loses precision; a column with a value that
+    is not a whole microsecond is left as it is (see the module doc)."""
+    targets = _micros_targets(table.schema)
+    for i, target in targets:
+        try:
+            cast = table.column(i).cast(target, safe=True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            continue  # a sub-microsecond value (or no cast kernel): the column stays ns
+        old = table.schema.field(i)
+        table = table.set_column(i, pa.field(old.name, target, old.nullable, old.metadata),
+                                 cast)
+    return table
+
+
+def has_ns_timestamps(schema: pa.Schema) -> bool:
+    """Does ``schema`` hold a timestamp[ns] anywhere (nested too)? A lake file that does
+    is read by quiverd but not projected into Iceberg (SPEC §6)."""
+    return any(_as_micros(f.type) is not None for f in schema)
 
 
 def normalize(schema: pa.Schema) -> pa.Schema:
@@ -236,6 +270,45 @@ def _check_unique(names: list[str], what: str) -> None:
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"{what} names repeat: {dupes}; a lake file needs unique names")
+
+
+@functools.lru_cache(maxsize=_SCHEMAS_CACHED)
+def _micros_targets(schema: pa.Schema) -> tuple[tuple[int, pa.DataType], ...]:
+    """(index, type with ns as us) of each column of ``schema`` holding ns: the
+    schema-only half of ``micros_where_lossless``, a pure function, so memoized."""
+    found = ((i, _as_micros(f.type)) for i, f in enumerate(schema))
+    return tuple((i, t) for i, t in found if t is not None)
+
+
+def _as_micros(t: pa.DataType) -> pa.DataType | None:
+    """``t`` with every timestamp[ns] in it as timestamp[us]; None when it has none."""
+    if pa.types.is_timestamp(t):
+        return pa.timestamp("us", tz=t.tz) if t.unit == "ns" else None
+    if pa.types.is_dictionary(t):
+        values = _as_micros(t.value_type)
+        return None if values is None else pa.dictionary(t.index_type, values, t.ordered)
+    if pa.types.is_struct(t):
+        fields = [t.field(i) for i in range(t.num_fields)]
+        changed = [_as_micros(f.type) for f in fields]
+        if all(c is None for c in changed):
+            return None
+        return pa.struct([f if c is None else f.with_type(c)
+                          for f, c in zip(fields, changed, strict=True)])
+    if pa.types.is_map(t):
+        key, item = _as_micros(t.key_type), _as_micros(t.item_type)
+        if key is None and item is None:
+            return None
+        return pa.map_(t.key_field.with_type(key or t.key_type),
+                       t.item_field.with_type(item or t.item_type), keys_sorted=t.keys_sorted)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        values = _as_micros(t.value_type)
+        if values is None:
+            return None
+        field = t.value_field.with_type(values)
+        if pa.types.is_fixed_size_list(t):
+            return pa.list_(field, t.list_size)
+        return pa.large_list(field) if pa.types.is_large_list(t) else pa.list_(field)
+    return None
 
 
 def _canonical_field(f: pa.Field) -> list[object]:

@@ -22,7 +22,7 @@ import enum
 
 import msgspec
 
-# Columns the uploader adds to every row: the bundle's ingestion time (timestamp ns UTC)
+# Columns the uploader adds to every row: the bundle's ingestion time (timestamp us UTC)
 # and its id, on which the slots of one bundle (one file each) rejoin.
 INGESTED_AT = "_quiver_ingested_at"
 SHARD_COLUMN = "_quiver_shard"

@@ -8,10 +8,15 @@ The daemon is named as for ``format("quiver")`` (quiverd/spark/locator.py): its 
 or its socket (the daemon says where its lake is), or neither (the defaults).
 
 ``read_parquet`` is ``spark.read.parquet(*local_paths(...))`` plus what Spark needs for
-quiverd's files: Spark refuses Parquet TIMESTAMP(NANOS) (``_quiver_ingested_at`` is
-one), so it reads them as longs (``spark.sql.legacy.parquet.nanosAsLong``) and turns
-them back into timestamps (microseconds, as Spark keeps them), and it merges the
-schemas of drifting files (``mergeSchema``).
+quiverd's files. Files written since issue 20 hold only types Spark reads as they are
+(``_quiver_ingested_at`` timestamp[us, UTC], signed ids): they are read with no option
+but ``mergeSchema`` (the schemas of drifting files). A file that still holds a
+TIMESTAMP(NANOS) column, which Spark refuses (one from before issue 20, whose
+``_quiver_ingested_at`` is ns, or with a producer's ns column kept as sent, SPEC §6), is
+read apart (one read per set of ns columns) with ``spark.sql.legacy.parquet.nanosAsLong``
+(set on the session only then), its ns columns turned back into timestamps (microseconds,
+as Spark keeps them) and its unsigned ids into today's types (uint64 would read as
+decimal(20,0)); the DataFrames are joined by column name (``unionByName``).
 
 Only for the ``fs`` object store (the files are on a path Spark can open); for S3 and
 other stores use ``spark.read.format("quiver")``, which reads through OpenDAL. What
@@ -28,6 +33,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from quiverd.lake.bundles import EXTRA_FIELDS
 from quiverd.lake.store import store_class
 from quiverd.spark.locator import Locator
 from quiverd.spark.reader import Lake, Selection
@@ -71,13 +77,34 @@ def read_parquet(spark: Any, config: str = "", *, client: str, socket: str = "",
         where = Locator(socket=socket, config=config)
         raise ValueError(f"no registered lake file for client {client!r} (slot {slot}) in "
                          f"the catalog of {where}")
-    nanos = {f.name for p in paths[:1] for f in pq.read_schema(p)
-             if pa.types.is_timestamp(f.type) and f.type.unit == "ns"}
-    spark.conf.set(NANOS_AS_LONG, "true")
     # Spark's reader skips page checksums unless told: damaged pages read as wrong values.
-    df = (spark.read.option("mergeSchema", "true").option(VERIFY_CHECKSUMS, "true")
-          .parquet(*paths))
-    for name in sorted(nanos):
-        # Integer division: a double would round 19-digit nanoseconds.
-        df = df.withColumn(name, F.timestamp_micros(F.expr(f"div(`{name}`, 1000)")))
-    return df
+    reader = spark.read.option("mergeSchema", "true").option(VERIFY_CHECKSUMS, "true")
+    groups: dict[frozenset[str], list[str]] = {}  # ns columns -> the files holding them
+    for p in paths:
+        groups.setdefault(ns_columns(pq.read_schema(p)), []).append(p)
+    frames = [reader.parquet(*groups.pop(frozenset()))] if frozenset() in groups else []
+    if groups:
+        spark.conf.set(NANOS_AS_LONG, "true")
+    for nanos, some in groups.items():
+        df = reader.parquet(*some)
+        for name in sorted(nanos):
+            # Integer division: a double would round 19-digit nanoseconds.
+            df = df.withColumn(name, F.timestamp_micros(F.expr(f"div(`{name}`, 1000)")))
+        for f in EXTRA_FIELDS:  # unsigned ids of a file from before issue 20
+            if f.name in df.columns:
+                df = df.withColumn(f.name, F.col(f.name).cast(_SPARK_TYPES[f.type]))
+        frames.append(df)
+    out = frames[0]
+    for df in frames[1:]:
+        out = out.unionByName(df, allowMissingColumns=True)
+    return out
+
+
+def ns_columns(schema: pa.Schema) -> frozenset[str]:
+    """Top-level TIMESTAMP(NANOS) columns of a file's schema: Spark refuses them."""
+    return frozenset(f.name for f in schema
+                     if pa.types.is_timestamp(f.type) and f.type.unit == "ns")
+
+
+_SPARK_TYPES = {pa.timestamp("us", tz="UTC"): "timestamp", pa.int32(): "int",
+                pa.int64(): "bigint"}

@@ -61,7 +61,10 @@ needs it (dropped before Spark sees the batch).
 Types as Spark sees them: dictionaries as their values, large strings/binaries as plain
 ones, uint8/16/32 as the next wider signed int, uint64 as decimal(20, 0), timestamps with
 a zone as TimestampType in UTC, without one as TimestampNTZType; Spark keeps microseconds,
-so nanoseconds are truncated (toward zero, as Arrow casts).
+so nanoseconds are truncated (toward zero, as Arrow casts). quiverd's own columns read
+as today's lake types (``_quiver_ingested_at`` timestamp, ``_quiver_shard`` int,
+``_quiver_segment`` and ``_quiver_bundle`` bigint) in files from before issue 20 too
+(legacy ns and unsigned ids: ``bundles.as_current`` names them, the safe cast converts).
 
 Pruning. Spark re-applies every filter (none is claimed: a file that may match still
 holds rows that do not), so pruning only decides which files are opened. Comparisons
@@ -125,7 +128,7 @@ from quiverd.kernel.config import Config
 from quiverd.kernel.errors import LakeFileCorrupt
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
-from quiverd.lake.bundles import with_extras
+from quiverd.lake.bundles import as_current, with_extras
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
@@ -429,11 +432,13 @@ class Lake:
         return schema
 
     def footer_schema(self, row: FileRow) -> pa.Schema:
-        """The Arrow schema of one file's footer (ranged reads at the object's tail)."""
+        """The Arrow schema of one file's footer (ranged reads at the object's tail),
+        quiverd's columns of a file from before issue 20 named with today's types."""
         part = self.partition(row)
         source = open_object(part)
         try:
-            return open_verified(source, file_id=row.file_id, uri=row.uri).schema_arrow
+            return as_current(open_verified(source, file_id=row.file_id,
+                                            uri=row.uri).schema_arrow)
         except opendal.exceptions.NotFound:
             raise missing_error(part) from None
         except LakeFileCorrupt as exc:

@@ -65,7 +65,7 @@ async def open_test_tier(root: Path, *, store: StoreConfig | None = None, dsn: s
 def with_extras(table: pa.Table, *, ts_ns: int, segment: int, bundle: int) -> pa.Table:
     """``table`` plus the uploader's four bundle columns (one bundle per file)."""
     n = table.num_rows
-    values = {INGESTED_AT: [ts_ns] * n, "_quiver_shard": [0] * n,
+    values = {INGESTED_AT: [ts_ns // 1000] * n, "_quiver_shard": [0] * n,  # us
               "_quiver_segment": [segment] * n, "_quiver_bundle": [bundle] * n}
     for f in EXTRA_FIELDS:
         table = table.append_column(f, pa.array(values[f.name], f.type))

@@ -63,7 +63,7 @@ async def run(tier: Tier, **kwargs: Any) -> list[CompactionResult]:
 
 async def six_files(tier: Tier, **kwargs: Any) -> tuple[list[FileRow], list[pa.Table]]:
     tables = [drifting(i) for i in range(6)]
-    rows = [await add_file(tier, t, segment=10 + i, ts_ns=1_000 + i, **kwargs)
+    rows = [await add_file(tier, t, segment=10 + i, ts_ns=1_000 * (1 + i), **kwargs)
             for i, t in enumerate(tables)]
     return rows, tables
 
@@ -212,7 +212,7 @@ async def test_compact_unmergeable_schema_splits_the_task(tmp_path: Path) -> Non
         tables = [drifting(0), drifting(1),
                   pa.table({"user": ["x", "y", "z"], "n": ["a", "b", "c"]}),  # n: string
                   drifting(3), drifting(4)]
-        rows = [await add_file(tier, t, segment=i, ts_ns=1_000 + i)
+        rows = [await add_file(tier, t, segment=i, ts_ns=1_000 * (1 + i))
                 for i, t in enumerate(tables)]
         results = await run(tier)
         assert [r.inputs for r in results] == sorted(

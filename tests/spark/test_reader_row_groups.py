@@ -47,7 +47,7 @@ def test_reader_skips_row_groups_by_footer_statistics(daemon_factory: Any, spark
     assert meta.num_row_groups == GROUPS
     # The 20th bundle's time range, from its row group's statistics.
     stats = meta.row_group(20).column(meta.schema.names.index(INGESTED_AT)).statistics
-    lo, hi = stats.min_raw, stats.max_raw
+    lo, hi = stats.min_raw * 1000, stats.max_raw * 1000  # stored µs, as ns
 
     def count(where: str, trace: Path, **options: Any) -> int:
         reader = (spark.read.format("quiver").option("config", str(d.config_path))

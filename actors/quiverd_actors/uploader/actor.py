@@ -59,7 +59,7 @@ from quiverd.lake.bundles import (
     time_column_of,
     with_extras,
 )
-from quiverd.lake.drift import normalize, unify
+from quiverd.lake.drift import micros_where_lossless, normalize, unify
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
@@ -216,6 +216,7 @@ class Uploader:
     def _pieces(self, d: LocalDelivery, table: pa.Table) -> list[tuple[str, Hour, pa.Table]]:
         """The slot's rows by hour of its partition column (``lake.partitions``): one
         piece unless they span hours. The ingestion time is the bundle's own, one hour."""
+        table = micros_where_lossless(table)  # ns -> us where exact (SPEC §6)
         column = partition_column(table.schema, self.lake.time_column)
         if column == INGESTED_AT or table.num_rows == 0:
             return [(INGESTED_AT, hour_of_ns(d.ingestion_ts_ns), table)]
