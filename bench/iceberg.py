@@ -103,8 +103,9 @@ def throughput(pool: Pool, volume: int, repeat: int, root: Path) -> dict[str, An
             print(f"  run {rep} projection {mode:3}: {up['mb_s']:6.1f} MB/s of Arrow IPC "
                   f"({up['files']} files, busy {up['busy_s']:.1f} s)", flush=True)
     best = {m: max(v) for m, v in runs.items()}
+    mean = {m: sum(v) / len(v) for m, v in runs.items()}
     return {"mb_s": runs, "ratio_best": best["on"] / best["off"],
-            "ratio_mean": (sum(runs["on"]) / len(runs["on"])) / (sum(runs["off"]) / len(runs["off"]))}
+            "ratio_mean": mean["on"] / mean["off"]}
 
 
 def steady_lag(pool: Pool, seconds: float, root: Path) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from typing import TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from quiverd.lake.iceberg import CommitResult, DataFileRef, Projection, table_name
 
 from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.config import IcebergConfig
@@ -45,7 +46,6 @@ from quiverd.kernel.errors import LakeError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
-from quiverd.lake.iceberg import CommitResult, DataFileRef, Projection, table_name
 from quiverd.lake.model import REGISTERED, FileRow
 from quiverd.lake.tier import Tier
 

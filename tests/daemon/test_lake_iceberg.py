@@ -14,7 +14,6 @@ import pyarrow as pa
 import pytest
 
 from quiverd.client import Client
-from tests.daemon.test_metrics import scrape, total
 from tests.daemon.iceberg_helpers import duckdb_count, load, scan, wait_projected
 from tests.daemon.lake_helpers import (
     FAST_LAKE,
@@ -26,6 +25,7 @@ from tests.daemon.lake_helpers import (
     uri_path,
     wait_for_lake,
 )
+from tests.daemon.test_metrics import scrape, total
 
 pytestmark = pytest.mark.timeout(240)
 FAST_ICEBERG = {**FAST_LAKE, "lake.iceberg.reconcile_interval_s": 1.0,
