@@ -35,7 +35,7 @@ from quiverd.kernel.errors import LakeError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.compaction import CompactionResult, compact
-from quiverd.lake.janitor import JanitorReport, sweep
+from quiverd.lake.janitor import Held, JanitorReport, sweep
 from quiverd.lake.scrub import Corrupt, ScrubReport, scrub_pass
 from quiverd.lake.tier import Tier
 
@@ -45,8 +45,11 @@ NS_PER_S = 1_000_000_000
 
 
 class Janitor:
-    def __init__(self, tier: Tier, *, log: Logger, metrics: Metrics) -> None:
+    def __init__(self, tier: Tier, *, log: Logger, metrics: Metrics, held: Held | None = None,
+                 compacted: Callable[[], None] | None = None) -> None:
         self.tier, self.log, self.m = tier, log, metrics
+        self.held = held  # ids of compacted rows a live Iceberg snapshot still references
+        self.compacted = compacted  # called after a compaction replaced files
         # Compaction's Parquet work runs in these threads (reads, zstd: GIL released).
         self.limiter = anyio.CapacityLimiter(max(1, tier.cfg.lake.compaction.parallelism))
         self.last_report: JanitorReport | None = None
@@ -69,7 +72,7 @@ class Janitor:
             task_status.started()
 
     async def sweep_once(self) -> JanitorReport:
-        report = await sweep(self.tier)
+        report = await sweep(self.tier, held=self.held)
         self.last_report = report
         if report.rows_missing_objects:
             self.m.lake_errors.labels("missing_object").inc(len(report.rows_missing_objects))
@@ -80,6 +83,8 @@ class Janitor:
     async def compact_once(self) -> list[CompactionResult]:
         results = await compact(self.tier, limiter=self.limiter, log=self.log)
         self.last_compaction = results
+        if self.compacted is not None and any(r.outcome == "compacted" for r in results):
+            self.compacted()
         failed = sum(1 for r in results if r.outcome == "failed")
         if failed:
             self.m.lake_errors.labels("compaction").inc(failed)

@@ -9,7 +9,8 @@
     finding                                        action
     object, no live row, older than grace_s ─────▶ orphan: object deleted
     row Registered, no object ───────────────────▶ reported + logged as an error; kept
-    row Compacted, updated > delete_grace_s ago ─▶ object (+ local copy) deleted, row dropped
+    row Compacted, updated > delete_grace_s ago,
+      no live Iceberg snapshot holds it ────────▶ object (+ local copy) deleted, row dropped
     row Abandoned, updated > grace_s ago ────────▶ object deleted if still there, row dropped
     staging/{active,stable}/ file, no live row,
       mtime older than min(grace_s, 1 h) ────────▶ deleted
@@ -32,7 +33,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import anyio
@@ -46,6 +47,7 @@ from quiverd.lake.partitions import is_node_key
 from quiverd.lake.tier import Tier
 
 NS_PER_S = 1_000_000_000
+Held = Callable[[list[FileRow]], Awaitable[set[str]]]  # rows -> ids a snapshot holds
 LIST_LIMIT = 200_000  # rows and objects one sweep reads; more: orphans are not judged
 DELETE_BATCH = 500  # row ids per delete_rows call
 STAGING_GRACE_MAX_S = 3600  # staging files: min(janitor.grace_s, this)
@@ -62,6 +64,7 @@ class JanitorReport(msgspec.Struct, kw_only=True):
     young_objects: list[str] = msgspec.field(default_factory=list)  # no row yet, in grace
     rows_missing_objects: list[str] = msgspec.field(default_factory=list)  # file ids
     compacted_removed: list[str] = msgspec.field(default_factory=list)  # file ids
+    held_by_snapshots: list[str] = msgspec.field(default_factory=list)  # compacted, kept
     abandoned_removed: list[str] = msgspec.field(default_factory=list)  # file ids
     stale_staging_files: list[str] = msgspec.field(default_factory=list)  # paths
     stale_upload_temps: list[str] = msgspec.field(default_factory=list)  # fs store paths
@@ -72,9 +75,11 @@ class JanitorReport(msgspec.Struct, kw_only=True):
     duration_ms: float = 0.0
 
 
-async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None
-                ) -> JanitorReport:
-    """One reconciliation pass over this node's objects and rows (module doc)."""
+async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None,
+                held: Held | None = None) -> JanitorReport:
+    """One reconciliation pass over this node's objects and rows (module doc).
+    ``held(rows)`` names the rows whose objects a live Iceberg snapshot still references
+    (``lake.iceberg.held_by_snapshots``): those are kept until expiry frees them."""
     started = anyio.current_time()
     now = time.time_ns() if now_ns is None else now_ns
     lake = tier.cfg.lake
@@ -92,6 +97,11 @@ async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None
     live = {r.object_key for r in rows if r.object_key and _is_live(r, now, delete_grace_ns)}
     compacted = [r for r in rows if r.state is FileState.COMPACTED
                  and now - r.updated_at >= delete_grace_ns]
+    if compacted and held is not None:
+        kept = await held(compacted)
+        report.held_by_snapshots = sorted(kept)
+        live |= {r.object_key for r in compacted if r.file_id in kept}
+        compacted = [r for r in compacted if r.file_id not in kept]
     abandoned = [r for r in rows if r.state is FileState.ABANDONED
                  and now - r.updated_at >= grace_ns]
     await _drop(tier, compacted, live, report.compacted_removed, report, dry_run)

@@ -110,14 +110,17 @@ class Lake:
         tx, rx = anyio.create_memory_object_stream[LocalDelivery](cfg.window_bundles)
         session = Session(name=SUBSCRIBER, window=cfg.window_bundles, deliveries=tx, local=True)
         encoders = anyio.CapacityLimiter(cfg.parallelism)
+        self.projector = self._projector(tier)
         self.uploader = Uploader(tier, dispatchers, session, limiter=encoders,
                                  log=self.log, metrics=self.m, health=self.health,
-                                 hook=self.faults.get("lake"))
+                                 hook=self.faults.get("lake"),
+                                 registered=self.projector.registered if self.projector else None)
         indexer = Indexer(tier, limiter=encoders, log=self.log, metrics=self.m,
                           time_column=cfg.time_column or INGESTED_AT,
                           hook=self.faults.get("lake"))
-        self.janitor = Janitor(tier, log=self.log, metrics=self.m)
-        self.projector = self._projector(tier)
+        self.janitor = Janitor(tier, log=self.log, metrics=self.m,
+                               held=self.projector.referenced if self.projector else None,
+                               compacted=self.projector.nudge if self.projector else None)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.uploader.run, rx)

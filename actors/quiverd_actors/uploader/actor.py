@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -97,8 +97,10 @@ class FeedbackSink(Protocol):
 class Uploader:
     def __init__(self, tier: Tier, dispatchers: Sequence[FeedbackSink], session: Session, *,
                  limiter: anyio.CapacityLimiter, log: Logger, metrics: Metrics,
-                 health: LakeHealth, hook: Hook | None = None) -> None:
+                 health: LakeHealth, hook: Hook | None = None,
+                 registered: Callable[[FileRow], None] | None = None) -> None:
         lake = tier.cfg.lake
+        self.registered = registered  # told of every registered file (the projector)
         self.tier, self.lake, self.dispatchers, self.session = tier, lake, dispatchers, session
         self.limiter, self.log, self.m, self.health = limiter, log, metrics, health
         self.steps = WatchedSteps(tier, log=log, metrics=metrics, hook=hook, health=health)
@@ -434,14 +436,16 @@ class Uploader:
     async def _publisher(self) -> None:
         async for sealed in self.publish_rx:
             try:
-                registered = await self.publisher.publish(sealed)
+                row = await self.publisher.publish(sealed)
             finally:
                 self.m.lake_pending_uploads.labels().inc(-1)
                 self._pending(-sealed.facts.compressed_size)
-            if registered:
+            if row is not None:
                 f = sealed.file
                 self.covered.remember(f)  # a redelivery may follow
                 await self.steps.fault("registered")
+                if self.registered is not None:
+                    self.registered(row)
                 await self._settle(sealed.file, ackfmt.ACK)
                 await self.steps.fault("acked")
             else:

@@ -3,8 +3,8 @@
     Sealed ──▶ put_file (conditional create, CRC32C in metadata, verify) ──▶ Uploaded
            ──▶ catalog.register (row + coverage, one transaction, NOTIFY) ──▶ MetaRegistered
 
-``publish`` returns True once the file is registered (its bundles may be acked) and
-False when it had to be abandoned (its bundles are nacked and delivered again). The
+``publish`` returns the file's row once it is registered (its bundles may be acked) and
+None when it had to be abandoned (its bundles are nacked and delivered again). The
 store's own retries cover throttling, 5xx, timeouts and resets; after them the upload
 is tried again with a longer backoff, forever: the local file and the WAL/segments keep
 the data. An authorization error is not retried by the store: it is logged and counted
@@ -41,7 +41,7 @@ from quiverd.kernel.metrics import Metrics
 from quiverd.lake.bundles import coverage
 from quiverd.lake.catalog import DuplicateCoverage
 from quiverd.lake.health import LakeHealth
-from quiverd.lake.model import FileState
+from quiverd.lake.model import FileRow, FileState
 from quiverd.lake.parquet import FileFacts
 from quiverd.lake.tier import Tier
 from quiverd_actors.uploader.files import OpenFile, Sealed, Steps, file_row
@@ -57,12 +57,12 @@ class Publisher:
         self.health = health
         self.denied_retry_s = max(1.0, tier.cfg.lake.store.retry_max_ms / 1000)
 
-    async def publish(self, s: Sealed) -> bool:
+    async def publish(self, s: Sealed) -> FileRow | None:
         f, facts = s.file, s.facts
         key = self.tier.object_key(f.client, f.slot, s.path.name, f.hour)
         took = await self._upload(f, key, s.path, facts)
         if took is None:
-            return False
+            return None
         uri = self.tier.store.uri(key)
         uploaded_at = time.time_ns()
         await self.steps.transition(f, FileState.UPLOADED, took, uri=uri, object_key=key,
@@ -75,10 +75,10 @@ class Publisher:
         except DuplicateCoverage as exc:
             self.m.lake_errors.labels("duplicate").inc()
             await self.tier.abandon(row, reason=f"duplicate coverage: {exc}")
-            return False
+            return None
         self.steps.event(f, FileState.META_REGISTERED, anyio.current_time() - started,
                          uri=uri, rows=facts.rows, bytes=facts.compressed_size)
-        return True
+        return row
 
     async def _upload(self, f: OpenFile, key: str, path: Path, facts: FileFacts
                       ) -> float | None:
