@@ -161,15 +161,29 @@ def expire_snapshots(tbl: Any, cutoff_s: float) -> int:
     if not doomed:
         return 0
     kept = [s for s in metadata.snapshots if s.snapshot_id not in {d.snapshot_id for d in doomed}]
-    tbl.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in doomed]).commit()
+    from pyiceberg.table.update.snapshot import ExpireSnapshots
+
+    from quiverd.lake.iceberg.memo import transaction
+
+    # What table.maintenance.expire_snapshots() builds, on a memoising transaction.
+    expiry = ExpireSnapshots(transaction=transaction(tbl, autocommit=True))
+    expiry.by_ids([s.snapshot_id for s in doomed]).commit()
     _delete_orphaned_metadata(tbl.io, doomed, kept)
     return len(doomed)
 
 
 def _delete_orphaned_metadata(io: Any, doomed: list[Any], kept: list[Any]) -> None:
     """Manifest lists of expired snapshots, and manifests no kept snapshot lists. pyiceberg's
-    expiry leaves both behind; deleting is best effort (a leftover is only garbage)."""
-    kept_manifests = {m.manifest_path for s in kept for m in s.manifests(io)}
+    expiry leaves both behind; deleting is best effort (a leftover is only garbage).
+
+    History here is one line (main; no branches or tags), and a manifest, once a snapshot
+    drops it (merged or rewritten), never returns: a manifest an expired snapshot shares
+    with any kept one is in the oldest kept snapshot too. So only that snapshot's and the
+    current one's manifest lists are read, not every kept snapshot's."""
+    oldest = min(kept, key=lambda s: (s.timestamp_ms, s.sequence_number or 0), default=None)
+    newest = max(kept, key=lambda s: (s.timestamp_ms, s.sequence_number or 0), default=None)
+    witnesses = {s.snapshot_id: s for s in (oldest, newest) if s is not None}
+    kept_manifests = {m.manifest_path for s in witnesses.values() for m in s.manifests(io)}
     garbage: set[str] = set()
     for snap in doomed:
         try:

@@ -118,10 +118,25 @@ def nullable(schema: pa.Schema) -> pa.Schema:
     return pa.schema([_nullable_field(f) for f in schema], metadata=None)
 
 
-def to_data_file(footer: Footer, table_metadata: Any) -> Any:
+def fits_table(table_metadata: Any, schema: pa.Schema) -> bool:
+    """Whether files of ``schema`` fit the table's current schema as it is: every column
+    known by name, each of the table's type or one Iceberg promotes to it (int to long,
+    float to double). False means the table's schema must evolve first."""
+    from pyiceberg.io.pyarrow import _check_pyarrow_schema_compatible
+
+    try:
+        _check_pyarrow_schema_compatible(table_metadata.schema(), schema,
+                                         format_version=table_metadata.format_version)
+    except ValueError:
+        return False
+    return True
+
+
+def to_data_file(footer: Footer, table_metadata: Any, *, checked: bool = False) -> Any:
     """The DataFile of ``footer`` for a table with ``table_metadata`` (no I/O): what
     pyiceberg's ``parquet_file_to_data_file`` builds, from the footer already read.
-    ValueError when the file's schema does not fit the table's."""
+    ValueError when the file's schema does not fit the table's (not checked again when
+    ``checked``: ``fits_table`` said so for this metadata)."""
     from pyiceberg.io.pyarrow import (
         _check_pyarrow_schema_compatible,
         compute_statistics_plan,
@@ -131,8 +146,9 @@ def to_data_file(footer: Footer, table_metadata: Any) -> Any:
     from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
 
     schema = table_metadata.schema()
-    _check_pyarrow_schema_compatible(schema, footer.schema,
-                                     format_version=table_metadata.format_version)
+    if not checked:
+        _check_pyarrow_schema_compatible(schema, footer.schema,
+                                         format_version=table_metadata.format_version)
     statistics = data_file_statistics_from_parquet_metadata(
         parquet_metadata=footer.metadata,
         stats_columns=compute_statistics_plan(schema, table_metadata.properties),

@@ -38,6 +38,7 @@ from quiverd.lake.iceberg import catalog as cat
 from quiverd.lake.iceberg.files import (
     DataFileRef,
     Footer,
+    fits_table,
     nullable,
     partition_problem,
     read_footer,
@@ -50,6 +51,7 @@ FILE_IDS = "quiverd.file-ids"
 REMOVED_FILE_IDS = "quiverd.removed-file-ids"
 RETRY_BASE_S = 0.05  # CAS losers retry fast: the winner's commit is already done
 RETRY_MAX_S = 2.0
+FITS_CACHE = 1024  # schema verdicts kept (cleared when full)
 
 
 class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +75,8 @@ class Projection:
         self._tables: dict[str, Any] = {}  # loaded pyiceberg Tables, one per table name
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        # (table uuid, schema id, file schema) -> the file fits the table as it is.
+        self._fits: dict[tuple[str, int, pa.Schema], bool] = {}
 
     def commit(self, table: str, add: Sequence[DataFileRef], remove: Sequence[str] = (), *,
                summary: Mapping[str, str] | None = None) -> CommitResult:
@@ -86,7 +90,7 @@ class Projection:
                 tbl = self._table(table, footers, refresh=attempt > 0)
                 try:
                     snapshot_id, added, removed, unfit = _commit_once(
-                        tbl, footers, set(remove), dict(summary or {}))
+                        tbl, footers, set(remove), dict(summary or {}), self._fits)
                 except CommitFailedException as exc:
                     self._tables.pop(table, None)
                     if attempt == self._cfg.commit_retries:
@@ -203,36 +207,61 @@ class Projection:
         return tbl
 
 
-def _commit_once(tbl: Any, footers: list[Footer], remove: set[str], summary: dict[str, str]
+def _commit_once(tbl: Any, footers: list[Footer], remove: set[str], summary: dict[str, str],
+                 fits: dict[tuple[str, int, pa.Schema], bool]
                  ) -> tuple[int | None, list[str], list[str], list[tuple[str, str]]]:
-    """One attempt: (snapshot id, file ids added, locations removed, files refused)."""
+    """One attempt: (snapshot id, file ids added, locations removed, files refused).
+
+    ``tbl.metadata`` is read directly where it suffices: every read of a transaction's
+    ``table_metadata`` deep-copies the whole metadata (every kept snapshot), which would
+    make a commit's cost grow with history. The transaction's view is taken once, and
+    only when a file's schema needs evolving."""
     from pyiceberg.exceptions import ValidationError
     from pyiceberg.table import TableProperties
 
     if tbl is None:  # nothing to add, no table: nothing to remove either
         return None, [], [], []
-    tx = tbl.transaction()
-    if tx.table_metadata.name_mapping() is None:
+    from quiverd.lake.iceberg.memo import transaction
+
+    base = tbl.metadata
+    tx = transaction(tbl)
+    changed = base.name_mapping() is None
+    if changed:
         # The files carry no Iceberg field ids: readers map columns by name.
         tx.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING:
-                             tx.table_metadata.schema().name_mapping.model_dump_json()})
-    source = cat.partition_source(tx.table_metadata)
-    data_files, added, unfit = [], [], []
+                             base.schema().name_mapping.model_dump_json()})
+    source = cat.partition_source(base)
+    ready, unfit = [], []
     for footer in footers:
         ref = footer.ref
         if source is not None and ref.partition_column != source:
             unfit.append((ref.file_id, f"the table is partitioned by hour({source}), the file "
                           f"by {ref.partition_column!r}"))
             continue
+        key = (str(base.table_uuid), base.current_schema_id, footer.schema)
+        if key not in fits:
+            if len(fits) >= FITS_CACHE:
+                fits.clear()
+            fits[key] = fits_table(base, footer.schema)
+        if not fits[key]:
+            try:  # new columns, or a wider int or float: evolve the table first
+                with tx.update_schema() as update:
+                    update.union_by_name(nullable(footer.schema))
+            except (ValidationError, ValueError) as exc:
+                unfit.append((ref.file_id, f"a column type Iceberg cannot evolve to: {exc}"))
+                continue
+            changed = True
+        ready.append((footer, fits[key]))
+    meta = tx.table_metadata if changed else base
+    data_files, added = [], []
+    for footer, checked in ready:
         try:
-            with tx.update_schema() as update:
-                update.union_by_name(nullable(footer.schema))
-            data_files.append(to_data_file(footer, tx.table_metadata))
-        except (ValidationError, ValueError) as exc:
-            unfit.append((ref.file_id, "a column type Iceberg cannot evolve to: "
+            data_files.append(to_data_file(footer, meta, checked=checked and meta is base))
+        except ValueError as exc:
+            unfit.append((footer.ref.file_id, "the file's schema does not fit the table's: "
                           + str(exc).split("\n", 1)[0]))
             continue
-        added.append(ref.file_id)
+        added.append(footer.ref.file_id)
     deleted = cat.current_data_files(tbl, remove) if remove else []
     if not data_files and not deleted:
         return None, [], [], unfit
