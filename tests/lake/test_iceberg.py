@@ -12,20 +12,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pyarrow as pa
 import pytest
 
 from quiverd.kernel.config import CatalogConfig, IcebergConfig, StoreConfig, loads
 from quiverd.kernel.errors import ConfigError, IcebergCommitFailed
+from quiverd.kernel.layout import DataDir
+from quiverd.lake.catalog import open_catalog
 from quiverd.lake.iceberg import (
     FILE_IDS,
     REMOVED_FILE_IDS,
+    DataFileRef,
     Projection,
     catalog_uri,
     parse_table_name,
     table_name,
     warehouse,
 )
+from tests.lake.catalogs import Log
 from tests.lake.iceberg_helpers import HOUR0, TIME, Lake, fs_lake, lake_table, s3_lake, scan_ids
 
 WEB = "quiver.web"
@@ -125,7 +130,10 @@ def test_iceberg_replace_is_one_snapshot_and_expire_keeps_current(setup: Setup) 
     # The removed files stay referenced until their snapshot expires.
     assert p.referenced_locations(WEB) == {new.location, *(r.location for r in old)}
     assert p.expire(WEB, older_than_s=3600) == 0
+    first = tbl.metadata.snapshots[0]
+    assert tbl.io.new_input(first.manifest_list).exists()
     assert p.expire(WEB, older_than_s=0) == 1  # the first; never the current one
+    assert not tbl.io.new_input(first.manifest_list).exists()  # its metadata deleted too
     assert p.referenced_locations(WEB) == {new.location}
     assert p.expire(WEB, older_than_s=0) == 0
     assert scan_ids(p, WEB) == list(range(100))
@@ -162,6 +170,9 @@ def test_iceberg_skips_files_iceberg_cannot_hold_and_commits_the_rest(setup: Set
     retyped = lake_table(10, start=40).set_column(1, "msg", pa.array(range(10), pa.int64()))
     missing = lake_table(10, start=50).drop_columns([TIME])
     bad = [setup.lake.write(t) for t in (ns, span, uint, retyped, missing)]
+    bad.append(DataFileRef(file_id="01JZZZZZZZZZZZZZZZZZZZZZZZ", client="web", slot=0,
+                           location=setup.lake.warehouse + "/client=web/slot=0/gone.parquet",
+                           partition_column=TIME))
     fine = setup.lake.write(lake_table(10, start=60))
     result = p.commit(WEB, [*bad, fine])
     assert result.added == [fine.file_id]
@@ -172,6 +183,7 @@ def test_iceberg_skips_files_iceberg_cannot_hold_and_commits_the_rest(setup: Set
     assert "uint64" in reasons[bad[2].file_id]
     assert "msg" in reasons[bad[3].file_id] or "Cannot change" in reasons[bad[3].file_id]
     assert "missing" in reasons[bad[4].file_id]
+    assert "no object" in reasons[bad[5].file_id]
     assert scan_ids(p, WEB) == [*range(10), *range(60, 70)]
     # Nothing to add at all: no snapshot, no table change.
     again = p.commit(WEB, [bad[0]])
@@ -215,6 +227,29 @@ def test_iceberg_concurrent_projections_on_postgresql_lose_nothing(
     finally:
         for d in daemons:
             d.close()
+
+
+@pytest.mark.asyncio
+async def test_iceberg_shares_quiverds_sqlite_catalog_file(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    catalog = open_catalog(CatalogConfig(), DataDir(data_dir).catalog_db, log=Log())
+    await catalog.start()  # quiverd's catalog: WAL mode, its own tables
+    try:
+        lake = fs_lake(data_dir)
+        p = lake.projection(catalog_uri(CatalogConfig(), data_dir))
+        try:
+            ref = lake.write(lake_table(5))
+            await anyio.to_thread.run_sync(p.commit, WEB, [ref])
+            assert await catalog.list_files(client="web") == []  # still answers
+            assert p.live_locations(WEB) == {ref.location: ref.file_id}
+        finally:
+            p.close()
+    finally:
+        await catalog.close()
+    with sqlite3.connect(DataDir(data_dir).catalog_db) as db:
+        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"iceberg_tables", "iceberg_namespace_properties"} <= names and len(names) > 2
 
 
 def test_iceberg_stale_writer_retries_the_compare_and_swap(setup: Setup) -> None:
