@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from quiverd.kernel.config import CatalogConfig, IcebergConfig, StoreConfig, loads
-from quiverd.kernel.errors import ConfigError, IcebergCommitFailed
+from quiverd.kernel.errors import CatalogUnavailable, ConfigError, IcebergCommitFailed
 from quiverd.kernel.layout import DataDir
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.iceberg import (
@@ -264,6 +264,25 @@ def test_iceberg_stale_writer_retries_the_compare_and_swap(setup: Setup) -> None
     result = a.commit(WEB, [setup.lake.write(lake_table(5, start=20))])
     assert result.retries == 1  # a's cached table was stale: refreshed, then committed
     assert scan_ids(a, WEB) == [*range(10), *range(15, 25)]
+
+
+def test_iceberg_catalog_outage_is_catalog_unavailable_then_recovers(
+        postgres_server: Any, pg_catalog_dsn: str, tmp_path: Path) -> None:
+    lake = fs_lake(tmp_path / "data")
+    p = lake.projection(catalog_uri(CatalogConfig(dsn=pg_catalog_dsn), tmp_path / "data"))
+    try:
+        p.commit(WEB, [lake.write(lake_table(5, start=0))])
+        postgres_server.stop()
+        try:
+            with pytest.raises(CatalogUnavailable) as err:
+                p.commit(WEB, [lake.write(lake_table(5, start=5))])
+            assert err.value.retryable
+        finally:
+            postgres_server.start()
+        p.commit(WEB, [lake.write(lake_table(5, start=10))])
+        assert scan_ids(p, WEB) == [*range(5), *range(10, 15)]
+    finally:
+        p.close()
 
 
 def test_iceberg_duckdb_reads_the_table_offline(tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -33,7 +34,7 @@ import pyarrow as pa
 
 from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.config import IcebergConfig
-from quiverd.kernel.errors import IcebergCommitFailed, StoreUnavailable
+from quiverd.kernel.errors import CatalogUnavailable, IcebergCommitFailed, StoreUnavailable
 from quiverd.lake.iceberg import catalog as cat
 from quiverd.lake.iceberg.files import (
     DataFileRef,
@@ -85,7 +86,7 @@ class Projection:
 
         started = time.monotonic()
         footers, skipped = self._footers(add)
-        with self._lock(table):
+        with self._lock(table), _translated(table):
             for attempt in range(self._cfg.commit_retries + 1):
                 tbl = self._table(table, footers, refresh=attempt > 0)
                 try:
@@ -106,7 +107,7 @@ class Projection:
 
     def live_locations(self, table: str) -> dict[str, str]:
         """location -> quiverd file id of every data file of the current snapshot."""
-        with self._lock(table):
+        with self._lock(table), _translated(table):
             tbl = self._load(table)
             if tbl is None or (snap := tbl.metadata.current_snapshot()) is None:
                 return {}
@@ -114,7 +115,7 @@ class Projection:
 
     def referenced_locations(self, table: str) -> set[str]:
         """Locations of the data files any unexpired snapshot references."""
-        with self._lock(table):
+        with self._lock(table), _translated(table):
             tbl = self._load(table)
             return set() if tbl is None else set(cat.data_file_ids(tbl, tbl.metadata.snapshots))
 
@@ -123,7 +124,7 @@ class Projection:
         how many. Deletes their manifest lists and the manifests no kept snapshot uses."""
         from pyiceberg.exceptions import CommitFailedException
 
-        with self._lock(table):
+        with self._lock(table), _translated(table):
             for attempt in range(self._cfg.commit_retries + 1):
                 tbl = self._load(table)
                 if tbl is None:
@@ -142,7 +143,8 @@ class Projection:
 
     def tables(self) -> list[str]:
         """Every table of namespace ``quiver``, as ``quiver.<name>``."""
-        return cat.list_tables(self._catalog)
+        with _translated("the Iceberg catalog"):
+            return cat.list_tables(self._catalog)
 
     def close(self) -> None:
         self._tables.clear()
@@ -205,6 +207,22 @@ class Projection:
                                    first.ref.partition_column, self._warehouse)
             self._tables[table] = tbl
         return tbl
+
+
+@contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """The catalog's and the store's failures as quiverd's retryable errors. A commit
+    interrupted so may or may not have landed: the reconciler compares live_locations
+    before adding again, so the caller only retries later."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise CatalogUnavailable(f"Iceberg catalog, {what}: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    except OSError as exc:
+        raise StoreUnavailable(f"Iceberg metadata of {what}: {exc}") from exc
 
 
 def _commit_once(tbl: Any, footers: list[Footer], remove: set[str], summary: dict[str, str],
