@@ -145,6 +145,16 @@ class CompactionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
     delete_grace_s: int = 600  # replaced objects stay this long for readers in flight
 
 
+class IcebergConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """[lake.iceberg]: every (client, slot) an Iceberg table (quiverd.lake.iceberg)."""
+
+    enabled: bool = True
+    keep_snapshots_s: float = 3600.0  # snapshots older than this are expired (never the current)
+    reconcile_interval_s: float = 60.0  # the reconciler's timer
+    commit_retries: int = 10  # compare-and-swap retries of one commit
+    linger_ms: int = 200  # how long the projector gathers registrations into one snapshot
+
+
 class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """[lake]: the uploader (finalized bundles -> Parquet -> object store -> catalog)."""
 
@@ -169,6 +179,7 @@ class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     janitor: JanitorConfig = msgspec.field(default_factory=JanitorConfig)
     compaction: CompactionConfig = msgspec.field(default_factory=CompactionConfig)
     scrub: LakeScrubConfig = msgspec.field(default_factory=LakeScrubConfig)
+    iceberg: IcebergConfig = msgspec.field(default_factory=IcebergConfig)
 
 
 class CatalogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -393,6 +404,12 @@ def _lake_checks(cfg: Config) -> list[tuple[bool, str, str]]:
         (comp.memory_limit_bytes >= 1 * MiB, "lake.compaction.memory_limit_bytes",
          "must be >= 1048576"),
         (comp.delete_grace_s >= 0, "lake.compaction.delete_grace_s", "must be >= 0"),
+        (lake.iceberg.keep_snapshots_s > 0, "lake.iceberg.keep_snapshots_s", "must be > 0"),
+        (lake.iceberg.reconcile_interval_s > 0, "lake.iceberg.reconcile_interval_s",
+         "must be > 0"),
+        (0 <= lake.iceberg.commit_retries <= 1000, "lake.iceberg.commit_retries",
+         "must be 0..1000"),
+        (0 <= lake.iceberg.linger_ms <= 60_000, "lake.iceberg.linger_ms", "must be 0..60000"),
         (not dsn or dsn.startswith(("postgresql://", "postgres://")), "catalog.dsn",
          "must be a PostgreSQL URI (postgresql://user@host:5432/db) or \"\" (embedded)"),
         (cfg.catalog.connect_timeout_ms >= 1, "catalog.connect_timeout_ms", "must be >= 1"),

@@ -211,3 +211,13 @@ class LakeFileMissing(LakeError):
     hint = ("restore the object from a backup or versioning; `quiverd fsck DATA_DIR --lake` "
             "and `quiverd files list` show every missing one; if a compaction replaced it "
             "while the query ran, run the query again")
+
+
+class IcebergCommitFailed(LakeError):
+    """An Iceberg commit lost the compare-and-swap to other writers after every retry
+    (lake.iceberg.commit_retries), or the Iceberg catalog refused it: nothing of it landed."""
+
+    retryable = True
+    hint = ("quiverd's catalog still holds the files: the Iceberg reconciler adds them on its "
+            "next pass (lake.iceberg.reconcile_interval_s); many daemons committing to one "
+            "table at once may need a larger lake.iceberg.commit_retries")

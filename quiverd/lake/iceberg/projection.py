@@ -1,0 +1,298 @@
+"""The Iceberg projection: quiverd's registered lake files as Iceberg table snapshots.
+
+    commit(table, add, remove)          one snapshot per call, compare-and-swap with retry
+      │ read footers once ── skipped: files Iceberg cannot hold (files.py), with reasons
+      │ attempt n:  load (or create) the table
+      │             name mapping set, schema evolved by name (new columns, int->long,
+      │             float->double), DataFiles built from the footers
+      │             merge append (remove empty) | overwrite (delete + add)
+      │             summary: quiverd.file-ids, quiverd.removed-file-ids, the caller's keys
+      └ CommitFailedException (another writer won) -> refresh, backoff, again
+        ... at most cfg.commit_retries times, then IcebergCommitFailed: nothing landed
+
+Guarantees: a call lands as exactly one snapshot or not at all. Files are registered as
+they are (never rewritten, never checked for duplicates: quiverd's catalog guards
+coverage, and its reconciler compares ``live_locations`` before adding). ``expire`` drops
+snapshots older than a bound but never the current one, and deletes only Iceberg
+metadata no kept snapshot needs (manifest lists, manifests), never a data file: quiverd's
+janitor deletes an object once ``referenced_locations`` no longer holds it.
+
+Blocking: the daemon calls each method in a worker thread, one call per batch; calls on
+one table are serialised by a lock per table.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+
+from quiverd.kernel.backoff import backoff_s
+from quiverd.kernel.config import IcebergConfig
+from quiverd.kernel.errors import CatalogUnavailable, IcebergCommitFailed, StoreUnavailable
+from quiverd.lake.iceberg import catalog as cat
+from quiverd.lake.iceberg.files import (
+    DataFileRef,
+    Footer,
+    fits_table,
+    nullable,
+    partition_problem,
+    read_footer,
+    schema_problem,
+    to_data_file,
+)
+from quiverd.lake.iceberg.names import identifier
+
+FILE_IDS = "quiverd.file-ids"
+REMOVED_FILE_IDS = "quiverd.removed-file-ids"
+RETRY_BASE_S = 0.05  # CAS losers retry fast: the winner's commit is already done
+RETRY_MAX_S = 2.0
+FITS_CACHE = 1024  # schema verdicts kept (cleared when full)
+
+
+class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
+    table: str
+    snapshot_id: int | None  # None: nothing to commit (all skipped, nothing to remove)
+    added: list[str]  # file ids in the snapshot
+    removed: list[str]  # locations deleted from the table
+    skipped: list[tuple[str, str]]  # (file_id, reason): files Iceberg cannot hold
+    retries: int
+    took_s: float
+
+
+class Projection:
+    """One SQL catalog ("quiverd") and the tables of namespace ``quiver`` in it."""
+
+    def __init__(self, *, catalog_uri: str, warehouse: str, io_properties: dict[str, str],
+                 cfg: IcebergConfig) -> None:
+        self._cfg = cfg
+        self._warehouse = warehouse.rstrip("/")
+        self._catalog = cat.open_sql_catalog(catalog_uri, self._warehouse, io_properties)
+        self._tables: dict[str, Any] = {}  # loaded pyiceberg Tables, one per table name
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        # (table uuid, schema id, file schema) -> the file fits the table as it is.
+        self._fits: dict[tuple[str, int, pa.Schema], bool] = {}
+
+    def commit(self, table: str, add: Sequence[DataFileRef], remove: Sequence[str] = (), *,
+               summary: Mapping[str, str] | None = None) -> CommitResult:
+        """Add ``add`` and delete the files at the locations ``remove`` in one snapshot."""
+        from pyiceberg.exceptions import CommitFailedException
+
+        started = time.monotonic()
+        footers, skipped = self._footers(add)
+        with self._lock(table), _translated(table):
+            for attempt in range(self._cfg.commit_retries + 1):
+                tbl = self._table(table, footers, refresh=attempt > 0)
+                try:
+                    snapshot_id, added, removed, unfit = _commit_once(
+                        tbl, footers, set(remove), dict(summary or {}), self._fits)
+                except CommitFailedException as exc:
+                    self._tables.pop(table, None)
+                    if attempt == self._cfg.commit_retries:
+                        raise IcebergCommitFailed(
+                            f"Iceberg commit to {table} lost the compare-and-swap "
+                            f"{attempt + 1} times: {exc}") from exc
+                    time.sleep(backoff_s(attempt + 1, base_s=RETRY_BASE_S, max_s=RETRY_MAX_S))
+                    continue
+                return CommitResult(table=table, snapshot_id=snapshot_id, added=added,
+                                    removed=removed, skipped=skipped + unfit, retries=attempt,
+                                    took_s=time.monotonic() - started)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def live_locations(self, table: str) -> dict[str, str]:
+        """location -> quiverd file id of every data file of the current snapshot."""
+        with self._lock(table), _translated(table):
+            tbl = self._load(table)
+            if tbl is None or (snap := tbl.metadata.current_snapshot()) is None:
+                return {}
+            return cat.data_file_ids(tbl, [snap])
+
+    def referenced_locations(self, table: str) -> set[str]:
+        """Locations of the data files any unexpired snapshot references."""
+        with self._lock(table), _translated(table):
+            tbl = self._load(table)
+            return set() if tbl is None else set(cat.data_file_ids(tbl, tbl.metadata.snapshots))
+
+    def expire(self, table: str, *, older_than_s: float) -> int:
+        """Expire snapshots older than ``older_than_s`` (never the current one); returns
+        how many. Deletes their manifest lists and the manifests no kept snapshot uses."""
+        from pyiceberg.exceptions import CommitFailedException
+
+        with self._lock(table), _translated(table):
+            for attempt in range(self._cfg.commit_retries + 1):
+                tbl = self._load(table)
+                if tbl is None:
+                    return 0
+                try:
+                    return cat.expire_snapshots(tbl, time.time() - older_than_s)
+                except CommitFailedException as exc:
+                    if attempt == self._cfg.commit_retries:
+                        raise IcebergCommitFailed(f"expiring snapshots of {table} lost the "
+                                                  f"compare-and-swap {attempt + 1} times: "
+                                                  f"{exc}") from exc
+                    time.sleep(backoff_s(attempt + 1, base_s=RETRY_BASE_S, max_s=RETRY_MAX_S))
+                finally:
+                    self._tables.pop(table, None)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def tables(self) -> list[str]:
+        """Every table of namespace ``quiver``, as ``quiver.<name>``."""
+        with _translated("the Iceberg catalog"):
+            return cat.list_tables(self._catalog)
+
+    def close(self) -> None:
+        self._tables.clear()
+        self._catalog.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _lock(self, table: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(table, threading.Lock())
+
+    def _footers(self, add: Sequence[DataFileRef]) -> tuple[list[Footer], list[tuple[str, str]]]:
+        """Each file's footer, read once per call; the files Iceberg cannot hold, skipped."""
+        footers: list[Footer] = []
+        skipped: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        for ref in add:
+            if ref.location in seen:
+                skipped.append((ref.file_id, f"{ref.location} is listed twice in one commit"))
+                continue
+            seen.add(ref.location)
+            try:
+                footer = read_footer(self._io(), ref)
+            except FileNotFoundError:
+                skipped.append((ref.file_id, f"no object at {ref.location}"))
+                continue
+            except pa.ArrowInvalid as exc:
+                skipped.append((ref.file_id, f"not a readable Parquet file: {exc}"))
+                continue
+            except OSError as exc:
+                raise StoreUnavailable(f"reading the footer of {ref.location}: {exc}") from exc
+            problem = (schema_problem(footer.schema, ref.partition_column)
+                       or partition_problem(footer, ref.partition_column))
+            if problem is not None:
+                skipped.append((ref.file_id, problem))
+            else:
+                footers.append(footer)
+        return footers, skipped
+
+    def _io(self) -> Any:
+        from pyiceberg.io import load_file_io
+
+        if not hasattr(self, "_file_io"):
+            self._file_io = load_file_io(self._catalog.properties, self._warehouse)
+        return self._file_io
+
+    def _load(self, table: str) -> Any | None:
+        tbl = cat.load_table(self._catalog, identifier(table))
+        if tbl is not None:
+            self._tables[table] = tbl
+        return tbl
+
+    def _table(self, table: str, footers: list[Footer], *, refresh: bool) -> Any | None:
+        """The table (cached unless ``refresh``); created from the first file when absent."""
+        if not refresh and (tbl := self._tables.get(table)) is not None:
+            return tbl
+        tbl = self._load(table)
+        if tbl is None and footers:
+            first = footers[0]
+            tbl = cat.create_table(self._catalog, identifier(table), nullable(first.schema),
+                                   first.ref.partition_column, self._warehouse)
+            self._tables[table] = tbl
+        return tbl
+
+
+@contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """The catalog's and the store's failures as quiverd's retryable errors. A commit
+    interrupted so may or may not have landed: the reconciler compares live_locations
+    before adding again, so the caller only retries later."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise CatalogUnavailable(f"Iceberg catalog, {what}: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    except OSError as exc:
+        raise StoreUnavailable(f"Iceberg metadata of {what}: {exc}") from exc
+
+
+def _commit_once(tbl: Any, footers: list[Footer], remove: set[str], summary: dict[str, str],
+                 fits: dict[tuple[str, int, pa.Schema], bool]
+                 ) -> tuple[int | None, list[str], list[str], list[tuple[str, str]]]:
+    """One attempt: (snapshot id, file ids added, locations removed, files refused).
+
+    ``tbl.metadata`` is read directly where it suffices: every read of a transaction's
+    ``table_metadata`` deep-copies the whole metadata (every kept snapshot), which would
+    make a commit's cost grow with history. The transaction's view is taken once, and
+    only when a file's schema needs evolving."""
+    from pyiceberg.exceptions import ValidationError
+    from pyiceberg.table import TableProperties
+
+    if tbl is None:  # nothing to add, no table: nothing to remove either
+        return None, [], [], []
+    from quiverd.lake.iceberg.memo import transaction
+
+    base = tbl.metadata
+    tx = transaction(tbl)
+    changed = base.name_mapping() is None
+    if changed:
+        # The files carry no Iceberg field ids: readers map columns by name.
+        tx.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING:
+                             base.schema().name_mapping.model_dump_json()})
+    source = cat.partition_source(base)
+    ready, unfit = [], []
+    for footer in footers:
+        ref = footer.ref
+        if source is not None and ref.partition_column != source:
+            unfit.append((ref.file_id, f"the table is partitioned by hour({source}), the file "
+                          f"by {ref.partition_column!r}"))
+            continue
+        key = (str(base.table_uuid), base.current_schema_id, footer.schema)
+        if key not in fits:
+            if len(fits) >= FITS_CACHE:
+                fits.clear()
+            fits[key] = fits_table(base, footer.schema)
+        if not fits[key]:
+            try:  # new columns, or a wider int or float: evolve the table first
+                with tx.update_schema() as update:
+                    update.union_by_name(nullable(footer.schema))
+            except (ValidationError, ValueError) as exc:
+                unfit.append((ref.file_id, f"a column type Iceberg cannot evolve to: {exc}"))
+                continue
+            changed = True
+        ready.append((footer, fits[key]))
+    meta = tx.table_metadata if changed else base
+    data_files, added = [], []
+    for footer, checked in ready:
+        try:
+            data_files.append(to_data_file(footer, meta, checked=checked and meta is base))
+        except ValueError as exc:
+            unfit.append((footer.ref.file_id, "the file's schema does not fit the table's: "
+                          + str(exc).split("\n", 1)[0]))
+            continue
+        added.append(footer.ref.file_id)
+    deleted = cat.current_data_files(tbl, remove) if remove else []
+    if not data_files and not deleted:
+        return None, [], [], unfit
+    props = {**summary, FILE_IDS: ",".join(added),
+             REMOVED_FILE_IDS: ",".join(cat.file_id_of(d.file_path) for d in deleted)}
+    snapshot = tx.update_snapshot(snapshot_properties=props)
+    # merge_append is pyiceberg's append that honours commit.manifest-merge.enabled (a fast
+    # append never merges); an overwrite rewrites only the manifests holding removed files.
+    producer = snapshot.overwrite() if deleted else snapshot.merge_append()
+    with producer:
+        for data_file in deleted:
+            producer.delete_data_file(data_file)
+        for data_file in data_files:
+            producer.append_data_file(data_file)
+    committed = tx.commit_transaction()
+    return committed.metadata.current_snapshot_id, added, [d.file_path for d in deleted], unfit
