@@ -168,23 +168,26 @@ def test_iceberg_skips_files_iceberg_cannot_hold_and_commits_the_rest(setup: Set
                           pa.timestamp("us", "UTC")))
     uint = lake_table(10, start=30, extra={"u": pa.array([1] * 10, pa.uint64())})
     retyped = lake_table(10, start=40).set_column(1, "msg", pa.array(range(10), pa.int64()))
-    missing = lake_table(10, start=50).drop_columns([TIME])
-    bad = [setup.lake.write(t) for t in (ns, span, uint, retyped, missing)]
+    bad = [setup.lake.write(t) for t in (ns, span, uint, retyped)]
     bad.append(DataFileRef(file_id="01JZZZZZZZZZZZZZZZZZZZZZZZ", client="web", slot=0,
                            location=setup.lake.warehouse + "/client=web/slot=0/gone.parquet",
                            partition_column=TIME))
+    # Without the time column (null in every row): Iceberg's null partition, added.
+    missing = setup.lake.write(lake_table(10, start=50).drop_columns([TIME]))
     fine = setup.lake.write(lake_table(10, start=60))
-    result = p.commit(WEB, [*bad, fine])
-    assert result.added == [fine.file_id]
+    result = p.commit(WEB, [*bad, missing, fine])
+    assert result.added == [missing.file_id, fine.file_id]
     reasons = dict(result.skipped)
     assert sorted(reasons) == sorted(r.file_id for r in bad)
     assert "timestamp[ns" in reasons[bad[0].file_id]
     assert "span 2 hours" in reasons[bad[1].file_id]
     assert "uint64" in reasons[bad[2].file_id]
     assert "msg" in reasons[bad[3].file_id] or "Cannot change" in reasons[bad[3].file_id]
-    assert "missing" in reasons[bad[4].file_id]
-    assert "no object" in reasons[bad[5].file_id]
-    assert scan_ids(p, WEB) == [*range(10), *range(60, 70)]
+    assert "no object" in reasons[bad[4].file_id]
+    assert scan_ids(p, WEB) == [*range(10), *range(50, 70)]
+    tbl = p._catalog.load_table(("quiver", "web"))
+    nulls = tbl.scan(row_filter=f"{TIME} IS NULL").to_arrow()
+    assert sorted(nulls.column("id").to_pylist()) == list(range(50, 60))
     # Nothing to add at all: no snapshot, no table change.
     again = p.commit(WEB, [bad[0]])
     assert again.snapshot_id is None and again.added == []

@@ -1,8 +1,8 @@
 """Lake files as Iceberg DataFiles: what a file's footer says, and whether Iceberg can hold it.
 
     DataFileRef ──read_footer──▶ Footer (Parquet FileMetaData, size, Arrow schema)
-                                   │ schema_problem   cached per (schema, partition column)
-                                   │ partition_problem  per file, from row-group statistics
+                                   │ schema_problem   cached per schema
+                                   │ partition_of     per file, from row-group statistics
                                    ▼
                       to_data_file(footer, table metadata) ──▶ pyiceberg DataFile
 
@@ -11,9 +11,10 @@ column ids by name (the table's ``schema.name-mapping.default``). What Iceberg (
 version 2) cannot hold is refused with a reason, and the caller leaves the file out of
 the snapshot: a ``timestamp[ns]`` column (v2 holds microseconds), an unsigned 32- or
 64-bit column (Iceberg's int/long are signed: values past the signed range would read
-negative), a type Iceberg has no counterpart for, a partition column that is missing,
-not a timestamp, null in some row, or whose values span two hours (an Iceberg data file
-belongs to exactly one partition).
+negative), a type Iceberg has no counterpart for, a partition column that is not a
+timestamp, null in some rows only, or whose values span two hours (an Iceberg data file
+belongs to exactly one partition). A file without the partition column, or with it null
+in every row, sits in the null partition.
 """
 
 from __future__ import annotations
@@ -56,22 +57,15 @@ def read_footer(io: Any, ref: DataFileRef) -> Footer:
     return Footer(ref, metadata, len(input_file), metadata.schema.to_arrow_schema())
 
 
-def schema_problem(schema: pa.Schema, partition_column: str) -> str | None:
+def schema_problem(schema: pa.Schema) -> str | None:
     """Why Iceberg cannot hold files of this schema, or None (cached per schema)."""
-    return _schema_problem(schema, partition_column)
+    return _schema_problem(schema)
 
 
 @lru_cache(maxsize=SCHEMA_CACHE)
-def _schema_problem(schema: pa.Schema, partition_column: str) -> str | None:
+def _schema_problem(schema: pa.Schema) -> str | None:
     from pyiceberg.io.pyarrow import _pyarrow_to_schema_without_ids
 
-    index = schema.get_field_index(partition_column)
-    if index < 0:
-        return f"partition column {partition_column!r} is missing"
-    ptype = schema.field(index).type
-    if not pa.types.is_timestamp(ptype) or ptype.unit == "ns":
-        return (f"partition column {partition_column!r} is {ptype}: hour() needs a timestamp "
-                "in s, ms or us")
     for name, dtype in _leaves(schema):
         if pa.types.is_timestamp(dtype) and dtype.unit == "ns":
             return (f"column {name!r} is {dtype}: Iceberg format version 2 holds timestamps in "
@@ -86,30 +80,51 @@ def _schema_problem(schema: pa.Schema, partition_column: str) -> str | None:
     return None
 
 
-def partition_problem(footer: Footer, partition_column: str) -> str | None:
-    """Why the file cannot sit in one ``hour(partition_column)`` partition, or None: no
-    rows, a row group without statistics, a null, or values in two hours."""
+def creation_column(schema: pa.Schema, wanted: str) -> str:
+    """The column a new table is partitioned by hour(...) on: ``wanted`` (the configured
+    time column) when the first file holds it as a timestamp, else the ingestion time
+    (the rule of ``lake.partitions.partition_column``, which keys the objects)."""
+    from quiverd.lake.partitions import partition_column
+
+    return partition_column(schema, wanted)
+
+
+def partition_of(footer: Footer, column: str) -> tuple[int | None, str | None]:
+    """(hour, None) when every row of the file sits in ``hour(column)`` = hour (hours since
+    the epoch); (None, None) when the file has no such column or it is null in every row
+    (Iceberg's null partition: the uploader keeps null times in files of their own);
+    (None, reason) when the file cannot sit in one partition."""
     md = footer.metadata
     if md.num_rows == 0 or md.num_row_groups == 0:
-        return "the file holds no rows"
-    column = next((i for i in range(md.num_columns)
-                   if md.schema.column(i).path == partition_column), None)
-    if column is None:
-        return f"partition column {partition_column!r} is not a Parquet leaf column"
-    unit = footer.schema.field(partition_column).type.unit
-    per_hour = 3600 * _UNITS_PER_S[unit]
+        return None, "the file holds no rows"
+    index = footer.schema.get_field_index(column)
+    if index < 0:
+        return None, None  # the column is absent: null in every row
+    ptype = footer.schema.field(index).type
+    if not pa.types.is_timestamp(ptype):
+        return None, (f"the table is partitioned by hour({column}), and the file holds "
+                      f"{column!r} as {ptype}")
+    leaf = next((i for i in range(md.num_columns) if md.schema.column(i).path == column), None)
+    if leaf is None:
+        return None, f"partition column {column!r} is not a Parquet leaf column"
+    per_hour = 3600 * _UNITS_PER_S[ptype.unit]
     hours: set[int] = set()
+    nulls = 0
     for rg in range(md.num_row_groups):
-        stats = md.row_group(rg).column(column).statistics
-        if stats is None or not stats.has_min_max or stats.null_count is None:
-            return f"row group {rg} has no min/max statistics for {partition_column!r}"
-        if stats.null_count > 0:
-            return f"partition column {partition_column!r} is null in {stats.null_count} rows"
-        hours.update((int(stats.min_raw) // per_hour, int(stats.max_raw) // per_hour))
+        stats = md.row_group(rg).column(leaf).statistics
+        if stats is None or stats.null_count is None:
+            return None, f"row group {rg} has no statistics for {column!r}"
+        nulls += stats.null_count
+        if stats.has_min_max:
+            hours.update((int(stats.min_raw) // per_hour, int(stats.max_raw) // per_hour))
+    if not hours and nulls == md.num_rows:
+        return None, None
+    if nulls:
+        return None, f"partition column {column!r} is null in {nulls} of {md.num_rows} rows"
     if len(hours) > 1:
-        return (f"values of {partition_column!r} span {len(hours)} hours: an Iceberg data file "
-                "belongs to one hour(...) partition")
-    return None
+        return None, (f"values of {column!r} span {len(hours)} hours: an Iceberg data file "
+                      "belongs to one hour(...) partition")
+    return hours.pop(), None
 
 
 def nullable(schema: pa.Schema) -> pa.Schema:
@@ -132,7 +147,8 @@ def fits_table(table_metadata: Any, schema: pa.Schema) -> bool:
     return True
 
 
-def to_data_file(footer: Footer, table_metadata: Any, *, checked: bool = False) -> Any:
+def to_data_file(footer: Footer, table_metadata: Any, hour: int | None, *,
+                 checked: bool = False) -> Any:
     """The DataFile of ``footer`` for a table with ``table_metadata`` (no I/O): what
     pyiceberg's ``parquet_file_to_data_file`` builds, from the footer already read.
     ValueError when the file's schema does not fit the table's (not checked again when
@@ -144,6 +160,7 @@ def to_data_file(footer: Footer, table_metadata: Any, *, checked: bool = False) 
         parquet_path_to_id_mapping,
     )
     from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+    from pyiceberg.typedef import Record
 
     schema = table_metadata.schema()
     if not checked:
@@ -158,7 +175,7 @@ def to_data_file(footer: Footer, table_metadata: Any, *, checked: bool = False) 
         content=DataFileContent.DATA,
         file_path=footer.ref.location,
         file_format=FileFormat.PARQUET,
-        partition=statistics.partition(table_metadata.spec(), schema),
+        partition=Record(hour) if table_metadata.spec().fields else Record(),
         file_size_in_bytes=footer.size,
         sort_order_id=None,
         spec_id=table_metadata.default_spec_id,

@@ -39,9 +39,10 @@ from quiverd.lake.iceberg import catalog as cat
 from quiverd.lake.iceberg.files import (
     DataFileRef,
     Footer,
+    creation_column,
     fits_table,
     nullable,
-    partition_problem,
+    partition_of,
     read_footer,
     schema_problem,
     to_data_file,
@@ -175,8 +176,7 @@ class Projection:
                 continue
             except OSError as exc:
                 raise StoreUnavailable(f"reading the footer of {ref.location}: {exc}") from exc
-            problem = (schema_problem(footer.schema, ref.partition_column)
-                       or partition_problem(footer, ref.partition_column))
+            problem = schema_problem(footer.schema)
             if problem is not None:
                 skipped.append((ref.file_id, problem))
             else:
@@ -203,8 +203,9 @@ class Projection:
         tbl = self._load(table)
         if tbl is None and footers:
             first = footers[0]
+            column = creation_column(first.schema, first.ref.partition_column)
             tbl = cat.create_table(self._catalog, identifier(table), nullable(first.schema),
-                                   first.ref.partition_column, self._warehouse)
+                                   column, self._warehouse)
             self._tables[table] = tbl
         return tbl
 
@@ -252,9 +253,9 @@ def _commit_once(tbl: Any, footers: list[Footer], remove: set[str], summary: dic
     ready, unfit = [], []
     for footer in footers:
         ref = footer.ref
-        if source is not None and ref.partition_column != source:
-            unfit.append((ref.file_id, f"the table is partitioned by hour({source}), the file "
-                          f"by {ref.partition_column!r}"))
+        hour, problem = partition_of(footer, source) if source is not None else (None, None)
+        if problem is not None:
+            unfit.append((ref.file_id, problem))
             continue
         key = (str(base.table_uuid), base.current_schema_id, footer.schema)
         if key not in fits:
@@ -269,12 +270,13 @@ def _commit_once(tbl: Any, footers: list[Footer], remove: set[str], summary: dic
                 unfit.append((ref.file_id, f"a column type Iceberg cannot evolve to: {exc}"))
                 continue
             changed = True
-        ready.append((footer, fits[key]))
+        ready.append((footer, hour, fits[key]))
     meta = tx.table_metadata if changed else base
     data_files, added = [], []
-    for footer, checked in ready:
+    for footer, hour, checked in ready:
         try:
-            data_files.append(to_data_file(footer, meta, checked=checked and meta is base))
+            data_files.append(to_data_file(footer, meta, hour,
+                                           checked=checked and meta is base))
         except ValueError as exc:
             unfit.append((footer.ref.file_id, "the file's schema does not fit the table's: "
                           + str(exc).split("\n", 1)[0]))
