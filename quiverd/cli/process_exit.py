@@ -31,6 +31,7 @@ import atexit
 import os
 import sys
 import threading
+from concurrent.futures import thread as cf_thread
 from typing import NoReturn
 
 from quiverd.cli.main import main
@@ -44,6 +45,9 @@ def console() -> NoReturn:
 def exit_process(code: int) -> NoReturn:
     if "opendal" not in sys.modules:
         sys.exit(code)
+    # Thread pools' workers (pyiceberg keeps one) end only when told, which a normal
+    # exit does first (threading._shutdown); tell them, or the joins below never return.
+    cf_thread._python_exit()
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()  # what finalization does first; no worker of ours is left

@@ -4,9 +4,9 @@ daemon's database, DuckDB with the iceberg extension wheel (offline)."""
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -59,16 +59,23 @@ def wait_projected(d: DaemonProcess, timeout: float = 60) -> dict[str, Any]:
 
 
 def duckdb_count(metadata_location: str) -> int:
-    """Rows DuckDB 1.5.5 reads from the table's metadata.json, offline: the extension is
-    LOADed from the duckdb-extension-iceberg wheel's file (no download)."""
+    """Rows DuckDB 1.5.5 reads from the table's metadata.json, offline: the avro and
+    iceberg extensions are LOADed from their PyPI wheels' files (no download)."""
     import duckdb
-    import duckdb_extension_iceberg
 
-    root = Path(duckdb_extension_iceberg.__file__).parent
-    ext = next(iter(glob.glob(os.path.join(root, "**", "*.duckdb_extension*"), recursive=True)))
-    con = duckdb.connect()
-    con.execute(f"LOAD '{ext}'")
+    con = duckdb.connect(config={"autoinstall_known_extensions": False,
+                                 "autoload_known_extensions": False})
+    for name in ("avro", "iceberg"):
+        con.execute(f"LOAD '{duckdb_extension(name)}'")
     path = metadata_location.removeprefix("file://")
     row = con.execute(f"SELECT count(*) FROM iceberg_scan('{path}')").fetchone()
     assert row is not None
     return int(row[0])
+
+
+def duckdb_extension(name: str) -> str:
+    """The extension file inside the ``duckdb-extension-<name>`` wheel."""
+    module = importlib.import_module(f"duckdb_extension_{name}")
+    (path,) = glob.glob(os.path.join(os.path.dirname(module.__file__ or ""), "extensions", "*",
+                                     f"{name}.duckdb_extension"))
+    return path
