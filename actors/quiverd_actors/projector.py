@@ -38,7 +38,6 @@ from typing import TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from quiverd.lake.iceberg import CommitResult, DataFileRef, Projection, table_name
 
 from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.config import IcebergConfig
@@ -46,11 +45,14 @@ from quiverd.kernel.errors import LakeError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
+from quiverd.lake.iceberg import CommitResult, DataFileRef, Projection, table_name
+from quiverd.lake.iceberg.held import held_ids
 from quiverd.lake.model import REGISTERED, FileRow
 from quiverd.lake.tier import Tier
 
 NOTICES = 4096  # registrations buffered for the next round; more: reconcile finds them
 NS_PER_S = 1_000_000_000
+ADDED_KEPT = 100_000  # ids of files committed lately, kept against a late notice
 RECENT_COMMITS = 1000  # status's commit p99 is over the last this many commits
 T = TypeVar("T")
 
@@ -97,6 +99,10 @@ class Projector:
         self.notices_rx: MemoryObjectReceiveStream[FileRow] = recv
         self.pending = Pending()
         self.skipped: dict[str, str] = {}  # file id -> reason, never tried again
+        # Files this projector committed lately: a notice can still be queued for a file
+        # a reconcile pass already added (registered before its catalog listing, noticed
+        # after), and must not add it twice.
+        self.added: dict[str, float] = {}  # file id -> monotonic time of its commit
         self.reconcile_due = anyio.Event()
         self.limiter = anyio.CapacityLimiter(1)  # one Projection call at a time
         self.commits = 0
@@ -202,7 +208,8 @@ class Projector:
     # ---- commits ---------------------------------------------------------------------
     async def _commit_pending(self) -> None:
         for table, files in list(self.pending.by_table.items()):
-            rows = [r for r in files.values() if r.file_id not in self.skipped]
+            rows = [r for r in files.values()
+                    if r.file_id not in self.skipped and r.file_id not in self.added]
             if rows:
                 await self._commit(table, rows, [], kind="append")
             self.pending.done([r.file_id for r in files.values()])
@@ -215,6 +222,11 @@ class Projector:
                    "quiverd.kind": kind}
         result = await self._call(self.projection.commit, table, refs, remove, summary=summary)
         self.commits += 1
+        now = time.monotonic()
+        self.added.update(dict.fromkeys(result.added, now))
+        if len(self.added) > ADDED_KEPT:  # oldest first (insertion order)
+            for fid in list(self.added)[:len(self.added) - ADDED_KEPT]:
+                del self.added[fid]
         self.last_commit_s = result.took_s
         self.recent_commit_s.append(result.took_s)
         self.m.lake_iceberg_commit_latency.observe(result.took_s)
@@ -276,20 +288,11 @@ class Projector:
     async def referenced(self, rows: list[FileRow]) -> set[str]:
         """Ids of ``rows`` whose object a live (unexpired) snapshot still references:
         the janitor keeps those objects. On any error every one counts as referenced."""
-        by_table: dict[str, list[FileRow]] = defaultdict(list)
-        for r in rows:
-            by_table[table_name(r.client_name, r.slot)].append(r)
-        held: set[str] = set()
-        for table, group in by_table.items():
-            try:
-                locations = await self._call(self.projection.referenced_locations, table)
-            except Exception as exc:  # noqa: BLE001 - unknown means keep
-                self.log.warning("iceberg_references_unknown", table=table, error=str(exc))
-                held.update(r.file_id for r in group)
-                continue
-            held.update(r.file_id for r in group
-                        if self.tier.store.location(r.object_key) in locations)
-        return held
+        try:
+            return await self._call(held_ids, self.projection, self.tier.store.location, rows)
+        except Exception as exc:  # noqa: BLE001 - unknown means keep
+            self.log.warning("iceberg_references_unknown", files=len(rows), error=str(exc))
+            return {r.file_id for r in rows}
 
     # ---- status ------------------------------------------------------------------------
     def _gauges(self) -> None:

@@ -149,10 +149,12 @@ def files_show(args: argparse.Namespace) -> int:
 
 
 def janitor(args: argparse.Namespace) -> int:
+    from quiverd.lake.iceberg.held import snapshot_holds
     from quiverd.lake.janitor import sweep
 
     async def go(tier: Tier) -> Any:
-        return await sweep(tier, dry_run=args.dry_run)
+        held = snapshot_holds(tier) if tier.cfg.lake.iceberg.enabled else None
+        return await sweep(tier, dry_run=args.dry_run, held=held)
 
     report = msgspec.to_builtins(_with_tier(args, go))
     if args.json:

@@ -181,7 +181,8 @@ class Lake:
             "store_denied": bool(m.lake_denied.total()),
             "errors": {k: int(v) for k, v in m.lake_errors.by_label("kind").items() if v},
             "transitions": {k: int(v) for k, v in m.lake_transitions.by_label("state").items()},
-            "iceberg": self.projector.status() if self.projector else {"enabled": False},
+            "iceberg": self.projector.status() if self.projector
+            else {"enabled": self.cfg.lake.iceberg.enabled, "state": "not started"},
         }
 
 

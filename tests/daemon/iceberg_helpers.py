@@ -49,7 +49,7 @@ def wait_projected(d: DaemonProcess, timeout: float = 60) -> dict[str, Any]:
     ice: dict[str, Any] = {}
     while time.monotonic() < deadline:
         ice = d.status()["lake"]["iceberg"]
-        if ice["lag_files"] == 0 and ice["last_reconcile_ns"]:
+        if ice.get("lag_files") == 0 and ice["last_reconcile_ns"]:
             if first is None:
                 first = ice["last_reconcile_ns"]
             elif ice["last_reconcile_ns"] != first:

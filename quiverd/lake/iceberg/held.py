@@ -1,0 +1,64 @@
+"""Which compacted lake files an Iceberg snapshot still holds (the janitor keeps those).
+
+A compaction's replace snapshot removes the old files from the table's current state,
+but older snapshots keep referencing them until ``expire`` drops those snapshots
+(``[lake.iceberg] keep_snapshots_s``): an engine reading the table as of an older
+snapshot (time travel, a query planned before the replace) still opens them. So the
+janitor deletes a compacted object only when no unexpired snapshot of its table
+references it. Unknown (the catalog or the store cannot be read) means held.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import anyio
+
+from quiverd.lake.iceberg.names import catalog_uri, table_name
+from quiverd.lake.iceberg.projection import Projection
+from quiverd.lake.model import FileRow
+from quiverd.lake.tier import Tier
+
+
+def held_ids(projection: Projection, location_of: Callable[[str], str],
+             rows: list[FileRow]) -> set[str]:
+    """Ids of ``rows`` whose object an unexpired snapshot of its table references
+    (blocking: one metadata read per table). ``location_of`` maps an object key to the
+    location the tables hold (``ObjectStore.location``)."""
+    by_table: dict[str, list[FileRow]] = defaultdict(list)
+    for row in rows:
+        by_table[table_name(row.client_name, row.slot)].append(row)
+    held: set[str] = set()
+    for table, group in by_table.items():
+        referenced = projection.referenced_locations(table)
+        held.update(r.file_id for r in group if location_of(r.object_key) in referenced)
+    return held
+
+
+def snapshot_holds(tier: Tier) -> Callable[[list[FileRow]], Awaitable[set[str]]]:
+    """``held`` for a janitor sweep outside the daemon (``quiverd janitor``): opens the
+    projection's catalog for the call, in a worker thread; any failure holds every row."""
+    cfg = tier.cfg
+
+    def blocking(rows: list[FileRow]) -> set[str]:
+        projection = Projection(catalog_uri=catalog_uri(cfg.catalog, Path(cfg.data_dir)),
+                                warehouse=tier.store.location(""),
+                                io_properties=tier.store.iceberg_io_properties(),
+                                cfg=cfg.lake.iceberg)
+        try:
+            return held_ids(projection, tier.store.location, rows)
+        finally:
+            projection.close()
+
+    async def held(rows: list[FileRow]) -> set[str]:
+        try:
+            return await anyio.to_thread.run_sync(blocking, rows)
+        except Exception as exc:  # noqa: BLE001 - unknown means keep
+            tier.log.warning("iceberg_references_unknown", files=len(rows), error=str(exc),
+                             hint="compacted objects are kept until the Iceberg catalog "
+                             "answers")
+            return {r.file_id for r in rows}
+
+    return held
