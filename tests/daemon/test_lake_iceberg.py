@@ -186,11 +186,13 @@ def test_iceberg_compaction_is_one_replace_and_objects_outlive_snapshots(
     assert d.stop() == 0
     # Expire every snapshot but the current one: now the janitor deletes them.
     d.settings["lake.iceberg.keep_snapshots_s"] = 0.001
+    d._write_config()
     d.start()
     wait_projected(d)
     out = quiverd_cli("janitor", "--config", str(d.config_path), "--json")
     assert out.returncode == 0, out.stderr
-    assert not any(uri_path_exists(p) for p in old_paths)
+    assert not any(uri_path_exists(p) for p in old_paths), out.stdout
+    assert len(load(d, "quiver.client-0").snapshots()) == 1
     assert sorted(_keys(scan(d, "quiver.client-0"))) == keys_before
     assert d.stop() == 0
 
