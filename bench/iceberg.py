@@ -48,10 +48,10 @@ from lake import (  # noqa: E402
     run_uploader,
 )
 
-from quiverd.kernel.config import load  # noqa: E402
+from quiverd.kernel.config import CatalogConfig  # noqa: E402
 from quiverd.kernel.logs import get as get_logger  # noqa: E402
+from quiverd.lake.catalog import open_catalog  # noqa: E402
 from quiverd.lake.model import REGISTERED, FileRow  # noqa: E402
-from quiverd.lake.tier import open_tier  # noqa: E402
 
 STEADY_S = 30.0
 STEADY_MB_S = 20.0  # well under the uploader's rate: a steady state, not a backlog
@@ -132,7 +132,7 @@ def steady_lag(pool: Pool, seconds: float, root: Path) -> dict[str, Any]:
                     raise TimeoutError(f"projection still lags: {ice}")
                 time.sleep(0.5)
             final = daemon.status()["lake"]["iceberg"]
-            per_file = anyio.run(_file_lags, daemon.config_path)
+            per_file = anyio.run(_file_lags, daemon.data_dir)
         finally:
             daemon.stop_ok()
     finally:
@@ -143,14 +143,14 @@ def steady_lag(pool: Pool, seconds: float, root: Path) -> dict[str, Any]:
             "commits": final["commits"], "commit_p99_ms": final["commit_p99_ms"]}
 
 
-async def _file_lags(config_path: Path) -> dict[str, float]:
+async def _file_lags(data_dir: Path) -> dict[str, float]:
     """Seconds from each registered file's upload to the snapshot that added it."""
     from pyiceberg.catalog.sql import SqlCatalog
 
-    cfg = load(config_path)
-    async with open_tier(cfg, get_logger("bench")) as tier:
-        rows: list[FileRow] = await tier.catalog.list_files(states=REGISTERED)
-    cat = SqlCatalog("quiverd", uri=f"sqlite:///{Path(cfg.data_dir) / 'catalog.sqlite'}")
+    db = data_dir / "catalog.sqlite"
+    async with open_catalog(CatalogConfig(), db, log=get_logger("bench")) as catalog:
+        rows: list[FileRow] = await catalog.list_files(states=REGISTERED)
+    cat = SqlCatalog("quiverd", uri=f"sqlite:///{db}")
     added_ms: dict[str, int] = {}
     for ident in cat.list_tables("quiver"):
         for snap in cat.load_table(ident).snapshots():
