@@ -1,3 +1,4 @@
 from quiverd.cli.process_exit import console
 
-console()
+if __name__ == "__main__":  # not when a worker process (anyio.to_process) loads it
+    console()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
@@ -41,12 +40,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.config import IcebergConfig
-from quiverd.kernel.errors import LakeError
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
-from quiverd.lake.iceberg import CommitResult, DataFileRef, Projection, table_name
-from quiverd.lake.iceberg.held import held_ids
+from quiverd.lake.iceberg import CommitResult, DataFileRef, table_name
+from quiverd.lake.iceberg.remote import RemoteProjection
 from quiverd.lake.model import REGISTERED, FileRow
 from quiverd.lake.tier import Tier
 
@@ -88,11 +86,10 @@ class Pending:
 
 
 class Projector:
-    def __init__(self, tier: Tier, open_projection: Callable[[], Projection], *, log: Logger,
+    def __init__(self, tier: Tier, projection: RemoteProjection, *, log: Logger,
                  metrics: Metrics, health: LakeHealth) -> None:
         self.tier, self.log, self.m = tier, log, metrics
-        self.open_projection = open_projection  # blocking (connects): run in a thread
-        self._projection: Projection | None = None
+        self.projection = projection  # in a worker process (lake.iceberg.remote)
         self.health = health
         self.cfg: IcebergConfig = tier.cfg.lake.iceberg
         self.time_column = tier.cfg.lake.time_column
@@ -106,7 +103,6 @@ class Projector:
         # after), and must not add it twice.
         self.added: dict[str, float] = {}  # file id -> monotonic time of its commit
         self.reconcile_due = anyio.Event()
-        self.limiter = anyio.CapacityLimiter(1)  # one Projection call at a time
         self.commits = 0
         self.snapshots_expired = 0
         self.last_commit_s: float | None = None
@@ -139,19 +135,6 @@ class Projector:
                 await self._rounds()
             finally:
                 tg.cancel_scope.cancel()
-                with anyio.CancelScope(shield=True):
-                    await self.close()
-
-    @property
-    def projection(self) -> Projection:
-        if self._projection is None:
-            raise LakeError("the Iceberg projection is not open yet")
-        return self._projection
-
-    async def close(self) -> None:
-        if self._projection is not None:
-            await anyio.to_thread.run_sync(self._projection.close)
-            self._projection = None
 
     async def _first_reconcile(self) -> None:
         """Files registered before a crash and compactions since, soon after the start
@@ -170,8 +153,6 @@ class Projector:
             await self._gather()
             started = anyio.current_time()
             try:
-                if self._projection is None:
-                    self._projection = await anyio.to_thread.run_sync(self.open_projection)
                 if self.reconcile_due.is_set():
                     self.reconcile_due = anyio.Event()
                     await self.reconcile()
@@ -236,7 +217,7 @@ class Projector:
         refs = [self._ref(r) for r in add]
         summary = {"quiverd.source-id": self.tier.source_id, "quiverd.node-id": self.tier.node_id,
                    "quiverd.kind": kind}
-        result = await self._call(self.projection.commit, table, refs, remove, summary=summary)
+        result = await self.projection.commit(table, refs, remove, summary=summary)
         self.commits += 1
         now = time.monotonic()
         self.added.update(dict.fromkeys(result.added, now))
@@ -266,11 +247,6 @@ class Projector:
                            client=row.client_name, slot=row.slot,
                            partition_column=self.time_column)
 
-    async def _call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-        def call() -> T:
-            return fn(*args, **kwargs)
-        return await anyio.to_thread.run_sync(call, limiter=self.limiter)
-
     # ---- the reconciler ----------------------------------------------------------------
     async def reconcile(self) -> None:
         """Make each table's current snapshot hold exactly this source's live files."""
@@ -280,9 +256,9 @@ class Projector:
         for row in mine:
             if row.state in REGISTERED and row.file_id not in self.skipped:
                 want[table_name(row.client_name, row.slot)][row.file_id] = row
-        tables = set(want) | set(await self._call(self.projection.tables))
+        tables = set(want) | set(await self.projection.tables())
         for table in sorted(tables):
-            present = await self._call(self.projection.live_locations, table)
+            present = await self.projection.live_locations(table)
             wanted = want.get(table, {})
             present_ids = set(present.values())
             add = [r for fid, r in wanted.items() if fid not in present_ids]
@@ -295,8 +271,7 @@ class Projector:
                 self.log.info("iceberg_reconciled", table=table, added=len(add),
                               removed=len(remove))
             self.pending.done(list(wanted))
-            expired = await self._call(self.projection.expire, table,
-                                       older_than_s=self.cfg.keep_snapshots_s)
+            expired = await self.projection.expire(table, older_than_s=self.cfg.keep_snapshots_s)
             self.snapshots_expired += expired
         self.last_reconcile_ns = time.time_ns()
 
@@ -304,8 +279,16 @@ class Projector:
     async def referenced(self, rows: list[FileRow]) -> set[str]:
         """Ids of ``rows`` whose object a live (unexpired) snapshot still references:
         the janitor keeps those objects. On any error every one counts as referenced."""
+        by_table: dict[str, list[FileRow]] = defaultdict(list)
+        for row in rows:
+            by_table[table_name(row.client_name, row.slot)].append(row)
+        held: set[str] = set()
         try:
-            return await self._call(held_ids, self.projection, self.tier.store.location, rows)
+            for table, group in by_table.items():
+                referenced = await self.projection.referenced_locations(table)
+                held.update(r.file_id for r in group
+                            if self.tier.store.location(r.object_key) in referenced)
+            return held
         except Exception as exc:  # noqa: BLE001 - unknown means keep
             self.log.warning("iceberg_references_unknown", files=len(rows), error=str(exc))
             return {r.file_id for r in rows}

@@ -36,7 +36,8 @@ from quiverd.kernel.errors import (
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
-from quiverd.lake.iceberg import Projection, catalog_uri
+from quiverd.lake.iceberg import catalog_uri
+from quiverd.lake.iceberg.remote import RemoteProjection, Settings
 from quiverd.lake.tier import Tier, open_tier
 from quiverd_actors.dispatcher import Session
 from quiverd_actors.indexer import Indexer
@@ -144,13 +145,11 @@ class Lake:
         if not cfg.lake.iceberg.enabled:
             return None
 
-        def open_projection() -> Projection:
-            return Projection(catalog_uri=catalog_uri(cfg.catalog, Path(cfg.data_dir)),
-                              warehouse=tier.store.location(""),
-                              io_properties=tier.store.iceberg_io_properties(),
-                              cfg=cfg.lake.iceberg)
-
-        return Projector(tier, open_projection, log=self.log, metrics=self.m,
+        settings = Settings(catalog_uri=catalog_uri(cfg.catalog, Path(cfg.data_dir)),
+                            warehouse=tier.store.location(""),
+                            io_properties=tier.store.iceberg_io_properties(),
+                            cfg=cfg.lake.iceberg)
+        return Projector(tier, RemoteProjection(settings), log=self.log, metrics=self.m,
                          health=self.health)
 
     async def _ensure_subscriber(self) -> None:
