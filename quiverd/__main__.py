@@ -1,4 +1,4 @@
-from quiverd.cli.process_exit import console
+if __name__ == "__main__":  # not when a worker process (anyio.to_process) loads this file
+    from quiverd.cli.process_exit import console
 
-if __name__ == "__main__":  # not when a worker process (anyio.to_process) loads it
     console()
