@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1/8 of the volume, 10 s steady")
     p.add_argument("--repeat", type=int, default=2, help="off/on pairs (default 2)")
     p.add_argument("--steady-s", type=float, default=None)
+    p.add_argument("--mib", type=int, default=None, help="Arrow IPC per uploader run")
     p.add_argument("--only", nargs="+", default=["throughput", "lag"],
                    choices=["throughput", "lag"])
     p.add_argument("--dir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     volume = VOLUME_BYTES // 8 if args.quick else VOLUME_BYTES
+    volume = args.mib << 20 if args.mib else volume
     steady_s = args.steady_s or (10.0 if args.quick else STEADY_S)
     pool = Pool.make(POOL, BUNDLE_BYTES, SEED)
     meta = {"commit": git_head(), "cores": os.cpu_count(), "python": platform.python_version(),

@@ -314,6 +314,14 @@ def _status(args: argparse.Namespace) -> int:
               f"pending_bytes {lake.get('pending_bytes', 0)}  "
               f"open_files {lake['open_files']}  unacked_bundles {lake['unacked_bundles']}"
               + ("  STORE DENIED (check lake.store credentials)" if lake["store_denied"] else ""))
+        ice = lake.get("iceberg") or {}
+        if ice.get("enabled") and "lag_files" in ice:
+            print(f"iceberg  lag_files {ice['lag_files']}  lag_s {ice['lag_s']}  "
+                  f"commits {ice['commits']}  last_commit_ms {ice['last_commit_ms']}  "
+                  f"commit_p99_ms {ice['commit_p99_ms']}  files_skipped {ice['files_skipped']}"
+                  + (f"  last_error {ice['last_error']}" if ice.get("last_error") else ""))
+        elif not ice.get("enabled"):
+            print("iceberg off (lake.iceberg.enabled = false)")
         _print_degraded(lake.get("degraded") or {})
     else:
         print("lake off (lake.enabled = false)")
