@@ -73,6 +73,8 @@ def test_iceberg_table_holds_every_row_once_and_duckdb_reads_it(daemon_factory: 
                for i in (s.summary.additional_properties.get("quiverd.file-ids") or "").split(",")
                if i}
         assert ids >= {r.file_id for r in rows if r.client_name == client and r.slot == 0}
+    plain = quiverd_cli("status", "--socket", str(d.admin_socket)).stdout
+    assert "iceberg  lag_files 0  lag_s 0" in plain, plain
     samples = scrape(event["address"])
     assert total(samples, "quiver_lake_iceberg_lag_files") == 0
     assert total(samples, "quiver_lake_iceberg_lag_seconds") == 0
