@@ -28,7 +28,7 @@ from quiverd.lake.drift import conform, normalize
 from quiverd.lake.model import INGESTED_AT, Coverage, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, FileFacts, ParquetSettings, file_name
 from quiverd.lake.partitions import hour_of_ns
-from quiverd.lake.store import ObjectStore
+from quiverd.lake.store import open_store
 from quiverd.lake.tier import Tier
 
 LOG = logs.get("test")
@@ -52,7 +52,7 @@ async def open_test_tier(root: Path, *, store: StoreConfig | None = None, dsn: s
     for d in (data.staging_active, data.staging_stable):
         d.mkdir(parents=True, exist_ok=True)
     catalog = open_catalog(cfg.catalog, data.catalog_db, log=LOG)
-    object_store = ObjectStore(cfg.lake.store, data_dir=root, log=LOG)
+    object_store = open_store(cfg.lake.store, data_dir=root, log=LOG)
     await catalog.start()
     try:
         yield Tier(cfg=cfg, data=data, store=object_store, catalog=catalog, node_id=node_id,

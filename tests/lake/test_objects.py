@@ -29,7 +29,7 @@ from quiverd.kernel.errors import (
     VerifyFailed,
 )
 from quiverd.lake import store as store_options
-from quiverd.lake.store import ObjectStore, local, objects
+from quiverd.lake.store import ObjectStore, local, objects, open_store
 
 KEY = "client=c/slot=0/node/01J0000000000000000000000A.parquet"
 
@@ -65,7 +65,7 @@ def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., 
             cfg = StoreConfig(scheme="s3", root="/lake", options=bucket, **overrides)
         else:
             cfg = StoreConfig(**overrides)
-        return ObjectStore(cfg, data_dir=tmp_path / "data", log=Log())  # type: ignore[arg-type]
+        return open_store(cfg, data_dir=tmp_path / "data", log=Log())  # type: ignore[arg-type]
 
     return make
 
@@ -74,13 +74,13 @@ def fault_store(s3_faults: Any, tmp_path: Path, **overrides: Any) -> ObjectStore
     fields: dict[str, Any] = {"max_attempts": 4, "retry_base_ms": 5, "retry_max_ms": 20,
                               "timeout_ms": 2_000, **overrides}
     cfg = StoreConfig(scheme="s3", options=s3_faults.options, **fields)
-    return ObjectStore(cfg, data_dir=tmp_path / "data", log=Log())  # type: ignore[arg-type]
+    return open_store(cfg, data_dir=tmp_path / "data", log=Log())  # type: ignore[arg-type]
 
 
 def direct_store(s3_faults: Any, tmp_path: Path) -> ObjectStore:
     """The same bucket without the proxy, to check what really is there."""
     cfg = StoreConfig(scheme="s3", options=s3_faults.direct_options)
-    return ObjectStore(cfg, data_dir=tmp_path / "data", log=Log())  # type: ignore[arg-type]
+    return open_store(cfg, data_dir=tmp_path / "data", log=Log())  # type: ignore[arg-type]
 
 
 # -- both backends --------------------------------------------------------------------------
@@ -177,7 +177,7 @@ async def test_objects_local_file_not_as_sealed_leaves_no_object(
 async def test_objects_upload_streams_in_chunks(tmp_path: Path) -> None:
     import tracemalloc
 
-    store = ObjectStore(StoreConfig(), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
+    store = open_store(StoreConfig(), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
     size = 32 * MiB
     path, crc = sealed(tmp_path, size)
     tracemalloc.start()
@@ -192,7 +192,7 @@ async def test_objects_upload_streams_in_chunks(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 async def test_objects_verify_reads_back_without_user_metadata(tmp_path: Path) -> None:
     # OpenDAL's memory service keeps no user metadata: the CRC is checked by reading back.
-    store = ObjectStore(StoreConfig(scheme="memory"), data_dir=tmp_path,
+    store = open_store(StoreConfig(scheme="memory"), data_dir=tmp_path,
                         log=Log())  # type: ignore[arg-type]
     assert not store.keeps_user_metadata and store.conditional_create
     path, crc = sealed(tmp_path, 3 * MiB)
@@ -206,7 +206,7 @@ async def test_objects_verify_reads_back_without_user_metadata(tmp_path: Path) -
 async def test_objects_fs_without_xattrs_verifies_by_reading_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(local, "_has_user_xattrs", lambda _: False)  # e.g. NFS
-    store = ObjectStore(StoreConfig(), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
+    store = open_store(StoreConfig(), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
     assert not store.keeps_user_metadata
     path, crc = sealed(tmp_path, 9 * MiB)
     await store.put_file(KEY, path, size=9 * MiB, crc32c=crc)
@@ -243,7 +243,7 @@ def test_objects_config_errors_name_the_key(tmp_path: Path) -> None:
 
 
 def test_objects_keys_are_plain_relative_paths(tmp_path: Path) -> None:
-    store = ObjectStore(StoreConfig(), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
+    store = open_store(StoreConfig(), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
     for bad in ["", "/a", "a/", "a//b", "a/../b", "./a", ".tmp/x"]:
         with pytest.raises(ValueError, match="bad object key"):
             objects._check_key(bad)

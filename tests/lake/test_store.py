@@ -37,9 +37,9 @@ def test_store_table_chooses_the_class_by_scheme(tmp_path: Path) -> None:
     assert store_class("memory") is ObjectStore and store_class("gcs") is ObjectStore
     fs = open_store(StoreConfig(), data_dir=tmp_path, log=LOG)
     assert type(fs) is LocalStore and fs.is_local
-    # ObjectStore(cfg, ...) is open_store: the table picks the class.
-    assert type(ObjectStore(StoreConfig(), data_dir=tmp_path, log=LOG)) is LocalStore
-    memory = ObjectStore(StoreConfig(scheme="memory"), data_dir=tmp_path, log=LOG)
+    # open_store: the table picks the class.
+    assert type(open_store(StoreConfig(), data_dir=tmp_path, log=LOG)) is LocalStore
+    memory = open_store(StoreConfig(scheme="memory"), data_dir=tmp_path, log=LOG)
     assert type(memory) is ObjectStore and not memory.is_local
     assert type(s3_store(tmp_path)) is S3Store and not S3Store.is_local
 

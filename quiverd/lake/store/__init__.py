@@ -16,7 +16,7 @@ Guarantees: ``SCHEMES`` below is the only place that names a scheme; everything 
 asks a store (``is_local``, ``uri``, ``location``, ``local_path``, ``key_of``,
 ``iceberg_io_properties``) or, holding only a StoreConfig, the class ``store_class``
 returns (``store_root``, ``opendal_options``, ``file_under``, ``keys_withheld``).
-Opening a store (``open_store``, or ``ObjectStore(cfg, ...)``, which is the same) builds
+Opening a store (``open_store``: the class the table names for the scheme) builds
 the operator and, for fs, creates the temp directory; the class methods do no I/O.
 """
 

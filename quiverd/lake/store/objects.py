@@ -2,8 +2,8 @@
 
 ``ObjectStore`` is the generic store (any scheme the table in ``quiverd.lake.store``
 does not name); a subclass says what one service does differently through the hooks
-below (``LocalStore`` for fs, ``S3Store`` for s3). ``ObjectStore(cfg, ...)`` builds the
-class the table names for ``cfg.scheme``, as ``open_store`` does. The store owns its
+below (``LocalStore`` for fs, ``S3Store`` for s3); ``open_store`` builds the class the
+table names for ``cfg.scheme``. The store owns its
 root: only it (or, for code holding just a StoreConfig, its class) relates a root, a
 key, a URI and a location.
 
@@ -79,13 +79,6 @@ KINDS = ("throttled", "server", "timeout", "connection", "denied", "verify", "ex
 class ObjectStore(StoreNames):
     """One OpenDAL operator behind quiverd's rules; share one per process and store.
     Its names (root, uri, location, local_path, ...) are StoreNames'."""
-
-    def __new__(cls, cfg: StoreConfig, **_: Any) -> ObjectStore:
-        if cls is ObjectStore:
-            # The scheme table lives in the package, which imports this module.
-            from quiverd.lake.store import store_class
-            cls = store_class(cfg.scheme)
-        return super().__new__(cls)
 
     def __init__(self, cfg: StoreConfig, *, data_dir: Path, log: Logger) -> None:
         self.cfg = cfg
