@@ -216,7 +216,7 @@ async def test_objects_fs_without_xattrs_verifies_by_reading_back(
 
 def test_objects_config_errors_name_the_key(tmp_path: Path) -> None:
     def make(**kw: Any) -> ObjectStore:
-        return ObjectStore(StoreConfig(**kw), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
+        return open_store(StoreConfig(**kw), data_dir=tmp_path, log=Log())  # type: ignore[arg-type]
 
     with pytest.raises(ConfigError, match="bucket is missing") as err:
         make(scheme="s3", options={"region": "us-east-1"})
