@@ -7,6 +7,7 @@ import sys
 import time
 import urllib.parse
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,40 @@ def wait_degraded(d: DaemonProcess, part: str, timeout: float = 30) -> dict[str,
             return lake
         assert time.monotonic() < deadline, (lake, d.log()[-3000:])
         time.sleep(0.1)
+
+
+def produce_through_kills(d: DaemonProcess, bundle: Callable[[int, int], Any], *,
+                          rounds: int = 4, seed: int = 9, producers: int = 2
+                          ) -> set[tuple[int, int]]:
+    """``rounds`` times: ``producers`` threads send ``bundle(k, b)`` as client-k until the
+    daemon is SIGKILLed at a random moment (0.3-1.5 s), then it restarts. Returns the
+    (k, b) the daemon acknowledged; a send the kill cut off does not count."""
+    import random
+    import threading
+
+    acked: set[tuple[int, int]] = set()
+    rng = random.Random(seed)
+    for round_no in range(rounds):
+        stop = threading.Event()
+
+        def produce(k: int, round_no: int = round_no, stop: threading.Event = stop) -> None:
+            try:
+                with Client.connect(d.socket) as c:
+                    b = round_no * 100_000
+                    while not stop.is_set():
+                        c.send(bundle(k, b), client=f"client-{k}")
+                        acked.add((k, b))  # only once the daemon acknowledged it
+                        b += 1
+            except Exception:
+                pass  # the daemon died under us: unacknowledged sends do not count
+
+        threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
+        for t in threads:
+            t.start()
+        time.sleep(rng.uniform(0.3, 1.5))
+        d.kill()
+        stop.set()
+        for t in threads:
+            t.join(10)
+        d.start()
+    return acked

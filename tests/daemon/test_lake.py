@@ -21,6 +21,7 @@ from tests.daemon.lake_helpers import (
     assert_exactly_once,
     lake_contents,
     logs_table,
+    produce_through_kills,
     quiverd_cli,
     registered_rows,
     send_logs,
@@ -144,38 +145,13 @@ def test_lake_kill9_under_load_exactly_once(daemon_factory: Any) -> None:
     last restart every acknowledged batch is in the lake, and no row twice. (A bundle
     made durable whose ack the kill cut off may be there too: that is at least once for
     the producer, never a duplicate.)"""
-    import random
-    import threading
-
-    from quiverd.client import Client
-
     d = daemon_factory({**FAST_LAKE, "lake.file_duration_ms": 150}).start()
-    acked: set[tuple[int, int]] = set()  # (client_no, batch)
-    rng = random.Random(9)
-    for round_no in range(4):
-        stop = threading.Event()
 
-        def produce(k: int, round_no: int = round_no, stop: threading.Event = stop) -> None:
-            try:
-                with Client.connect(d.socket) as c:
-                    b = round_no * 100_000
-                    while not stop.is_set():
-                        t = logs_table(k, b, rows=20)
-                        c.send({0: t, 1: t.slice(0, 1)}, client=f"client-{k}")
-                        acked.add((k, b))  # only once the daemon acknowledged it
-                        b += 1
-            except Exception:
-                pass  # the daemon died under us: unacknowledged sends do not count
+    def bundle(k: int, b: int) -> dict[int, pa.Table]:
+        t = logs_table(k, b, rows=20)
+        return {0: t, 1: t.slice(0, 1)}
 
-        threads = [threading.Thread(target=produce, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
-        time.sleep(rng.uniform(0.3, 1.5))
-        d.kill()
-        stop.set()
-        for t in threads:
-            t.join(10)
-        d.start()
+    acked = produce_through_kills(d, bundle)  # (client_no, batch)
     assert len(acked) > 50
     deadline = time.monotonic() + 90
     while True:

@@ -4,8 +4,6 @@ two daemons on one PostgreSQL catalog and one bucket."""
 
 from __future__ import annotations
 
-import random
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -13,12 +11,12 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from quiverd.client import Client
 from tests.daemon.iceberg_helpers import duckdb_count, load, scan, wait_projected
 from tests.daemon.lake_helpers import (
     FAST_LAKE,
     lake_contents,
     logs_table,
+    produce_through_kills,
     quiverd_cli,
     registered_rows,
     send_logs,
@@ -108,31 +106,7 @@ def test_iceberg_reconciler_adds_a_file_the_crash_left_out_once(daemon_factory: 
 @pytest.mark.slow
 def test_iceberg_exactly_once_under_kill9_with_drift(daemon_factory: Any) -> None:
     d = daemon_factory({**FAST_ICEBERG, "lake.file_duration_ms": 150}).start()
-    acked: set[tuple[int, int]] = set()
-    rng = random.Random(20)
-    for round_no in range(4):
-        stop = threading.Event()
-
-        def produce(k: int, round_no: int = round_no, stop: threading.Event = stop) -> None:
-            try:
-                with Client.connect(d.socket) as c:
-                    b = round_no * 100_000
-                    while not stop.is_set():
-                        c.send(_drifting(k, b), client=f"client-{k}")
-                        acked.add((k, b))
-                        b += 1
-            except Exception:
-                pass  # the daemon died under us: unacknowledged sends do not count
-
-        threads = [threading.Thread(target=produce, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
-        time.sleep(rng.uniform(0.3, 1.5))
-        d.kill()
-        stop.set()
-        for t in threads:
-            t.join(10)
-        d.start()
+    acked = produce_through_kills(d, _drifting, seed=20)
     assert len(acked) > 50
     deadline = time.monotonic() + 120
     while True:
