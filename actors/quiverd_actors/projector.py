@@ -135,6 +135,13 @@ class Projector:
                 await self._rounds()
             finally:
                 tg.cancel_scope.cancel()
+                self.close()
+
+    def close(self) -> None:
+        """Close the notices channel (a notice after this is dropped: the next start
+        reconciles). Idempotent; the lake calls it also when ``run`` never started."""
+        self.notices_tx.close()
+        self.notices_rx.close()
 
     async def _first_reconcile(self) -> None:
         """Files registered before a crash and compactions since, soon after the start

@@ -29,7 +29,6 @@ from typing import Any
 from quiverd.kernel.config import Config
 from quiverd.kernel.layout import DataDir
 from quiverd.lake.model import INGESTED_AT
-from quiverd.lake.store import store_root
 
 # A store option or DSN query parameter whose name contains one of these is a secret
 # (OpenDAL: secret_access_key, access_key_id, session_token, account_key, sas_token,
@@ -54,6 +53,8 @@ def lake_reply(cfg: Config) -> dict[str, Any]:
             withheld.append(f"lake.store.options.{name}")
         else:
             options[name] = value
+    from quiverd.lake.store import store_root  # OpenDAL: only once a reader asks
+
     root = store_root(store, data_dir=Path(cfg.data_dir))
     return {
         "node_id": cfg.lake.node_id or socket.gethostname(),
