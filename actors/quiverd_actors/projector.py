@@ -263,7 +263,9 @@ class Projector:
         for row in mine:
             if row.state in REGISTERED and row.file_id not in self.skipped:
                 want[table_name(row.client_name, row.slot)][row.file_id] = row
-        tables = set(want) | set(await self.projection.tables())
+        # Only tables this source has files in (any state): a daemon that never wrote a
+        # file does not start the projection's worker process at all.
+        tables = {table_name(r.client_name, r.slot) for r in mine}
         for table in sorted(tables):
             present = await self.projection.live_locations(table)
             wanted = want.get(table, {})
