@@ -4,23 +4,27 @@
                                                                         │ group by table
     janitor (compaction done) ──nudge()──▶ reconcile                    ▼
     timer reconcile_interval_s ──────────▶ reconcile ──▶ Projection.commit: one snapshot
-                                                         per table per round (thread)
+                                                         per table per round, in the
+                                                         worker process (iceberg.remote)
 
 quiverd's catalog is the source of truth; the Iceberg tables are a projection of it.
 Each round commits every file gathered since the last one: one snapshot per table,
 whose summary names the quiverd file ids. The uploader never waits on the projection:
 ``registered`` drops a notice when the channel is full and marks the projector
-*behind*, and the next reconcile finds the file anyway.
+*behind*, and the next reconcile finds the file anyway. Rounds are spaced so commits
+take at most ``DUTY`` of the time (more files per snapshot under load).
 
-The reconciler (at start, on its timer, after a compaction, and whenever notices were
-dropped) compares, per table, this source's registered files with the table's current
+The reconciler (5 s after the start, on its timer, after a compaction, after a failed
+round, and whenever notices were dropped) compares, per table this source has files
+in, this source's registered files with the table's current
 snapshot: registered files missing from it are added, files of this source that the
 catalog no longer holds as live (compacted) are removed, both in one snapshot (so a
 compaction is one replace). It only ever touches this source's files, so several
 daemons on one catalog never remove or add each other's; their commits race through
 Iceberg's compare-and-swap, retried in ``Projection.commit``. Commits and reconcile
-passes run one at a time (a single task), so a file is never added twice by one
-daemon. After each pass snapshots older than ``keep_snapshots_s`` are expired.
+passes run one at a time (a single task), and a file a pass added is not added again
+by its late notice, so a file is never added twice by one daemon. After each pass
+snapshots older than ``keep_snapshots_s`` are expired.
 
 A file Iceberg cannot hold (a ``timestamp[ns]`` column kept for precision, a type
 change Iceberg cannot express) is *skipped*: logged once, counted
@@ -33,7 +37,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from typing import TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -54,7 +57,6 @@ NOTICES = 4096  # registrations buffered for the next round; more: reconcile fin
 NS_PER_S = 1_000_000_000
 ADDED_KEPT = 100_000  # ids of files committed lately, kept against a late notice
 RECENT_COMMITS = 1000  # status's commit p99 is over the last this many commits
-T = TypeVar("T")
 
 
 class Pending:
