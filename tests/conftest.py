@@ -19,6 +19,7 @@ import pytest
 from quiverd.net.admin import request
 
 START_TIMEOUT_S = 20.0
+ICEBERG_OFF = "lake.iceberg.enabled"  # written False unless a test's settings say True
 
 # Real services for the storage tier, started once per run and stopped at its end:
 # PostgreSQL (initdb/pg_ctl under runuser) and moto's S3 server on loopback.
@@ -49,7 +50,11 @@ class DaemonProcess:
     def _write_config(self) -> None:
         lines = [f'data_dir = "{self.data_dir}"']
         sections: dict[str, dict[str, Any]] = {}
-        for key, value in self.settings.items():
+        # The Iceberg projection (on by default) starts a worker process, about a
+        # CPU-second, in every daemon that registers a file; only the tests that say
+        # so run it (tests/daemon/test_lake_iceberg*.py, the lake's defaults test, the
+        # open-lake Spark test), which keeps the suite minutes shorter.
+        for key, value in {ICEBERG_OFF: False, **self.settings}.items():
             if "." in key:
                 section, name = key.split(".", 1)
                 sections.setdefault(section, {})[name] = value

@@ -43,7 +43,7 @@ def _wait_lag_zero(d: Any, timeout: float = 30) -> None:
 
 
 def test_lake_embedded_defaults_upload_register_index_evict(daemon_factory: Any) -> None:
-    d = daemon_factory({**FAST_LAKE}).start()
+    d = daemon_factory({**FAST_LAKE, "lake.iceberg.enabled": True}).start()
     sent = send_logs(d, clients=2, batches=12)
     rows = wait_for_lake(d, sent)
     _wait_lag_zero(d)
@@ -78,6 +78,11 @@ def test_lake_embedded_defaults_upload_register_index_evict(daemon_factory: Any)
     assert {z["column"] for z in shown["zone_maps"]} >= {"_quiver_ingested_at"}
     lake = d.status()["lake"]
     assert lake["state"] == "running" and lake["files_uploaded"] == len(rows)
+    # On by default: the Iceberg projection commits the registered files.
+    deadline = time.monotonic() + 30
+    while d.status()["lake"]["iceberg"].get("commits", 0) < 1:
+        assert time.monotonic() < deadline, (d.status()["lake"]["iceberg"], d.log()[-3000:])
+        time.sleep(0.2)
     # Every lifecycle step was logged with its file id.
     for step in ("received", "appended", "rotated", "uploaded", "metaregistered",
                  "indexed", "evicted"):

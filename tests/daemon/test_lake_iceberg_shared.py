@@ -19,7 +19,8 @@ def test_iceberg_two_daemons_one_postgres_catalog_one_bucket(
         daemon_factory: Any, pg_catalog_dsn: str, s3_bucket: dict[str, str],
         s3_server: Any) -> None:
     shared = {**FAST_LAKE, "catalog.dsn": pg_catalog_dsn, **_s3_settings(s3_bucket),
-              "lake.iceberg.reconcile_interval_s": 1.0, "lake.iceberg.linger_ms": 20}
+              "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 1.0,
+              "lake.iceberg.linger_ms": 20}
     a = daemon_factory({**shared, "lake.node_id": "node-a"}, name="a").start()
     b = daemon_factory({**shared, "lake.node_id": "node-b"}, name="b").start()
     sent = Counter[tuple[str, int]]()

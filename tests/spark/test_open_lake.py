@@ -30,7 +30,7 @@ def test_plain_spark_parquet_reads_a_client_prefix_with_partitions(
         spark: Any, daemon_factory: Any) -> None:
     from collections import Counter
 
-    d = daemon_factory({**FAST_LAKE, "lake.time_column": "ts",
+    d = daemon_factory({**FAST_LAKE, "lake.time_column": "ts", "lake.iceberg.enabled": True,
                         "lake.iceberg.reconcile_interval_s": 1.0}).start()
     with Client.connect(d.socket) as c:
         for h in range(3):
