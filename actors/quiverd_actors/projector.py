@@ -1,6 +1,6 @@
 """Projector: registered lake files in, Iceberg snapshots out (SPEC §6, "Iceberg projection").
 
-    publisher ──registered(row)──▶ notices (bounded, never waits) ──▶ gather linger_ms
+    publisher ──registered(row)──▶ pending (bounded, never waits) ──▶ gather linger_ms
                                                                         │ group by table
     janitor (compaction done) ──nudge()──▶ reconcile                    ▼
     timer reconcile_interval_s ──────────▶ reconcile ──▶ Projection.commit: one snapshot
@@ -10,12 +10,13 @@
 quiverd's catalog is the source of truth; the Iceberg tables are a projection of it.
 Each round commits every file gathered since the last one: one snapshot per table,
 whose summary names the quiverd file ids. The uploader never waits on the projection:
-``registered`` drops a notice when the channel is full and marks the projector
-*behind*, and the next reconcile finds the file anyway. Rounds are spaced so commits
-take at most ``DUTY`` of the time (more files per snapshot under load).
+``registered`` records the file (its wait is the lag ``status`` shows) or, past
+``PENDING_MAX``, asks for a reconcile pass, which finds the file in the catalog.
+Rounds are spaced so commits take at most ``DUTY`` of the time (more files per snapshot
+under load).
 
 The reconciler (5 s after the start, on its timer, after a compaction, after a failed
-round, and whenever notices were dropped) compares, per table this source has files
+round, and when files were not recorded) compares, per table this source has files
 in, this source's registered files with the table's current
 snapshot: registered files missing from it are added, files of this source that the
 catalog no longer holds as live (compacted) are removed, both in one snapshot (so a
@@ -39,7 +40,6 @@ import time
 from collections import defaultdict, deque
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.config import IcebergConfig
@@ -48,12 +48,12 @@ from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.iceberg import CommitResult, DataFileRef, table_name
 from quiverd.lake.iceberg.remote import RemoteProjection
-from quiverd.lake.model import REGISTERED, FileRow
+from quiverd.lake.model import REGISTERED, UNFINISHED, FileRow, FileState
 from quiverd.lake.tier import Tier
 
 DUTY = 0.1  # at most this share of the time goes to commits (rounds are spaced)
 FIRST_RECONCILE_MAX_S = 5.0
-NOTICES = 4096  # registrations buffered for the next round; more: reconcile finds them
+PENDING_MAX = 100_000  # files waiting for a snapshot; past it the reconciler finds them
 NS_PER_S = 1_000_000_000
 ADDED_KEPT = 100_000  # ids of files committed lately, kept against a late notice
 RECENT_COMMITS = 1000  # status's commit p99 is over the last this many commits
@@ -95,16 +95,15 @@ class Projector:
         self.health = health
         self.cfg: IcebergConfig = tier.cfg.lake.iceberg
         self.time_column = tier.cfg.lake.time_column
-        send, recv = anyio.create_memory_object_stream[FileRow](NOTICES)
-        self.notices_tx: MemoryObjectSendStream[FileRow] = send
-        self.notices_rx: MemoryObjectReceiveStream[FileRow] = recv
-        self.pending = Pending()
+        self.pending = Pending()  # registered, not yet committed (what status calls lag)
+        self.wake = anyio.Event()  # set by a notice or a reconcile request
+        self.reconcile_due = False
+        self.round_commit_s = 0.0  # commit time of the current round (the duty cycle)
         self.skipped: dict[str, str] = {}  # file id -> reason, never tried again
         # Files this projector committed lately: a notice can still be queued for a file
         # a reconcile pass already added (registered before its catalog listing, noticed
         # after), and must not add it twice.
         self.added: dict[str, float] = {}  # file id -> monotonic time of its commit
-        self.reconcile_due = anyio.Event()
         self.commits = 0
         self.snapshots_expired = 0
         self.last_commit_s: float | None = None
@@ -115,16 +114,16 @@ class Projector:
     # ---- inputs (event loop, never wait) -------------------------------------------
     def registered(self, row: FileRow) -> None:
         """A file was registered in quiverd's catalog: project it in the next round."""
-        try:
-            self.notices_tx.send_nowait(row)
-        except anyio.WouldBlock:
-            self.nudge()  # the reconciler finds it in the catalog
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass  # stopping: the next start reconciles
+        if len(self.pending) >= PENDING_MAX:
+            self.nudge()  # too many waiting: the reconciler finds it in the catalog
+            return
+        self.pending.add(row, time.time_ns())
+        self.wake.set()
 
     def nudge(self) -> None:
-        """Reconcile soon (after a compaction, or when notices were dropped)."""
-        self.reconcile_due.set()
+        """Reconcile soon (after a compaction, or when a file was not recorded)."""
+        self.reconcile_due = True
+        self.wake.set()
 
     # ---- the actor -------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -137,13 +136,6 @@ class Projector:
                 await self._rounds()
             finally:
                 tg.cancel_scope.cancel()
-                self.close()
-
-    def close(self) -> None:
-        """Close the notices channel (a notice after this is dropped: the next start
-        reconciles). Idempotent; the lake calls it also when ``run`` never started."""
-        self.notices_tx.close()
-        self.notices_rx.close()
 
     async def _first_reconcile(self) -> None:
         """Files registered before a crash and compactions since, soon after the start
@@ -160,10 +152,10 @@ class Projector:
         attempt = 0
         while True:
             await self._gather()
-            started = anyio.current_time()
+            self.round_commit_s = 0.0
             try:
-                if self.reconcile_due.is_set():
-                    self.reconcile_due = anyio.Event()
+                if self.reconcile_due:
+                    self.reconcile_due = False
                     await self.reconcile()
                 await self._commit_pending()
             except Exception as exc:  # noqa: BLE001 - the projection never stops the lake
@@ -184,41 +176,28 @@ class Projector:
                 self.health.ok("iceberg")
                 self.last_error = None
             self._gauges()
-            # A commit is pure-Python work (manifests, metadata JSON) that shares the GIL
-            # with the uploader: rounds are spaced so the projection takes at most
-            # DUTY of the time, at the cost of more files per snapshot.
-            await anyio.sleep((anyio.current_time() - started) * (1 / DUTY - 1))
+            # Commits cost CPU (in the worker process) that the uploader would use:
+            # rounds are spaced so commits take at most DUTY of the time, at the cost of
+            # more files per snapshot under load.
+            await anyio.sleep(self.round_commit_s * (1 / DUTY - 1))
 
     async def _gather(self) -> None:
         """Wait for a notice or a reconcile request, then linger to fill the round."""
-        if not len(self.pending) and not self.reconcile_due.is_set():
+        if not len(self.pending) and not self.reconcile_due:
             with anyio.move_on_after(self.cfg.reconcile_interval_s):
-                async with anyio.create_task_group() as tg:
-                    async def first_notice() -> None:
-                        self.pending.add(await self.notices_rx.receive(), time.time_ns())
-                        tg.cancel_scope.cancel()
-
-                    async def reconcile_asked() -> None:
-                        await self.reconcile_due.wait()
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(first_notice)
-                    tg.start_soon(reconcile_asked)
+                await self.wake.wait()
+        self.wake = anyio.Event()
         await anyio.sleep(self.cfg.linger_ms / 1000)
-        while True:
-            try:
-                self.pending.add(self.notices_rx.receive_nowait(), time.time_ns())
-            except anyio.WouldBlock:
-                return
 
     # ---- commits ---------------------------------------------------------------------
     async def _commit_pending(self) -> None:
-        for table, files in list(self.pending.by_table.items()):
+        for table in list(self.pending.by_table):
+            files = dict(self.pending.by_table.get(table, {}))  # notices may come meanwhile
             rows = [r for r in files.values()
                     if r.file_id not in self.skipped and r.file_id not in self.added]
             if rows:
                 await self._commit(table, rows, [], kind="append")
-            self.pending.done([r.file_id for r in files.values()])
+            self.pending.done(list(files))
             self._gauges()
 
     async def _commit(self, table: str, add: list[FileRow], remove: list[str], *,
@@ -234,6 +213,7 @@ class Projector:
             for fid in list(self.added)[:len(self.added) - ADDED_KEPT]:
                 del self.added[fid]
         self.last_commit_s = result.took_s
+        self.round_commit_s += result.took_s
         self.recent_commit_s.append(result.took_s)
         self.m.lake_iceberg_commit_latency.observe(result.took_s)
         self.m.lake_iceberg_commits.labels(kind).inc()
@@ -265,9 +245,10 @@ class Projector:
         for row in mine:
             if row.state in REGISTERED and row.file_id not in self.skipped:
                 want[table_name(row.client_name, row.slot)][row.file_id] = row
-        # Only tables this source has files in (any state): a daemon that never wrote a
-        # file does not start the projection's worker process at all.
-        tables = {table_name(r.client_name, r.slot) for r in mine}
+        # Only tables this source has ever registered files in: a daemon that never
+        # registered a file does not start the projection's worker process at all.
+        tables = {table_name(r.client_name, r.slot) for r in mine
+                  if r.state not in UNFINISHED and r.state is not FileState.ABANDONED}
         for table in sorted(tables):
             present = await self.projection.live_locations(table)
             wanted = want.get(table, {})

@@ -138,8 +138,6 @@ class Lake:
             for d in dispatchers:
                 d.detach(session)
             tx.close()
-            if self.projector is not None:
-                self.projector.close()
 
     def _projector(self, tier: Tier) -> Projector | None:
         """The Iceberg projection's actor (``[lake.iceberg] enabled``), or None."""
