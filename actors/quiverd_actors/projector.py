@@ -47,6 +47,7 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.iceberg import CommitResult, DataFileRef, table_name
+from quiverd.lake.iceberg.held import held_ids
 from quiverd.lake.iceberg.remote import RemoteProjection
 from quiverd.lake.model import REGISTERED, UNFINISHED, FileRow, FileState
 from quiverd.lake.tier import Tier
@@ -271,16 +272,9 @@ class Projector:
     async def referenced(self, rows: list[FileRow]) -> set[str]:
         """Ids of ``rows`` whose object a live (unexpired) snapshot still references:
         the janitor keeps those objects. On any error every one counts as referenced."""
-        by_table: dict[str, list[FileRow]] = defaultdict(list)
-        for row in rows:
-            by_table[table_name(row.client_name, row.slot)].append(row)
-        held: set[str] = set()
         try:
-            for table, group in by_table.items():
-                referenced = await self.projection.referenced_locations(table)
-                held.update(r.file_id for r in group
-                            if self.tier.store.location(r.object_key) in referenced)
-            return held
+            return await held_ids(self.projection.referenced_locations,
+                                  self.tier.store.location, rows)
         except Exception as exc:  # noqa: BLE001 - unknown means keep
             self.log.warning("iceberg_references_unknown", files=len(rows), error=str(exc))
             return {r.file_id for r in rows}

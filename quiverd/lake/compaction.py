@@ -52,7 +52,6 @@ from quiverd.kernel.config import LakeConfig
 from quiverd.kernel.durable import fsync_dir
 from quiverd.kernel.errors import CatalogUnavailable, LakeError, LakeFileCorrupt
 from quiverd.kernel.logs import Logger
-from quiverd.lake.bundles import as_current, upgrade
 from quiverd.lake.catalog import ReplaceConflict
 from quiverd.lake.drift import conform, normalize, unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState
@@ -268,14 +267,9 @@ def _new_row(tier: Tier, rows: list[FileRow], facts: FileFacts, *, new_id: str, 
     first = min((r.first_segment, r.first_bundle) for r in rows)
     last = max((r.last_segment, r.last_bundle) for r in rows)
     head = rows[0]
-    start_ts = min(r.start_ts for r in rows)
-    if facts.start_ts or facts.end_ts:
-        # An input from before issue 20 had its ns ingestion times truncated to µs
-        # (bundles.upgrade): the output's min may be below every input's start_ts.
-        start_ts = min(start_ts, facts.start_ts)
     return FileRow(
         file_id=new_id, client_name=head.client_name, uri=tier.store.uri(key),
-        start_ts=start_ts, end_ts=max(r.end_ts for r in rows),
+        start_ts=min(r.start_ts for r in rows), end_ts=max(r.end_ts for r in rows),
         row_count=facts.rows, uncompressed_size=facts.uncompressed_size,
         compressed_size=facts.compressed_size, schema_hash=facts.schema_hash,
         indexes=list(facts.indexes), uploaded_at=time.time_ns(), node_id=tier.node_id,
@@ -324,7 +318,7 @@ def _schema_runs(paths: list[Path]) -> list[tuple[int, int, pa.Schema]]:
     runs: list[tuple[int, int, pa.Schema]] = []
     start, current = 0, None
     for i, path in enumerate(paths):
-        incoming = as_current(pq.read_schema(path))  # a file from before issue 20 too
+        incoming = pq.read_schema(path)  # never an old-layout file (plan skips those)
         merged = unify(current, incoming)
         if merged is None:
             assert current is not None, "unify(None, s) always succeeds"
@@ -347,7 +341,7 @@ def _write(paths: list[Path], schema: pa.Schema, active: Path, stable: Path,
         pending: list[pa.Table] = []
         held = 0
         for path in paths:
-            table = conform(upgrade(read_verified(path)), schema)
+            table = conform(read_verified(path), schema)
             pending.append(table)
             held += table.nbytes
             if held >= row_group_bytes:

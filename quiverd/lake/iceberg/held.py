@@ -22,39 +22,43 @@ from quiverd.lake.model import FileRow
 from quiverd.lake.tier import Tier
 
 
-def held_ids(projection: Projection, location_of: Callable[[str], str],
-             rows: list[FileRow]) -> set[str]:
-    """Ids of ``rows`` whose object an unexpired snapshot of its table references
-    (blocking: one metadata read per table). ``location_of`` maps an object key to the
-    location the tables hold (``ObjectStore.location``)."""
+async def held_ids(referenced: Callable[[str], Awaitable[set[str]]],
+                   location_of: Callable[[str], str], rows: list[FileRow]) -> set[str]:
+    """Ids of ``rows`` whose object an unexpired snapshot of its table references.
+    ``referenced(table)`` gives the locations a table's snapshots hold (one metadata
+    read per table); ``location_of`` maps an object key to such a location
+    (``ObjectStore.location``)."""
     by_table: dict[str, list[FileRow]] = defaultdict(list)
     for row in rows:
         by_table[table_name(row.client_name, row.slot)].append(row)
     held: set[str] = set()
     for table, group in by_table.items():
-        referenced = projection.referenced_locations(table)
-        held.update(r.file_id for r in group if location_of(r.object_key) in referenced)
+        locations = await referenced(table)
+        held.update(r.file_id for r in group if location_of(r.object_key) in locations)
     return held
 
 
 def snapshot_holds(tier: Tier) -> Callable[[list[FileRow]], Awaitable[set[str]]]:
     """``held`` for a janitor sweep outside the daemon (``quiverd janitor``): opens the
-    projection's catalog for the call, in a worker thread; any failure holds every row."""
+    projection's catalog for the call, in worker threads; any failure holds every row."""
     cfg = tier.cfg
 
-    def blocking(rows: list[FileRow]) -> set[str]:
-        projection = Projection(catalog_uri=catalog_uri(cfg.catalog, Path(cfg.data_dir)),
-                                warehouse=tier.store.location(""),
-                                io_properties=tier.store.iceberg_io_properties(),
-                                cfg=cfg.lake.iceberg)
-        try:
-            return held_ids(projection, tier.store.location, rows)
-        finally:
-            projection.close()
+    def open_projection() -> Projection:
+        return Projection(catalog_uri=catalog_uri(cfg.catalog, Path(cfg.data_dir)),
+                          warehouse=tier.store.location(""),
+                          io_properties=tier.store.iceberg_io_properties(),
+                          cfg=cfg.lake.iceberg)
 
     async def held(rows: list[FileRow]) -> set[str]:
         try:
-            return await anyio.to_thread.run_sync(blocking, rows)
+            projection = await anyio.to_thread.run_sync(open_projection)
+            try:
+                return await held_ids(
+                    lambda table: anyio.to_thread.run_sync(projection.referenced_locations,
+                                                           table),
+                    tier.store.location, rows)
+            finally:
+                await anyio.to_thread.run_sync(projection.close)
         except Exception as exc:  # noqa: BLE001 - unknown means keep
             tier.log.warning("iceberg_references_unknown", files=len(rows), error=str(exc),
                              hint="compacted objects are kept until the Iceberg catalog "
