@@ -12,9 +12,9 @@ for the id's range (a shard fits 16 bits, a bundle index 32, a segment seq 63: t
 catalog stores it as a signed 64-bit int too; a seq of 2**63 or more is refused with
 ValueError, never wrapped), microseconds for the time. Files written before issue 20
 hold the *legacy* types (timestamp[ns, UTC], uint16, uint64, uint32): ``as_current``
-names their columns with the current types and ``upgrade`` casts their values (the
-ingestion time truncated to microseconds, the ids exactly), so readers and compaction
-present one schema across old and new files.
+names their columns with the current types, and the Spark reader casts their values to
+it (the ingestion time truncated to microseconds, the ids exactly), so a read presents
+one schema across old and new files. Compaction never takes an old file.
 
 Ingest refuses producer columns with the ``_quiver_`` prefix (SPEC §1); in a bundle
 stored before that rule, a producer column of the same name wins (it is left as sent).
@@ -119,18 +119,6 @@ def as_current(schema: pa.Schema) -> pa.Schema:
     current = {f.name: f for f in EXTRA_FIELDS}
     return pa.schema([current[f.name] if LEGACY_TYPES.get(f.name) == f.type else f
                       for f in schema], metadata=schema.metadata)
-
-
-def upgrade(table: pa.Table) -> pa.Table:
-    """``table`` (a lake file's rows) with quiverd's columns of the legacy types cast to
-    the current ones: the ids exactly (a segment seq past int64 fails), the ingestion
-    time truncated to microseconds (the daemon's clock means no more)."""
-    for i, f in enumerate(table.schema):
-        if LEGACY_TYPES.get(f.name) == f.type:
-            new = next(x for x in EXTRA_FIELDS if x.name == f.name)
-            safe = f.name != INGESTED_AT
-            table = table.set_column(i, new, table.column(i).cast(new.type, safe=safe))
-    return table
 
 
 def time_column_of(schema: pa.Schema, wanted: str) -> str:
