@@ -52,3 +52,34 @@ def test_iceberg_two_daemons_one_postgres_catalog_one_bucket(
         assert scan(a, f"quiver.{client}__slot1", **kw).num_rows == sent[(client, 1)]
     for d in (a, b):
         assert d.stop() == 0
+
+
+def test_iceberg_catches_up_after_a_postgresql_outage(
+        daemon_factory: Any, postgres_server: Any, pg_catalog_dsn: str) -> None:
+    """The catalog database stops mid-run: ingest goes on, the lake and the projection
+    wait; once it is back, the table holds every row once."""
+    d = daemon_factory({**FAST_LAKE, "catalog.dsn": pg_catalog_dsn,
+                        "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 1.0,
+                        "lake.iceberg.linger_ms": 20}).start()
+    sent = send_logs(d, clients=1, batches=4, two_slots_every=0)
+    wait_for_lake(d, sent)
+    wait_projected(d)
+    postgres_server.stop("immediate")
+    try:
+        sent.update(send_logs(d, clients=1, batches=4, start=4, two_slots_every=0))
+        import time
+        deadline = time.monotonic() + 30
+        while "catalog" not in d.status()["lake"].get("degraded", {}) \
+                and "iceberg" not in d.status()["lake"].get("degraded", {}):
+            assert time.monotonic() < deadline, d.log()[-3000:]
+            time.sleep(0.2)
+    finally:
+        postgres_server.start()
+    wait_for_lake(d, sent, timeout=90)
+    ice = wait_projected(d, timeout=90)
+    assert ice["last_error"] is None
+    got = scan(d, "quiver.client-0", dsn=pg_catalog_dsn)
+    keys = list(zip(got["batch"].to_pylist(), got["i"].to_pylist(), strict=True))
+    assert len(keys) == len(set(keys)) == sent[("client-0", 0)]
+    assert "iceberg" not in d.status()["lake"]["degraded"]
+    assert d.stop() == 0
