@@ -46,10 +46,12 @@ NS_PER_S = 1_000_000_000
 
 class Janitor:
     def __init__(self, tier: Tier, *, log: Logger, metrics: Metrics, held: Held | None = None,
-                 compacted: Callable[[], None] | None = None) -> None:
+                 replaced: Callable[[], None] | None = None) -> None:
         self.tier, self.log, self.m = tier, log, metrics
         self.held = held  # ids of compacted rows a live Iceberg snapshot still references
-        self.compacted = compacted  # called after a compaction replaced files
+        # Called when live files changed under the uploader: a compaction replaced some,
+        # or the scrub quarantined one (the Iceberg projection reconciles then).
+        self.replaced = replaced
         # Compaction's Parquet work runs in these threads (reads, zstd: GIL released).
         self.limiter = anyio.CapacityLimiter(max(1, tier.cfg.lake.compaction.parallelism))
         self.last_report: JanitorReport | None = None
@@ -83,8 +85,8 @@ class Janitor:
     async def compact_once(self) -> list[CompactionResult]:
         results = await compact(self.tier, limiter=self.limiter, log=self.log)
         self.last_compaction = results
-        if self.compacted is not None and any(r.outcome == "compacted" for r in results):
-            self.compacted()
+        if self.replaced is not None and any(r.outcome == "compacted" for r in results):
+            self.replaced()
         failed = sum(1 for r in results if r.outcome == "failed")
         if failed:
             self.m.lake_errors.labels("compaction").inc(failed)
@@ -94,6 +96,8 @@ class Janitor:
         async def corrupt(found: Corrupt) -> None:
             self.m.lake_objects_corrupt.labels().inc()
             self.m.lake_errors.labels("corrupt_object").inc()
+            if self.replaced is not None:
+                self.replaced()
 
         report = await scrub_pass(self.tier, on_corrupt=corrupt,
                                   rate_bytes_per_s=self.tier.cfg.lake.scrub.rate_mb_per_s * 1e6)

@@ -121,7 +121,7 @@ class Lake:
                           hook=self.faults.get("lake"))
         self.janitor = Janitor(tier, log=self.log, metrics=self.m,
                                held=self.projector.referenced if self.projector else None,
-                               compacted=self.projector.nudge if self.projector else None)
+                               replaced=self.projector.nudge if self.projector else None)
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.uploader.run, rx)
