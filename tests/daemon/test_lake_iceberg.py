@@ -26,7 +26,7 @@ from tests.daemon.lake_helpers import (
 from tests.daemon.test_metrics import scrape, total
 
 pytestmark = pytest.mark.timeout(240)
-FAST_ICEBERG = {**FAST_LAKE, "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 1.0,
+FAST_ICEBERG = {**FAST_LAKE, "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 0.5,
                 "lake.iceberg.linger_ms": 50}
 
 

@@ -19,7 +19,7 @@ def test_iceberg_two_daemons_one_postgres_catalog_one_bucket(
         daemon_factory: Any, pg_catalog_dsn: str, s3_bucket: dict[str, str],
         s3_server: Any) -> None:
     shared = {**FAST_LAKE, "catalog.dsn": pg_catalog_dsn, **_s3_settings(s3_bucket),
-              "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 1.0,
+              "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 0.5,
               "lake.iceberg.linger_ms": 20}
     a = daemon_factory({**shared, "lake.node_id": "node-a"}, name="a").start()
     b = daemon_factory({**shared, "lake.node_id": "node-b"}, name="b").start()
@@ -59,7 +59,7 @@ def test_iceberg_catches_up_after_a_postgresql_outage(
     """The catalog database stops mid-run: ingest goes on, the lake and the projection
     wait; once it is back, the table holds every row once."""
     d = daemon_factory({**FAST_LAKE, "catalog.dsn": pg_catalog_dsn,
-                        "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 1.0,
+                        "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 0.5,
                         "lake.iceberg.linger_ms": 20}).start()
     sent = send_logs(d, clients=1, batches=4, two_slots_every=0)
     wait_for_lake(d, sent)

@@ -31,7 +31,7 @@ def test_plain_spark_parquet_reads_a_client_prefix_with_partitions(
     from collections import Counter
 
     d = daemon_factory({**FAST_LAKE, "lake.time_column": "ts", "lake.iceberg.enabled": True,
-                        "lake.iceberg.reconcile_interval_s": 1.0}).start()
+                        "lake.iceberg.reconcile_interval_s": 0.5}).start()
     with Client.connect(d.socket) as c:
         for h in range(3):
             c.send(_rows(h), client="web")
