@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -134,7 +135,30 @@ async def probe(cfg: Config, log: Logger) -> list[str]:
     except LakeError as exc:
         raise type(exc)(f"probe of lake.store ({store.uri('')}) failed: {exc}") from exc
     lines = [f"store {store.uri('')}: ok (wrote, read back and deleted {key})"]
-    catalog = open_catalog(cfg.catalog, data.catalog_db, log=log)
+    if cfg.catalog.dsn or data.root.is_dir():
+        lines.append(await _probe_catalog(cfg, data.catalog_db, log, ""))
+        return lines
+    # A fresh install: the embedded catalog lives in data_dir, which serve creates at its
+    # first start. The probe creates nothing there; it checks that serve could create it
+    # and migrates a scratch catalog, so the answer matches what serve will do.
+    parent = data.root.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        what = ("does not exist" if not parent.exists() else "is not a directory"
+                if not parent.is_dir() else "is not writable by this user")
+        raise ConfigError("data_dir", f"probe of the catalog (sqlite) failed: {data.root} "
+                          f"does not exist and its parent {parent} {what}",
+                          hint="fix data_dir, or create it for the daemon's user (systemd: "
+                          "StateDirectory= creates /var/lib/quiverd); run the probe as that user")
+    with tempfile.TemporaryDirectory(prefix="quiverd-probe-") as scratch:
+        lines.append(await _probe_catalog(
+            cfg, Path(scratch) / data.catalog_db.name, log,
+            f"; {data.root} does not exist yet: serve creates it, the schema was migrated "
+            "on a scratch copy"))
+    return lines
+
+
+async def _probe_catalog(cfg: Config, db_path: Path, log: Logger, note: str) -> str:
+    catalog = open_catalog(cfg.catalog, db_path, log=log)
     try:
         await catalog.start()
     except CatalogUnavailable as exc:
@@ -143,8 +167,7 @@ async def probe(cfg: Config, log: Logger) -> list[str]:
     finally:
         with anyio.CancelScope(shield=True):
             await catalog.close()
-    lines.append(f"catalog {catalog.backend}: ok (connected, schema migrated)")
-    return lines
+    return f"catalog {catalog.backend}: ok (connected, schema migrated{note})"
 
 
 def validate_node_id(node_id: str) -> None:

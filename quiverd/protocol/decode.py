@@ -8,6 +8,7 @@ judges a decoded bundle's Arrow payloads (server side, in a worker thread).
 
 from __future__ import annotations
 
+import codecs
 import re
 import struct
 from typing import Any
@@ -172,10 +173,16 @@ def _job(r: _Reader, frame_type: FrameType
                             f"{MAX_JOB_BODY_BYTES}")
     raw = r.take(length)
     r.finish()  # framing before content: a wrong length is not reported as bad JSON
+    # UTF-8 is checked here, not left to msgspec: its wording (and even its exception
+    # type) for invalid UTF-8 changed between releases, and the answer a client gets must
+    # not depend on which msgspec a machine installed. JOB bodies are small (bounded above).
+    try:
+        codecs.utf_8_decode(raw, "strict", True)
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is not UTF-8 (invalid byte "
+                            f"at offset {exc.start})") from None
     try:
         body = _JOB_BODY.decode(raw)
-    except UnicodeDecodeError:
-        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is not UTF-8") from None
     except msgspec.ValidationError:
         raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is JSON but not an object "
                             "with string keys") from None

@@ -69,3 +69,28 @@ def test_probe_postgres_wrong_port_fails(
     assert done.stderr.startswith("quiverd: probe of the catalog (postgresql) failed"), \
         done.stderr
     assert "hint:" in done.stderr and "catalog.dsn" in done.stderr, done.stderr
+
+
+def test_probe_fresh_install_own_store_root_ok_and_creates_nothing(tmp_path: Path) -> None:
+    """A fresh install whose store root is not under data_dir: data_dir does not exist
+    yet (serve creates it); the probe says so, migrates a scratch catalog and writes
+    nothing there, instead of failing with SQLITE_CANTOPEN and a catalog.dsn hint."""
+    data_dir = tmp_path / "data"
+    path = tmp_path / "config.toml"
+    path.write_text(f'data_dir = "{data_dir}"\n[lake.store]\nroot = "{tmp_path / "store"}"\n')
+    done = quiverd_cli("check-config", "--probe", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "catalog sqlite: ok" in done.stdout and "serve creates it" in done.stdout, done.stdout
+    assert not data_dir.exists()
+
+
+def test_probe_fresh_install_data_dir_parent_missing_names_data_dir(tmp_path: Path) -> None:
+    data_dir = tmp_path / "typo" / "data"
+    path = tmp_path / "config.toml"
+    path.write_text(f'data_dir = "{data_dir}"\n[lake.store]\nroot = "{tmp_path / "store"}"\n')
+    done = quiverd_cli("check-config", "--probe", str(path))
+    assert done.returncode == 1
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("quiverd: data_dir: probe of the catalog (sqlite) failed"), first
+    assert f"its parent {tmp_path / 'typo'} does not exist" in first, first
+    assert "catalog.dsn" not in done.stderr

@@ -57,6 +57,7 @@ def test_systemd_install_into_a_root_then_unit_verifies(tmp_path: Path) -> None:
     assert version.startswith("quiverd ")
     in_image = Path("/opt/quiverd") / site.relative_to(root / "opt/quiverd")
     assert compiled == str(in_image / "quiverd/cli/main.py")  # the bytecode's file name
+    _installed_daemon_serves_the_default_config(root, tmp_path)
     # verify resolves the unit's dependencies (sysinit.target, ...) inside the root.
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system",
                     dirs_exist_ok=True)
@@ -68,6 +69,32 @@ def test_systemd_install_into_a_root_then_unit_verifies(tmp_path: Path) -> None:
     broken = subprocess.run(["systemd-analyze", f"--root={root}", "verify", "quiverd.service"],
                             capture_output=True, text=True, timeout=60)
     assert broken.returncode != 0 and "not executable" in broken.stderr
+
+
+def _installed_daemon_serves_the_default_config(root: Path, tmp_path: Path) -> None:
+    """The plain install (no test or bench extras) imports every module and serves the
+    installed config.toml as it is, but for a 1 s lake file rotation (default 5 min): the
+    daemon starts, acks, registers the rows in the lake (the Iceberg projection's worker
+    process included) and stops on SIGTERM with exit 0. /var/lib is a private tmpfs, so
+    the default data_dir /var/lib/quiverd is this test's."""
+    config = tmp_path / "config.toml"
+    text = (root / "etc/quiverd/config.toml").read_text()
+    assert text == (ROOT / "config.toml").read_text()
+    config.write_text(text.replace("\nfile_duration_ms = 300000\n", "\nfile_duration_ms = 1000\n"))
+    assert config.read_text() != text
+    work = tmp_path / "smoke"
+    work.mkdir()
+    script = Path(__file__).with_name("installed_smoke.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-ec",
+         f"mount -t tmpfs tmpfs /opt && mkdir /opt/quiverd && "
+         f"mount --bind {root}/opt/quiverd /opt/quiverd && "
+         "mount -t tmpfs tmpfs /var/lib && mkdir /var/lib/quiverd && "
+         f"exec /opt/quiverd/bin/python -I {script} {config} {work}"],
+        capture_output=True, text=True, timeout=240, cwd="/", env=env)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1:] == ["ok"], \
+        proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
 @needs_systemd_tools

@@ -677,7 +677,11 @@ def test_decoder_refuses_overlong_job_frame_before_allocation() -> None:
         (b'["op", "commit"]', "JOB: body is JSON but not an object"),
         (b'"commit"', "JOB: body is JSON but not an object"),
         (b"null", "JOB: body is JSON but not an object"),
-        (b'{"op": "\xff"}', "JOB: body is not UTF-8"),
+        (b'{"op": "\xff"}', r"JOB: body is not UTF-8 \(invalid byte at offset 8\)$"),
+        (b"\xff", r"JOB: body is not UTF-8 \(invalid byte at offset 0\)$"),
+        # A UTF-16 surrogate encoded as UTF-8, and a sequence cut short at the end.
+        (b'{"op": "\xed\xa0\x80"}', r"JOB: body is not UTF-8 \(invalid byte at offset 8\)$"),
+        (b'{"op": "\xc3', r"JOB: body is not UTF-8 \(invalid byte at offset 8\)$"),
     ],
 )
 def test_decoder_rejects_bad_job_json(raw: bytes, message: str) -> None:
