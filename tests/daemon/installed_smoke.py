@@ -47,6 +47,9 @@ def main(config: Path, work: Path) -> int:
         _wait(lambda: _lake_rows(quiverd, config) >= ROWS, f"{ROWS} rows in the lake")
         if (got := _lake_rows(quiverd, config)) != ROWS:
             return _fail(f"the lake holds {got} rows, {ROWS} sent", work)
+        _wait(lambda: _iceberg_rows(data_dir) >= ROWS, f"{ROWS} rows in the Iceberg table")
+        if (got := _iceberg_rows(data_dir)) != ROWS:
+            return _fail(f"the Iceberg table holds {got} rows, {ROWS} sent", work)
         subprocess.run([*quiverd, "status", "--config", str(config)], check=True,
                        timeout=TIMEOUT_S, stdout=subprocess.DEVNULL)
     finally:
@@ -89,6 +92,20 @@ def _lake_rows(quiverd: list[str], config: Path) -> int:
                           "smoke", "--json"], capture_output=True, text=True, check=True,
                          timeout=TIMEOUT_S).stdout
     return sum(int(f["row_count"]) for f in json.loads(out))
+
+
+def _iceberg_rows(data_dir: Path) -> int:
+    """Rows in the projection's table quiver.smoke, read as an outside engine would
+    (docs/iceberg.md); 0 while the table does not exist yet."""
+    from pyiceberg.catalog.sql import SqlCatalog
+    from pyiceberg.exceptions import NoSuchTableError
+
+    catalog = SqlCatalog("quiverd", uri=f"sqlite:///{data_dir / 'catalog.sqlite'}",
+                         warehouse=f"file://{data_dir / 'objects'}")
+    try:
+        return int(catalog.load_table(("quiver", "smoke")).scan().to_arrow().num_rows)
+    except NoSuchTableError:
+        return 0
 
 
 def _wait(ready: Callable[[], bool], what: str) -> None:
