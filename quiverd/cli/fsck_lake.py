@@ -6,16 +6,20 @@ lake of a data directory checked against its catalog, after the shard checks.
                                               size differs      FINDING lake_object_corrupt
                                               read all: CRC-32C FINDING lake_object_corrupt
     Quarantined ────────────────────────────▶ LOST: its rows are no longer in the lake
+    Lost (`quiverd files forget`) ──────────▶ KNOWN: that loss, reported before
 
 The catalog and store are those of ``--config`` (whose ``data_dir`` must be DATA_DIR),
 or without it the embedded defaults: ``DATA_DIR/catalog.sqlite`` and the fs store under
 ``DATA_DIR/objects``. Every object is read in full for its CRC-32C (``--no-crc``: stat
 only). Nothing is written unless ``--repair``, which quarantines damaged objects as the
 lake scrub does (``quarantine/<key>`` in the store, row Quarantined). A missing object
-cannot be repaired: restore it from a backup or versioning.
+or a quarantined file cannot be repaired here: ``quiverd files restore FILE_ID --from
+PATH`` puts a backup back (checked against the row's size and CRC-32C), ``quiverd
+files forget FILE_ID`` records a quarantined file as lost.
 
 Exit status as fsck's: 1 when a FINDING remains or a LOST line is printed (a
-quarantined file's rows are lost from the lake: no repair brings them back), else 0.
+quarantined file's rows are not in the lake until it is restored), else 0. KNOWN lines
+(files recorded as lost) do not count: that loss was reported when it was recorded.
 A data directory whose lake never ran (no ``lake.id``, no embedded catalog) is
 reported as such and is healthy.
 """
@@ -35,7 +39,7 @@ from quiverd.kernel import logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import ConfigError
 from quiverd.kernel.layout import DataDir
-from quiverd.lake.model import REGISTERED, FileRow, FileState
+from quiverd.lake.model import REGISTERED, RESTORABLE, FileRow, FileState
 
 if TYPE_CHECKING:
     from quiverd.lake.tier import Tier
@@ -60,6 +64,7 @@ class LakeReport(msgspec.Struct, kw_only=True):
     crc_checked: bool = True
     findings: list[LakeFinding] = msgspec.field(default_factory=list)
     lost: list[LakeFinding] = msgspec.field(default_factory=list)  # quarantined files
+    known_lost: list[LakeFinding] = msgspec.field(default_factory=list)  # forgotten files
     repairs: list[dict[str, str]] = msgspec.field(default_factory=list)
     note: str = ""
 
@@ -116,11 +121,14 @@ async def _check(cfg: Config, report: LakeReport, repair: bool) -> LakeReport:
         report.node_id, report.catalog = tier.node_id, tier.catalog.backend
         report.store = tier.store.uri("")
         rows = await tier.catalog.list_files(node_id=tier.node_id,
-                                             states=REGISTERED | {FileState.QUARANTINED},
+                                             states=REGISTERED | RESTORABLE,
                                              limit=LIST_LIMIT)
         for row in rows:
             if row.state is FileState.QUARANTINED:
                 report.lost.append(_lost(tier, row))
+                continue
+            if row.state is FileState.LOST:
+                report.known_lost.append(_known(row))
                 continue
             report.files += 1
             report.bytes += row.compressed_size
@@ -151,7 +159,9 @@ async def _check_row(tier: Tier, row: FileRow, *, crc: bool) -> LakeFinding | No
     except FileNotFoundError:
         return LakeFinding(kind="lake_object_missing", file_id=row.file_id, uri=row.uri,
                            message=f"{what} is registered but the store has no object: "
-                           "restore it from a backup or versioning")
+                           "`quiverd files restore FILE_ID --from PATH` puts a backup back "
+                           "(or restore the key from the store's versioning, then `quiverd "
+                           "files restore FILE_ID` checks it)")
     if reason is None:
         return None
     return LakeFinding(kind="lake_object_corrupt", file_id=row.file_id, uri=row.uri,
@@ -182,7 +192,17 @@ def _lost(tier: Tier, row: FileRow) -> LakeFinding:
         f"{row.row_count} rows, bundles ({row.shard}, {row.first_segment}, "
         f"{row.first_bundle})..({row.shard}, {row.last_segment}, {row.last_bundle})) is "
         f"quarantined, its damaged object at {where}: its rows are not in the lake; "
-        "restore the object from a backup or re-ingest the rows")
+        f"`quiverd files restore {row.file_id} --from PATH` puts a backup back, or re-ingest "
+        f"the rows and `quiverd files forget {row.file_id}` records the file as lost")
+
+
+def _known(row: FileRow) -> LakeFinding:
+    return LakeFinding(
+        kind="lake_file_lost", file_id=row.file_id, uri=row.uri,
+        message=f"lake file {row.file_id} (client {row.client_name} slot {row.slot}, "
+        f"{row.row_count} rows, bundles ({row.shard}, {row.first_segment}, "
+        f"{row.first_bundle})..({row.shard}, {row.last_segment}, {row.last_bundle})) was "
+        "recorded as lost (`quiverd files forget`): its rows are not in the lake")
 
 
 def _print(report: LakeReport) -> None:
@@ -200,6 +220,8 @@ def _print(report: LakeReport) -> None:
         print(f"... and {len(report.findings) - FINDINGS_SHOWN} more findings not listed")
     for f in report.lost[:FINDINGS_SHOWN]:
         print(f"LOST  {f.message}")
+    for f in report.known_lost[:FINDINGS_SHOWN]:
+        print(f"KNOWN  {f.message} (reported when it was recorded)")
     if report.healthy:
         print("lake healthy")
         return

@@ -3,6 +3,8 @@ so they work whether or not the daemon runs.
 
     quiverd files list [--client C] [--since T] [--until T] [--state S] [--json]
     quiverd files show FILE_ID [--json]
+    quiverd files restore FILE_ID [--from PATH] [--json]
+    quiverd files forget FILE_ID [--json]
     quiverd janitor [--dry-run] [--json]
     quiverd compact [--client C] [--dry-run] [--json]
 
@@ -16,6 +18,7 @@ import argparse
 import datetime
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -36,6 +39,7 @@ LIST_COLUMNS = ["file_id", "client_name", "slot", "state", "rows", "bytes", "sta
 STORE_LIST_LIMIT = 200_000  # objects one `files list` lists; the rest are stat'ed
 MISSING = "MISSING"
 QUARANTINED = "quarantined"
+LOST = "lost"  # forgotten: `quiverd files forget`
 
 
 def add_parsers(sub: Any, default_config: str) -> None:
@@ -47,7 +51,8 @@ def add_parsers(sub: Any, default_config: str) -> None:
     s.add_argument("--until", type=parse_time, help="files starting before this time")
     s.add_argument("--state", action="append", choices=[st.value for st in FileState],
                    help="only these states (repeatable; default: the registered and the "
-                   "quarantined ones); column object: ok, MISSING from the store, quarantined")
+                   "quarantined ones); column object: ok, MISSING from the store, "
+                   "quarantined, lost")
     s.add_argument("--limit", type=int, default=None, help="at most this many files")
     _common(s, default_config)
     s.set_defaults(func=files_list)
@@ -55,6 +60,21 @@ def add_parsers(sub: Any, default_config: str) -> None:
     s.add_argument("file_id", help="a file id (ULID) from `quiverd files list`")
     _common(s, default_config)
     s.set_defaults(func=files_show)
+    s = files.add_parser(
+        "restore", help="make a quarantined (or lost) file live again from a copy with the "
+        "catalog's size and CRC-32C; also puts back a registered file's missing object")
+    s.add_argument("file_id", help="a file id (ULID), e.g. from `quiverd fsck DATA_DIR --lake`")
+    s.add_argument("--from", dest="source", metavar="PATH", default=None,
+                   help="a local copy (a backup) to check and upload to the file's key; "
+                   "without it the object already at the key is checked (e.g. restored "
+                   "from the store's versioning)")
+    _common(s, default_config)
+    s.set_defaults(func=files_restore)
+    s = files.add_parser("forget", help="record a quarantined file as lost: its rows are "
+                         "gone from the lake; reads stop failing on it")
+    s.add_argument("file_id", help="a quarantined file's id (ULID)")
+    _common(s, default_config)
+    s.set_defaults(func=files_forget)
 
     s = sub.add_parser("janitor", help="reconcile the object store with the catalog: "
                        "orphan objects, rows without objects, replaced and stale files")
@@ -111,8 +131,9 @@ def files_list(args: argparse.Namespace) -> int:
     bad = sum(1 for m in marks.values() if m in (MISSING, QUARANTINED))
     if bad:
         print(f"{bad} file{'s' * (bad != 1)} without a readable object (MISSING: the store "
-              "has none; quarantined: damaged, moved to quarantine/): `quiverd fsck "
-              "DATA_DIR --lake` lists them with what to do")
+              "has none; quarantined: damaged, moved to quarantine/): `quiverd files "
+              "restore FILE_ID --from PATH` puts a backup back, `quiverd files forget "
+              "FILE_ID` records a quarantined one as lost")
     return 0
 
 
@@ -121,6 +142,7 @@ async def _object_marks(tier: Tier, rows: list[FileRow], client: str | None
     """file_id -> "ok" | MISSING | QUARANTINED for rows that should have an object
     (registered or quarantined); one listing of the store, a stat for what it lacks."""
     marks = {r.file_id: QUARANTINED for r in rows if r.state is FileState.QUARANTINED}
+    marks.update({r.file_id: LOST for r in rows if r.state is FileState.LOST})
     wanted = [r for r in rows if r.state in REGISTERED and r.object_key]
     if not wanted:
         return marks
@@ -145,6 +167,54 @@ def files_show(args: argparse.Namespace) -> int:
         raise ConfigError("file_id", f"no lake file {args.file_id!r} in the catalog",
                           hint="`quiverd files list` shows the registered files")
     print(json.dumps(found, indent=None if args.json else 2))
+    return 0
+
+
+def files_restore(args: argparse.Namespace) -> int:
+    from quiverd.lake.restore import restore_file
+
+    source = Path(args.source) if args.source else None
+    if source is not None and not source.is_file():
+        raise ConfigError("--from", f"{source} is not a file",
+                          hint="pass the backup copy of the lake file (a .parquet file)")
+
+    async def go(tier: Tier) -> tuple[Any, bool, float]:
+        ice = tier.cfg.lake.iceberg
+        return await restore_file(tier, args.file_id, source), ice.enabled, \
+            ice.reconcile_interval_s
+
+    done, iceberg, interval = _with_tier(args, go)
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(done)))
+        return 0
+    if not done.changed:
+        print(f"lake file {done.file_id} is {done.state} and its object at {done.uri} has "
+              "the catalog's size and CRC-32C: nothing to restore")
+        return 0
+    where = "the object at its key" if done.source == "store" else done.source
+    print(f"restored lake file {done.file_id} ({done.rows} rows) from {where}: size and "
+          f"CRC-32C match the catalog; state {done.state}, live again at {done.uri}")
+    if iceberg:
+        print(f"the Iceberg projection adds it back at its next reconcile (every {interval:g} s "
+              "while the daemon runs, or at its next start)")
+    return 0
+
+
+def files_forget(args: argparse.Namespace) -> int:
+    from quiverd.lake.restore import bundle_range, forget_file
+
+    row, moved = _with_tier(args, lambda tier: forget_file(tier, args.file_id))
+    if args.json:
+        print(json.dumps({**msgspec.to_builtins(row), "forgotten_now": moved}))
+        return 0
+    if not moved:
+        print(f"lake file {row.file_id} was already recorded as lost: nothing changed")
+        return 0
+    print(f"LOST  lake file {row.file_id} (client {row.client_name} slot {row.slot}, "
+          f"{row.row_count} rows, bundles {bundle_range(row)}) is recorded as lost: its rows "
+          "are not in the lake; reads no longer fail on it and `quiverd fsck --lake` lists "
+          "it as KNOWN; the damaged copy stays under quarantine/ in the store, and `quiverd "
+          "files restore FILE_ID --from PATH` still brings the file back")
     return 0
 
 

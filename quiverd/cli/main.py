@@ -12,7 +12,7 @@
     quiverd subscribers list [--json]      subscribers and their lag (admin socket)
     quiverd subscribe NAME (--out DIR | --count N)   console consumer (ingest socket)
     quiverd fsck DATA_DIR [--repair] [--lake]   verify WAL, sidecars, segments (+ lake)
-    quiverd files list|show ...            lake files in the catalog (cli/lake.py)
+    quiverd files list|show|restore|forget ...   lake files in the catalog (cli/lake.py)
     quiverd janitor [--dry-run]            reconcile objects and catalog rows
     quiverd compact [--client C]           merge small lake files
 

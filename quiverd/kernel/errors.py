@@ -201,14 +201,17 @@ class LakeFileCorrupt(LakeError):
     file's structure, or its whole-object size or CRC-32C against the catalog."""
 
     hint = ("the lake scrub quarantines such a file (lake.scrub) and `quiverd fsck "
-            "DATA_DIR --lake` lists every damaged object; restore the object from a backup "
-            "or versioning, or re-ingest its rows (segments may still hold them)")
+            "DATA_DIR --lake` lists every damaged object; `quiverd files restore FILE_ID "
+            "--from PATH` puts a backup back (checked against the catalog's size and "
+            "CRC-32C), or re-ingest its rows (segments may still hold them) and `quiverd "
+            "files forget FILE_ID` records the file as lost")
 
 
 class LakeFileMissing(LakeError):
     """The catalog names a lake file whose object the store does not have."""
 
-    hint = ("restore the object from a backup or versioning; `quiverd fsck DATA_DIR --lake` "
+    hint = ("put the object back with `quiverd files restore FILE_ID --from PATH` (a backup, "
+            "checked against the catalog's size and CRC-32C); `quiverd fsck DATA_DIR --lake` "
             "and `quiverd files list` show every missing one; if a compaction replaced it "
             "while the query ran, run the query again")
 

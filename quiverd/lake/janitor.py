@@ -12,12 +12,16 @@
     row Compacted, updated > delete_grace_s ago,
       no live Iceberg snapshot holds it ────────▶ object (+ local copy) deleted, row dropped
     row Abandoned, updated > grace_s ago ────────▶ object deleted if still there, row dropped
+    row Quarantined or Lost, object at its key ──▶ kept: the restore target (an operator
+                                                   put a backup there for `quiverd files
+                                                   restore`), never an orphan
     staging/{active,stable}/ file, no live row,
       mtime older than min(grace_s, 1 h) ────────▶ deleted
 
 A *live* row is Unfinished (Received .. Uploaded), Registered (MetaRegistered, Indexed,
-Evicted), or Compacted within ``compaction.delete_grace_s`` (readers in flight may
-still open the replaced object). Why the grace for orphans: an upload writes its object
+Evicted), Quarantined or Lost (the key is where the file's restored copy goes), or
+Compacted within ``compaction.delete_grace_s`` (readers in flight may still open the
+replaced object). Why the grace for orphans: an upload writes its object
 before its row names it (uploader: put, verify, then Uploaded), and a compaction writes
 its output before ``replace``; an object younger than ``janitor.grace_s`` may be one of
 those. An object's age is its last-modified time, or the ULID inside its file name when
@@ -25,7 +29,8 @@ the store gives none; an object with neither is never judged.
 
 Nothing here can lose data: only objects no live row names are deleted, and a row
 without its object is reported, never dropped (its bundles were acked: the object must
-be restored from a backup). ``dry_run`` reports what a sweep would do and deletes nothing.
+be put back, ``quiverd files restore FILE_ID --from PATH``). ``dry_run`` reports what a
+sweep would do and deletes nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +46,14 @@ import msgspec
 from ulid import ULID
 
 from quiverd.kernel.errors import LakeError
-from quiverd.lake.model import REGISTERED, UNFINISHED, FileRow, FileState, ObjectInfo
+from quiverd.lake.model import (
+    REGISTERED,
+    RESTORABLE,
+    UNFINISHED,
+    FileRow,
+    FileState,
+    ObjectInfo,
+)
 from quiverd.lake.parquet import parse_file_name
 from quiverd.lake.partitions import is_node_key
 from quiverd.lake.tier import Tier
@@ -51,9 +63,11 @@ Held = Callable[[list[FileRow]], Awaitable[set[str]]]  # rows -> ids a snapshot 
 LIST_LIMIT = 200_000  # rows and objects one sweep reads; more: orphans are not judged
 DELETE_BATCH = 500  # row ids per delete_rows call
 STAGING_GRACE_MAX_S = 3600  # staging files: min(janitor.grace_s, this)
-MISSING_HINT = ("the catalog names an object the store no longer has: restore it from a "
-                "backup or versioning; the janitor never drops such a row (its bundles were "
-                "acked)")
+MISSING_HINT = ("the catalog names an object the store no longer has: put a copy back with "
+                "`quiverd files restore FILE_ID --from PATH` (a backup; it checks the size "
+                "and CRC-32C), or restore the key from the store's versioning and run "
+                "`quiverd files restore FILE_ID`; the janitor never drops such a row (its "
+                "bundles were acked)")
 
 
 class JanitorReport(msgspec.Struct, kw_only=True):
@@ -134,7 +148,7 @@ async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None,
 
 
 def _is_live(row: FileRow, now_ns: int, delete_grace_ns: int) -> bool:
-    if row.state in UNFINISHED or row.state in REGISTERED:
+    if row.state in UNFINISHED or row.state in REGISTERED or row.state in RESTORABLE:
         return True
     return row.state is FileState.COMPACTED and now_ns - row.updated_at < delete_grace_ns
 

@@ -12,6 +12,11 @@ redelivered bundle was already uploaded (exactly once into the lake, SPEC §6).
                                MetaRegistered / Indexed / Evicted ─▶ Quarantined
                                    (the object failed its CRC-32C or size check: moved to
                                     quarantine/<key> in the store, see lake.scrub)
+                                                          Quarantined ─▶ Lost
+                                   (`quiverd files forget`: its rows are given up for lost)
+                                         Quarantined / Lost ─▶ Evicted
+                                   (`quiverd files restore`: a copy with the row's size and
+                                    CRC-32C is back at its key; live again)
 
 Times are integer nanoseconds since the Unix epoch (UTC) in every backend.
 """
@@ -41,11 +46,15 @@ class FileState(enum.StrEnum):
     ABANDONED = "Abandoned"  # never registered (crash or error); its object is deleted
     COMPACTED = "Compacted"  # replaced by ``compacted_into``; object deleted after a grace
     QUARANTINED = "Quarantined"  # object damaged: moved to quarantine/, rows not readable
+    LOST = "Lost"  # a quarantined file an operator gave up on: its loss is known, not an error
 
 
 UNFINISHED = frozenset({FileState.RECEIVED, FileState.APPENDED, FileState.ROTATED,
                         FileState.UPLOADED})
 REGISTERED = frozenset({FileState.META_REGISTERED, FileState.INDEXED, FileState.EVICTED})
+# Rows whose object key must stay free for the file's restore (the janitor never deletes
+# an object they name: it may be the copy an operator just put back).
+RESTORABLE = frozenset({FileState.QUARANTINED, FileState.LOST})
 
 
 class FileRow(msgspec.Struct, kw_only=True):

@@ -23,8 +23,11 @@ lake: the event names its bundle range and which of its segments this data direc
 still holds (a copy of the rows, until retention deletes them).
 
 A crash between the steps is safe: before 2, the next pass finds the same damage and
-copies again; after 2, the original key has no live row and the janitor deletes it
-as an orphan after ``lake.janitor.grace_s``.
+copies again; after 2, each pass starts by finishing it (``finish_quarantines``: a
+Quarantined row's key that still holds an object that is not the file is copied to
+quarantine/ if not there yet, then deleted). The janitor never deletes a key a
+Quarantined row names: it is where ``quiverd files restore`` puts the file back, so a
+sound object there is kept.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ async def scrub_pass(tier: Tier, *, rate_bytes_per_s: float, quarantine: bool = 
     """Check every registered object of this node once (module doc)."""
     started = anyio.current_time()
     report = ScrubReport()
+    await finish_quarantines(tier, report)
     rows = await tier.catalog.list_files(node_id=tier.node_id, states=REGISTERED,
                                          limit=LIST_LIMIT)
     chunk = int(min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, rate_bytes_per_s / CHUNKS_PER_S)))
@@ -161,11 +165,38 @@ async def quarantine_file(tier: Tier, row: FileRow, reason: str) -> str:
         f"{row.last_segment}, {row.last_bundle})",
         segments_still_held=held[:SEGMENTS_SHOWN],
         hint="its rows are no longer in the lake: reads naming it fail until it is restored "
-        "(or read with skip_quarantined); restore the object from a backup or versioning, "
+        f"(or read with skip_quarantined); `quiverd files restore {row.file_id} --from PATH` "
+        "puts a backup back (checked against the catalog's size and CRC-32C), "
         + ("or copy the rows out of the segments listed, which still hold them until "
-           "retention deletes them" if held else
-           "or re-ingest them: no segment of this data directory holds them any more"))
+           "retention deletes them," if held else
+           "or re-ingest them (no segment of this data directory holds them any more)")
+        + f" and `quiverd files forget {row.file_id}` records the file as lost")
     return tier.store.uri(target)
+
+
+async def finish_quarantines(tier: Tier, report: ScrubReport) -> None:
+    """Quarantines a crash cut after the row changed: the damaged object still at its
+    key is moved out of the readers' way (module doc). A sound object there is a copy
+    put back for ``quiverd files restore``: kept."""
+    rows = await tier.catalog.list_files(node_id=tier.node_id,
+                                         states=[FileState.QUARANTINED], limit=LIST_LIMIT)
+    for row in rows:
+        if not row.object_key:
+            continue
+        try:
+            if await check_object(tier, row) is None:
+                continue
+            target = QUARANTINE_PREFIX + row.object_key
+            if await tier.store.stat(target) is None:
+                await tier.store.copy(row.object_key, target)
+            await tier.store.delete(row.object_key)
+        except FileNotFoundError:
+            continue  # the usual case: the quarantine moved it out
+        except LakeError as exc:
+            report.failures.append(f"finish quarantine {row.file_id}: {exc}")
+            continue
+        tier.log.warning("lake_quarantine_finished", file_id=row.file_id, uri=row.uri,
+                         quarantined_to=tier.store.uri(target))
 
 
 def segments_held(tier: Tier, row: FileRow) -> list[int]:
@@ -178,5 +209,5 @@ def segments_held(tier: Tier, row: FileRow) -> list[int]:
             if segment_path(segments, seq).exists()]
 
 
-__all__ = ["QUARANTINE_PREFIX", "Corrupt", "ScrubReport", "check_object", "quarantine_file",
-           "scrub_pass"]
+__all__ = ["QUARANTINE_PREFIX", "Corrupt", "ScrubReport", "check_object", "finish_quarantines",
+           "quarantine_file", "scrub_pass"]

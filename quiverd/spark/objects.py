@@ -75,9 +75,10 @@ def quarantined_error(selection: str, rows: list[FileRow]) -> LakeFileCorrupt:
     return LakeFileCorrupt(
         f"{selection}: lake file{'s' * many} "
         f"{files}{more} failed an integrity check and {'are' if many else 'is'} "
-        'quarantined; read the rest with .option("skip_quarantined", "true"), or restore '
-        "the object (quiverd files show FILE_ID names it; the damaged copy is under "
-        "quarantine/ in the store)")
+        'quarantined; read the rest with .option("skip_quarantined", "true"), or put a '
+        "backup back with `quiverd files restore FILE_ID --from PATH` (`quiverd files "
+        "forget FILE_ID` records a file as lost; the damaged copy is under quarantine/ "
+        "in the store)")
 
 
 class FullReads:

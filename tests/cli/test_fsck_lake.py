@@ -44,7 +44,7 @@ def test_fsck_lake_reports_missing_and_damaged_objects_and_repairs(daemon_factor
     assert "healthy" in out.splitlines()[0] or "shards" in out.splitlines()[0]
     assert (f"FINDING  lake_object_missing  {gone.uri}: lake file {gone.file_id} (client "
             f"floats slot 0, {gone.row_count} rows) is registered but the store has no "
-            "object: restore it from a backup or versioning") in out
+            "object: `quiverd files restore FILE_ID --from PATH` puts a backup back") in out
     assert f"FINDING  lake_object_corrupt  {bad.uri}: lake file {bad.file_id}" in out
     assert "CRC-32C" in out and "--lake --repair` quarantines it" in out
     assert good.uri not in out and "2 lake findings" in out
@@ -85,3 +85,44 @@ def test_fsck_lake_healthy_lake_and_no_lake(daemon_factory: Any, tmp_path: Path)
     refused = quiverd_cli("fsck", str(d.data_dir), "--lake", "--config", str(other))
     assert refused.returncode == 1 and "data_dir" in refused.stderr
     assert "hint:" in refused.stderr
+
+
+def test_files_restore_and_forget_clear_fsck_lake(daemon_factory: Any, tmp_path: Path) -> None:
+    """The commands the hints name, as an operator runs them: a quarantined file is put
+    back from a backup (fsck healthy again, the row live), another is forgotten (fsck
+    lists it as KNOWN and exits 0)."""
+    d = daemon_factory({**FAST_LAKE, "shards": 1}).start()
+    back, lost, good = send_files(d, 3)
+    assert d.stop() == 0
+    backup = tmp_path / "backup.parquet"
+    backup.write_bytes(Path(uri_path(back.uri)).read_bytes())
+    for row in (back, lost):
+        flip_in_data_page(uri_path(row.uri))
+    config, data = str(d.config_path), str(d.data_dir)
+    done = quiverd_cli("fsck", data, "--lake", "--config", config, "--repair")
+    assert done.returncode == 1 and "2 quarantined lake files (LOST above)" in done.stdout
+    assert f"`quiverd files restore {back.file_id} --from PATH` puts a backup back" in done.stdout
+
+    wrong = quiverd_cli("files", "restore", back.file_id, "--from", uri_path(good.uri),
+                        "--config", config)
+    assert wrong.returncode == 1 and f"is not lake file {back.file_id}" in wrong.stderr
+    assert "hint:" in wrong.stderr
+    done = quiverd_cli("files", "restore", back.file_id, "--from", str(backup),
+                       "--config", config)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"restored lake file {back.file_id} ({back.row_count} rows) from {backup}" in \
+        done.stdout
+    assert files_list(d)[back.file_id]["object"] == "ok"
+
+    done = quiverd_cli("files", "forget", lost.file_id, "--config", config)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"LOST  lake file {lost.file_id}")
+    again = quiverd_cli("files", "forget", lost.file_id, "--config", config)
+    assert "already recorded as lost" in again.stdout
+    assert lost.file_id not in files_list(d)  # the default listing: live and quarantined
+
+    done = quiverd_cli("fsck", data, "--lake", "--config", config)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"KNOWN  lake file {lost.file_id}" in done.stdout and "LOST" not in done.stdout
+    assert done.stdout.rstrip().endswith("lake healthy")
+    assert "lake: 2 files" in done.stdout

@@ -130,6 +130,24 @@ async def test_sweep_orphan_without_store_time_aged_by_its_ulid(tmp_path: Path) 
     assert _born_ns(ObjectInfo(key="client=app/slot=0/n1/x", size=1)) is None
 
 
+@pytest.mark.asyncio
+async def test_sweep_keeps_the_object_a_quarantined_row_names(tmp_path: Path) -> None:
+    """A quarantined file's key is where its restored copy goes: an object there (put
+    back from a backup, or from the store's versioning) is never an orphan, however old.
+    (It was deleted as one before `quiverd files restore` existed; Lost rows: see
+    tests/lake/test_restore.py.)"""
+    async with open_test_tier(tmp_path / "d") as tier:
+        bad = await add_file(tier, table(), segment=1, keep_local=False)
+        good = await add_file(tier, table(start=10), segment=2, keep_local=False)
+        assert await tier.catalog.set_state_if(bad.file_id, FileState.QUARANTINED,
+                                               (FileState.META_REGISTERED,))
+        for row in (bad, good):
+            age(tier.data.objects / row.object_key, 2 * GRACE_S)
+        report = await sweep(tier, now_ns=time.time_ns() + 2 * GRACE_S * NS)
+        assert report.orphan_objects == [] and not report.failures
+        assert await keys(tier) == {bad.object_key, good.object_key}
+
+
 # ---- rows -------------------------------------------------------------------------------
 
 @pytest.mark.asyncio

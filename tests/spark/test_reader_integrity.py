@@ -58,7 +58,8 @@ def test_reader_missing_object_fails_with_one_clear_message(daemon_factory: Any,
         load(spark, d).count()
     text = str(caught.value)
     assert (f"lake file {second.file_id} ({second.uri}) is registered in the catalog but "
-            "missing from the object store: restore the object") in text
+            "missing from the object store: put the object back with `quiverd files "
+            "restore") in text
     assert "opendal" not in text.lower() and "NotFound" not in text
     Path(uri_path(first.uri)).unlink()  # now the schema's own footer is gone too
     with pytest.raises(Exception, match=f"lake file {first.file_id} .* is registered in the "

@@ -311,6 +311,33 @@ class Catalog(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def restore(self, file_id: str) -> bool:
+        """A quarantined (or lost) file is live again: Quarantined/Lost -> Evicted (its
+        object authoritative, no local copy, zone maps as they were), in one transaction
+        with register's check, so DuplicateCoverage (nothing changed) if another
+        registered file took any of its bundles meanwhile. Notifies like ``register``.
+
+        The caller has checked the object against the row's size and CRC-32C first
+        (``quiverd files restore``). True if this call restored it, False if the file
+        already is registered (a retry); KeyError if unknown; StateConflict otherwise.
+        """
+
+    async def forget(self, file_id: str) -> bool:
+        """A quarantined file is given up for lost: Quarantined -> Lost. Its rows are gone
+        from the lake, and that is now known: readers no longer fail on it and fsck lists
+        it as known. True if this call moved it, False if it already was Lost (a retry);
+        KeyError if unknown; StateConflict from any other state."""
+        if await self.set_state_if(file_id, FileState.LOST, (FileState.QUARANTINED,)):
+            return True
+        row = await self.get(file_id)
+        if row is None:
+            raise KeyError(file_id)
+        if row.state is FileState.LOST:
+            return False
+        raise StateConflict(f"{file_id} is {row.state.value}: only a quarantined file can be "
+                            "forgotten", hint="`quiverd files show FILE_ID` shows its state")
+
+    @abc.abstractmethod
     async def delete_rows(self, file_ids: list[str]) -> None:
         """Drop the rows (with coverage and zone maps) of Abandoned/Compacted files.
 

@@ -226,6 +226,34 @@ class PostgresCatalog(Catalog):
             await conn.execute(sql.numbered(sql.compact_sql(n)), new_id, time.time_ns(), *old_ids)
             await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, new_id)
 
+    async def restore(self, file_id: str) -> bool:
+        select = sql.numbered(sql.SELECT_FILES + " WHERE file_id = ?")
+        async with self._transaction() as conn:
+            rec = await conn.fetchrow(select, file_id)
+            if rec is not None:
+                # register's lock, taken first as register does (no deadlock): no file of
+                # this (source, shard) registers until this commits, so none can take
+                # the restored file's bundles in between. A file's source and shard
+                # never change; its state is read again under the lock.
+                await conn.execute("SELECT pg_advisory_xact_lock($1)",
+                                   sql.lock_key(rec["source_id"], rec["shard"]))
+                rec = await conn.fetchrow(select + " FOR UPDATE", file_id)
+            if not sql.restore_needed(file_id, rec and rec["state"]):
+                return False
+            row = sql.row_from_record(rec)
+            coverage, args = sql.restore_args(
+                row, await conn.fetch(sql.numbered(sql.FILE_COVERAGE), file_id))
+            if args is not None:
+                candidates = await conn.fetch(sql.numbered(sql.OVERLAP_CANDIDATES), *args)
+                clash = sql.overlapping_files(coverage, candidates, row.object_key)
+                if clash:
+                    raise DuplicateCoverage(file_id, clash)
+            if await conn.execute(sql.numbered(sql.RESTORE_ROW), time.time_ns(),
+                                  file_id) != "UPDATE 1":
+                return False
+            await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, file_id)
+        return True
+
     async def delete_rows(self, file_ids: list[str]) -> None:
         async with self._transaction() as conn:
             for chunk in sql.chunks(file_ids):

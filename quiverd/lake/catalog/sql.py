@@ -17,6 +17,7 @@ import msgspec
 from quiverd.lake.catalog.base import ReplaceConflict, StateConflict
 from quiverd.lake.model import (
     REGISTERED,
+    RESTORABLE,
     UNFINISHED,
     Coverage,
     FileRow,
@@ -236,6 +237,33 @@ def needs_registration(file_id: str, state: str | None) -> bool:
         raise StateConflict(f"{file_id} is Abandoned: its object is deleted, it cannot be "
                             "registered", hint="upload the bundles again under a new file id")
     return False
+
+
+def restore_needed(file_id: str, state: str | None) -> bool:
+    """Whether restore must move the row, given its state (None: no row)."""
+    if state is None:
+        raise KeyError(file_id)
+    if FileState(state) in REGISTERED:
+        return False
+    if FileState(state) not in RESTORABLE:
+        raise StateConflict(f"{file_id} is {state}: only a quarantined or lost file can be "
+                            "restored", hint="`quiverd files show FILE_ID` shows its state")
+    return True
+
+
+def restore_args(row: FileRow, recs: Iterable[Mapping[str, Any]]
+                 ) -> tuple[list[Coverage], tuple[Any, ...] | None]:
+    """The file's stored coverage (FILE_COVERAGE rows) and OVERLAP_CANDIDATES' arguments
+    for it (None when it holds no coverage: nothing to check)."""
+    coverage = [Coverage(segment_seq=r["segment_seq"],
+                         bundle_indexes=decode_indexes(r["bundle_indexes"])) for r in recs]
+    return coverage, (overlap_args(row, coverage) if coverage else None)
+
+
+# A restored file is Evicted: its object is authoritative, it has no local copy (the
+# quarantine cleared it), and its zone maps, if it had some, are still recorded.
+RESTORE_ROW = (f"UPDATE files SET state = '{FileState.EVICTED.value}', local_path = '', "
+               f"updated_at = ? WHERE file_id = ? AND state IN {_in_states(RESTORABLE)}")
 
 
 def replace_is_done(old_ids: Sequence[str], new_id: str,

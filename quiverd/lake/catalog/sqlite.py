@@ -138,6 +138,12 @@ class SqliteCatalog(Catalog):
         if await self._call(self._write, _replace, old_ids, new_row.file_id, values):
             self._hub.publish([new_row.file_id])
 
+    async def restore(self, file_id: str) -> bool:
+        done = await self._call(self._write, _restore, file_id, time.time_ns())
+        if done:
+            self._hub.publish([file_id])
+        return done
+
     async def delete_rows(self, file_ids: list[str]) -> None:
         await self._call(self._write, _delete_rows, file_ids)
 
@@ -337,6 +343,22 @@ def _delete_rows(conn: sqlite3.Connection, file_ids: list[str]) -> None:
     for chunk in sql.chunks(file_ids):
         for statement in sql.delete_rows_sql(len(chunk)):
             conn.execute(statement, chunk)
+
+
+def _restore(conn: sqlite3.Connection, file_id: str, now_ns: int) -> bool:
+    # BEGIN IMMEDIATE holds the write lock from these reads to the commit: no register
+    # can take the file's bundles in between.
+    found = _select(conn, sql.SELECT_FILES + " WHERE file_id = ?", [file_id])
+    if not sql.restore_needed(file_id, found[0].state.value if found else None):
+        return False
+    row = found[0]
+    coverage, args = sql.restore_args(row, conn.execute(sql.FILE_COVERAGE, (file_id,)))
+    if args is not None:
+        clash = sql.overlapping_files(coverage, conn.execute(sql.OVERLAP_CANDIDATES, args),
+                                      row.object_key)
+        if clash:
+            raise DuplicateCoverage(file_id, clash)
+    return conn.execute(sql.RESTORE_ROW, (now_ns, file_id)).rowcount == 1
 
 
 def _decide_job(conn: sqlite3.Connection, decision: JobDecision) -> tuple[JobDecision, bool]:
