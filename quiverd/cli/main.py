@@ -11,6 +11,8 @@
     quiverd subscribers remove NAME        unregister (releases its hold on segments)
     quiverd subscribers list [--json]      subscribers and their lag (admin socket)
     quiverd subscribe NAME (--out DIR | --count N)   console consumer (ingest socket)
+    quiverd jobs list [--json]             undecided exactly-once jobs (admin socket)
+    quiverd jobs abort JOB_ID              abort one: its waiting streams go on (cli/jobs.py)
     quiverd fsck DATA_DIR [--repair] [--lake]   verify WAL, sidecars, segments (+ lake)
     quiverd files list|show|restore|forget ...   lake files in the catalog (cli/lake.py)
     quiverd janitor [--dry-run]            reconcile objects and catalog rows
@@ -218,6 +220,9 @@ def _parser() -> argparse.ArgumentParser:
     add_lake_arguments(s)
     s.set_defaults(func=_fsck)
 
+    from quiverd.cli.jobs import add_parsers as add_jobs_parsers
+
+    add_jobs_parsers(sub, _admin_args, _admin_socket)
     from quiverd.cli.lake import add_parsers as add_lake_parsers
 
     add_lake_parsers(sub, DEFAULT_CONFIG)
@@ -330,6 +335,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"staging {staging['state']}  jobs {staging['jobs']}  "
               f"undecided {staging['undecided_jobs']}  "
               f"staged_bytes {staging['staged_bytes']}")
+        for shard, held in sorted((staging.get("holding") or {}).items()):
+            print(f"  shard {shard} delivery waits for undecided job {held['job_id']} "
+                  f"(age {held['age_s']} s; `quiverd jobs list`, `quiverd jobs abort`)")
     return 0
 
 

@@ -16,6 +16,9 @@ body back here to be checked and typed (docs/protocol.md, "Transactional writes"
                      ``reason`` says why not yet (the job stays committed and durable)
     lake           {"op"} → where the daemon's catalog and store are (secrets withheld):
                    the reply as a dict ("data_dir", "catalog", "lake" at least)
+    keepalive      {"op", "job_id"} → KeepAliveReply(job_id, state, keepalive_ms): a
+                   writer waiting for input keeps its connection and its job's writer
+                   lease alive; send the next within ``keepalive_ms``
 
 Arguments are checked here, before sending: the daemon answers a malformed JOB with
 MALFORMED and closes the connection, taking the bundles in flight with it.
@@ -75,6 +78,14 @@ class JobVisibility(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
 
 
+class KeepAliveReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The job's state as that daemon knows it (no catalog lookup), and how often to ask."""
+
+    job_id: str
+    state: str
+    keepalive_ms: int
+
+
 MAX_VISIBLE_TIMEOUT_MS = 3_600_000
 
 
@@ -117,6 +128,14 @@ def visible_body(job_id: str, timeout_s: float) -> dict[str, Any]:
 
 def job_visibility(reply: dict[str, Any]) -> JobVisibility:
     return _convert(reply, JobVisibility, "visible")
+
+
+def keepalive_body(job_id: str) -> dict[str, Any]:
+    return {"op": "keepalive", "job_id": check_job_id(job_id)}
+
+
+def keepalive_reply(reply: dict[str, Any]) -> KeepAliveReply:
+    return _convert(reply, KeepAliveReply, "keepalive")
 
 
 def lake_body() -> dict[str, Any]:

@@ -49,6 +49,7 @@ from quiverd.client.jobs import (
     EndAck,
     JobResult,
     JobVisibility,
+    KeepAliveReply,
     abort_body,
     commit_body,
     end_ack,
@@ -56,6 +57,8 @@ from quiverd.client.jobs import (
     job_result,
     job_status,
     job_visibility,
+    keepalive_body,
+    keepalive_reply,
     lake_answer,
     lake_body,
     status_body,
@@ -189,6 +192,10 @@ class AsyncClient:
     async def lake_info(self) -> dict[str, Any]:
         """Where the daemon's catalog and store are, secrets withheld (JOB lake)."""
         return lake_answer(await self._job(lake_body()))
+
+    async def keepalive(self, job_id: str) -> KeepAliveReply:
+        """Keep this connection, and ``job_id``'s writer lease, alive (JOB keepalive)."""
+        return keepalive_reply(await self._job(keepalive_body(job_id)))
 
     async def _job(self, body: Mapping[str, Any]) -> dict[str, Any]:
         self._check_open()
@@ -375,6 +382,12 @@ class Client:
         """Where the daemon's catalog and store are, secrets withheld (docs/protocol.md,
         "Where the lake is"): ``{"data_dir", "catalog", "lake", "withheld", ...}``."""
         return lake_answer(self._job(lake_body()))
+
+    def keepalive(self, job_id: str) -> KeepAliveReply:
+        """Keep this connection open through the ingest idle timeout, and ``job_id``'s
+        writer lease alive (a job is expired only when no connection holds it), while
+        the writer waits for its input; send the next within ``keepalive_ms``."""
+        return keepalive_reply(self._job(keepalive_body(job_id)))
 
     def _job(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Send one JOB and wait for its reply. Bundles an ``iter_send`` left in flight

@@ -190,11 +190,18 @@ class CatalogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     pool_size: int = 4
 
 
+MAX_WRITER_TIMEOUT_S = 900  # a dead writer's job holds its shard's streams at most this long
+
+
 class StagingConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """[staging]: transactional writes (Spark) held until their job is decided (SPEC §7)."""
 
-    ttl_s: int = 86_400  # a job neither committed nor aborted this long after its last
-    #                      staged bundle is discarded ("expired") and counted
+    ttl_s: int = 86_400  # a job neither committed nor aborted this long after its writer's
+    #                      last bundle or keepalive is discarded ("expired") and counted,
+    #                      even with a connection open (a writer stuck for a day)
+    # A job with no live writer connection on any daemon is expired this long after the
+    # last one closed (or after the daemon started); a connected writer never expires.
+    writer_timeout_s: int = 120
     poll_interval_ms: int = 1_000  # how often undecided jobs are looked up in the catalog
     decision_retention_s: int = 7 * 86_400  # decisions older than this are pruned
 
@@ -342,6 +349,8 @@ def validate(cfg: Config) -> None:
          "must be between 0 (no background passes) and 100000"),
         (cfg.scrub.pass_interval_s >= 0, "scrub.pass_interval_s", "must be >= 0"),
         (cfg.staging.ttl_s >= 1, "staging.ttl_s", "must be >= 1"),
+        (1 <= cfg.staging.writer_timeout_s <= MAX_WRITER_TIMEOUT_S, "staging.writer_timeout_s",
+         f"must be 1..{MAX_WRITER_TIMEOUT_S} (seconds; Kafka's transactions allow 15 minutes)"),
         (cfg.staging.poll_interval_ms >= 10, "staging.poll_interval_ms", "must be >= 10"),
         (cfg.staging.decision_retention_s >= cfg.staging.ttl_s,
          "staging.decision_retention_s", "must be >= staging.ttl_s"),

@@ -5,7 +5,11 @@
     → {"cmd": "subscribers.add", "args": {"name": "x", "start": "latest"}}
     → {"cmd": "<unknown>"}                   ← {"ok": false, "error": "...", "hint": "..."}
 
-Used by ``quiverd status``, ``quiverd segments list`` and ``quiverd subscribers``.
+    → {"cmd": "jobs.list"}                   ← {"ok": true, "result": [undecided jobs]}
+    → {"cmd": "jobs.abort", "args": {"job_id": "j", "reason": "..."}}
+
+Used by ``quiverd status``, ``quiverd segments list``, ``quiverd subscribers`` and
+``quiverd jobs`` (served by the daemon's staging, ``runtime.staging``).
 Each command is a typed request (``AdminRequest``, a tagged msgspec union decoded
 from ``cmd`` + ``args``) served by one method of ``AdminTarget``.
 
@@ -26,6 +30,7 @@ import msgspec
 
 from quiverd.kernel.config import AdminConfig
 from quiverd.kernel.errors import DaemonUnreachable, QuiverError
+from quiverd.kernel.jobs import check_job_id
 from quiverd.kernel.logs import Logger
 from quiverd.net.rawsock import BoundSocket, bind_unix, unlink_if_ours
 
@@ -66,7 +71,17 @@ class SubscribersRemove(_Cmd, tag="subscribers.remove", frozen=True):
     name: str
 
 
-AdminRequest = Status | Segments | SubscribersList | SubscribersAdd | SubscribersRemove
+class JobsList(_Cmd, tag="jobs.list", frozen=True):
+    pass
+
+
+class JobsAbort(_Cmd, tag="jobs.abort", frozen=True):
+    job_id: str
+    reason: str = ""
+
+
+AdminRequest = (Status | Segments | SubscribersList | SubscribersAdd | SubscribersRemove
+                | JobsList | JobsAbort)
 COMMANDS = sorted(str(t.__struct_config__.tag) for t in AdminRequest.__args__)
 
 
@@ -80,6 +95,13 @@ class AdminTarget(Protocol):
                             ) -> dict[str, Any]: ...
 
 
+class JobAdmin(Protocol):
+    """What ``jobs.*`` commands need (``runtime.staging.Staging``)."""
+
+    def undecided(self) -> list[dict[str, Any]]: ...
+    async def abort(self, job_id: str, reason: str = "") -> tuple[Any, bool]: ...
+
+
 class AdminServer:
     def __init__(self, path: Path, target: AdminTarget, cfg: AdminConfig | None = None, *,
                  log: Logger, bound: BoundSocket | None = None) -> None:
@@ -90,6 +112,7 @@ class AdminServer:
         self.max_connections = cfg.max_connections
         self.connections = 0
         self.decoder = msgspec.json.Decoder(Envelope)
+        self.jobs: JobAdmin | None = None  # the daemon's staging, once it runs
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -160,6 +183,21 @@ class AdminServer:
                 return await t.subscriber_op("add", name, start)
             case SubscribersRemove(name=name):
                 return await t.subscriber_op("remove", name)
+            case JobsList() | JobsAbort():
+                return await self._jobs(req)
+
+    async def _jobs(self, req: JobsList | JobsAbort) -> Any:
+        if self.jobs is None:
+            raise QuiverError("quiverd is still starting: jobs are not served yet",
+                              hint="retry in a moment")
+        if isinstance(req, JobsList):
+            return self.jobs.undecided()
+        try:
+            reason = f"aborted by an operator: {req.reason or 'quiverd jobs abort'}"
+            decision, already = await self.jobs.abort(check_job_id(req.job_id), reason)
+        except ValueError as exc:
+            raise QuiverError(str(exc), hint="pass the job id `quiverd jobs list` shows") from None
+        return {**msgspec.to_builtins(decision), "already": already}
 
 
 async def _reply(stream: anyio.abc.ByteStream, reply: dict[str, Any]) -> None:

@@ -22,11 +22,21 @@ stream of small ones; a waiter whose uid is at its share waits for its own uid's
 bytes only, and neither it nor its uid's later waiters hold up other uids. There
 is at most one waiter per connection, so the queue is bounded by
 ``ingest.max_connections``.
+
+A waiter must not wait for ever behind frames that stall while holding what it needs
+(issue 26: nine stalled 64 MiB frames of one uid kept that uid's 10-row bundle from any
+ACK until their idle timeouts, one wave after another). ``contended(uid)`` says whether
+some waiter needs bytes that ``uid``'s frames hold: a waiter of that uid, or any waiter
+within its share held up by the whole budget being spent. The reader closes a stalled
+frame holding contended bytes after ``reader.CONTENDED_STALL_MS`` rather than
+``ingest.idle_timeout_ms``, and times the wait for budget itself as a stall
+(``quiverd/net/reader.py``).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -51,6 +61,9 @@ class ByteBudget:
         self.available = total_bytes
         self.by_uid: dict[int, int] = {}  # bytes each uid holds (uids holding none: absent)
         self._waiters: deque[_Waiter] = deque()
+        self._waiting_uids: Counter[int] = Counter()  # waiters per uid
+        # Some waiter within its share waits for free bytes (every uid's bytes would do).
+        self._short_of_total = False
 
     @property
     def held(self) -> int:
@@ -69,19 +82,29 @@ class ByteBudget:
         self._grant_one(uid, nbytes)
         return True
 
-    async def take(self, nbytes: int, uid: int = 0) -> None:
-        """Take ``nbytes`` for ``uid``, waiting in line. Cancellation takes nothing."""
+    def contended(self, uid: int) -> bool:
+        """Some waiter needs bytes that ``uid``'s frames hold (module docstring)."""
+        return self._short_of_total or uid in self._waiting_uids
+
+    async def take(self, nbytes: int, uid: int = 0,
+                   queued: Callable[[], None] | None = None) -> None:
+        """Take ``nbytes`` for ``uid``, waiting in line; ``queued`` runs once it is in
+        line (``contended`` counts it then). Cancellation takes nothing."""
         if self.try_take(nbytes, uid):
             return
         waiter = _Waiter(nbytes, uid)
         self._waiters.append(waiter)
+        self._waiting_uids[uid] += 1
+        self._grant()  # grants nobody (try_take said so); says who is short of what
+        if queued is not None:
+            queued()
         try:
             await waiter.granted.wait()
         except BaseException:
             if waiter.granted.is_set():
                 self.release(nbytes, uid)  # granted just as we were cancelled: hand it on
             else:
-                self._waiters.remove(waiter)
+                self._remove(waiter)
                 self._grant()  # a big waiter leaving the head may unblock smaller ones
             raise
 
@@ -99,6 +122,7 @@ class ByteBudget:
 
     def _grant(self) -> None:
         at_share: set[int] = set()  # uids whose first waiter is over its share
+        self._short_of_total = False
         for waiter in list(self._waiters):
             if waiter.uid in at_share:
                 continue  # behind its own uid's first waiter: order within a uid is kept
@@ -106,10 +130,19 @@ class ByteBudget:
                 at_share.add(waiter.uid)  # waits for its own uid's bytes, holds up nobody
                 continue
             if waiter.nbytes > self.available:
+                self._short_of_total = True
                 return  # first in line for free bytes: nobody behind it jumps the queue
-            self._waiters.remove(waiter)
+            self._remove(waiter)
             self._grant_one(waiter.uid, waiter.nbytes)
             waiter.granted.set()
+
+    def _remove(self, waiter: _Waiter) -> None:
+        self._waiters.remove(waiter)
+        left = self._waiting_uids[waiter.uid] - 1
+        if left:
+            self._waiting_uids[waiter.uid] = left
+        else:
+            del self._waiting_uids[waiter.uid]
 
     def _first_in_line(self, uid: int) -> bool:
         """No waiter goes before a new one of ``uid``. Between calls nobody queued could

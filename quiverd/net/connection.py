@@ -5,7 +5,8 @@ producer, two tasks share the connection:
 
     reader   recv_into → decoder (each BUNDLE or JOB header first reserves its length
              of the pending-bytes budget, within the peer uid's share; none free: stop
-             reading until there is) → every complete frame of that read, in one loop
+             reading until there is, timed as a stall: ``quiverd.net.reader``) → every
+             complete frame of that read, in one loop
              pass: validate (schema-only checks once per schema) → window slot →
              lake.schema_mode = "strict": the (client, slot)'s established schema
              (once per schema, ``quiverd.net.established``) → one hand-over per shard
@@ -60,7 +61,8 @@ class Connection:
         self.server, self.stream, self.uid = server, stream, uid
         self.decoder = protocol.FrameDecoder(server.max_frame, reserve=self._try_reserve,
                                              pool=server.buffers)
-        self.reader = FrameReader(stream, self.decoder, server.cfg)
+        self.reader = FrameReader(stream, self.decoder, server.cfg,
+                                  contention=self._contention)
         self.window_size = server.cfg.max_inflight_per_connection
         self.room: anyio.Event | None = None  # set when a full window frees a slot
         self.replies: Batches[ProducerReply] = Batches()  # the WAL writers answer here
@@ -83,6 +85,8 @@ class Connection:
                     self.replies.close()
         finally:
             self._release(self.held)
+            if self.server.jobs is not None:
+                self.server.jobs.release(id(self))  # its jobs' writer leases end here
 
     async def send_error(self, request_id: int, exc: ProtocolError) -> None:
         """Best effort: a peer that takes nothing for ERROR_SEND_S does not get it."""
@@ -175,9 +179,12 @@ class Connection:
             need = self.decoder.awaiting
             if need is None:
                 return
-            if not await self.reader.until_stopped(partial(self._reserve, need)):
+            if not await self.reader.until_stopped(partial(self._reserve, need),
+                                                   partial(self._budget_timeout, need)):
                 return  # stopping: the next receive ends the loop
             frames = self.decoder.resume()
+            if frames:  # the frame that waited is complete: its stall is over
+                self.reader.frame_done()
 
     async def _submit(self, frames: list[protocol.BundleFrame]) -> None:
         """One read batch's bundles: validated here, on the loop (no thread hop), and
@@ -288,6 +295,7 @@ class Connection:
             return "", ErrorCode.INTERNAL
         key = _key(frame)
         if self.attempts.is_new(frame):
+            jobs_.hold(key[0], id(self))  # a live writer: its job is not expired
             decided = await jobs_.refusal_for(key[0])
             if decided:
                 self.attempts.decided[key] = decided
@@ -301,9 +309,12 @@ class Connection:
         try:
             req = jobs.parse(frame.body)
             if isinstance(req, jobs.EndPartition):
+                if self.server.jobs is not None:
+                    self.server.jobs.hold(req.job_id, id(self))
                 await self._end_partition(frame.request_id, req)
                 return
-            body = await jobs.answer(self.server.jobs, req, lake=self.server.lake)
+            body = await jobs.answer(self.server.jobs, req, lake=self.server.lake,
+                                     holder=id(self))
         except ProtocolError:
             raise
         except (QuiverError, ValueError) as exc:
@@ -360,8 +371,28 @@ class Connection:
         self.server.stats.budget_waits.inc()
         if budget.by_uid.get(self.uid, 0) + nbytes > budget.per_uid_bytes:
             self.server.log_share_full(self.uid)
-        await budget.take(nbytes, self.uid)
+        await budget.take(nbytes, self.uid, queued=self.server.budget_contended)
         self._took(nbytes)
+
+    def _contention(self) -> str:
+        """What the frame being received holds that a frame waiting for budget needs
+        ("" if it holds none, or nobody waits for it): ``quiverd.net.reader``."""
+        budget = self.server.budget
+        if not self.reserved or not budget.contended(self.uid):
+            return ""
+        return f"{self.reserved[-1]} bytes; {self._budget_state()}"
+
+    def _budget_timeout(self, nbytes: int, waited_ms: int) -> str:
+        return (f"frame stalled: waited {waited_ms} ms for {nbytes} bytes of the pending-bytes "
+                f"budget (ingest.idle_timeout_ms), nothing of it read; {self._budget_state()}; "
+                "resend it once this peer's earlier frames are answered")
+
+    def _budget_state(self) -> str:
+        budget = self.server.budget
+        return (f"uid {self.uid} holds {budget.by_uid.get(self.uid, 0)} of its "
+                f"{budget.per_uid_bytes}-byte share (ingest.max_pending_bytes_per_uid), "
+                f"{budget.held} of {budget.total_bytes} bytes are held in all "
+                "(ingest.max_pending_bytes)")
 
     def _took(self, nbytes: int) -> None:
         self.held += nbytes

@@ -34,6 +34,7 @@ from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
+from quiverd.runtime.jobs_view import held_at
 from quiverd_actors import ranges
 from quiverd_actors.dispatcher import Dispatcher, OutgoingDelivery, Session
 from quiverd_actors.messages import Feedback
@@ -294,7 +295,11 @@ def _latest(shards: list[Dispatcher], req: _Latest) -> dict[str, Any]:
         end, count = ranges.span(d, starts[d.shard], cap=cap(d), limit=share)  # type: ignore[arg-type]
         ends[str(d.shard)] = end
         total += count
-    return {"end": ends, "bundles": total}
+    # A shard whose range stops before an undecided job's bundle names it: the reader
+    # says what it waits for (SPEC §7; `quiverd jobs list`, `quiverd jobs abort`).
+    waiting = {str(d.shard): w for d in shards
+               if (w := held_at(d.segments, d.verdict, ends[str(d.shard)])) is not None}
+    return {"end": ends, "bundles": total, "waiting": waiting}
 
 
 def _fair_shares(ready: dict[int, int], limit: int) -> dict[int, int]:

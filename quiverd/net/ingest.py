@@ -208,6 +208,12 @@ class IngestServer:
                              hint="this peer's frames wait for its own earlier ones; other "
                              "uids are not held up (ingest.max_pending_bytes_per_uid)")
 
+    def budget_contended(self) -> None:
+        """A frame started waiting for budget: stalled frames holding what it needs get
+        the shorter stall limit (``quiverd.net.reader``). O(connections), once a wait."""
+        for conn in self.connections:
+            conn.reader.contended()
+
     async def _refuse(self, stream: RawStream, exc: ProtocolError) -> None:
         try:
             async with stream:

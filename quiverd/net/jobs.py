@@ -12,6 +12,15 @@
                                      rows are in the catalog, or at the timeout
     → JOB {"op": "lake"}              ← JOB_OK where the catalog and store are, secrets
                                         withheld (``quiverd.net.whereabouts``)
+    → JOB {"op": "keepalive", "job_id"}
+                                  ← JOB_OK {"job_id", "state", "keepalive_ms"}: a writer
+                                     waiting for input keeps its connection (and so its
+                                     job's lease, ``runtime.leases``) alive; the next one
+                                     is due within ``keepalive_ms``
+
+Every connection that sends a tagged bundle, an end_partition or a keepalive of a job
+holds that job's writer lease until it closes: a job is expired only when no such
+connection has been open for ``staging.writer_timeout_s``.
 
 A request that needs the catalog while it cannot be reached (a commit, an abort, the
 status of a job whose decision is not known here) is ERROR UNAVAILABLE, which the
@@ -55,6 +64,9 @@ class JobService(Protocol):
     async def visible(self, job_id: str, timeout_ms: int) -> dict[str, Any]: ...
     def refusal(self) -> str: ...
     async def refusal_for(self, job_id: str) -> str: ...
+    def hold(self, job_id: str, holder: int) -> None: ...
+    def release(self, holder: int) -> None: ...
+    def keepalive(self, job_id: str, holder: int) -> dict[str, Any]: ...
 
 
 class EndPartition(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,6 +102,13 @@ class Visible(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_ms: int = 60_000
 
 
+class KeepAlive(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A writer with nothing to send yet: its connection and its job stay alive."""
+
+    op: str
+    job_id: str
+
+
 class Lake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the lake is: a reader holding only the ingest socket asks this."""
 
@@ -97,10 +116,10 @@ class Lake(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 MAX_VISIBLE_TIMEOUT_MS = 3_600_000
-Request = EndPartition | Commit | Abort | Status | Visible | Lake
+Request = EndPartition | Commit | Abort | Status | Visible | Lake | KeepAlive
 OPS: dict[str, type[Request]] = {
     "end_partition": EndPartition, "commit": Commit, "abort": Abort, "status": Status,
-    "visible": Visible, "lake": Lake}
+    "visible": Visible, "lake": Lake, "keepalive": KeepAlive}
 
 
 def parse(body: dict[str, Any]) -> Request:
@@ -208,10 +227,12 @@ def decision_body(decision: JobDecision, already: bool) -> dict[str, Any]:
     return body
 
 
-async def answer(service: JobService | None, req: Commit | Abort | Status | Visible | Lake,
-                 *, lake: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Commit, abort, status, visible or lake; QuiverError (JobConflict,
-    CatalogUnavailable) propagates. ``lake``: the daemon's ``whereabouts.lake_reply``."""
+async def answer(service: JobService | None,
+                 req: Commit | Abort | Status | Visible | Lake | KeepAlive,
+                 *, lake: dict[str, Any] | None = None, holder: int = 0) -> dict[str, Any]:
+    """Commit, abort, status, visible, lake or keepalive; QuiverError (JobConflict,
+    CatalogUnavailable) propagates. ``lake``: the daemon's ``whereabouts.lake_reply``;
+    ``holder``: the asking connection (a keepalive holds its job's lease)."""
     if isinstance(req, Lake):
         if lake is None:
             raise QuiverError("this daemon does not say where its lake is")
@@ -224,6 +245,8 @@ async def answer(service: JobService | None, req: Commit | Abort | Status | Visi
         return decision_body(*await service.abort(req.job_id, req.reason))
     if isinstance(req, Visible):
         return await service.visible(req.job_id, req.timeout_ms)
+    if isinstance(req, KeepAlive):
+        return service.keepalive(req.job_id, holder)
     return await service.lookup(req.job_id)
 
 

@@ -100,6 +100,7 @@ class Daemon:
                              metrics=self.metrics, staging=self.staging,
                              verdict=self.staging.verdict) for i in range(count)]
         self.staging.wakers = [s.changes for s in self.shards]
+        self.staging.views = lambda: [s.segments for s in self.shards]
         async with anyio.create_task_group() as root:
             await self._recover()
             await root.start(self.staging.run)
@@ -128,6 +129,7 @@ class Daemon:
                                                                  log=logs.get("ingest"))
                 admin = AdminServer(cfg.admin_socket, self, cfg.admin, log=logs.get("admin"),
                                     bound=self.bound.get(cfg.admin_socket))
+                admin.jobs = self.staging  # quiverd jobs list|abort
                 self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards
                                                if s.dispatcher is not None]
                 await pipelines.start(self.ingest.serve)

@@ -15,8 +15,11 @@ A decision is recorded once in the catalog, so every daemon sharing it (several
 hosts, one PostgreSQL) applies the same one; with the embedded catalog the same
 protocol runs on one host. Nothing here is durable on its own: the staged bundles
 are in segments (``SegmentInfo.staged``, rebuilt by recovery) and decisions are in
-the catalog, looked up again after a restart. A job neither committed nor aborted
-within ``staging.ttl_s`` of its last staged bundle is decided ``expired`` here.
+the catalog, looked up again after a restart. A job whose writer is gone is decided
+``expired`` here (``runtime.leases``): no connection carrying one of its attempts has
+been open, on any daemon sharing the catalog, for ``staging.writer_timeout_s`` (or
+nothing came from its writer for ``staging.ttl_s``). An operator lists undecided jobs
+and aborts one through the admin socket (``quiverd jobs list|abort``).
 
 ``visible`` (the JOB op of the same name) waits until a committed job's published
 rows are in the catalog: ``runtime.visibility``, which the daemon hands in.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +44,9 @@ from quiverd.kernel.errors import CatalogUnavailable, JobConflict, LakeError
 from quiverd.kernel.jobs import JobDecision, Verdict, Winner, check_job_id
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.metrics import Metrics
-from quiverd.segments.table import SegmentInfo, StagedRef
+from quiverd.runtime import jobs_view
+from quiverd.runtime.leases import Leases
+from quiverd.segments.table import SegmentInfo, SegmentView, StagedRef
 
 if TYPE_CHECKING:
     from quiverd.runtime.visibility import Visibility
@@ -62,6 +67,7 @@ class _Job:
     bundles: int = 0
     nbytes: float = 0.0
     last_ns: int = 0  # ingestion time of its newest staged bundle
+    first_ns: int = 0  # of its oldest
     ends: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (p, a) -> end
 
 
@@ -84,6 +90,9 @@ class Staging:
         self._last_prune = 0.0
         self.held_bytes = 0  # segment bytes of undecided jobs (pro rata)
         self.visibility: Visibility | None = None  # set by the daemon once its shards run
+        self.leases = Leases()  # which jobs have a live writer (connections call hold/release)
+        self.views: Callable[[], list[SegmentView]] = list  # the shards' segments, by index
+        self._last_renew = 0.0
 
     # ---- the segment index (ack_logger / recovery call these on the event loop) ------
     def add_segment(self, info: SegmentInfo) -> None:
@@ -99,6 +108,8 @@ class Staging:
             job.bundles += 1
             job.nbytes += share
             job.last_ns = max(job.last_ns, info.max_ts_ns)
+            job.first_ns = min(job.first_ns or info.min_ts_ns, info.min_ts_ns)
+            self.leases.seen(ref.job_id)
             if ref.is_end:
                 job.ends[(ref.partition, ref.attempt)] = (ref.end_rows, ref.end_checksum)
         if new:
@@ -119,7 +130,35 @@ class Staging:
                 del self.jobs[ref.job_id]
                 self.decisions.pop(ref.job_id, None)
                 self.learned_at.pop(ref.job_id, None)
+                self.leases.forget(ref.job_id)
         self._gauges()
+
+    # ---- writer leases (the ingest connections call these on the event loop) -----------
+    def hold(self, job_id: str, holder: int) -> None:
+        """Connection ``holder`` carries an attempt of ``job_id``: it stays alive meanwhile."""
+        self.leases.hold(job_id, holder)
+
+    def release(self, holder: int) -> None:
+        """Connection ``holder`` closed: its jobs left without a writer get their grace."""
+        for job_id in self.leases.release(holder):
+            if job_id in self.jobs and job_id not in self.decisions:
+                self.log.info("job_writer_gone", job_id=job_id,
+                              expires_in_s=self.scfg.writer_timeout_s,
+                              hint="the job is expired unless a writer reconnects or the "
+                              "driver commits it within staging.writer_timeout_s")
+
+    def keepalive(self, job_id: str, holder: int) -> dict[str, Any]:
+        """A writer waiting for input: hold ``job_id``; say how often to ask again."""
+        self.leases.hold(job_id, holder)
+        decision = self.decisions.get(job_id)
+        state = decision.state if decision else ("staged" if job_id in self.jobs else "unknown")
+        return {"job_id": job_id, "state": state, "keepalive_ms": self.keepalive_ms()}
+
+    def keepalive_ms(self) -> int:
+        """How often a writer waiting for input sends a keepalive: a quarter of the
+        shorter of the idle timeout (which would close its connection) and the lease."""
+        idle_ms = self.cfg.ingest.idle_timeout_ms or 10**12
+        return max(10, min(idle_ms, self.scfg.writer_timeout_s * 1000) // 4)
 
     # ---- the dispatcher's question ----------------------------------------------------
     def verdict(self, ref: StagedRef) -> Verdict:
@@ -332,7 +371,8 @@ class Staging:
             undecided = [j for j in self.jobs if j not in self.decisions]
             if undecided:
                 self._learn(await catalog.job_decisions(undecided))
-            await self._expire()
+            await self._renew(catalog)
+            await self._expire(catalog)
             if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
                 self._last_prune = time.monotonic()
                 cutoff = time.time_ns() - self.scfg.decision_retention_s * 10**9
@@ -340,17 +380,45 @@ class Staging:
                 if pruned:
                     self.log.info("job_decisions_pruned", decisions=pruned)
 
-    async def _expire(self) -> None:
-        cutoff = time.time_ns() - self.scfg.ttl_s * 10**9
-        for job_id, job in list(self.jobs.items()):
-            if job_id in self.decisions or job.last_ns > cutoff:
+    async def _renew(self, catalog: Any) -> None:
+        """Write this daemon's live writers' jobs to the catalog, so that another daemon
+        holding staged rows of them does not expire them (``runtime.leases``)."""
+        every_s = self.scfg.writer_timeout_s / 4
+        if not self.leases.fresh and time.monotonic() - self._last_renew < every_s:
+            return
+        self._last_renew = time.monotonic()
+        self.leases.fresh.clear()
+        self.leases.sweep(lambda j: j in self.jobs, self.scfg.writer_timeout_s)
+        await catalog.renew_job_leases(self.node_id, self.leases.held_jobs(), time.time_ns())
+
+    async def _expire(self, catalog: Any) -> None:
+        """Decide ``expired`` every undecided job whose writer is gone (module doc)."""
+        now_ns, timeout_s = time.time_ns(), self.scfg.writer_timeout_s
+        due: dict[str, str] = {}
+        for job_id, job in self.jobs.items():
+            if job_id in self.decisions:
                 continue
-            reason = (f"neither committed nor aborted within staging.ttl_s={self.scfg.ttl_s} "
-                      "of its last staged bundle (driver gone?)")
+            active_ns = max(job.last_ns, self.leases.active_ns.get(job_id, 0))
+            idle_s = self.leases.idle_s(job_id)
+            if now_ns - active_ns > self.scfg.ttl_s * 10**9:
+                due[job_id] = (f"nothing came from its writer within staging.ttl_s="
+                               f"{self.scfg.ttl_s} s")
+            elif idle_s is not None and idle_s >= timeout_s:
+                due[job_id] = (f"no writer connection for staging.writer_timeout_s="
+                               f"{timeout_s} s and no commit (driver or tasks gone?)")
+        if not due:
+            return
+        # A live writer on another daemon sharing the catalog keeps the job.
+        leased = await catalog.job_leases(list(due), exclude_node=self.node_id)
+        for job_id, reason in due.items():
+            renewed_ns = leased.get(job_id, 0)
+            if "writer_timeout_s" in reason and now_ns - renewed_ns < timeout_s * 10**9:
+                continue
             standing, recorded = await self._decide(JobDecision(
                 job_id=job_id, state="expired", decided_at_ns=time.time_ns(),
                 decided_by=self.node_id, reason=reason))
             if recorded:
+                job = self.jobs.get(job_id) or _Job()
                 self.log.warning("staged_job_expired", job_id=job_id, bundles=job.bundles,
                                  bytes=int(job.nbytes), reason=reason)
 
@@ -385,9 +453,17 @@ class Staging:
         return ""
 
     def status(self) -> dict[str, Any]:
+        """``quiverd status``: ``holding`` names, per shard, the undecided job its
+        deliveries wait at (``runtime.jobs_view``)."""
         return {"state": self.state, "node_id": self.node_id, "jobs": len(self.jobs),
                 "undecided_jobs": self._undecided(),
-                "staged_bytes": self.held_bytes}
+                "staged_bytes": self.held_bytes,
+                "writer_timeout_s": self.scfg.writer_timeout_s,
+                "holding": {str(k): v for k, v in jobs_view.holding(self).items()}}
+
+    def undecided(self) -> list[dict[str, Any]]:
+        """``quiverd jobs list``: every undecided job staged here (``runtime.jobs_view``)."""
+        return jobs_view.undecided(self)
 
 
 def _winner(w: Winner) -> dict[str, int]:

@@ -145,12 +145,22 @@ class StatusView:
                          ("lag_bytes", "bytes of the segments a subscriber still needs")):
             m.derive(f"quiver_subscriber_{key}", doc, ("subscriber",),
                      functools.partial(self._lag_gauge, key))
+        m.derive("quiver_delivery_held_seconds", "age of the undecided job at which a "
+                 "shard's deliveries and streams wait (absent: none waits)", ("shard", "job_id"),
+                 self._held_gauge)
         m.derive("quiver_lake_degraded", "1 while a part of the lake (store, catalog, "
                  "staging) is degraded, with the kind of fault; 0 per part otherwise",
                  ("part", "kind"), self._lake_gauge)
 
     def _lag_gauge(self, key: str) -> dict[tuple[str, ...], float]:
         return {(sub["name"],): sub[key] for sub in self.subscribers()}
+
+    def _held_gauge(self) -> dict[tuple[str, ...], float]:
+        staging = self.parts.staging
+        if staging is None:
+            return {}
+        return {(str(shard), h["job_id"]): h["age_s"]
+                for shard, h in staging.status()["holding"].items()}
 
     def _lake_gauge(self) -> dict[tuple[str, ...], float]:
         lake = self.parts.lake

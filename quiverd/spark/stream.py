@@ -166,8 +166,33 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:  # noqa: N802
         max_bundles = limit.max_files if isinstance(limit, ReadMaxFiles) else 0
         with self._connect() as r:
-            return _canon(r.latest(self.opts.subscriber, start, cap=self.target,
-                                   max_bundles=max_bundles)["end"])
+            reply = r.latest(self.opts.subscriber, start, cap=self.target,
+                             max_bundles=max_bundles)
+        self._waiting(reply.get("waiting") or {})
+        return _canon(reply["end"])
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:  # noqa: N802 - Spark's name
+        """Shown as the source's ``latestOffset`` in the query's progress: the undecided
+        exactly-once jobs its shards wait at, if any (``quiverd jobs list``)."""
+        waiting = getattr(self, "waiting", None)
+        if not waiting:
+            return None
+        return {"waiting_for_jobs": {k: w["job_id"] for k, w in sorted(waiting.items())}}
+
+    def _waiting(self, waiting: dict[str, dict[str, Any]]) -> None:
+        """Say once per (shard, job) on the driver's stderr what a shard waits for: an
+        undecided job's staged rows, which no range may pass (SPEC §7)."""
+        said: set[tuple[str, str]] = getattr(self, "said_waiting", set())
+        for shard, w in sorted(waiting.items()):
+            if (shard, w["job_id"]) not in said:
+                said.add((shard, w["job_id"]))
+                print(f"quiver stream source: shard {shard} waits at {w['position']} for "
+                      f"exactly-once job {w['job_id']!r}, neither committed nor aborted: "
+                      "nothing after it is read until it is decided (its writer's "
+                      "commit, `quiverd jobs abort`, or staging.writer_timeout_s after its "
+                      "writer is gone); see `quiverd jobs list`", file=sys.stderr)
+        self.said_waiting = {(k, w["job_id"]) for k, w in waiting.items()}  # said, still on
+        self.waiting = waiting
 
     def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 - Spark's name
         """Trigger.AvailableNow: stop at what is finalized now."""

@@ -116,6 +116,7 @@ from quiverd.spark.chunks import (  # noqa: F401 - re-exported: tests import the
     encode_bounded,
     rechunk,
 )
+from quiverd.spark.keepalive import KeepAlive
 from quiverd.spark.visible import wait_visible
 from quiverd.spark.write_options import (  # noqa: F401 - re-exported
     BATCH_BYTES,
@@ -293,17 +294,21 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
         stream = AttemptStream(TxnTag(job_id=job_id, partition=partition, attempt=attempt,
                                       row_offset=0))
         limit = c.server.max_bundle_bytes
-        chunks = rechunk(batches, max_rows=opts.batch_rows,
-                         max_bytes=min(opts.batch_bytes, limit))
         try:
-            for _ in c.iter_send(stream.items(chunks, limit), client=opts.client):
-                pass
+            # The open connection is the job's writer lease; keepalives hold it (and
+            # the connection) while Spark computes the next batch (quiverd.spark.keepalive).
+            with KeepAlive(c, job_id) as keep:
+                chunks = rechunk(keep.batches(batches), max_rows=opts.batch_rows,
+                                 max_bytes=min(opts.batch_bytes, limit))
+                for _ in c.iter_send(stream.items(chunks, limit), client=opts.client):
+                    pass
         except (WriteRefused, JobConflict, SchemaConflict) as exc:
             # No end marker: the rows sent are staged, never published, and discarded
             # when Spark aborts the job after the driver's commit raised this reason.
             # Raising here instead would only make Spark run the task again. (JobConflict:
-            # the job id was decided before, so no bundle of it is accepted any more;
-            # SchemaConflict: lake.schema_mode = "strict" refused the rows' schema.)
+            # the job id was decided before, so no bundle of it is accepted any more, or
+            # it was aborted or expired while this task ran; SchemaConflict:
+            # lake.schema_mode = "strict" refused the rows' schema.)
             message.refused = f"partition {partition}: {exc}"
             return message
         end = c.end_partition(job_id, partition, attempt, client=opts.client,

@@ -342,6 +342,38 @@ def test_one_uid_stalling_frames_does_not_keep_another_uids_bundle_waiting(daemo
             s.close()
 
 
+def test_one_uid_stalling_64_mib_frames_does_not_keep_its_own_fresh_connection_waiting(
+        daemon_factory):
+    """Issue 26: nine stalled 64 MiB frames of one uid kept that uid's other connection
+    from any ACK for 90 s: 4 held its share (256 MiB, half the default budget), 5 waited
+    untimed behind them, and each wave stalled for a whole idle timeout in turn."""
+    mib = 1 << 20
+    d = daemon_factory({"ingest.idle_timeout_ms": 4000}).start()  # default budget sizes
+    stalled = []
+    try:
+        for _ in range(9):  # each announces a 64 MiB bundle, sends 64 KiB of it, stalls
+            s = _raw_connect(d.socket)
+            _hello(s)
+            s.sendall(struct.pack("<IB", 64 * mib, protocol.FrameType.BUNDLE) + bytes(1 << 16))
+            stalled.append(s)
+        ingest = _status_until(d, lambda i: i["budget_waits"] >= 5)
+        assert ingest["pending_bytes"] == 4 * (64 * mib - 1)  # the uid's share is held
+        started = time.monotonic()
+        with Client.connect(d.socket, timeout=5) as fresh:  # the old code: TimeoutError
+            fresh.send(tagged_table(1, rows=10), client="fresh")
+        waited = time.monotonic() - started
+        assert waited < 5, f"the fresh connection's bundle waited {waited:.1f} s"
+        # Each stalled frame is closed: at once when another frame waits for its bytes,
+        # else after the idle timeout, counted from when it began to wait for budget.
+        for s in stalled:
+            code, message = _read_error(s)
+            assert code == ErrorCode.TIMEOUT and "frame stalled" in message, message
+        assert _status_until(d, lambda i: i["pending_bytes"] == 0)["connections"] == 0
+    finally:
+        for s in stalled:
+            s.close()
+
+
 def _status_until(d: Any, done: Any, timeout_s: float = 10) -> dict[str, Any]:
     """Poll the daemon's ingest status until ``done`` holds (it has no event to wait on)."""
     deadline = time.monotonic() + timeout_s
@@ -367,7 +399,8 @@ def test_half_sent_bundles_hold_no_more_memory_than_the_pending_budget(daemon_fa
     d = daemon_factory({"ingest.max_bundle_bytes": 16 * mib, "wal.max_entry_bytes": 17 * mib,
                         "ingest.max_pending_bytes": 32 * mib,
                         "ingest.max_pending_bytes_per_uid": 32 * mib,  # all peers are uid 0
-                        "ingest.idle_timeout_ms": 1500}).start()
+                        # Longer than the 2 s of pushing: a wait for budget is a stall too.
+                        "ingest.idle_timeout_ms": 3000}).start()
     with Client.connect(d.socket) as good:
         good.send(tagged_table(0), client="good")
     before = _rss_bytes(d.proc.pid)
@@ -395,7 +428,8 @@ def _stall_half_sent_bundles(d: Any, peers: list[list[Any]], before: int) -> Non
         _, writable, _ = select.select([], [peer[0] for peer in busy], [], 0.05)
         for peer in busy:
             if peer[0] in writable:
-                with contextlib.suppress(BlockingIOError):
+                with contextlib.suppress(BlockingIOError, BrokenPipeError,
+                                         ConnectionResetError):
                     peer[1] += peer[0].send(chunk)
         peak = max(peak, _rss_bytes(d.proc.pid))
     # The two peers holding budget got (almost) all their bytes in; the rest wait.
@@ -406,7 +440,8 @@ def _stall_half_sent_bundles(d: Any, peers: list[list[Any]], before: int) -> Non
     ingest = d.status()["ingest"]
     assert ingest["pending_bytes"] <= 32 * mib + protocol.MAX_FRAME_OVERHEAD
     assert ingest["budget_waits"] >= 20  # the others wait, reading nothing
-    # The two holding budget stall mid-frame: closed after idle_timeout_ms.
+    # The two holding budget stall mid-frame while others wait for their bytes: closed
+    # after reader.CONTENDED_STALL_MS (the rest in turn, or after idle_timeout_ms).
     timed_out = 0
     for s, _ in peers:
         s.settimeout(0.1 if timed_out else 5)

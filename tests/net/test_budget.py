@@ -131,3 +131,33 @@ def test_budget_share_must_fit_the_budget_and_each_uid_releases_its_own() -> Non
         budget.release(10, uid=8)  # uid 8 holds nothing
     with pytest.raises(AssertionError):
         budget.try_take(51, uid=8)  # larger than any share: the caller's bug
+
+
+@pytest.mark.asyncio
+async def test_budget_contended_names_whose_bytes_a_waiter_needs() -> None:
+    """Issue 26: the reader cuts a stalled frame short only when a waiter needs its
+    bytes: a waiter of its own uid, or any waiter within its share when all is spent."""
+    budget = ByteBudget(100, per_uid_bytes=60)
+    assert budget.try_take(60, uid=1) and budget.try_take(30, uid=2)
+    assert not budget.contended(1) and not budget.contended(2)
+    queued: list[str] = []
+    scopes: list[anyio.CancelScope] = []
+
+    async def take(uid: int, nbytes: int, name: str) -> None:
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            await budget.take(nbytes, uid, queued=lambda: queued.append(name))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(take, 1, 10, "uid 1 over its share")
+        await anyio.wait_all_tasks_blocked()
+        assert queued == ["uid 1 over its share"]  # in line when told
+        assert budget.contended(1) and not budget.contended(2)  # only uid 1's bytes help
+        tg.start_soon(take, 3, 20, "uid 3 short of the total")
+        await anyio.wait_all_tasks_blocked()
+        assert budget.contended(2) and budget.contended(1)  # any uid's bytes would help
+        budget.release(30, uid=2)  # uid 3 granted: only uid 1's own waiter is left
+        await anyio.wait_all_tasks_blocked()
+        assert budget.by_uid.get(3) == 20 and budget.contended(1) and not budget.contended(2)
+        scopes[0].cancel()
+    assert not budget.contended(1) and budget.waiting == 0

@@ -83,9 +83,10 @@ class ObservedBudget(ByteBudget):
         super().__init__(total_bytes, per_uid_bytes)
         self.changes = changes
 
-    async def take(self, nbytes: int, uid: int = 0) -> None:
+    async def take(self, nbytes: int, uid: int = 0,
+                   queued: Callable[[], None] | None = None) -> None:
         self.changes.poke()  # the waiter is queued before the poke is seen
-        await super().take(nbytes, uid)
+        await super().take(nbytes, uid, queued)
 
     def release(self, nbytes: int, uid: int = 0) -> None:
         super().release(nbytes, uid)
@@ -353,28 +354,81 @@ async def test_ingest_stop_ends_a_wait_for_budget(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_ingest_wait_for_budget_is_never_timed_even_when_the_window_empties(
+async def test_ingest_wait_for_budget_is_timed_as_a_stall_and_names_the_budget(
         tmp_path: Path) -> None:
+    """Issue 26: a frame waiting for budget was never timed, so a uid's frames queued
+    behind its own stalled ones waited wave after wave of idle timeouts. Now the wait is
+    a stall from its start: closed after idle_timeout_ms, saying what it waited for."""
     wal = Wal(gates={"a": anyio.Event(), "b": anyio.Event()})
     async with serving(tmp_path, wal, max_bundle_bytes=256 * KiB, max_pending_bytes=0,
-                       idle_timeout_ms=200) as h:
+                       idle_timeout_ms=300) as h:
+        server = h.server
         arrived = wal.arrived
         a = await h.connect(then=bundle(1, rows=25_000, client="a"))  # most of the budget
         await arrived.wait()
         arrived = wal.arrived
-        b = await h.connect(then=bundle(1, client="b") + bundle(2, rows=25_000, client="b"))
+        big = bundle(2, rows=25_000, client="b")
+        b = await h.connect(then=bundle(1, client="b") + big)
         await arrived.wait()  # b's small bundle is in flight; its big one waits
-        await h.until(lambda: h.server.budget.waiting == 1)
+        await h.until(lambda: server.budget.waiting == 1)
+        started = anyio.current_time()
         wal.gates["b"].set()  # b's window empties while b waits for budget
         with anyio.fail_after(3):
             assert isinstance(await b.next(), p.Ack)
-        await anyio.sleep(0.6)  # three idle timeouts: waiting for budget is not idling
-        assert h.server.stats.connections.value == 2 and h.server.stats.errors.value == 0
+            err = await b.error()
+        waited = anyio.current_time() - started
+        assert err.code == p.ErrorCode.TIMEOUT and 0.25 <= waited < 1.5
+        assert "frame stalled: waited" in err.message
+        assert f"for {len(big) - 5} bytes of the pending-bytes budget" in err.message
+        assert "uid 0 holds" in err.message and "max_pending_bytes_per_uid" in err.message
+        assert server.budget.waiting == 0
+        assert server.budget.held == server.budget.by_uid[0]  # only a's bundle, in flight
+        assert server.stats.connections.value == 1  # a waits for its ack: never idle
         wal.gates["a"].set()
         with anyio.fail_after(3):
             assert isinstance(await a.next(), p.Ack)
-            ack = await b.next()
-        assert isinstance(ack, p.Ack) and ack.request_id == 2
+        await h.until(lambda: server.budget.held == 0)
+
+
+@pytest.mark.asyncio
+async def test_ingest_fresh_connection_is_acked_while_its_uids_stalled_frames_hold_its_share(
+        tmp_path: Path) -> None:
+    """Issue 26: stalled frames of one uid held its whole share (and more waited behind
+    them), so the uid's fresh connection got no ACK until they all timed out, wave after
+    wave. A stalled frame holding budget another frame waits for gives it up after
+    CONTENDED_STALL_MS; one nobody waits for is closed after idle_timeout_ms."""
+    frame_len = 256 * KiB  # announced; each sends 16 KiB of it and stalls
+    async with serving(tmp_path, max_bundle_bytes=256 * KiB, max_pending_bytes=2 * 1024 * KiB,
+                       max_pending_bytes_per_uid=1024 * KiB, idle_timeout_ms=4000) as h:
+        server = h.server
+        began = anyio.current_time()
+        stalled = [await h.connect(then=struct.pack("<IB", frame_len, p.FrameType.BUNDLE)
+                                   + bytes(16 * KiB)) for _ in range(9)]
+        await h.until(lambda: server.budget.waiting == 5)  # 4 hold the share, 5 wait
+        started = anyio.current_time()
+        fresh = await h.connect(then=bundle(1))
+        with anyio.fail_after(3):  # the old code: after two idle timeouts (8 s)
+            ack = await fresh.next()
+        took = anyio.current_time() - started
+        assert isinstance(ack, p.Ack) and ack.request_id == 1
+        # The 5 granted after the first 4 gave up had been stalled since they began to
+        # wait: one contended stall in all, not an idle timeout per wave.
+        assert took < 2, f"the fresh connection's ACK took {took:.1f} s"
+        contended = idle = 0
+        for peer in stalled:
+            with anyio.fail_after(6):
+                err = await peer.error()
+            assert err.code == p.ErrorCode.TIMEOUT and "frame stalled" in err.message
+            if "while other frames wait for the budget it holds" in err.message:
+                assert f"({frame_len - 1} bytes; uid 0 holds" in err.message
+                contended += 1
+            else:  # granted once nobody else waited: the idle timeout, from its wait
+                assert "nothing received for 4000 ms" in err.message
+                assert anyio.current_time() - began >= 3.9
+                idle += 1
+        assert contended >= 4 and contended + idle == 9
+        await h.until(lambda: server.budget.held == 0 and server.budget.waiting == 0)
+        assert server.stats.connections.value == 1  # the fresh one
 
 
 @pytest.mark.asyncio

@@ -383,6 +383,16 @@ class Catalog(abc.ABC):
         deciding (older than the staged-row TTL), or a late decision would stand anew.
         """
 
+    @abc.abstractmethod
+    async def renew_job_leases(self, node_id: str, job_ids: list[str], now_ns: int) -> None:
+        """Record that ``node_id`` has a live writer of each of ``job_ids`` at ``now_ns``
+        (``runtime.leases``), and delete lease rows not renewed for a day."""
+
+    @abc.abstractmethod
+    async def job_leases(self, job_ids: list[str], *, exclude_node: str) -> dict[str, int]:
+        """job_id -> the newest lease renewal (ns) of that job by any node but
+        ``exclude_node``; jobs no other node leases are absent."""
+
     async def __aenter__(self) -> Catalog:
         await self.start()
         return self

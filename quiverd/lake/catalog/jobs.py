@@ -8,6 +8,12 @@
                  in PostgreSQL)
       index (decided_at_ns), for pruning
 
+    quiver_job_leases   one row per (undecided job, daemon) with a live writer there
+      job_id │ node_id │ renewed_at_ns      PK (job_id, node_id); upserted every
+                                             writer_timeout_s / 4 while a writer is
+                                             connected (``runtime.leases``), rows a
+                                             day old deleted by the same statement batch
+
 First writer wins: ``decide_job`` reads and inserts in one transaction that no other
 decision of the same job can interleave with (SQLite's write lock, PostgreSQL's advisory
 lock on ``lock_key(job_id)``), so of two daemons deciding a job at once (a commit and an
@@ -41,12 +47,25 @@ JOBS_DDL: tuple[str, ...] = (
     "state TEXT NOT NULL, winners {json} NOT NULL, decided_at_ns BIGINT NOT NULL, "
     "decided_by TEXT NOT NULL, reason TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS quiver_jobs_decided_at ON quiver_jobs (decided_at_ns)",
+    "CREATE TABLE IF NOT EXISTS quiver_job_leases (job_id {id} NOT NULL, node_id TEXT NOT "
+    "NULL, renewed_at_ns BIGINT NOT NULL, PRIMARY KEY (job_id, node_id))",
 )
+LEASE_KEEP_NS = 86_400 * 10**9  # a lease row not renewed for a day is deleted
 
 _COLS = ", ".join(JOB_COLUMNS)
 SELECT_JOB = f"SELECT {_COLS} FROM quiver_jobs WHERE job_id = ?"
 INSERT_JOB = f"INSERT INTO quiver_jobs ({_COLS}) VALUES {in_list(len(JOB_COLUMNS))}"
 PRUNE_JOBS = "DELETE FROM quiver_jobs WHERE decided_at_ns < ?"
+UPSERT_LEASE = ("INSERT INTO quiver_job_leases (job_id, node_id, renewed_at_ns) VALUES (?, ?, ?) "
+                "ON CONFLICT (job_id, node_id) DO UPDATE SET renewed_at_ns = "
+                "excluded.renewed_at_ns")
+PRUNE_LEASES = "DELETE FROM quiver_job_leases WHERE renewed_at_ns < ?"
+
+
+def select_leases_sql(n: int) -> str:
+    """(job_id, newest renewal by a node other than the first parameter) of n job ids."""
+    return ("SELECT job_id, max(renewed_at_ns) AS renewed_at_ns FROM quiver_job_leases "
+            f"WHERE node_id <> ? AND job_id IN {in_list(n)} GROUP BY job_id")
 
 
 def select_jobs_sql(n: int) -> str:

@@ -290,6 +290,20 @@ class PostgresCatalog(Catalog):
                                                  decided_before_ns)
         return int(status.split()[-1])  # "DELETE <count>"
 
+    async def renew_job_leases(self, node_id: str, job_ids: list[str], now_ns: int) -> None:
+        async with self._transaction() as conn:
+            if job_ids:
+                await conn.executemany(sql.numbered(jobs.UPSERT_LEASE),
+                                       [(j, node_id, now_ns) for j in job_ids])
+            await conn.execute(sql.numbered(jobs.PRUNE_LEASES), now_ns - jobs.LEASE_KEEP_NS)
+
+    async def job_leases(self, job_ids: list[str], *, exclude_node: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for chunk in sql.chunks(job_ids):
+            for r in await self._fetch(jobs.select_leases_sql(len(chunk)), exclude_node, *chunk):
+                out[r["job_id"]] = int(r["renewed_at_ns"])
+        return out
+
     # ---- helpers ---------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -167,6 +167,12 @@ class SqliteCatalog(Catalog):
         return await self._call(self._write, _update_count, (jobs.PRUNE_JOBS,
                                                              [decided_before_ns]))
 
+    async def renew_job_leases(self, node_id: str, job_ids: list[str], now_ns: int) -> None:
+        await self._call(self._write, _renew_leases, node_id, job_ids, now_ns)
+
+    async def job_leases(self, job_ids: list[str], *, exclude_node: str) -> dict[str, int]:
+        return await self._call(self._read, _job_leases, job_ids, exclude_node)
+
     # ---- the worker thread's side -----------------------------------------------------
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -368,6 +374,21 @@ def _decide_job(conn: sqlite3.Connection, decision: JobDecision) -> tuple[JobDec
         return jobs.decision_from_record(stored), False
     conn.execute(jobs.INSERT_JOB, jobs.decision_values(decision))
     return decision, True
+
+
+def _renew_leases(conn: sqlite3.Connection, node_id: str, job_ids: list[str],
+                  now_ns: int) -> None:
+    conn.executemany(jobs.UPSERT_LEASE, [(j, node_id, now_ns) for j in job_ids])
+    conn.execute(jobs.PRUNE_LEASES, (now_ns - jobs.LEASE_KEEP_NS,))
+
+
+def _job_leases(conn: sqlite3.Connection, job_ids: list[str],
+                exclude_node: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for chunk in sql.chunks(job_ids):
+        for r in conn.execute(jobs.select_leases_sql(len(chunk)), [exclude_node, *chunk]):
+            out[r["job_id"]] = int(r["renewed_at_ns"])
+    return out
 
 
 def _job_decisions(conn: sqlite3.Connection, job_ids: list[str]) -> dict[str, JobDecision]:
