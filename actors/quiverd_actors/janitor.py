@@ -13,12 +13,20 @@ logged, counted in ``quiver_lake_errors_total{kind="janitor"|"compaction"|"scrub
 and retried at the next tick; rows whose object is missing are counted under
 ``kind="missing_object"`` at every sweep that finds them, quarantined objects under
 ``kind="corrupt_object"`` and ``quiver_lake_objects_corrupt_total``. ``last_report``,
-``last_compaction`` and ``last_scrub`` are what the status command shows.
+``last_compaction`` and ``last_scrub`` are kept for the CLI and tests; ``status`` shows
+the scrub (``scrub_status``).
 
 The scrub reads at ``lake.scrub.rate_mb_per_s``; a pass that takes longer than the
 interval is followed at once by the next one. Its passes keep their pace across
-restarts: each pass's start time is written to ``<data_dir>/lake.scrub`` first, and
-the first pass after a start waits until ``pass_interval_s`` after that time.
+restarts: ``<data_dir>/lake.scrub`` holds ``<start ns> <where>``, written when a pass
+starts (``-``), every ``scrub.PROGRESS_EVERY_S`` during it (the last file id checked)
+and when it ends (``done``; a file holding only ``<start ns>`` is from before and
+counts as done). After a start, a finished pass is followed ``pass_interval_s`` after
+its start; an unfinished one resumes after its last file id soon after the start,
+so a restart neither reads the lake again from the beginning nor leaves its rest
+unchecked for another interval. Every object is thus read at least once every
+``max(pass_interval_s, bytes of the lake / rate)`` (plus ``FIRST_RUN_MAX_S`` per
+restart): the bound docs/iceberg.md gives for a damaged object's exposure.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from quiverd.lake.tier import Tier
 FIRST_RUN_MAX_S = 60.0
 MIN_GAP_S = 1.0
 NS_PER_S = 1_000_000_000
+STARTED, DONE = "-", "done"  # lake.scrub's "where" besides a file id
 
 
 class Janitor:
@@ -57,6 +66,7 @@ class Janitor:
         self.last_report: JanitorReport | None = None
         self.last_compaction: list[CompactionResult] = []
         self.last_scrub: ScrubReport | None = None
+        self._resume: tuple[int, str] | None = None  # (start ns, last file id) to go on from
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -92,14 +102,16 @@ class Janitor:
             self.m.lake_errors.labels("compaction").inc(failed)
         return results
 
-    async def scrub_once(self) -> ScrubReport:
+    async def scrub_once(self, *, after: str = "",
+                         progress: Callable[[str], Awaitable[None]] | None = None
+                         ) -> ScrubReport:
         async def corrupt(found: Corrupt) -> None:
             self.m.lake_objects_corrupt.labels().inc()
             self.m.lake_errors.labels("corrupt_object").inc()
             if self.replaced is not None:
-                self.replaced()
+                self.replaced()  # the projection reconciles now: the file leaves the table
 
-        report = await scrub_pass(self.tier, on_corrupt=corrupt,
+        report = await scrub_pass(self.tier, on_corrupt=corrupt, after=after, progress=progress,
                                   rate_bytes_per_s=self.tier.cfg.lake.scrub.rate_mb_per_s * 1e6)
         self.m.lake_scrub_bytes.labels().inc(report.bytes_checked)
         self.last_scrub = report
@@ -107,21 +119,49 @@ class Janitor:
             self.m.lake_errors.labels("scrub").inc(len(report.failures))
         return report
 
+    def scrub_status(self) -> dict[str, object]:
+        """The lake scrub in ``status``: its pace, and the last pass (None before one).
+        ``check_every_s`` is how often each object is read at most apart, as the last
+        pass shows it: the bound on a damaged object's exposure (docs/iceberg.md)."""
+        cfg, last = self.tier.cfg.lake.scrub, self.last_scrub
+        return {
+            "rate_mb_per_s": cfg.rate_mb_per_s, "pass_interval_s": cfg.pass_interval_s,
+            "last_pass_files": last.files_checked if last else None,
+            "last_pass_bytes": last.bytes_checked if last else None,
+            "last_pass_duration_ms": last.duration_ms if last else None,
+            "corrupt_found": int(self.m.lake_objects_corrupt.total()),
+            "check_every_s": round(max(cfg.pass_interval_s, last.duration_ms / 1000), 1)
+            if last and cfg.rate_mb_per_s > 0 else None,
+        }
+
     async def _scrub_due_in(self) -> float:
-        """Seconds until the next scrub pass: ``pass_interval_s`` after the last one
-        started (kept in <data_dir>/lake.scrub), so a daemon restarted often does not
-        read the whole lake again at every start; soon when no pass ever ran."""
+        """Seconds until the next scrub pass: ``pass_interval_s`` after the last finished
+        one started (kept in <data_dir>/lake.scrub), so a daemon restarted often does not
+        read the whole lake again at every start; soon when no pass ever ran, or to
+        resume one a restart cut short (module doc)."""
         interval = self.tier.cfg.lake.scrub.pass_interval_s
-        last_ns = await anyio.to_thread.run_sync(_read_ns, self.tier.data.lake_scrub)
-        if last_ns is None:
+        stamp = await anyio.to_thread.run_sync(_read_stamp, self.tier.data.lake_scrub)
+        if stamp is None:
             return min(interval, FIRST_RUN_MAX_S)
-        return max(MIN_GAP_S, (last_ns + interval * NS_PER_S - time.time_ns()) / NS_PER_S)
+        start_ns, where = stamp
+        if where != DONE:
+            self._resume = (start_ns, "" if where == STARTED else where)
+            return min(interval, FIRST_RUN_MAX_S)
+        return max(MIN_GAP_S, (start_ns + interval * NS_PER_S - time.time_ns()) / NS_PER_S)
 
     async def _scrub_pass(self) -> ScrubReport:
-        """Record the start first: a pass cut short by a restart counts as run."""
-        stamp = f"{time.time_ns()}\n".encode()
-        await anyio.to_thread.run_sync(atomic_write, self.tier.data.lake_scrub, stamp)
-        return await self.scrub_once()
+        """A pass whose start, progress and end are recorded (module doc)."""
+        start_ns, after = self._resume or (time.time_ns(), "")
+        self._resume = None
+
+        async def stamp(where: str) -> None:
+            await anyio.to_thread.run_sync(atomic_write, self.tier.data.lake_scrub,
+                                           f"{start_ns} {where}\n".encode())
+
+        await stamp(after or STARTED)
+        report = await self.scrub_once(after=after, progress=stamp)
+        await stamp(DONE)
+        return report
 
     async def _every(self, interval_s: float, job: Callable[[], Awaitable[object]],
                      kind: str, first_delay_s: float | None = None) -> None:
@@ -140,10 +180,12 @@ class Janitor:
             delay = max(MIN_GAP_S, started + interval_s - anyio.current_time())
 
 
-def _read_ns(path: Path) -> int | None:
-    """The integer in ``path``; None when absent or unreadable (then a pass runs soon)."""
+def _read_stamp(path: Path) -> tuple[int, str] | None:
+    """(start ns, where) from ``path``; None when absent or unreadable (then a pass runs
+    soon). A file of the format before progress holds only the start: a finished pass."""
     try:
-        return int(path.read_text().strip())
+        start, _, where = path.read_text().strip().partition(" ")
+        return int(start), where or DONE
     except (FileNotFoundError, ValueError):
         return None
 

@@ -5,7 +5,8 @@ body back here to be checked and typed (docs/protocol.md, "Transactional writes"
 
     end_partition  {"op", "client", "job_id", "partition", "attempt", "rows", "checksum"}
                    → EndAck(node_id, shard, sequence): the end marker is durable
-    commit         {"op", "job_id", "winners": [{partition, attempt, rows, checksum}]}
+    commit         {"op", "job_id", "winners": [{partition, attempt, rows, checksum}],
+                    "remote": [partition, ...] (only when not empty)}
     abort          {"op", "job_id", "reason"}
                    → JobResult(decision, already): ``already`` when the job had been
                      decided the same way before (commit and abort are idempotent)
@@ -99,7 +100,10 @@ def end_partition_body(job_id: str, partition: int, attempt: int, *, client: str
             "partition": partition, "attempt": attempt, "rows": rows, "checksum": checksum}
 
 
-def commit_body(job_id: str, winners: Sequence[Winner]) -> dict[str, Any]:
+def commit_body(job_id: str, winners: Sequence[Winner],
+                remote: Sequence[int] = ()) -> dict[str, Any]:
+    """``remote``: partitions whose winner's end marker went through another daemon (the
+    one receiving the commit checks every other winner's marker, JOB_CONFLICT if absent)."""
     seen: set[int] = set()
     for w in winners:
         _check_attempt(w.partition, w.attempt, w.rows, w.checksum)
@@ -107,8 +111,13 @@ def commit_body(job_id: str, winners: Sequence[Winner]) -> dict[str, Any]:
             raise ValueError(f"partition {w.partition} has two winners: a commit names one "
                              "attempt per partition")
         seen.add(w.partition)
-    return {"op": "commit", "job_id": check_job_id(job_id),
+    if not set(remote) <= seen:
+        raise ValueError(f"remote partitions {sorted(set(remote) - seen)} have no winner")
+    body = {"op": "commit", "job_id": check_job_id(job_id),
             "winners": [msgspec.to_builtins(w) for w in winners]}
+    if remote:  # only then: a daemon before this field refuses unknown ones
+        body["remote"] = sorted(set(remote))
+    return body
 
 
 def abort_body(job_id: str, reason: str) -> dict[str, Any]:

@@ -173,9 +173,10 @@ class AsyncClient:
                                   checksum=checksum)
         return end_ack(await self._job(body))
 
-    async def commit_job(self, job_id: str, winners: Sequence[Winner]) -> JobResult:
+    async def commit_job(self, job_id: str, winners: Sequence[Winner],
+                         remote: Sequence[int] = ()) -> JobResult:
         """Publish exactly ``winners`` (one attempt per partition); idempotent."""
-        return job_result(await self._job(commit_body(job_id, winners)), "commit")
+        return job_result(await self._job(commit_body(job_id, winners, remote)), "commit")
 
     async def abort_job(self, job_id: str, reason: str = "") -> JobResult:
         """Discard the job's staged rows; ``JobConflict`` if it was committed."""
@@ -349,11 +350,15 @@ class Client:
                                   checksum=checksum)
         return end_ack(self._job(body))
 
-    def commit_job(self, job_id: str, winners: Sequence[Winner]) -> JobResult:
+    def commit_job(self, job_id: str, winners: Sequence[Winner],
+                   remote: Sequence[int] = ()) -> JobResult:
         """Publish exactly ``winners`` (one attempt per partition) and discard every other
         attempt of the job. Idempotent: the same commit again gives ``already=True``;
-        one contradicting the recorded decision raises ``JobConflict``."""
-        return job_result(self._job(commit_body(job_id, winners)), "commit")
+        one contradicting the recorded decision raises ``JobConflict``. A new commit
+        whose winner has no end marker on this daemon (or another one) is refused
+        (``JobConflict``, naming the partitions), unless its partition is in ``remote``:
+        written through another daemon, which checks it."""
+        return job_result(self._job(commit_body(job_id, winners, remote)), "commit")
 
     def abort_job(self, job_id: str, reason: str = "") -> JobResult:
         """Discard the job's staged rows (idempotent); ``JobConflict`` if it was committed."""

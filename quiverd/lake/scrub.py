@@ -1,7 +1,8 @@
 """The lake scrub: every registered object of this node read back through the store at
 a bounded rate and checked against its catalog row; a damaged one is quarantined.
 
-    catalog rows of this node in REGISTERED states, oldest first
+    catalog rows of this node in REGISTERED states, by file id (a ULID: oldest first,
+    new files last), after ``after`` when a pass cut short by a restart resumes
         │  stat (size), then ranged reads of ``chunk`` bytes paced to ``rate_bytes_per_s``
         ▼  whole-object CRC-32C
     size and CRC-32C as the row says ──▶ nothing (checked_files, checked_bytes)
@@ -49,6 +50,7 @@ MIN_CHUNK_BYTES = 64 * 1024
 CHUNKS_PER_S = 8  # at low rates, smaller reads keep the pace smooth
 LIST_LIMIT = 200_000  # rows one pass checks; the rest wait for the next pass
 SEGMENTS_SHOWN = 32  # held segments named in one event
+PROGRESS_EVERY_S = 10.0  # how often a pass reports how far it got (a restart resumes there)
 
 
 class Corrupt(msgspec.Struct, kw_only=True):
@@ -71,18 +73,30 @@ class ScrubReport(msgspec.Struct, kw_only=True):
 
 async def scrub_pass(tier: Tier, *, rate_bytes_per_s: float, quarantine: bool = True,
                      on_corrupt: Callable[[Corrupt], Awaitable[None]] | None = None,
+                     after: str = "",
+                     progress: Callable[[str], Awaitable[None]] | None = None,
                      ) -> ScrubReport:
-    """Check every registered object of this node once (module doc)."""
+    """Check every registered object of this node once (module doc), or those whose file
+    id sorts after ``after``; ``progress(file_id)`` is awaited at most every
+    ``PROGRESS_EVERY_S`` with the last file id done (the janitor records it, so a pass
+    cut short by a restart resumes there instead of starting over)."""
     started = anyio.current_time()
     report = ScrubReport()
     await finish_quarantines(tier, report)
-    rows = await tier.catalog.list_files(node_id=tier.node_id, states=REGISTERED,
-                                         limit=LIST_LIMIT)
+    listed = await tier.catalog.list_files(node_id=tier.node_id, states=REGISTERED,
+                                           limit=LIST_LIMIT)
+    rows = sorted((r for r in listed if r.file_id > after), key=lambda r: r.file_id)
+    noted = anyio.current_time()
     chunk = int(min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, rate_bytes_per_s / CHUNKS_PER_S)))
     tier.log.info("lake_scrub_pass_started", files=len(rows),
                   bytes=sum(r.compressed_size for r in rows),
                   rate_bytes_per_s=int(rate_bytes_per_s))
+    done = after  # the last file id this pass is through with
     for row in rows:
+        if progress is not None and done and anyio.current_time() - noted >= PROGRESS_EVERY_S:
+            await progress(done)
+            noted = anyio.current_time()
+        done = row.file_id  # a resumed pass re-reads a file its restart cut into
         if not row.object_key:
             continue
         try:

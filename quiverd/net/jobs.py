@@ -2,7 +2,8 @@
 
     → JOB {"op": "end_partition", "client", "job_id", "partition", "attempt", "rows",
            "checksum"}            ← JOB_OK {"node_id", "shard", "sequence"} once durable
-    → JOB {"op": "commit", "job_id", "winners": [{partition, attempt, rows, checksum}]}
+    → JOB {"op": "commit", "job_id", "winners": [{partition, attempt, rows, checksum}],
+           "remote": [partition, ...]}     (remote: optional; see Staging.commit)
     → JOB {"op": "abort", "job_id", "reason"}
                                   ← JOB_OK {JobDecision fields, "already": bool}
     → JOB {"op": "status", "job_id"}  ← JOB_OK {"job_id", "state", ...}
@@ -58,7 +59,8 @@ class JobService(Protocol):
 
     node_id: str
 
-    async def commit(self, job_id: str, winners: list[Winner]) -> tuple[JobDecision, bool]: ...
+    async def commit(self, job_id: str, winners: list[Winner],
+                     remote: list[int]) -> tuple[JobDecision, bool]: ...
     async def abort(self, job_id: str, reason: str = "") -> tuple[JobDecision, bool]: ...
     async def lookup(self, job_id: str) -> dict[str, Any]: ...
     async def visible(self, job_id: str, timeout_ms: int) -> dict[str, Any]: ...
@@ -83,6 +85,9 @@ class Commit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     op: str
     job_id: str
     winners: list[Winner]
+    # Partitions whose winner wrote its end marker through another daemon (several
+    # hosts): that daemon checks it; every other winner's marker must be here.
+    remote: list[int] = []
 
 
 class Abort(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -240,7 +245,8 @@ async def answer(service: JobService | None,
     if service is None:
         raise QuiverError("this daemon takes no job requests (staging is not running)")
     if isinstance(req, Commit):
-        return decision_body(*await service.commit(req.job_id, list(req.winners)))
+        return decision_body(*await service.commit(req.job_id, list(req.winners),
+                                                   list(req.remote)))
     if isinstance(req, Abort):
         return decision_body(*await service.abort(req.job_id, req.reason))
     if isinstance(req, Visible):

@@ -180,6 +180,7 @@ class Lake:
             "store_denied": bool(m.lake_denied.total()),
             "errors": {k: int(v) for k, v in m.lake_errors.by_label("kind").items() if v},
             "transitions": {k: int(v) for k, v in m.lake_transitions.by_label("state").items()},
+            "scrub": self.janitor.scrub_status() if self.janitor else None,
             "iceberg": self.projector.status() if self.projector
             else {"enabled": self.cfg.lake.iceberg.enabled, "state": "not started"},
         }

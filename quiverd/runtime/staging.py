@@ -40,7 +40,7 @@ from quiverd.kernel import logs
 from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import Config
-from quiverd.kernel.errors import CatalogUnavailable, JobConflict, LakeError
+from quiverd.kernel.errors import AtCapacity, CatalogUnavailable, JobConflict, LakeError
 from quiverd.kernel.jobs import JobDecision, Verdict, Winner, check_job_id
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.metrics import Metrics
@@ -185,6 +185,48 @@ class Staging:
             return Verdict.DISCARD
         return Verdict.PUBLISH
 
+    async def _decided(self, job_id: str) -> bool:
+        if job_id in self.decisions:
+            return True
+        catalog = await self._connected_catalog()
+        if catalog is None:
+            return False  # _decide says the catalog is unreachable
+        return job_id in await catalog.job_decisions([job_id])
+
+    async def _check_markers(self, job_id: str, winners: list[Winner]) -> None:
+        """Refuse winners whose end marker this daemon does not hold (as it was sent),
+        once every bundle of the job acked before now is finalized (its marker may be in
+        an open segment: sealed now, at most MARKER_WAIT_S)."""
+        if not winners:
+            return
+        if self.visibility is not None and not await self.visibility.sealed(job_id,
+                                                                            MARKER_WAIT_S):
+            raise AtCapacity(f"job {job_id!r}: its bundles were not sealed within "
+                             f"{MARKER_WAIT_S:.0f} s, so its end markers cannot be checked",
+                             hint="nothing was recorded; retry the commit")
+        job = self.jobs.get(job_id)
+        ends = job.ends if job else {}
+        missing, wrong = [], []
+        for w in winners:
+            end = ends.get((w.partition, w.attempt))
+            if end is None:
+                missing.append(f"{w.partition} (attempt {w.attempt})")
+            elif end != (w.rows, w.checksum):
+                wrong.append(f"{w.partition} (attempt {w.attempt}: marker rows={end[0]} "
+                             f"checksum={end[1]}, commit rows={w.rows} checksum={w.checksum})")
+        if missing or wrong:
+            parts = []
+            if missing:
+                parts.append("no end-of-partition marker on this daemon for partitions "
+                             + ", ".join(missing))
+            if wrong:
+                parts.append("a different end marker for partitions " + ", ".join(wrong))
+            what = "; ".join(parts)
+            raise JobConflict(f"job {job_id!r} not committed: {what} (node {self.node_id})",
+                              hint="commit only attempts whose end_partition was acked; an "
+                              "attempt written through another daemon is named in the "
+                              "commit's remote partitions")
+
     def _invalid(self, ref: StagedRef, why: str) -> None:
         key = (ref.job_id, ref.partition, ref.attempt)
         if key in self._reported:
@@ -196,13 +238,21 @@ class Staging:
                        hint="its rows are discarded, never published; rerun the job")
 
     # ---- decisions ----------------------------------------------------------------------
-    async def commit(self, job_id: str, winners: Iterable[Winner]) -> tuple[JobDecision, bool]:
-        """Record a commit; returns (the standing decision, already). Idempotent."""
+    async def commit(self, job_id: str, winners: Iterable[Winner],
+                     remote: Iterable[int] = ()) -> tuple[JobDecision, bool]:
+        """Record a commit; returns (the standing decision, already). Idempotent.
+
+        A new commit is refused (JobConflict, nothing recorded) when a winner's end
+        marker is not on this daemon or says other rows or checksum, unless its
+        partition is in ``remote`` (written through another daemon, which checks it)."""
         ws = tuple(sorted(winners, key=lambda w: w.partition))
         if len({w.partition for w in ws}) != len(ws):
             raise ValueError("a commit names each partition once")
         wanted = JobDecision(job_id=check_job_id(job_id), state="committed", winners=ws,
                              decided_at_ns=time.time_ns(), decided_by=self.node_id)
+        if not await self._decided(job_id):  # a repeated commit is answered as it stands
+            await self._check_markers(job_id, [w for w in ws if w.partition not in
+                                               set(remote)])
         standing, recorded = await self._decide(wanted)
         if standing.state != "committed" or set(standing.winners) != set(ws):
             raise JobConflict(f"job {job_id!r} is already {standing.state} "

@@ -130,6 +130,17 @@ class Visibility:
                 uploader.rush(job_id, set(left))
             await self._any_change(versions)
 
+    async def sealed(self, job_id: str, timeout_s: float) -> bool:
+        """Until every bundle of ``job_id`` acked before now (its end markers among them)
+        is in a finalized segment staging knows of; False at the timeout. A commit
+        checks its winners' markers after this (``Staging.commit``)."""
+        with anyio.move_on_after(timeout_s):
+            async with anyio.create_task_group() as tg:
+                for shard in self.shards:
+                    tg.start_soon(self._sealed, shard, job_id)
+            return True
+        return False
+
     async def _sealed(self, shard: Shard, job_id: str) -> None:
         """Every bundle of the job on ``shard`` is in a segment ack.log lists."""
         through = int(shard.wal_stats.last_sequence.value)  # the job's were acked before

@@ -191,7 +191,8 @@ class QuiverWriter(DataSourceArrowWriter):
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         winners = winners_of(messages, self.job_id)
         _wait_at_gate(self.opts.commit_gate)
-        _decide(self.opts, lambda c: c.commit_job(self.job_id, winners))
+        remote = remote_partitions(self.opts, winners)
+        _decide(self.opts, lambda c: c.commit_job(self.job_id, winners, remote))
         # Read your writes: returns once the catalog holds the rows, or warns (no raise).
         wait_visible([self.opts.path_for(w.partition) for w in winners], self.job_id,
                      self.opts.visible_timeout_s)
@@ -238,7 +239,7 @@ class QuiverStreamWriter(DataSourceStreamArrowWriter):
                 raise JobConflict(f"micro-batch {batchId}: a task found job {job_id!r} "
                                   f"committed, the driver finds it {state}")
             try:
-                c.commit_job(job_id, winners)
+                c.commit_job(job_id, winners, remote_partitions(self.opts, winners))
             except JobConflict as exc:
                 if c.job_status(job_id)["state"] != "committed":
                     raise JobConflict(f"micro-batch {batchId} (job {job_id!r}): {exc}",
@@ -352,6 +353,12 @@ def winners_of(messages: Sequence[WriterCommitMessage | None], job_id: str) -> l
         winners.append(Winner(partition=m.partition, attempt=m.task_attempt_id, rows=m.rows,
                               checksum=m.checksum))
     return winners
+
+
+def remote_partitions(opts: WriteOptions, winners: Sequence[Winner]) -> list[int]:
+    """Partitions written through another daemon than paths[0], which the commit goes to:
+    that daemon checks their end markers (``option paths``: several hosts)."""
+    return [w.partition for w in winners if opts.path_for(w.partition) != opts.paths[0]]
 
 
 def refuse_reserved_columns(schema: StructType) -> None:

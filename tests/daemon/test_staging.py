@@ -150,11 +150,38 @@ def test_two_daemons_sharing_one_postgres_catalog_publish_exactly_once(
         wb = write_attempt(c, "job5", 1, 3, [4])  # the winner of partition 1, on host b
         write_attempt(c, "job5", 2, 4, [5], end=False)  # cut short on host b
     with Client.connect(a.socket) as c:  # the driver's daemon records the decision
-        c.commit_job("job5", [x for x in (wa, wb) if x])
+        with pytest.raises(JobConflict, match="no end-of-partition marker on this daemon "
+                           "for partitions 1 .attempt 3."):
+            c.commit_job("job5", [x for x in (wa, wb) if x])  # b's marker is not on a
+        c.commit_job("job5", [x for x in (wa, wb) if x], remote=[1])
     assert tags_of(consume(a, "x", want=10, idle_s=1.5)) == [1, 2]
     assert tags_of(consume(b, "x", want=10, idle_s=1.5)) == [4]
     for d in (a, b):
         assert d.stop() == 0
+
+
+def test_a_commit_naming_an_attempt_without_its_end_marker_is_refused(daemon_factory):
+    """Issue 26: it was recorded, and `visible` answered true with 0 bundles."""
+    d = daemon_factory({**FAST, "segment.max_open_duration_ms": 60_000}).start()
+    add(d, "x")
+    with Client.connect(d.socket) as c:
+        write_attempt(c, "cut", 0, 1, [1, 2], end=False)
+        made_up = Winner(partition=0, attempt=1, rows=200, checksum=5)
+        ended = write_attempt(c, "cut", 1, 2, [3])
+        assert ended
+        started = time.monotonic()
+        with pytest.raises(JobConflict, match=r"job 'cut' not committed: no end-of-partition "
+                           r"marker on this daemon for partitions 0 \(attempt 1\)"):
+            c.commit_job("cut", [made_up, ended])
+        # The marker of partition 1 was in the open segment (60 s): sealed for the check.
+        assert time.monotonic() - started < 10
+        assert c.job_status("cut")["state"] == "staged"  # nothing recorded
+        wrong = Winner(partition=1, attempt=2, rows=100, checksum=ended.checksum + 1)
+        with pytest.raises(JobConflict, match="a different end marker for partitions 1"):
+            c.commit_job("cut", [wrong])
+        assert c.commit_job("cut", [ended]).decision.state == "committed"
+    assert tags_of(consume(d, "x", want=10, idle_s=1.5)) == [3]
+    assert d.stop() == 0
 
 
 def test_staged_rows_over_half_the_size_cap_are_refused_not_left_hanging(daemon_factory):

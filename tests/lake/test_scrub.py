@@ -189,3 +189,40 @@ def test_read_verified_damaged_footer_is_lake_file_corrupt(tmp_path: Path) -> No
     path.write_bytes(bytes(data))
     with pytest.raises(LakeFileCorrupt, match="lake file F1 .*: .*none of its rows"):
         read_verified(path, file_id="F1", uri="s3://b/k")
+
+
+@pytest.mark.asyncio
+async def test_scrub_pass_cut_short_by_a_restart_resumes_after_its_last_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart during a pass must neither start over (a daemon restarted often would
+    never reach the lake's end) nor leave the rest for another interval (the bound on a
+    damaged object's exposure would double): the pass goes on after its last file."""
+    import time
+
+    from quiverd.kernel.config import LakeScrubConfig
+    from quiverd.lake import scrub as scrub_module
+
+    monkeypatch.setattr(scrub_module, "PROGRESS_EVERY_S", 0.0)
+    day = 86_400
+    async with open_test_tier(tmp_path, scrub=LakeScrubConfig(pass_interval_s=day)) as tier:
+        rows = sorted(await files(tier), key=lambda r: r.file_id)
+        noted: list[str] = []
+
+        async def progress(file_id: str) -> None:
+            noted.append(file_id)
+
+        await scrub_pass(tier, rate_bytes_per_s=100e6, progress=progress)
+        assert noted == [rows[0].file_id, rows[1].file_id]  # each one once it is done
+
+        start = time.time_ns() - 10 * 1_000_000_000
+        tier.data.lake_scrub.write_text(f"{start} {rows[0].file_id}\n")  # cut after one
+        janitor = Janitor(tier, log=LOG, metrics=Metrics())
+        assert await janitor._scrub_due_in() == 60  # soon, not a day later
+        report = await janitor._scrub_pass()
+        assert report.files_checked == 2  # the two after the cut, not the first again
+        assert tier.data.lake_scrub.read_text() == f"{start} done\n"
+        due = await Janitor(tier, log=LOG, metrics=Metrics())._scrub_due_in()
+        assert day - 70 < due <= day - 10  # the next pass keeps the original start's pace
+        tier.data.lake_scrub.write_text(f"{start}\n")  # the format before: a finished pass
+        due = await Janitor(tier, log=LOG, metrics=Metrics())._scrub_due_in()
+        assert day - 70 < due <= day - 10

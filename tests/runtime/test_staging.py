@@ -62,7 +62,8 @@ async def test_commit_publishes_the_winner_only(tmp_path: Path) -> None:
         decision, already = await s.commit("j", [Winner(partition=0, attempt=2, rows=100,
                                                         checksum=7),
                                                  Winner(partition=1, attempt=3, rows=5,
-                                                        checksum=8)])
+                                                        checksum=8)],
+                                            remote=[1])  # not checked at the commit here
         assert decision.state == "committed" and not already
         assert s.verdict(ref("j", 0, 2)) is Verdict.PUBLISH
         assert s.verdict(ref("j", 0, 1)) is Verdict.DISCARD  # the losing attempt
@@ -74,12 +75,40 @@ async def test_commit_publishes_the_winner_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_commit_naming_winners_without_their_end_marker_here_is_refused(
+        tmp_path: Path) -> None:
+    """Issue 26: such a commit was recorded, and `visible` then answered true with 0
+    bundles: the rows were discarded as invalid after MARKER_WAIT_S."""
+    async with running(tmp_path) as s:
+        s.add_segment(segment(1, [ref("j", 0, 1), ref("j", 1, 2), ref("j", 1, 2, (5, 9)),
+                                  ref("j", 2, 3), ref("j", 2, 3, (4, 4))]))
+        with pytest.raises(JobConflict) as info:
+            await s.commit("j", [Winner(partition=0, attempt=1, rows=100, checksum=7),
+                                 Winner(partition=1, attempt=2, rows=5, checksum=9),
+                                 Winner(partition=2, attempt=3, rows=4, checksum=5),
+                                 Winner(partition=3, attempt=4, rows=1, checksum=1)])
+        text = str(info.value)
+        assert "no end-of-partition marker on this daemon for partitions 0 (attempt 1), " \
+               "3 (attempt 4)" in text
+        assert "a different end marker for partitions 2 (attempt 3: marker rows=4 " \
+               "checksum=4, commit rows=4 checksum=5)" in text
+        assert "j" not in s.decisions and (await s.lookup("j"))["state"] == "staged"
+        decision, _ = await s.commit("j", [Winner(partition=1, attempt=2, rows=5, checksum=9),
+                                           Winner(partition=3, attempt=4, rows=1,
+                                                  checksum=1)], remote=[3])
+        assert decision.state == "committed"
+        assert s.verdict(ref("j", 1, 2)) is Verdict.PUBLISH
+        # Committed: the same commit again is answered as it stands, unchecked.
+        assert (await s.commit("j", decision.winners))[1]
+
+
+@pytest.mark.asyncio
 async def test_a_winner_whose_marker_is_not_here_is_held_then_discarded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(staging_mod, "MARKER_WAIT_S", 0.2)
     async with running(tmp_path) as s:
         s.add_segment(segment(1, [ref("j", 0, 1)]))
-        await s.commit("j", [Winner(partition=0, attempt=1, rows=1, checksum=1)])
+        await s.commit("j", [Winner(partition=0, attempt=1, rows=1, checksum=1)], remote=[0])
         assert s.verdict(ref("j", 0, 1)) is Verdict.HOLD  # the marker may still come
         await anyio.sleep(0.3)
         assert s.verdict(ref("j", 0, 1)) is Verdict.DISCARD
@@ -103,7 +132,7 @@ async def test_abort_after_commit_and_commit_after_abort_conflict(tmp_path: Path
 async def test_a_decision_made_elsewhere_is_found_by_polling(tmp_path: Path) -> None:
     async with running(tmp_path) as a, running(tmp_path) as b:  # one catalog file, two nodes
         b.add_segment(segment(1, [ref("j", 0, 1), ref("j", 0, 1, (1, 1))]))
-        await a.commit("j", [Winner(partition=0, attempt=1, rows=1, checksum=1)])
+        await a.commit("j", [Winner(partition=0, attempt=1, rows=1, checksum=1)], remote=[0])
         await eventually(lambda: b.verdict(ref("j", 0, 1)) is not Verdict.HOLD)
         assert b.verdict(ref("j", 0, 1)) is Verdict.PUBLISH
 

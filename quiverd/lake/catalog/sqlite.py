@@ -345,12 +345,6 @@ def _replace(conn: sqlite3.Connection, old_ids: list[str], new_id: str,
     return True
 
 
-def _delete_rows(conn: sqlite3.Connection, file_ids: list[str]) -> None:
-    for chunk in sql.chunks(file_ids):
-        for statement in sql.delete_rows_sql(len(chunk)):
-            conn.execute(statement, chunk)
-
-
 def _restore(conn: sqlite3.Connection, file_id: str, now_ns: int) -> bool:
     # BEGIN IMMEDIATE holds the write lock from these reads to the commit: no register
     # can take the file's bundles in between.
@@ -365,6 +359,12 @@ def _restore(conn: sqlite3.Connection, file_id: str, now_ns: int) -> bool:
         if clash:
             raise DuplicateCoverage(file_id, clash)
     return conn.execute(sql.RESTORE_ROW, (now_ns, file_id)).rowcount == 1
+
+
+def _delete_rows(conn: sqlite3.Connection, file_ids: list[str]) -> None:
+    for chunk in sql.chunks(file_ids):
+        for statement in sql.delete_rows_sql(len(chunk)):
+            conn.execute(statement, chunk)
 
 
 def _decide_job(conn: sqlite3.Connection, decision: JobDecision) -> tuple[JobDecision, bool]:
