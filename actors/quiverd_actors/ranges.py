@@ -12,7 +12,9 @@ than ``after`` and at most ``through``. ``bundle_index`` may be -1: ``(s, -1)`` 
 before the first bundle of segment ``s``. Positions compare as tuples, so a range names
 the same bundles whatever was acked or deleted since: a micro-batch re-run after a crash
 reads the same bundles (those not deleted: a subscriber's unacked segments are retained,
-except by ``drop_oldest`` retention, which records ``dropped`` for them).
+except by ``drop_oldest`` or ``max_age`` retention, which records ``dropped`` for them;
+``lost`` names what of a range was deleted, so the reader is told, never short-changed).
+A range ending at a segment's last bundle ends at ``(s, END_OF_SEGMENT)``.
 
 Only finalized segments are in the table, so a range never holds a bundle still in an
 open segment. ``span`` stops before the first staged bundle whose job is undecided
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from quiverd.acks import format as fmt
-from quiverd.kernel.errors import AtCapacity, QuiverError, ShuttingDown
+from quiverd.kernel.errors import AtCapacity, ShuttingDown
 from quiverd.kernel.jobs import Verdict
 from quiverd.kernel.reply import Reply
 from quiverd.segments.reader import SegmentReader
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from quiverd_actors.dispatcher import Dispatcher, OutgoingDelivery
 
 Position = tuple[int, int]  # (segment_seq, bundle_index): "after this bundle"
+END_OF_SEGMENT = 0xFFFF_FFFF  # (s, END_OF_SEGMENT): after every bundle of segment s
+FIRST_SEGMENT_SEQ = 1  # a shard's first segment (FLOOR starts at 0: "none yet")
 READ_BATCH = 64  # bundles read per worker hop
 ACK_BATCH = 4096  # outcomes per ack.log request
 MAX_OPEN_READERS = 4  # segment readers one fetch keeps open
@@ -97,7 +101,10 @@ def span(d: Dispatcher, start: Position, *, cap: Position | None, limit: int
                     break
         if last >= first:
             count += last - first + 1
-            end = (seg, last)
+            # A finalized segment never grows: its end is spelled (seg, END_OF_SEGMENT),
+            # so a position (s, i) with i < END_OF_SEGMENT always has bundles of s after
+            # it, and a start in a deleted segment says whether any were lost (``lost``).
+            end = (seg, END_OF_SEGMENT if last == info.bundle_count - 1 else last)
         if held or (limit and count >= limit):
             break
     return end, count
@@ -130,6 +137,61 @@ def picks(d: Dispatcher, after: Position, through: Position, limit: int = READ_B
             if len(out) >= limit:
                 return out, (seg, idx)
     return out, through
+
+
+def past_deleted(d: Dispatcher, start: Position, cap: Position | None) -> Position:
+    """How far a range from ``start`` reaches over deleted segments alone: just before
+    the next live segment (after the last finalized one if none), never beyond ``cap``,
+    and ``start`` itself while the start's segment still has bundles after it."""
+    info = d.segments.get(start[0])
+    if info is not None and start[1] < info.bundle_count - 1:
+        return start  # span stopped at an undecided bundle there: never pass it
+    seqs = d.segments.seqs()
+    i = bisect.bisect_right(seqs, start[0])
+    upto = seqs[i] if i < len(seqs) else d.state.segment_floor
+    end = (upto - 1, END_OF_SEGMENT)
+    if cap is not None:
+        end = min(end, cap)
+    return max(start, end)
+
+
+def lost(d: Dispatcher, after: Position, through: Position, *, dropped: bool
+         ) -> list[dict[str, object]]:
+    """Runs of deleted segments in ``(after, through]``: bundles of the range no fetch
+    can deliver any more (retention's ``drop_oldest`` or ``max_age`` deleted them, or
+    recovery found them gone). Segment numbers are handed out in order from 1 and never
+    twice, so a number below the floor that is not in the table was finalized and
+    deleted. (One exception, reported too: a number recovery skipped because that
+    segment's file was quarantined and its bundles came back from the WAL into a later
+    segment; a query that stops on it goes on with failOnDataLoss false.)
+
+    A range never holds what its reader acked (its acks trail its start), so every
+    deleted segment strictly inside is lost to it. The start's own segment is lost from
+    ``(s, -1)``; from ``(s, i)`` with ``0 <= i < END_OF_SEGMENT`` (a range cut inside
+    the segment) only when ``dropped`` (the subscriber had bundles dropped on this shard
+    since the daemon started): offsets written before ends were spelled
+    ``(s, END_OF_SEGMENT)`` end at ``(s, last)``, and that segment is deleted once acked.
+    Each run is ``{"after": position, "through": position, "segments": [first, last]}``.
+    O(live segments), no I/O."""
+    hi = min(through[0] if through[1] >= 0 else through[0] - 1, d.state.segment_floor - 1)
+    lo = after[0]
+    if after[1] >= END_OF_SEGMENT or (after[1] >= 0 and not dropped):
+        lo += 1
+    lo = max(lo, FIRST_SEGMENT_SEQ)
+    if lo > hi:
+        return []
+    runs: list[dict[str, object]] = []
+    seqs = d.segments.seqs()
+    expect = lo
+    for seg in [*seqs[bisect.bisect_left(seqs, lo):bisect.bisect_right(seqs, hi)], hi + 1]:
+        if seg > expect:
+            first, last = expect, seg - 1
+            start = after if first == after[0] else (first, -1)
+            end = through if last == through[0] else (last, END_OF_SEGMENT)
+            runs.append({"after": list(start), "through": list(end),
+                         "segments": [first, last]})
+        expect = seg + 1
+    return runs
 
 
 async def ack_through(d: Dispatcher, name: str, through: Position) -> int:
@@ -168,6 +230,10 @@ class RangeFetch:
     def __init__(self, d: Dispatcher, client: str | None) -> None:
         self.d, self.client = d, client
         self.readers: OrderedDict[int, SegmentReader] = OrderedDict()
+        # Segments deleted between the range's picks and their read (retention), each
+        # with its first bundle not read: the rest is left out and the fetch's answer
+        # names it.
+        self.gone: dict[int, int] = {}
 
     async def frames(self, wanted: list[Position]) -> list[OutgoingDelivery]:
         """The DELIVERY frames of ``wanted`` whose client matches (one worker hop)."""
@@ -180,15 +246,16 @@ class RangeFetch:
         out: list[OutgoingDelivery] = []
         for seg, idx in wanted:
             path = paths.get(seg)
-            if path is None:
-                raise SegmentGone(self.d.shard, seg)
+            if path is None or seg in self.gone:
+                self.gone.setdefault(seg, idx)
+                continue
             try:
                 reader = self._reader(seg, path)
                 if self.client is not None and reader.bundle_meta(idx).client != self.client:
                     continue
                 out.append(self.d._frame(reader, seg, idx))
             except FileNotFoundError:
-                raise SegmentGone(self.d.shard, seg) from None
+                self.gone.setdefault(seg, idx)
         return out
 
     def _reader(self, seg: int, path: Path) -> SegmentReader:
@@ -208,16 +275,5 @@ class RangeFetch:
         self.readers.clear()
 
 
-class SegmentGone(QuiverError):
-    """A segment of a fetch range was deleted while the fetch read it (retention)."""
-
-    hint = ("retention (`drop_oldest` or `max_age`) deleted data the subscriber had not "
-            "acked; those bundles are lost to it (counted as dropped)")
-
-    def __init__(self, shard: int, segment_seq: int) -> None:
-        super().__init__(f"shard {shard}: segment {segment_seq} of the range was deleted "
-                         "while it was read")
-
-
-__all__ = ["HeldBundle", "Position", "RangeFetch", "SegmentGone", "ack_through",
-           "first_position", "picks", "register", "span"]
+__all__ = ["END_OF_SEGMENT", "HeldBundle", "Position", "RangeFetch", "ack_through",
+           "first_position", "lost", "picks", "register", "span"]

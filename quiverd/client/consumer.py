@@ -161,6 +161,15 @@ async def _deliveries(frames: AsyncIterator[Any], conn: _Conn) -> AsyncIterator[
 PositionJson = Sequence[int]  # [segment_seq, bundle_index]: "after this bundle"
 
 
+def _leased(body: dict[str, Any], holder: str | None, lease_s: float | None
+            ) -> dict[str, Any]:
+    if holder is not None:
+        body["holder"] = holder
+    if lease_s is not None:
+        body["lease_s"] = lease_s
+    return body
+
+
 class RangedReader:
     """Blocking STREAM client: one request at a time on one subscriber connection."""
 
@@ -184,31 +193,43 @@ class RangedReader:
     def close(self) -> None:
         self._sock.close()
 
-    def open(self, subscriber: str, *, register: bool = False, start: str = "earliest"
-             ) -> dict[str, Any]:
+    def open(self, subscriber: str, *, register: bool = False, start: str = "earliest",
+             holder: str | None = None, lease_s: float | None = None) -> dict[str, Any]:
         """``{"shards", "registered", "start": {shard: position}}``; ``register`` adds an
-        unknown subscriber (from ``start``: earliest or latest) instead of refusing it."""
-        return self._call({"op": "open", "subscriber": subscriber, "register": register,
-                           "start": start})
+        unknown subscriber (from ``start``: earliest or latest) instead of refusing it.
+        ``holder`` (open, latest, ack_through) takes the subscriber's lease: another
+        holder's request is refused (``SubscriberBusy``, an AtCapacity) while it lives."""
+        return self._call(_leased({"op": "open", "subscriber": subscriber,
+                                   "register": register, "start": start}, holder, lease_s))
 
     def latest(self, subscriber: str, start: Mapping[str, PositionJson], *,
-               cap: Mapping[str, PositionJson] | None = None, max_bundles: int = 0
-               ) -> dict[str, Any]:
-        """``{"end": {shard: position}, "bundles": n}``: the next range after ``start``."""
-        return self._call({"op": "latest", "subscriber": subscriber, "start": dict(start),
-                           "cap": None if cap is None else dict(cap),
-                           "max_bundles": max_bundles})
+               cap: Mapping[str, PositionJson] | None = None, max_bundles: int = 0,
+               holder: str | None = None, lease_s: float | None = None) -> dict[str, Any]:
+        """``{"end": {shard: position}, "bundles": n, "lost": [...]}``: the next range
+        after ``start``, and the parts of it retention deleted (docs/protocol.md)."""
+        return self._call(_leased({"op": "latest", "subscriber": subscriber,
+                                   "start": dict(start),
+                                   "cap": None if cap is None else dict(cap),
+                                   "max_bundles": max_bundles}, holder, lease_s))
 
-    def ack_through(self, subscriber: str, through: Mapping[str, PositionJson]) -> int:
+    def ack_through(self, subscriber: str, through: Mapping[str, PositionJson], *,
+                    holder: str | None = None, lease_s: float | None = None) -> int:
         """Ack every pending bundle up to ``through`` per shard; returns once durable."""
-        reply = self._call({"op": "ack_through", "subscriber": subscriber,
-                            "through": dict(through)})
+        reply = self._call(_leased({"op": "ack_through", "subscriber": subscriber,
+                                    "through": dict(through)}, holder, lease_s))
         return int(reply["acked"])
 
+    def release(self, subscriber: str, holder: str) -> bool:
+        """End ``holder``'s lease of ``subscriber``; False if it held none."""
+        reply = self._call({"op": "release", "subscriber": subscriber, "holder": holder})
+        return bool(reply["released"])
+
     def fetch(self, subscriber: str, shard: int, after: PositionJson, through: PositionJson,
-              *, client: str | None = None) -> Iterator[Delivery]:
+              *, client: str | None = None, lost: list[dict[str, Any]] | None = None
+              ) -> Iterator[Delivery]:
         """The bundles of ``(after, through]`` on ``shard`` (of ``client`` only, if given),
-        oldest first. Consume it to the end before the next request."""
+        oldest first. Consume it to the end before the next request. The parts of the
+        range retention deleted are appended to ``lost`` (if given) at the end."""
         request_id = self._send({"op": "fetch", "subscriber": subscriber, "shard": shard,
                                  "after": list(after), "through": list(through),
                                  "client": client})
@@ -217,7 +238,9 @@ class RangedReader:
             if isinstance(msg, Delivery):
                 yield msg
                 continue
-            self._check(msg, request_id)
+            body = self._check(msg, request_id)
+            if lost is not None:
+                lost.extend(body.get("lost", ()))
             return
 
     def _call(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -370,6 +370,12 @@ class DispatchMetrics:
     def discarded(self, subscriber: str) -> Value:
         return self._m.staged_discarded.labels(subscriber)
 
+    def dropped_count(self, subscriber: str) -> int:
+        """Bundles retention dropped for ``subscriber`` here (the gc sweeper counts them);
+        read by ranged reads' loss reports, without adding a series."""
+        found = self._m.subscriber_dropped.values.get((str(self._shard), subscriber))
+        return 0 if found is None else int(found.value)
+
 
 class GcMetrics:
     """The gc sweeper's values for one shard."""

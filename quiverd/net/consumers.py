@@ -14,11 +14,15 @@ A connection whose first frame is STREAM is a ranged reader (Spark's streaming
 source): it asks for the bundles of a position range, ``(after, through]`` per
 shard, and acks a prefix when done (``quiverd_actors.ranges``). Nothing is pushed
 and nothing is in flight: the subscriber's unacked bundles simply stay pending, so
-a range can be read again after a crash and holds the same bundles.
+a range can be read again after a crash and holds the same bundles. Parts of a range
+retention deleted are named in the answers (``lost``), and one reader (one query's
+driver) holds a subscriber at a time (``quiverd.net.stream_leases``).
 """
 
 from __future__ import annotations
 
+import socket
+import struct
 from typing import Any, Literal
 
 import anyio
@@ -32,6 +36,7 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import validate_subscriber_name
 from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
+from quiverd.net.stream_leases import DEFAULT_LEASE_S, StreamLeases, holder_text
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
 from quiverd.runtime.jobs_view import held_at
@@ -40,6 +45,7 @@ from quiverd_actors.dispatcher import Dispatcher, OutgoingDelivery, Session
 from quiverd_actors.messages import Feedback
 
 MAX_WINDOW = 4096
+_UCRED = struct.Struct("3i")  # pid, uid, gid (SO_PEERCRED)
 
 
 class SubscriberHub:
@@ -47,6 +53,7 @@ class SubscriberHub:
 
     def __init__(self) -> None:
         self.dispatchers: list[Dispatcher] = []  # one per shard, set once they run
+        self.leases = StreamLeases()  # which query reads each subscriber (STREAM)
 
     def known(self, name: str) -> bool:
         return bool(self.dispatchers) and all(name in d.state.registry
@@ -158,6 +165,8 @@ class _Open(msgspec.Struct, tag_field="op", tag="open",
     subscriber: str
     register: bool = False
     start: Literal["earliest", "latest"] = "earliest"
+    holder: str | None = None  # the query taking the subscriber's lease (stream_leases)
+    lease_s: float = DEFAULT_LEASE_S
 
 
 class _Latest(msgspec.Struct, tag_field="op", tag="latest",
@@ -166,6 +175,8 @@ class _Latest(msgspec.Struct, tag_field="op", tag="latest",
     start: dict[str, tuple[int, int]]
     cap: dict[str, tuple[int, int]] | None = None
     max_bundles: int = 0
+    holder: str | None = None
+    lease_s: float = DEFAULT_LEASE_S
 
 
 class _Fetch(msgspec.Struct, tag_field="op", tag="fetch",
@@ -181,9 +192,17 @@ class _AckThrough(msgspec.Struct, tag_field="op", tag="ack_through",
                  forbid_unknown_fields=True):
     subscriber: str
     through: dict[str, tuple[int, int]]
+    holder: str | None = None
+    lease_s: float = DEFAULT_LEASE_S
 
 
-_Request = _Open | _Latest | _Fetch | _AckThrough
+class _Release(msgspec.Struct, tag_field="op", tag="release",
+               forbid_unknown_fields=True):
+    subscriber: str
+    holder: str
+
+
+_Request = _Open | _Latest | _Fetch | _AckThrough | _Release
 
 
 async def serve_stream(hub: SubscriberHub, reader: FrameReader,
@@ -236,6 +255,9 @@ async def _run(hub: SubscriberHub, reader: FrameReader, req: _Request, log: Logg
         raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER,
                             f"no subscriber named {req.subscriber!r}; register it with "
                             f"`quiverd subscribers add {req.subscriber}`")
+    if isinstance(req, _Release):
+        return {"released": hub.leases.release(req.subscriber, holder_text(req.holder))}
+    _lease(hub, reader, req, log)
     if isinstance(req, _Open):
         return {"shards": len(shards), "registered": registered,
                 "start": {str(d.shard): ranges.first_position(d, req.subscriber)
@@ -247,7 +269,32 @@ async def _run(hub: SubscriberHub, reader: FrameReader, req: _Request, log: Logg
         for key, through in sorted(req.through.items()):
             acked += await ranges.ack_through(_shard(shards, key), req.subscriber, through)
         return {"acked": acked}
-    return {"bundles": await _fetch(_shard(shards, str(req.shard)), reader, req)}
+    return await _fetch(_shard(shards, str(req.shard)), reader, req)
+
+
+def _lease(hub: SubscriberHub, reader: FrameReader, req: _Request, log: Logger) -> None:
+    """A request naming a holder takes or renews the subscriber's lease (SubscriberBusy
+    if another live query holds it); an ack without one is refused while one is held."""
+    if isinstance(req, _Fetch | _Release):
+        return  # fetches only read (Spark's executors); release is answered before
+    if req.holder is None:
+        if isinstance(req, _AckThrough):
+            hub.leases.check(req.subscriber)
+        return
+    holder = holder_text(req.holder)
+    new = hub.leases.holder(req.subscriber) != holder
+    hub.leases.take(req.subscriber, holder, pid=_peer_pid(reader.stream), lease_s=req.lease_s)
+    if new:
+        log.info("stream_lease_taken", subscriber=req.subscriber, holder=holder)
+
+
+def _peer_pid(stream: RawStream) -> int:
+    try:
+        pid, _, _ = _UCRED.unpack(stream.sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    except OSError:
+        return 0
+    return int(pid)
 
 
 async def _register(hub: SubscriberHub, name: str, start: str) -> None:
@@ -287,19 +334,31 @@ def _latest(shards: list[Dispatcher], req: _Latest) -> dict[str, Any]:
         shares = _fair_shares(ready, limit)
     ends: dict[str, tuple[int, int]] = {}
     total = 0
+    lost: list[dict[str, object]] = []
     for d in shards:
+        start: tuple[int, int] = starts[d.shard]  # type: ignore[assignment]
         share = shares[d.shard]
-        if limit and share == 0:
-            ends[str(d.shard)] = starts[d.shard]  # type: ignore[assignment]
-            continue
-        end, count = ranges.span(d, starts[d.shard], cap=cap(d), limit=share)  # type: ignore[arg-type]
+        end, count = start, 0
+        if not limit or share:
+            end, count = ranges.span(d, start, cap=cap(d), limit=share)
+        # Bundles of (start, end] retention deleted are lost to the reader; with nothing
+        # live to read, the range passes over deleted segments (no bundle in them), so
+        # a reader that goes on (failOnDataLoss=false) is told of them once.
+        horizon = end if end != start else ranges.past_deleted(d, start, cap(d))
+        dropped = d.stats.dropped_count(req.subscriber)
+        runs = ranges.lost(d, start, horizon, dropped=dropped > 0)
+        if runs:
+            end = max(end, horizon)
+            lost += [{"shard": d.shard, **run, "dropped_bundles": dropped} for run in runs]
         ends[str(d.shard)] = end
         total += count
     # A shard whose range stops before an undecided job's bundle names it: the reader
     # says what it waits for (SPEC §7; `quiverd jobs list`, `quiverd jobs abort`).
     waiting = {str(d.shard): w for d in shards
                if (w := held_at(d.segments, d.verdict, ends[str(d.shard)])) is not None}
-    return {"end": ends, "bundles": total, "waiting": waiting}
+    return {"end": ends, "bundles": total, "lost": lost, "waiting": waiting}
+
+
 
 
 def _fair_shares(ready: dict[int, int], limit: int) -> dict[int, int]:
@@ -316,10 +375,13 @@ def _fair_shares(ready: dict[int, int], limit: int) -> dict[int, int]:
     return shares
 
 
-async def _fetch(d: Dispatcher, reader: FrameReader, req: _Fetch) -> int:
+async def _fetch(d: Dispatcher, reader: FrameReader, req: _Fetch) -> dict[str, Any]:
     """Send the DELIVERY frames of ``(after, through]`` on shard ``d``, one read batch
-    (one worker hop) at a time; returns how many were sent."""
+    (one worker hop) at a time; answers how many were sent and which parts of the range
+    were deleted before they could be (``lost``: before the fetch, or while it read)."""
     after, through = (req.after[0], req.after[1]), (req.through[0], req.through[1])
+    dropped = d.stats.dropped_count(req.subscriber)
+    lost = ranges.lost(d, after, through, dropped=dropped > 0)
     fetch = ranges.RangeFetch(d, req.client)
     sent = 0
     try:
@@ -331,4 +393,9 @@ async def _fetch(d: Dispatcher, reader: FrameReader, req: _Fetch) -> int:
                     sent += 1
     finally:
         fetch.close()
-    return sent
+    for seg, idx in sorted(fetch.gone.items()):
+        lost.append({"after": [seg, idx - 1],
+                     "through": list(min(through, (seg, ranges.END_OF_SEGMENT))),
+                     "segments": [seg, seg]})
+    return {"bundles": sent, "lost": [{"shard": d.shard, **run, "dropped_bundles": dropped}
+                                      for run in lost]}

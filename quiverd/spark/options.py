@@ -29,6 +29,7 @@ WRITE = frozenset({
 # spark.readStream.format("quiver")
 STREAM_READ = frozenset({
     "path", "socket", "config", "client", "slot", "subscriber", "maxbundlespertrigger", "from",
+    "failondataloss",
 })
 
 

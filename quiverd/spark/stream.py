@@ -6,6 +6,7 @@
          .option("slot", 0)                          # default 0
          .option("maxBundlesPerTrigger", 1000)       # admission control (default: all)
          .option("from", "earliest")                 # where a new subscriber starts
+         .option("failOnDataLoss", "true")           # default true (see "Loss" below)
          .option("socket", "/run/quiverd/ingest.sock")
          .schema(schema)                             # or the lake's, as for spark.read
          .load())
@@ -49,6 +50,20 @@ Each row gets the lake's bundle columns (``_quiver_ingested_at``, ``_quiver_shar
 ``_quiver_segment``, ``_quiver_bundle``) when the schema has them, so the stream and the
 lake share one schema and a row's bundle id is its dedup key.
 
+Loss. Retention (``retention.size_cap_policy = "drop_oldest"``, ``retention.max_age_s``)
+may delete bundles the subscriber has not acked. The daemon names every part of a
+range it can no longer deliver (STREAM ``latest`` and ``fetch`` answer ``lost``: shard,
+positions, segment numbers, and the subscriber's dropped count there), and the query
+fails with all of it (``StreamDataLoss``), as Spark's Kafka source does; with
+``failOnDataLoss`` false it prints the same lines to stderr and goes on past the gap.
+
+One query per subscriber. Two queries on one subscriber each ack what they committed,
+so one's acks let retention delete what the other has not read. The driver's reader
+therefore holds the subscriber's lease (quiverd/net/stream_leases.py) in every open,
+latest and ack: a second live query is refused, naming the first (its pid and host).
+The lease ends with ``stop()`` or with the driver's process, so Spark's restart of a
+stopped or killed query from its checkpoint is not blocked.
+
 The daemon: option ``socket``, or ``config`` (its ingest socket), else the defaults of
 quiverd/spark/locator.py ($QUIVERD_SOCKET, the default socket, the default config).
 ``load("<client>")`` names the client, as for ``spark.read``.
@@ -56,7 +71,10 @@ quiverd/spark/locator.py ($QUIVERD_SOCKET, the default socket, the default confi
 
 from __future__ import annotations
 
+import os
+import socket as socketlib
 import sys
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +93,7 @@ from pyspark.sql.streaming.datasource import (
 from quiverd.client.consumer import RangedReader
 from quiverd.kernel.bundle import read_ipc_stream
 from quiverd.kernel.config import load
-from quiverd.kernel.errors import DaemonUnreachable
+from quiverd.kernel.errors import DaemonUnreachable, QuiverError
 from quiverd.kernel.names import client_name_problem, subscriber_name_problem
 from quiverd.lake.bundles import slot_table
 from quiverd.spark.locator import Locator, defaults
@@ -101,6 +119,7 @@ class StreamOptions:
     slot: int = 0
     max_bundles: int = 0  # 0: no limit
     start: str = "earliest"
+    fail_on_data_loss: bool = True
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> StreamOptions:
@@ -125,8 +144,11 @@ class StreamOptions:
         start = opts.get("from", "earliest").strip().lower()
         if start not in ("earliest", "latest"):
             raise ValueError(f'option "from" must be earliest or latest, not {start!r}')
+        fail = opts.get("failondataloss", "true").strip().lower()
+        if fail not in ("true", "false"):
+            raise ValueError(f'option "failOnDataLoss" must be true or false, not {fail!r}')
         return cls(socket=socket_of(opts), subscriber=subscriber, client=client, slot=slot,
-                   max_bundles=max_bundles, start=start)
+                   max_bundles=max_bundles, start=start, fail_on_data_loss=fail == "true")
 
 
 def socket_of(opts: Mapping[str, str]) -> str:
@@ -152,11 +174,15 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.opts = opts
         self.schema = schema
         self.target: Offset | None = None
+        # The subscriber's lease holder: this query's driver (the process Spark keeps
+        # for the source's offsets and commits; see the module doc).
+        self.holder = (f"query reader {uuid.uuid4().hex[:12]}, pid {os.getpid()} on "
+                       f"{socketlib.gethostname()}")
 
     def initialOffset(self) -> Offset:  # noqa: N802 - Spark's name
         with self._connect() as r:
-            return _canon(r.open(self.opts.subscriber, register=True,
-                                 start=self.opts.start)["start"])
+            return _canon(r.open(self.opts.subscriber, register=True, start=self.opts.start,
+                                 holder=self.holder)["start"])
 
     def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802 - Spark's name
         if self.opts.max_bundles:
@@ -167,7 +193,8 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         max_bundles = limit.max_files if isinstance(limit, ReadMaxFiles) else 0
         with self._connect() as r:
             reply = r.latest(self.opts.subscriber, start, cap=self.target,
-                             max_bundles=max_bundles)
+                             max_bundles=max_bundles, holder=self.holder)
+        self._lost(reply.get("lost", []), f"planning the batch after {start}")
         self._waiting(reply.get("waiting") or {})
         return _canon(reply["end"])
 
@@ -197,8 +224,10 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 - Spark's name
         """Trigger.AvailableNow: stop at what is finalized now."""
         with self._connect() as r:
-            start = r.open(self.opts.subscriber, register=True, start=self.opts.start)["start"]
-            self.target = _canon(r.latest(self.opts.subscriber, start)["end"])
+            start = r.open(self.opts.subscriber, register=True, start=self.opts.start,
+                           holder=self.holder)["start"]
+            self.target = _canon(r.latest(self.opts.subscriber, start,
+                                          holder=self.holder)["end"])
 
     def partitions(self, start: Offset, end: Offset) -> list[StreamPartition]:
         parts: list[StreamPartition] = []
@@ -219,9 +248,10 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         target = to_arrow_schema(self.schema, timezone="UTC")
         pending: list[pa.Table] = []
         rows = 0
+        lost: list[dict[str, Any]] = []
         with self._connect() as r:
             for d in r.fetch(self.opts.subscriber, partition.shard, list(partition.after),
-                             list(partition.through), client=self.opts.client):
+                             list(partition.through), client=self.opts.client, lost=lost):
                 slot = next((s for s in d.slots if s.slot == self.opts.slot), None)
                 if slot is None:
                     continue
@@ -238,22 +268,67 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     pending, rows = [], 0
         if pending:
             yield from _spark_batches(pending, target)
+        self._lost(lost, f"reading ({partition.after}, {partition.through}] of shard "
+                         f"{partition.shard}")
 
     def commit(self, end: Offset) -> None:
         """Ack through ``end``. A daemon that cannot be reached now is not an error of
         the query: the bundles stay retained, and the next commit acks them too."""
         try:
             with self._connect() as r:
-                r.ack_through(self.opts.subscriber, end)
+                r.ack_through(self.opts.subscriber, end, holder=self.holder)
         except DaemonUnreachable as exc:
             print(f"quiver stream source: commit of {end} not acked now ({exc}); the next "
                   "commit acks it", file=sys.stderr)
 
     def stop(self) -> None:
-        pass
+        """Give the subscriber's lease back, so the query can start again at once (a
+        daemon not reachable now frees it itself once this process ends)."""
+        try:
+            with self._connect() as r:
+                r.release(self.opts.subscriber, self.holder)
+        except (DaemonUnreachable, ConnectionError, QuiverError) as exc:
+            print(f"quiver stream source: lease of subscriber {self.opts.subscriber!r} not "
+                  f"released now ({exc}); it ends with this process", file=sys.stderr)
+
+    def _lost(self, runs: list[dict[str, Any]], doing: str) -> None:
+        """Fail the query naming what retention deleted, or (failOnDataLoss false) say so
+        on stderr and go on."""
+        if not runs:
+            return
+        text = loss_text(self.opts.subscriber, runs, doing)
+        if self.opts.fail_on_data_loss:
+            raise StreamDataLoss(f"{text} ({StreamDataLoss.hint})")
+        print(f"quiver stream source: {text}; going on (failOnDataLoss is false)",
+              file=sys.stderr)
 
     def _connect(self) -> RangedReader:
         return RangedReader.connect(self.opts.socket, timeout=TIMEOUT_S)
+
+
+class StreamDataLoss(QuiverError):
+    """Bundles of the query's range were deleted before it read them."""
+
+    hint = ('to go on past them (they are gone), restart the query with '
+            '.option("failOnDataLoss", "false"); to keep unread bundles, give the daemon '
+            'more room (retention.size_cap_bytes, retention.max_age_s) or use '
+            'retention.size_cap_policy = "backpressure"')
+
+
+def loss_text(subscriber: str, runs: list[dict[str, Any]], doing: str) -> str:
+    """One sentence naming every lost run: shard, positions, segment numbers."""
+    parts = []
+    for run in runs[:20]:
+        first, last = run["segments"]
+        segs = f"segment {first}" if first == last else f"segments {first}..{last}"
+        parts.append(f"shard {run['shard']} {segs} ((after {run['after']}, through "
+                     f"{run['through']}])")
+    more = f" and {len(runs) - 20} more" if len(runs) > 20 else ""
+    dropped = {int(r["shard"]): int(r.get("dropped_bundles", 0)) for r in runs}
+    counts = ", ".join(f"shard {k}: {v}" for k, v in sorted(dropped.items()))
+    return (f"data lost while {doing}: retention deleted bundles subscriber {subscriber!r} "
+            f"had not read: {'; '.join(parts)}{more} ({len(runs)} range(s); bundles the "
+            f"daemon has dropped for this subscriber since it started: {counts})")
 
 
 def _spark_batches(tables: list[pa.Table], target: pa.Schema) -> Iterator[pa.RecordBatch]:

@@ -181,3 +181,81 @@ def test_stream_without_schema_takes_the_clients_lake_schema(spark, daemon_facto
         .option("subscriber", "every")
     with pytest.raises(Exception, match="of every client has no one schema"):
         every.load()
+
+
+MiB = 1 << 20
+DROPPING = {  # tests/daemon/test_retention.py's small shard, dropping the oldest
+    "shards": 1, "segment.max_open_duration_ms": 100, "segment.target_size_bytes": MiB,
+    "ingest.max_bundle_bytes": MiB, "wal.max_entry_bytes": 2 * MiB, "wal.max_chunks": 4,
+    "wal.max_size_bytes": 4 * MiB, "retention.size_cap_bytes": 6 * MiB,
+    "retention.size_cap_policy": "drop_oldest",
+}
+
+
+@pytest.mark.timeout(300)
+def test_stream_fails_naming_bundles_retention_dropped(spark, daemon_factory, tmp_path):
+    d = daemon_factory(DROPPING).start()
+    produce(d, range(4))
+    wait_for(lambda: finalized(d) == 4, what="4 finalized bundles")
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+
+    def run(**options: Any) -> Any:
+        q = (stream(spark, d, "dropping", **options).writeStream.format("parquet")
+             .option("path", str(out)).option("checkpointLocation", str(ckpt))
+             .trigger(availableNow=True).start())
+        try:
+            q.awaitTermination(120)
+        except Exception:  # noqa: BLE001 - q.exception() has it
+            pass
+        return q
+
+    assert run().exception() is None
+    assert sorted(rows_of(spark, out)) == expect(range(4))
+    big = tagged_table(0, rows=4000, text_bytes=40)  # ~200 KB: 60 of them pass the 6 MiB cap
+    with Client.connect(d.socket) as c:
+        for _ in range(60):
+            c.send(big, client="a")
+    wait_for(lambda: d.status()["metrics"]["quiver_segment_dropped_total"] >= 2,
+             what="drop_oldest deleting unread segments")
+    failed = run().exception()
+    assert failed is not None, "the query went on past bundles it never read"
+    text = str(failed)
+    assert "data lost" in text and "subscriber 'dropping'" in text and "shard 0 segment" in text
+    assert 'failOnDataLoss", "false"' in text  # says how to go on
+    # Told to go on: it reads what is left, past the gap, and says what it skipped.
+    assert run(failOnDataLoss="false").exception() is None
+    left = spark.read.parquet(str(out)).where("tag = 0 and i >= 10").count()
+    assert 0 < left < 60 * 4000
+    with RangedReader.connect(d.socket) as r:  # the checkpoint is past the gap
+        assert r.latest("dropping", r.open("dropping")["start"])["lost"] == []
+
+
+@pytest.mark.timeout(300)
+def test_stream_second_query_on_one_subscriber_refused(spark, daemon_factory):
+    d = daemon_factory(FAST).start()
+    produce(d, range(4))
+    wait_for(lambda: finalized(d) == 4, what="4 finalized bundles")
+    first = (stream(spark, d, "shared").writeStream.format("memory").queryName("shared_1")
+             .trigger(processingTime="200 milliseconds").start())
+    try:
+        wait_for(lambda: spark.table("shared_1").count() == 4 * ROWS, what="query 1's rows")
+        second = (stream(spark, d, "shared").writeStream.format("memory")
+                  .queryName("shared_2").trigger(availableNow=True).start())
+        with pytest.raises(Exception, match="is read by another live query"):
+            second.awaitTermination(60)
+        assert second.exception() is not None
+        assert ("subscriber 'shared' is read by another live query (query reader"
+                in str(second.exception()))
+        assert first.isActive and first.exception() is None
+    finally:
+        first.stop()
+    # Stopped, its lease is given back: the subscriber can be read again at once.
+    produce(d, range(4, 6))
+    wait_for(lambda: finalized(d) == 6, what="6 finalized bundles")
+    third = (stream(spark, d, "shared").writeStream.format("memory").queryName("shared_3")
+             .trigger(availableNow=True).start())
+    third.awaitTermination(60)
+    assert third.exception() is None
+    # A new checkpoint starts at the oldest unacked bundle: query 1's last batch is acked
+    # only by its next commit, which never came (the module doc of stream.py).
+    assert sorted((r.tag, r.i) for r in spark.table("shared_3").collect()) == expect(range(6))
