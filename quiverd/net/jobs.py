@@ -45,6 +45,7 @@ from quiverd.kernel.bundle import Bundle, TxnTag, make_slot
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import CatalogUnavailable, JobConflict, ProtocolError, QuiverError
 from quiverd.kernel.jobs import END_OFFSET, JobDecision, Winner, check_job_id, end_marker_table
+from quiverd.kernel.names import client_name_problem
 from quiverd.protocol.frames import ErrorCode
 
 if TYPE_CHECKING:
@@ -140,6 +141,9 @@ def parse(body: dict[str, Any]) -> Request:
     except (msgspec.ValidationError, ValueError) as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"JOB {body.get('op')}: {exc}") from exc
     if isinstance(req, EndPartition):
+        # The marker is a bundle of that client: the rule BUNDLE's decoder applies.
+        if (problem := client_name_problem(req.client)) is not None:
+            raise ProtocolError(ErrorCode.MALFORMED, f"JOB end_partition: {problem}")
         _check_ranges(req.partition, req.attempt, req.rows, req.checksum)
     if isinstance(req, Commit):
         for w in req.winners:

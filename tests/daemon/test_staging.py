@@ -184,6 +184,26 @@ def test_a_commit_naming_an_attempt_without_its_end_marker_is_refused(daemon_fac
     assert d.stop() == 0
 
 
+def test_end_partition_refuses_a_client_name_bundle_would_refuse(daemon_factory):
+    """Issue 26: end_partition took `../x`, which BUNDLE refuses (kernel/names.py)."""
+    from quiverd.protocol import codec as protocol
+    from quiverd.protocol.frames import ErrorCode
+    from tests.daemon.test_ingest import _hello, _raw_connect, _read_error
+
+    d = daemon_factory(FAST).start()
+    for client in ["../x", "a/b", "", "x" * 300, "é"]:
+        bad = _raw_connect(d.socket)
+        _hello(bad)
+        bad.sendall(protocol.encode_job_request(1, {
+            "op": "end_partition", "client": client, "job_id": "j", "partition": 0,
+            "attempt": 1, "rows": 0, "checksum": 0}))
+        code, message = _read_error(bad)
+        bad.close()
+        assert code == ErrorCode.MALFORMED and "JOB end_partition: client name" in message
+    assert d.status()["staging"]["jobs"] == 0 and not d.status()["shards"][0]["acks"]
+    assert d.stop() == 0
+
+
 def test_staged_rows_over_half_the_size_cap_are_refused_not_left_hanging(daemon_factory):
     # Under backpressure a job bigger than the cap would wait for room only its own
     # commit can free: refuse its bundles with a reason instead (the task fails).
