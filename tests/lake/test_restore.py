@@ -14,7 +14,12 @@ import anyio
 import pytest
 
 from quiverd.kernel.config import StoreConfig
-from quiverd.kernel.errors import ConfigError, LakeFileCorrupt, LakeFileMissing
+from quiverd.kernel.errors import (
+    CatalogUnavailable,
+    ConfigError,
+    LakeFileCorrupt,
+    LakeFileMissing,
+)
 from quiverd.lake.catalog import StateConflict
 from quiverd.lake.janitor import sweep
 from quiverd.lake.model import REGISTERED, FileRow, FileState
@@ -106,6 +111,30 @@ async def test_janitor_keeps_an_object_put_back_at_a_quarantined_key(tmp_path: P
         assert path.exists()
         done = await restore_file(tier, bad.file_id)  # the object already at its key
         assert done.changed and done.source == "store"
+        await assert_live(tier, bad, rows)
+
+
+@pytest.mark.asyncio
+async def test_restore_run_again_after_a_crash_between_upload_and_row_change(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upload landed, the catalog did not (the process died, or the catalog was
+    down): the object waits at its key (the janitor keeps it) and the same command,
+    run again, finishes the job."""
+    async with open_test_tier(tmp_path / "d") as tier:
+        bad, backup, rows = await quarantine_one(tier, tmp_path)
+
+        async def down(file_id: str) -> bool:
+            raise CatalogUnavailable("catalog down at the row change")
+
+        with monkeypatch.context() as m:
+            m.setattr(tier.catalog, "restore", down)
+            with pytest.raises(CatalogUnavailable):
+                await restore_file(tier, bad.file_id, backup)
+        assert await check_object(tier, bad) is None  # uploaded
+        assert (await tier.catalog.get(bad.file_id)).state is FileState.QUARANTINED  # type: ignore[union-attr]
+        assert (await sweep(tier, now_ns=far_future(tier))).orphan_objects == []
+        done = await restore_file(tier, bad.file_id, backup)  # the same command again
+        assert done.changed
         await assert_live(tier, bad, rows)
 
 
