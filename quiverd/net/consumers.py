@@ -36,6 +36,7 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import validate_subscriber_name
 from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
+from quiverd.net.stream_checks import check as check_numbers
 from quiverd.net.stream_leases import DEFAULT_LEASE_S, StreamLeases, holder_text
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
@@ -245,6 +246,7 @@ async def _run(hub: SubscriberHub, reader: FrameReader, req: _Request, log: Logg
     shards = hub.dispatchers
     if not shards:
         raise ShuttingDown("quiverd is starting or stopping: no shard serves yet")
+    check_numbers(req, len(shards))  # MALFORMED for a number naming nothing (issue 26)
     registered = False
     if isinstance(req, _Open) and req.register and not hub.known(req.subscriber):
         await _register(hub, req.subscriber, req.start)
