@@ -8,28 +8,36 @@
                                                          worker process (iceberg.remote)
 
 quiverd's catalog is the source of truth; the Iceberg tables are a projection of it.
-Each round commits every file gathered since the last one: one snapshot per table,
-whose summary names the quiverd file ids. The uploader never waits on the projection:
+Every commit is a sync of one table: the projector reads this source's rows of the
+table from the catalog (its registered files and the ones compacted, quarantined or
+abandoned), then ``Projection.sync`` diffs them against the table's current snapshot
+inside the compare-and-swap and adds what is registered and missing and deletes what is
+no longer live, in one snapshot. So after every commit the source's files in the table
+are exactly its registered files as of a catalog read made just before: a file a
+compaction replaced between its notice and its commit is never added (the old queued
+append re-added replaced files next to their replacement, rows twice until the next
+reconcile), and a compaction is one replace. A notice only says which table to sync.
+
+Each table carries this source's commit count (``quiverd.commits.<source id>``), the
+fence: a sync names the count it last saw, read before its catalog read, and changes
+nothing when the table holds another, because then a commit of this source landed that
+its catalog read may predate (a killed daemon's worker finishing late). The projector
+then reads the count and the catalog again. Only this source's files are ever touched,
+so several daemons on one catalog never remove or add each other's; their commits race
+through Iceberg's compare-and-swap, retried in ``Projection.sync``. Commits and reconcile
+passes run one at a time (a single task). The uploader never waits on the projection:
 ``registered`` records the file (its wait is the lag ``status`` shows) or, past
-``PENDING_MAX``, asks for a reconcile pass, which finds the file in the catalog.
-Rounds are spaced so commits take at most ``DUTY`` of the time (more files per snapshot
-under load).
+``PENDING_MAX``, asks for a reconcile pass. Rounds are spaced so commits take at most
+``DUTY`` of the time (more files per snapshot under load).
 
 The reconciler (5 s after the start, on its timer, after a compaction, after a failed
-round, and when files were not recorded) compares, per table this source has files
-in, this source's registered files with the table's current
-snapshot: registered files missing from it are added, files of this source that the
-catalog no longer holds as live (compacted) are removed, both in one snapshot (so a
-compaction is one replace). It only ever touches this source's files, so several
-daemons on one catalog never remove or add each other's; their commits race through
-Iceberg's compare-and-swap, retried in ``Projection.commit``. Commits and reconcile
-passes run one at a time (a single task), and a file a pass added is not added again
-by its late notice, so a file is never added twice by one daemon. After each pass
-snapshots older than ``keep_snapshots_s`` are expired.
+round, and when files were not recorded) syncs every table this source has files in,
+then expires snapshots older than ``keep_snapshots_s``.
 
 A file Iceberg cannot hold (a ``timestamp[ns]`` column kept for precision, a type
 change Iceberg cannot express) is *skipped*: logged once, counted
 (``quiver_lake_iceberg_skipped_total{reason}``), and remembered so no pass retries it.
+A file whose object is absent or unreadable is left out of this commit only (logged).
 A failing commit (catalog or store down) marks the lake's ``iceberg`` part degraded,
 keeps the files pending and retries with backoff; ingest and upload go on.
 """
@@ -43,6 +51,7 @@ import anyio
 
 from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.config import IcebergConfig
+from quiverd.kernel.errors import IcebergCommitFailed
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
@@ -56,7 +65,8 @@ DUTY = 0.1  # at most this share of the time goes to commits (rounds are spaced)
 FIRST_RECONCILE_MAX_S = 5.0
 PENDING_MAX = 100_000  # files waiting for a snapshot; past it the reconciler finds them
 NS_PER_S = 1_000_000_000
-ADDED_KEPT = 100_000  # ids of files committed lately, kept against a late notice
+SKIPPED_KEPT = 100_000  # verdicts on files Iceberg cannot hold (oldest forgotten first)
+FENCED_RETRIES = 3  # a sync fenced off reads the count and the catalog again this often
 RECENT_COMMITS = 1000  # status's commit p99 is over the last this many commits
 
 
@@ -101,10 +111,10 @@ class Projector:
         self.reconcile_due = False
         self.round_commit_s = 0.0  # commit time of the current round (the duty cycle)
         self.skipped: dict[str, str] = {}  # file id -> reason, never tried again
-        # Files this projector committed lately: a notice can still be queued for a file
-        # a reconcile pass already added (registered before its catalog listing, noticed
-        # after), and must not add it twice.
-        self.added: dict[str, float] = {}  # file id -> monotonic time of its commit
+        self.missing: set[str] = set()  # files left out for want of an object (logged once)
+        # table -> this source's commit count the table held after our last sync (the
+        # fence's base); absent until read, and dropped when a sync's outcome is unknown.
+        self.commit_counts: dict[str, int] = {}
         self.commits = 0
         self.snapshots_expired = 0
         self.last_commit_s: float | None = None
@@ -155,15 +165,10 @@ class Projector:
             await self._gather()
             self.round_commit_s = 0.0
             try:
-                if self.reconcile_due:
-                    self.reconcile_due = False
-                    await self.reconcile()
-                await self._commit_pending()
+                await self.round_once()
             except Exception as exc:  # noqa: BLE001 - the projection never stops the lake
                 attempt += 1
                 delay = backoff_s(attempt)
-                # A commit cut off by a catalog or store failure may have landed: the
-                # next round reconciles first, so pending files are not added twice.
                 self.nudge()
                 self.last_error = str(exc)
                 self.m.lake_errors.labels("iceberg").inc()
@@ -191,28 +196,73 @@ class Projector:
         await anyio.sleep(self.cfg.linger_ms / 1000)
 
     # ---- commits ---------------------------------------------------------------------
-    async def _commit_pending(self) -> None:
+    async def round_once(self) -> None:
+        """One round: a reconcile pass when one is due, then a sync of every table with
+        files noticed since the last round."""
+        if self.reconcile_due:
+            self.reconcile_due = False
+            await self.reconcile()
         for table in list(self.pending.by_table):
-            files = dict(self.pending.by_table.get(table, {}))  # notices may come meanwhile
-            rows = [r for r in files.values()
-                    if r.file_id not in self.skipped and r.file_id not in self.added]
-            if rows:
-                await self._commit(table, rows, [], kind="append")
-            self.pending.done(list(files))
+            files = self.pending.by_table.get(table)
+            if not files:
+                continue
+            taken = list(files)  # notices may come meanwhile: they wait for the next round
+            row = files[taken[0]]
+            await self._sync_table(table, row.client_name, row.slot, kind="append")
+            self.pending.done(taken)
             self._gauges()
 
-    async def _commit(self, table: str, add: list[FileRow], remove: list[str], *,
+    async def _sync_table(self, table: str, client: str, slot: int, *, kind: str,
+                          rows: list[FileRow] | None = None) -> CommitResult:
+        """Sync ``table`` with this source's rows of it: ``rows`` when the caller read
+        them after this table's commit count was known, else read here."""
+        for attempt in range(FENCED_RETRIES + 1):
+            base = self.commit_counts.get(table)
+            if base is None:
+                # Read before the catalog, so that any commit landing after the catalog
+                # read is one the fence sees.
+                base = await self.projection.source_commits(table, self.tier.source_id)
+                self.commit_counts[table] = base
+                rows = None
+            if rows is None:
+                rows = await self.tier.catalog.list_files(client=client, slot=slot,
+                                                          source_id=self.tier.source_id)
+            result = await self._commit(table, rows, base, kind=kind)
+            if not result.stale:
+                return result
+            self.commit_counts.pop(table, None)
+            rows = None
+            self.log.warning("iceberg_commit_fenced", table=table, base=base,
+                             table_commits=result.commits, attempt=attempt + 1,
+                             hint="another process committed this source's files to the "
+                             "table (a killed daemon's worker?): reading the catalog again")
+        raise IcebergCommitFailed(f"Iceberg sync of {table} was fenced off "
+                                  f"{FENCED_RETRIES + 1} times: another process keeps "
+                                  "committing this source's files")
+
+    async def _commit(self, table: str, rows: list[FileRow], base: int, *,
                       kind: str) -> CommitResult:
-        refs = [self._ref(r) for r in add]
+        want = [self._ref(r) for r in rows
+                if r.state in REGISTERED and r.file_id not in self.skipped]
+        gone = [r.file_id for r in rows if r.state not in REGISTERED]
         summary = {"quiverd.source-id": self.tier.source_id, "quiverd.node-id": self.tier.node_id,
                    "quiverd.kind": kind}
-        result = await self.projection.commit(table, refs, remove, summary=summary)
+        try:
+            result = await self.projection.sync(table, want, gone, source=self.tier.source_id,
+                                                base=base, summary=summary)
+        except BaseException:
+            self.commit_counts.pop(table, None)  # it may have landed: read the count again
+            raise
+        if result.stale:
+            return result
+        self.commit_counts[table] = result.commits
+        if result.snapshot_id is not None:
+            self._committed(table, result, "replace" if result.removed else kind)
+        self._skips(table, result)
+        return result
+
+    def _committed(self, table: str, result: CommitResult, kind: str) -> None:
         self.commits += 1
-        now = time.monotonic()
-        self.added.update(dict.fromkeys(result.added, now))
-        if len(self.added) > ADDED_KEPT:  # oldest first (insertion order)
-            for fid in list(self.added)[:len(self.added) - ADDED_KEPT]:
-                del self.added[fid]
         self.last_commit_s = result.took_s
         self.round_commit_s += result.took_s
         self.recent_commit_s.append(result.took_s)
@@ -220,17 +270,26 @@ class Projector:
         self.m.lake_iceberg_commits.labels(kind).inc()
         self.m.lake_iceberg_files.labels("added").inc(len(result.added))
         self.m.lake_iceberg_files.labels("removed").inc(len(result.removed))
-        for file_id, reason in result.skipped:
-            if file_id not in self.skipped:
-                self.skipped[file_id] = reason
-                self.m.lake_iceberg_skipped.labels(_reason_kind(reason)).inc()
-                self.log.warning("iceberg_file_skipped", table=table, file_id=file_id,
-                                 reason=reason)
         self.log.info("iceberg_committed", table=table, kind=kind, snapshot=result.snapshot_id,
                       added=len(result.added), removed=len(result.removed),
                       skipped=len(result.skipped), retries=result.retries,
                       took_ms=round(result.took_s * 1000, 1))
-        return result
+
+    def _skips(self, table: str, result: CommitResult) -> None:
+        for file_id, reason in result.skipped:
+            if file_id not in self.skipped:
+                if len(self.skipped) >= SKIPPED_KEPT:
+                    del self.skipped[next(iter(self.skipped))]
+                self.skipped[file_id] = reason
+                self.m.lake_iceberg_skipped.labels(_reason_kind(reason)).inc()
+                self.log.warning("iceberg_file_skipped", table=table, file_id=file_id,
+                                 reason=reason)
+        for file_id, reason in result.missing:
+            if file_id not in self.missing and len(self.missing) < SKIPPED_KEPT:
+                self.missing.add(file_id)
+                self.log.warning("iceberg_file_missing", table=table, file_id=file_id,
+                                 reason=reason, hint="left out of the table until its "
+                                 "object can be read")
 
     def _ref(self, row: FileRow) -> DataFileRef:
         return DataFileRef(file_id=row.file_id, location=self.tier.store.location(row.object_key),
@@ -239,31 +298,22 @@ class Projector:
 
     # ---- the reconciler ----------------------------------------------------------------
     async def reconcile(self) -> None:
-        """Make each table's current snapshot hold exactly this source's live files."""
+        """Sync every table this source has files in, then expire old snapshots."""
+        # What was noticed before the catalog read is in it: done once its table synced.
+        noticed = {table: list(files) for table, files in self.pending.by_table.items()}
         mine = await self.tier.catalog.list_files(source_id=self.tier.source_id)
-        not_live = {r.file_id for r in mine if r.state not in REGISTERED}
-        want: dict[str, dict[str, FileRow]] = defaultdict(dict)
+        by_table: dict[str, list[FileRow]] = defaultdict(list)
         for row in mine:
-            if row.state in REGISTERED and row.file_id not in self.skipped:
-                want[table_name(row.client_name, row.slot)][row.file_id] = row
+            by_table[table_name(row.client_name, row.slot)].append(row)
         # Only tables this source has ever registered files in: a daemon that never
         # registered a file does not start the projection's worker process at all.
-        tables = {table_name(r.client_name, r.slot) for r in mine
-                  if r.state not in UNFINISHED and r.state is not FileState.ABANDONED}
-        for table in sorted(tables):
-            present = await self.projection.live_locations(table)
-            wanted = want.get(table, {})
-            present_ids = set(present.values())
-            add = [r for fid, r in wanted.items() if fid not in present_ids]
-            # Of the files the snapshot holds, this source's that the catalog no longer
-            # holds as live (compacted): those leave the table, in the same snapshot.
-            remove = [loc for loc, fid in present.items() if fid in not_live]
-            if add or remove:
-                await self._commit(table, add, remove,
-                                   kind="replace" if remove else "reconcile")
-                self.log.info("iceberg_reconciled", table=table, added=len(add),
-                              removed=len(remove))
-            self.pending.done(list(wanted))
+        for table, rows in sorted(by_table.items()):
+            if not any(r.state not in UNFINISHED and r.state is not FileState.ABANDONED
+                       for r in rows):
+                continue
+            await self._sync_table(table, rows[0].client_name, rows[0].slot, kind="reconcile",
+                                   rows=rows if table in self.commit_counts else None)
+            self.pending.done(noticed.get(table, []))
             expired = await self.projection.expire(table, older_than_s=self.cfg.keep_snapshots_s)
             self.snapshots_expired += expired
         self.last_reconcile_ns = time.time_ns()

@@ -136,6 +136,19 @@ def data_file_ids(tbl: Any, snapshots: Iterable[Any]) -> dict[str, str]:
     return found
 
 
+def current_entries(tbl: Any) -> dict[str, tuple[str, Any]]:
+    """location -> (quiverd file id, DataFile) of every data file of the current snapshot."""
+    snap = tbl.metadata.current_snapshot()
+    if snap is None:
+        return {}
+    found: dict[str, tuple[str, Any]] = {}
+    for manifest in snap.manifests(tbl.io):
+        for entry in manifest.fetch_manifest_entry(tbl.io, discard_deleted=True):
+            path = entry.data_file.file_path
+            found[path] = (file_id_of(path, _summary_ids(tbl, entry.snapshot_id)), entry.data_file)
+    return found
+
+
 def current_data_files(tbl: Any, locations: set[str]) -> list[Any]:
     """The DataFiles of the current snapshot whose location is in ``locations``."""
     snap = tbl.metadata.current_snapshot()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -51,6 +51,8 @@ from quiverd.lake.iceberg.names import identifier
 
 FILE_IDS = "quiverd.file-ids"
 REMOVED_FILE_IDS = "quiverd.removed-file-ids"
+KIND = "quiverd.kind"
+COMMITS_PREFIX = "quiverd.commits."  # + source id: that source's commits (sync's fence)
 RETRY_BASE_S = 0.05  # CAS losers retry fast: the winner's commit is already done
 RETRY_MAX_S = 2.0
 FITS_CACHE = 1024  # schema verdicts kept (cleared when full)
@@ -64,6 +66,12 @@ class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
     skipped: list[tuple[str, str]]  # (file_id, reason): files Iceberg cannot hold
     retries: int
     took_s: float
+    # sync only: (file_id, reason) of files not added this time (no object, unreadable
+    # footer): tried again by the next sync; the table's commit count of the source
+    # after the call (the next ``base``); whether the call was fenced off (see sync).
+    missing: list[tuple[str, str]] = msgspec.field(default_factory=list)
+    commits: int = 0
+    stale: bool = False
 
 
 class Projection:
@@ -91,8 +99,10 @@ class Projection:
             for attempt in range(self._cfg.commit_retries + 1):
                 tbl = self._table(table, footers, refresh=attempt > 0)
                 try:
+                    deleted = (cat.current_data_files(tbl, set(remove))
+                               if tbl is not None and remove else [])
                     snapshot_id, added, removed, unfit = _commit_once(
-                        tbl, footers, set(remove), dict(summary or {}), self._fits)
+                        tbl, footers, deleted, dict(summary or {}), self._fits)
                 except CommitFailedException as exc:
                     self._tables.pop(table, None)
                     if attempt == self._cfg.commit_retries:
@@ -105,6 +115,75 @@ class Projection:
                                     removed=removed, skipped=skipped + unfit, retries=attempt,
                                     took_s=time.monotonic() - started)
         raise AssertionError("unreachable: the loop returns or raises")
+
+    def sync(self, table: str, want: Sequence[DataFileRef], gone: Collection[str], *,
+             source: str, base: int, summary: Mapping[str, str] | None = None
+             ) -> CommitResult:
+        """Make the files of ``source`` in the current snapshot exactly ``want`` (quiverd's
+        registered files of that source and table, just read from its catalog): add those
+        the snapshot lacks, delete those whose id is in ``gone`` (the source's files the
+        catalog holds as not live: compacted, quarantined, abandoned), in one snapshot.
+        Other sources' files are left as they are.
+
+        The diff is taken inside each compare-and-swap attempt, against the table as it
+        is then, so a commit never re-adds a file another commit of this table removed
+        nor adds one twice. ``base`` is the source's commit count the caller last saw
+        (``source_commits``, or the previous result's ``commits``), read before its
+        catalog read: when the table holds another count, a commit of this source landed
+        that the caller's catalog read may predate (a killed daemon's worker, a second
+        daemon on the same data directory), and the call changes nothing and returns
+        ``stale``: the caller reads the count and the catalog again."""
+        from pyiceberg.exceptions import CommitFailedException
+
+        started = time.monotonic()
+        key = COMMITS_PREFIX + source
+        footers: dict[str, Footer] = {}
+        skipped: dict[str, str] = {}
+        missing: dict[str, str] = {}
+        gone = set(gone)
+        with self._lock(table), _translated(table):
+            for attempt in range(self._cfg.commit_retries + 1):
+                tbl = self._tables.get(table) if attempt == 0 else None
+                tbl = tbl if tbl is not None else self._load(table)
+                held = _commits(tbl, key)
+                if held != base:
+                    return self._result(table, started, attempt, commits=held, stale=True)
+                present = cat.current_entries(tbl) if tbl is not None else {}
+                ids = {fid for fid, _ in present.values()}
+                lacking = [r for r in want if r.file_id not in ids and r.location not in present]
+                fresh = [r for r in lacking if r.file_id not in footers
+                         and r.file_id not in skipped and r.file_id not in missing]
+                self._read_footers(fresh, footers, skipped, missing)
+                adding = [footers[r.file_id] for r in lacking if r.file_id in footers]
+                deleted = [df for fid, df in present.values() if fid in gone]
+                if tbl is None:
+                    tbl = self._table(table, adding, refresh=True)
+                props = {**(summary or {})}
+                if deleted:
+                    props[KIND] = "replace"
+                try:
+                    snapshot_id, added, removed, unfit = _commit_once(
+                        tbl, adding, deleted, props, self._fits, properties={key: str(base + 1)})
+                except CommitFailedException as exc:
+                    self._tables.pop(table, None)
+                    if attempt == self._cfg.commit_retries:
+                        raise IcebergCommitFailed(
+                            f"Iceberg commit to {table} lost the compare-and-swap "
+                            f"{attempt + 1} times: {exc}") from exc
+                    time.sleep(backoff_s(attempt + 1, base_s=RETRY_BASE_S, max_s=RETRY_MAX_S))
+                    continue
+                skipped.update(unfit)
+                return self._result(table, started, attempt, snapshot_id=snapshot_id,
+                                    added=added, removed=removed, skipped=skipped,
+                                    missing=missing,
+                                    commits=base if snapshot_id is None else base + 1)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def source_commits(self, table: str, source: str) -> int:
+        """How many commits of ``source`` the table holds (0 without a table): the
+        ``base`` of the source's next ``sync``."""
+        with self._lock(table), _translated(table):
+            return _commits(self._load(table), COMMITS_PREFIX + source)
 
     def live_locations(self, table: str) -> dict[str, str]:
         """location -> quiverd file id of every data file of the current snapshot."""
@@ -158,30 +237,49 @@ class Projection:
 
     def _footers(self, add: Sequence[DataFileRef]) -> tuple[list[Footer], list[tuple[str, str]]]:
         """Each file's footer, read once per call; the files Iceberg cannot hold, skipped."""
-        footers: list[Footer] = []
-        skipped: list[tuple[str, str]] = []
+        footers: dict[str, Footer] = {}
+        skipped: dict[str, str] = {}
         seen: set[str] = set()
+        unique: list[DataFileRef] = []
         for ref in add:
             if ref.location in seen:
-                skipped.append((ref.file_id, f"{ref.location} is listed twice in one commit"))
+                skipped[ref.file_id] = f"{ref.location} is listed twice in one commit"
                 continue
             seen.add(ref.location)
+            unique.append(ref)
+        self._read_footers(unique, footers, skipped, skipped)
+        return [footers[r.file_id] for r in unique if r.file_id in footers], list(skipped.items())
+
+    def _read_footers(self, refs: Sequence[DataFileRef], footers: dict[str, Footer],
+                      skipped: dict[str, str], missing: dict[str, str]) -> None:
+        """Footers of ``refs`` into ``footers``; a file Iceberg cannot hold into ``skipped``,
+        one whose object is absent or unreadable into ``missing`` (it may come back: a
+        quarantined object restored; the scrubber quarantines a damaged one)."""
+        for ref in refs:
             try:
                 footer = read_footer(self._io(), ref)
             except FileNotFoundError:
-                skipped.append((ref.file_id, f"no object at {ref.location}"))
+                missing[ref.file_id] = f"no object at {ref.location}"
                 continue
             except pa.ArrowInvalid as exc:
-                skipped.append((ref.file_id, f"not a readable Parquet file: {exc}"))
+                missing[ref.file_id] = f"not a readable Parquet file: {exc}"
                 continue
             except OSError as exc:
                 raise StoreUnavailable(f"reading the footer of {ref.location}: {exc}") from exc
             problem = schema_problem(footer.schema)
             if problem is not None:
-                skipped.append((ref.file_id, problem))
+                skipped[ref.file_id] = problem
             else:
-                footers.append(footer)
-        return footers, skipped
+                footers[ref.file_id] = footer
+
+    def _result(self, table: str, started: float, retries: int, *, snapshot_id: int | None = None,
+                added: list[str] | None = None, removed: list[str] | None = None,
+                skipped: dict[str, str] | None = None, missing: dict[str, str] | None = None,
+                commits: int, stale: bool = False) -> CommitResult:
+        return CommitResult(table=table, snapshot_id=snapshot_id, added=added or [],
+                            removed=removed or [], skipped=list((skipped or {}).items()),
+                            missing=list((missing or {}).items()), retries=retries,
+                            took_s=time.monotonic() - started, commits=commits, stale=stale)
 
     def _io(self) -> Any:
         from pyiceberg.io import load_file_io
@@ -210,6 +308,16 @@ class Projection:
         return tbl
 
 
+def _commits(tbl: Any | None, key: str) -> int:
+    """The commit count a table's property ``key`` holds (0 when absent or no table)."""
+    if tbl is None:
+        return 0
+    try:
+        return int(tbl.metadata.properties.get(key, "0"))
+    except ValueError:
+        return -1  # not ours to read: never equal to a caller's count, so fenced
+
+
 @contextmanager
 def _translated(what: str) -> Iterator[None]:
     """The catalog's and the store's failures as quiverd's retryable errors. A commit
@@ -226,10 +334,13 @@ def _translated(what: str) -> Iterator[None]:
         raise StoreUnavailable(f"Iceberg metadata of {what}: {exc}") from exc
 
 
-def _commit_once(tbl: Any, footers: list[Footer], remove: set[str], summary: dict[str, str],
-                 fits: dict[tuple[str, int, pa.Schema], bool]
+def _commit_once(tbl: Any, footers: list[Footer], deleted: list[Any], summary: dict[str, str],
+                 fits: dict[tuple[str, int, pa.Schema], bool], *,
+                 properties: dict[str, Any] | None = None
                  ) -> tuple[int | None, list[str], list[str], list[tuple[str, str]]]:
     """One attempt: (snapshot id, file ids added, locations removed, files refused).
+    ``deleted``: DataFiles of the current snapshot to delete; ``properties``: table
+    properties set in the same commit (only when a snapshot is made).
 
     ``tbl.metadata`` is read directly where it suffices: every read of a transaction's
     ``table_metadata`` deep-copies the whole metadata (every kept snapshot), which would
@@ -282,9 +393,10 @@ def _commit_once(tbl: Any, footers: list[Footer], remove: set[str], summary: dic
                           + str(exc).split("\n", 1)[0]))
             continue
         added.append(footer.ref.file_id)
-    deleted = cat.current_data_files(tbl, remove) if remove else []
     if not data_files and not deleted:
         return None, [], [], unfit
+    if properties:
+        tx.set_properties(properties)
     props = {**summary, FILE_IDS: ",".join(added),
              REMOVED_FILE_IDS: ",".join(cat.file_id_of(d.file_path) for d in deleted)}
     snapshot = tx.update_snapshot(snapshot_properties=props)

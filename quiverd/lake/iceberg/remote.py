@@ -17,7 +17,7 @@ exceptions are not pickled across.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -87,6 +87,18 @@ class RemoteProjection:
         result: CommitResult = await self._call("commit", table, list(add), list(remove),
                                                 summary=dict(summary or {}))
         return result
+
+    async def sync(self, table: str, want: Sequence[DataFileRef], gone: Collection[str], *,
+                   source: str, base: int, summary: Mapping[str, str] | None = None
+                   ) -> CommitResult:
+        result: CommitResult = await self._call("sync", table, list(want), sorted(gone),
+                                                source=source, base=base,
+                                                summary=dict(summary or {}))
+        return result
+
+    async def source_commits(self, table: str, source: str) -> int:
+        n: int = await self._call("source_commits", table, source)
+        return n
 
     async def live_locations(self, table: str) -> dict[str, str]:
         found: dict[str, str] = await self._call("live_locations", table)
