@@ -152,7 +152,7 @@ class IcebergConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     """[lake.iceberg]: every (client, slot) an Iceberg table (quiverd.lake.iceberg)."""
 
     enabled: bool = True
-    keep_snapshots_s: float = 3600.0  # snapshots older than this are expired (never the current)
+    keep_snapshots_s: float = 3600.0  # kept this long after they stopped being current
     reconcile_interval_s: float = 60.0  # the reconciler's timer
     commit_retries: int = 10  # compare-and-swap retries of one commit
     linger_ms: int = 200  # how long the projector gathers registrations into one snapshot

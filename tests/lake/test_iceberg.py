@@ -8,6 +8,7 @@ import importlib
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -321,3 +322,30 @@ def _duckdb_extension(name: str) -> str:
     (path,) = glob.glob(os.path.join(os.path.dirname(module.__file__ or ""), "extensions", "*",
                                      f"{name}.duckdb_extension"))
     return path
+
+
+def test_iceberg_expiry_keeps_a_snapshot_current_within_the_window(tmp_path: Path) -> None:
+    """A reader loads the table while snapshot 1 is current; snapshot 2 lands a second
+    later. Expiry with a one-second window must keep snapshot 1 (it was current a moment
+    ago: keyed on its creation it would go) and the reader's scan must still read it."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    lake = fs_lake(data_dir)
+    uri = catalog_uri(CatalogConfig(), data_dir)
+    p, reader = lake.projection(uri), lake.projection(uri)
+    try:
+        first = lake.write(lake_table(10))
+        p.commit(WEB, [first])
+        loaded = reader._catalog.load_table(("quiver", "web"))  # the reader's snapshot 1
+        time.sleep(1.1)
+        p.commit(WEB, [lake.write(lake_table(10, start=10))], [first.location])
+        assert p.expire(WEB, older_than_s=1.0) == 0
+        assert first.location in p.referenced_locations(WEB)  # the janitor keeps it
+        assert sorted(loaded.scan().to_arrow().column("id").to_pylist()) == list(range(10))
+        time.sleep(1.1)  # now snapshot 1 stopped being current over a second ago
+        assert p.expire(WEB, older_than_s=1.0) == 1
+        assert p.referenced_locations(WEB) == set(p.live_locations(WEB))
+        assert scan_ids(p, WEB) == list(range(10, 20))
+    finally:
+        p.close()
+        reader.close()

@@ -163,14 +163,21 @@ def current_data_files(tbl: Any, locations: set[str]) -> list[Any]:
 
 
 def expire_snapshots(tbl: Any, cutoff_s: float) -> int:
-    """Expire the snapshots taken before ``cutoff_s`` (epoch seconds) that no branch or tag
-    holds (the current snapshot is main's head); then delete their manifest lists and the
-    manifests only they used. CommitFailedException when another writer came first."""
+    """Expire the snapshots that stopped being current before ``cutoff_s`` (epoch
+    seconds) and that no branch or tag holds (the current snapshot is main's head); then
+    delete their manifest lists and the manifests only they used. CommitFailedException
+    when another writer came first.
+
+    Keyed on when a snapshot stopped being current (its successor's timestamp), not on
+    when it was made: a reader that loaded the table at any time within the window holds
+    a snapshot that was current then, and keeps reading all its files. Keyed on creation,
+    the current snapshot of a quiet table would expire as soon as the next commit lands."""
     metadata = tbl.metadata
     protected = {ref.snapshot_id for ref in metadata.refs.values()}
     cutoff_ms = int(cutoff_s * 1000)
+    ended = superseded_ms(metadata.snapshots)
     doomed = [s for s in metadata.snapshots
-              if s.timestamp_ms < cutoff_ms and s.snapshot_id not in protected]
+              if s.snapshot_id not in protected and ended.get(s.snapshot_id, cutoff_ms) < cutoff_ms]
     if not doomed:
         return 0
     kept = [s for s in metadata.snapshots if s.snapshot_id not in {d.snapshot_id for d in doomed}]
@@ -183,6 +190,15 @@ def expire_snapshots(tbl: Any, cutoff_s: float) -> int:
     expiry.by_ids([s.snapshot_id for s in doomed]).commit()
     _delete_orphaned_metadata(tbl.io, doomed, kept)
     return len(doomed)
+
+
+def superseded_ms(snapshots: Iterable[Any]) -> dict[int, int]:
+    """snapshot id -> when it stopped being current (epoch ms: the next snapshot's
+    timestamp); the newest has no entry. History here is one line (main, no branches), in
+    sequence-number order (timestamps alone could come from two hosts' clocks)."""
+    line = sorted(snapshots, key=lambda s: (s.sequence_number or 0, s.timestamp_ms))
+    return {s.snapshot_id: max(s.timestamp_ms, nxt.timestamp_ms)
+            for s, nxt in zip(line, line[1:], strict=False)}
 
 
 def _delete_orphaned_metadata(io: Any, doomed: list[Any], kept: list[Any]) -> None:
