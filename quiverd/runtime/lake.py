@@ -18,6 +18,7 @@ while any part is, as ``status``, ``/metrics`` and ``/healthz`` show.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -148,7 +149,7 @@ class Lake:
         settings = Settings(catalog_uri=catalog_uri(cfg.catalog, Path(cfg.data_dir)),
                             warehouse=tier.store.location(""),
                             io_properties=tier.store.iceberg_io_properties(),
-                            cfg=cfg.lake.iceberg)
+                            cfg=cfg.lake.iceberg, parent_pid=os.getpid())
         return Projector(tier, RemoteProjection(settings), log=self.log, metrics=self.m,
                          health=self.health)
 

@@ -13,10 +13,20 @@ worker at a time (the limiter); the worker keeps its catalog connection and load
 tables between calls, and anyio ends it after 5 minutes idle (the next call opens a new
 one). Errors come back as (kind, message) and are raised again here as quiverd's own:
 exceptions are not pickled across.
+
+The worker ends with the daemon: at its first call it asks Linux for SIGKILL when its
+parent dies (``prctl(PR_SET_PDEATHSIG)``), and before every call it checks that its
+parent is still the daemon that started it. Without that, a worker busy in a commit
+(waiting on a locked catalog, retrying a compare-and-swap) outlived a killed daemon by
+10-40 s and committed next to the restarted daemon's own worker.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -45,9 +55,27 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     warehouse: str
     io_properties: dict[str, str]
     cfg: IcebergConfig
+    parent_pid: int = 0  # the daemon's pid: the worker ends when it does (0: no check)
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _opened: tuple[Settings, Projection] | None = None
+_armed = 0  # the parent pid PR_SET_PDEATHSIG was set for (worker side)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In the worker: end at once if the daemon is gone, and have Linux kill this
+    process when it goes (armed once). The check after arming closes the race of a
+    daemon that died before the signal was asked for."""
+    global _armed
+    if parent_pid <= 0:
+        return
+    if _armed != parent_pid and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            _armed = parent_pid
+    if os.getppid() != parent_pid:
+        os._exit(1)  # orphaned: nothing may be committed for a daemon that is gone
 
 
 def call(settings: Settings, method: str, args: tuple[Any, ...],
@@ -55,6 +83,7 @@ def call(settings: Settings, method: str, args: tuple[Any, ...],
     """In the worker: ``Projection.<method>(*args, **kwargs)`` as ("ok", result) or
     (kind, message) with kind catalog | store | commit | error."""
     global _opened
+    die_with_parent(settings.parent_pid)
     try:
         if _opened is None or _opened[0] != settings:
             if _opened is not None:
