@@ -64,8 +64,7 @@ async def restore_file(tier: Tier, file_id: str, source: Path | None = None) -> 
         raise StateConflict(f"lake file {file_id} is {row.state.value}: only a quarantined, "
                             "lost or registered file can be restored",
                             hint="`quiverd files show FILE_ID` shows its row")
-    if source is not None:
-        await _upload(tier, row, source)
+    uploaded = source is not None and await _upload(tier, row, source)
     try:
         reason = await check_object(tier, row)
     except FileNotFoundError:
@@ -87,12 +86,13 @@ async def restore_file(tier: Tier, file_id: str, source: Path | None = None) -> 
                          source=str(source) if source else "store", was=row.state.value)
     after = await tier.catalog.get(file_id)
     return Restored(file_id=file_id, uri=row.uri, rows=row.row_count,
-                    state=(after or row).state.value, changed=changed or source is not None,
+                    state=(after or row).state.value, changed=changed or uploaded,
                     source=str(source) if source else "store")
 
 
-async def _upload(tier: Tier, row: FileRow, source: Path) -> None:
-    """The local copy, checked against the row first (a wrong copy is never uploaded)."""
+async def _upload(tier: Tier, row: FileRow, source: Path) -> bool:
+    """The local copy, checked against the row first (a wrong copy is never uploaded);
+    False when the key already held this very file (nothing to upload)."""
     def facts() -> tuple[int, int]:
         return source.stat().st_size, crc32c_file(source)
 
@@ -102,8 +102,10 @@ async def _upload(tier: Tier, row: FileRow, source: Path) -> None:
             f"{source} is not lake file {row.file_id}: {size} bytes with CRC-32C {crc:08x}, "
             f"the catalog says {row.compressed_size} bytes with {row.crc32c:08x}; nothing "
             "was uploaded", hint="pass the backup of this file id (its name holds the id)")
+    present = await tier.store.stat(row.object_key) is not None
     try:
         await tier.store.put_file(row.object_key, source, size=size, crc32c=crc)
+        return not present  # put_file returns for an identical object already there
     except ObjectExists:
         raise LakeFileCorrupt(
             f"lake file {row.file_id}: the store already holds another object at {row.uri} "
