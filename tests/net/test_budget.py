@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import anyio
 import pytest
 
@@ -161,3 +163,47 @@ async def test_budget_contended_names_whose_bytes_a_waiter_needs() -> None:
         assert budget.by_uid.get(3) == 20 and budget.contended(1) and not budget.contended(2)
         scopes[0].cancel()
     assert not budget.contended(1) and budget.waiting == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", range(40))
+async def test_budget_whoever_waits_some_holder_is_contended_seeded(seed: int) -> None:
+    """Seeded scheduler (replays by seed): takes, cancellations and releases of three
+    uids in any order. After every step the books add up, nothing queued could be
+    granted, and while anyone waits some uid holding bytes is ``contended``: a stalled
+    frame of that uid is cut short, so no waiter depends on idle timeouts alone."""
+    rng = random.Random(seed)
+    budget = ByteBudget(100, per_uid_bytes=60)
+    holdings: list[tuple[int, int]] = []  # (uid, nbytes) granted and not released
+    waiting: dict[int, tuple[anyio.CancelScope, int, int]] = {}
+
+    async def take(key: int, uid: int, nbytes: int) -> None:
+        with anyio.CancelScope() as scope:
+            waiting[key] = (scope, uid, nbytes)
+            await budget.take(nbytes, uid)
+            holdings.append((uid, nbytes))
+        waiting.pop(key, None)
+
+    async with anyio.create_task_group() as tg:
+        for step in range(60):
+            action = rng.random()
+            if action < 0.5:
+                tg.start_soon(take, step, rng.randrange(3), rng.randint(1, 60))
+            elif action < 0.65 and waiting:
+                waiting[rng.choice(sorted(waiting))][0].cancel()
+            elif holdings:
+                uid, nbytes = holdings.pop(rng.randrange(len(holdings)))
+                budget.release(nbytes, uid)
+            await anyio.wait_all_tasks_blocked()
+            held: dict[int, int] = {}
+            for uid, nbytes in holdings:
+                held[uid] = held.get(uid, 0) + nbytes
+            assert budget.by_uid == held and budget.held == sum(held.values())
+            assert all(n <= 60 for n in held.values()) and budget.held <= 100
+            assert budget.waiting == len(waiting), f"seed {seed} step {step}"
+            if waiting:
+                assert any(budget.contended(uid) for uid in held), f"seed {seed} step {step}"
+            else:
+                assert not any(budget.contended(uid) for uid in range(3))
+        for scope, _, _ in list(waiting.values()):
+            scope.cancel()
