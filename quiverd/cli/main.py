@@ -327,6 +327,11 @@ def _status(args: argparse.Namespace) -> int:
                   + (f"  last_error {ice['last_error']}" if ice.get("last_error") else ""))
         elif not ice.get("enabled"):
             print("iceberg off (lake.iceberg.enabled = false)")
+        scrub = lake.get("scrub") or {}
+        if scrub.get("last_pass_files") is not None:
+            print(f"scrub  check_every_s {scrub['check_every_s']}  last_pass_files "
+                  f"{scrub['last_pass_files']}  last_pass_ms {scrub['last_pass_duration_ms']}  "
+                  f"corrupt_found {scrub['corrupt_found']}")
         _print_degraded(lake.get("degraded") or {})
     else:
         print("lake off (lake.enabled = false)")

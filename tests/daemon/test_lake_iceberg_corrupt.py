@@ -75,6 +75,8 @@ def test_damaged_object_leaves_the_iceberg_table_within_the_bound_then_restore_a
     scrub = d.status()["lake"]["scrub"]
     assert scrub["corrupt_found"] == 1 and scrub["last_pass_files"] >= 2
     assert PASS_INTERVAL_S <= scrub["check_every_s"] < BOUND_S  # the bound, as status says
+    plain = quiverd_cli("status", "--socket", str(d.admin_socket)).stdout
+    assert "scrub  check_every_s " in plain and "corrupt_found 1" in plain, plain
 
     done = quiverd_cli("files", "restore", bad.file_id, "--from", str(backup),
                        "--config", str(d.config_path))
