@@ -275,7 +275,8 @@ class Staging:
         out: dict[str, Any] = {"job_id": job_id, "node_id": self.node_id}
         if decision is not None:
             out.update(state=decision.state, winners=[_winner(w) for w in decision.winners],
-                       decided_by=decision.decided_by, reason=decision.reason)
+                       decided_by=decision.decided_by, decided_at_ns=decision.decided_at_ns,
+                       reason=decision.reason)
         else:
             out["state"] = "staged" if job is not None else "unknown"
         if job is not None:
@@ -323,7 +324,8 @@ class Staging:
         if job_id in found:
             d = found[job_id]
             out.update(state=d.state, winners=[_winner(w) for w in d.winners],
-                       decided_by=d.decided_by, reason=d.reason)
+                       decided_by=d.decided_by, decided_at_ns=d.decided_at_ns,
+                       reason=d.reason)
         return out
 
     async def visible(self, job_id: str, timeout_ms: int) -> dict[str, Any]:

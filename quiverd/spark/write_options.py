@@ -13,7 +13,7 @@ from quiverd.spark.options import WRITE, lowered, refuse_unknown
 from quiverd.spark.visible import VISIBLE_TIMEOUT_S
 
 DEFAULT_CLIENT = "spark"
-IF_COMMITTED = ("skip", "error")
+IF_COMMITTED = ("skip", "verify", "error")
 BATCH_ROWS = 64 * 1024
 BATCH_BYTES = 8 * 1024 * 1024
 
@@ -30,7 +30,9 @@ class WriteOptions:
     # rows (quiverd.spark.visible); 0 = do not wait.
     visible_timeout_s: float = VISIBLE_TIMEOUT_S
     # A batch write with an explicit job_id whose job is committed already (a
-    # foreachBatch replay): "skip" sends nothing and commits nothing new, "error" fails.
+    # foreachBatch replay): "skip" sends nothing and commits nothing new, warning when its
+    # rows differ from the commit's; "verify" likewise but fails when they differ;
+    # "error" fails.
     if_committed: str = "skip"
     # How paths were chosen, for the errors of a socket that is not there.
     origin: str = field(default="", compare=False)
@@ -52,8 +54,8 @@ class WriteOptions:
             raise ValueError(f'option "client": {problem}')
         if_committed = opts.get("if_committed", "skip").strip().lower()
         if if_committed not in IF_COMMITTED:
-            raise ValueError(f'option "if_committed" must be "skip" or "error", not '
-                             f"{opts['if_committed']!r}")
+            raise ValueError(f'option "if_committed" must be one of {", ".join(IF_COMMITTED)}, '
+                             f"not {opts['if_committed']!r}")
         return cls(paths=paths, client=client,
                    batch_rows=_int_option(opts, "batch_rows", BATCH_ROWS, 1, MAX_ROW_COUNT),
                    batch_bytes=_int_option(opts, "batch_bytes", BATCH_BYTES, 1024, 2**40),

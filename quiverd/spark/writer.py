@@ -36,9 +36,14 @@ quiverd/spark/options.py is refused on the driver, naming the closest known one.
 A batch write naming a ``job_id`` that is committed already (``foreachBatch`` replaying
 a micro-batch after a restart, with ``job_id=f"{query}-{batch_id}"``) follows option
 ``if_committed``: "skip" (the default, as Delta does) sends no row, and the commit names
-the job's recorded winners again, which the daemon answers ``already``: a no-op;
-"error" fails the write once, saying so. A job id aborted or expired before fails the
-write once whatever the option says: a job id is decided once.
+the job's recorded winners again, which the daemon answers ``already``: a no-op. Each
+task still reads its input and checksums it as it would have sent it: partitions whose
+rows differ from the commit's (row count, or checksum: other rows, or other batch
+options) are named in a warning on the driver (``spark_job_rerun_differs``: the earlier
+commit's time, node and rows, and these). "verify" fails the write instead when they
+differ (WriteRefused, nothing published); "error" fails the write once whenever the job
+is committed. A job id aborted or expired before fails the write once whatever the
+option says: a job id is decided once.
 
 Streaming (``df.writeStream.format("quiver")``, append mode): micro-batch b of a query is
 job ``f"{query_id}-{b}"``: option ``query_id``, else one derived from the
@@ -155,7 +160,9 @@ class QuiverCommitMessage(WriterCommitMessage):
     did the same, and these are the winners the job was committed with (partition,
     attempt, rows, checksum), which the driver's commit names again: a no-op.
     ``refused``: why the attempt stopped (no end marker) and the job cannot be written;
-    the driver's commit raises it."""
+    the driver's commit raises it. ``differs``: a replay's rows are not the committed
+    ones (this partition's rows and checksum against the commit's); ``committed_at_ns``,
+    ``committed_by``: the earlier commit."""
 
     job_id: str
     partition: int
@@ -170,6 +177,9 @@ class QuiverCommitMessage(WriterCommitMessage):
     published_before: bool = False
     refused: str = ""
     recorded: tuple[tuple[int, int, int, int], ...] = ()
+    differs: str = ""
+    committed_at_ns: int = 0
+    committed_by: str = ""
 
 
 class QuiverWriter(DataSourceArrowWriter):
@@ -190,6 +200,7 @@ class QuiverWriter(DataSourceArrowWriter):
 
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         winners = winners_of(messages, self.job_id)
+        rerun_differs(messages, self.job_id, refuse=self.if_committed == "verify")
         _wait_at_gate(self.opts.commit_gate)
         remote = remote_partitions(self.opts, winners)
         _decide(self.opts, lambda c: c.commit_job(self.job_id, winners, remote))
@@ -282,6 +293,8 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
         return message
     with connect(opts, opts.path_for(partition)) as c:
         if if_committed and (found := _decided_before(c, job_id, if_committed, message)):
+            if found.recorded:  # skipped: say whether these rows are the committed ones
+                found.differs = _compare(opts, found, batches, c.server.max_bundle_bytes)
             return found
         if skip_if_committed:
             state = c.job_status(job_id)["state"]
@@ -323,6 +336,53 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
         raise RuntimeError(f"_fail_after_end: partition {partition} attempt "
                            f"{ctx.attemptNumber()} fails after its end marker")
     return message
+
+
+def _compare(opts: WriteOptions, message: QuiverCommitMessage,
+             batches: Iterable[pa.RecordBatch], limit: int) -> str:
+    """"" when this partition's input, encoded as it would have been sent, has the rows
+    and checksum its recorded winner has; else what differs."""
+    mine = [r for r in message.recorded if r[0] == message.partition]
+    stream = AttemptStream(TxnTag(job_id=message.job_id, partition=message.partition,
+                                  attempt=0, row_offset=0))
+    chunks = rechunk(batches, max_rows=opts.batch_rows, max_bytes=min(opts.batch_bytes, limit))
+    for _ in stream.items(chunks, limit):
+        pass
+    if not mine:
+        return (f"partition {message.partition}: {stream.rows} rows now, the commit has no "
+                "such partition")
+    _, _, rows, checksum = mine[0]
+    if rows != stream.rows:
+        return f"partition {message.partition}: {stream.rows} rows now, {rows} committed"
+    if checksum != stream.checksum:
+        return (f"partition {message.partition}: {rows} rows as committed but another "
+                "checksum (other rows, or other batch_rows/batch_bytes options)")
+    return ""
+
+
+def rerun_differs(messages: Sequence[WriterCommitMessage | None], job_id: str, *,
+                  refuse: bool) -> None:
+    """A skipped replay whose rows differ from the commit's: a warning naming the earlier
+    commit and the partitions (``refuse``, if_committed="verify": WriteRefused)."""
+    found = [m for m in messages if isinstance(m, QuiverCommitMessage) and m.recorded]
+    differs = [m.differs for m in found if m.differs]
+    committed = {(int(p), int(r)) for m in found[:1] for p, _, r, _ in m.recorded}
+    if found and len(messages) != len(committed):  # fewer partitions now, or more
+        differs.append(f"{len(messages)} partitions now, {len(committed)} committed")
+    if not found or not differs:
+        return
+    first = found[0]
+    when = (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(first.committed_at_ns / 1e9))
+            if first.committed_at_ns else "at an unknown time")
+    text = (f"job {job_id!r} was committed {when} by {first.committed_by or 'a daemon'} "
+            f"with {sum(r for _, r in committed)} rows in {len(committed)} partitions; this "
+            f"write's rows differ ({'; '.join(differs[:10])}) and are NOT written: a job id "
+            "is written once")
+    if refuse:
+        raise WriteRefused(f"{text} (if_committed=\"verify\")")
+    _quiet_log().warning("spark_job_rerun_differs", job_id=job_id, message=text,
+                         hint='write them under a new job_id; if_committed="verify" makes '
+                         "this an error")
 
 
 def winners_of(messages: Sequence[WriterCommitMessage | None], job_id: str) -> list[Winner]:
@@ -420,10 +480,12 @@ def _decided_before(c: Client, job_id: str, if_committed: str,
     except CatalogUnavailable:
         return None
     state, winners = status["state"], status.get("winners") or []
-    if state == "committed" and if_committed == "skip" and winners:
+    if state == "committed" and if_committed in ("skip", "verify") and winners:
         message.published_before = True
         message.recorded = tuple((int(w["partition"]), int(w["attempt"]), int(w["rows"]),
                                   int(w["checksum"])) for w in winners)
+        message.committed_at_ns = int(status.get("decided_at_ns") or 0)
+        message.committed_by = str(status.get("decided_by") or "")
         return message
     if state not in ("committed", "aborted", "expired"):
         return None
