@@ -23,8 +23,8 @@ READ = frozenset({
 # saveAsTable, writeTo and INSERT INTO add nothing (checked with Spark 4.3).
 WRITE = frozenset({
     "path", "paths", "socket", "config", "client", "batch_rows", "batch_bytes", "job_id",
-    "if_committed", "visible_timeout_s", "query_id", "checkpointlocation", "_commit_gate",
-    "_fail_after_end",
+    "if_committed", "visible_timeout_s", "decide_timeout_s", "query_id",
+    "checkpointlocation", "_commit_gate", "_fail_after_end",
 })
 # spark.readStream.format("quiver")
 STREAM_READ = frozenset({

@@ -16,6 +16,11 @@ DEFAULT_CLIENT = "spark"
 IF_COMMITTED = ("skip", "verify", "error")
 BATCH_ROWS = 64 * 1024
 BATCH_BYTES = 8 * 1024 * 1024
+# The driver's commit (and abort) retries a daemon away or a catalog down this long
+# (option decide_timeout_s): a short outage at commit time delays the write, never
+# discards it. At most MAX_DECIDE_TIMEOUT_S.
+DECIDE_TIMEOUT_S = 300
+MAX_DECIDE_TIMEOUT_S = 3600
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,9 @@ class WriteOptions:
     # Read your writes: commit() waits up to this long for the catalog to hold the job's
     # rows (quiverd.spark.visible); 0 = do not wait.
     visible_timeout_s: float = VISIBLE_TIMEOUT_S
+    # How long commit() and abort() retry a retryable failure (CatalogUnavailable, a
+    # daemon restarting) before they fail; seconds.
+    decide_timeout_s: int = DECIDE_TIMEOUT_S
     # A batch write with an explicit job_id whose job is committed already (a
     # foreachBatch replay): "skip" sends nothing and commits nothing new, warning when its
     # rows differ from the commit's; "verify" likewise but fails when they differ;
@@ -60,6 +68,8 @@ class WriteOptions:
                    batch_rows=_int_option(opts, "batch_rows", BATCH_ROWS, 1, MAX_ROW_COUNT),
                    batch_bytes=_int_option(opts, "batch_bytes", BATCH_BYTES, 1024, 2**40),
                    visible_timeout_s=_visible_timeout(opts),
+                   decide_timeout_s=_int_option(opts, "decide_timeout_s", DECIDE_TIMEOUT_S,
+                                                0, MAX_DECIDE_TIMEOUT_S),
                    if_committed=if_committed, origin=origin,
                    commit_gate=opts.get("_commit_gate", ""),
                    fail_after_end=_pair(opts.get("_fail_after_end", "")))

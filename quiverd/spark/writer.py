@@ -30,7 +30,9 @@ socket), and a socket that is not there says how it was chosen. ``paths`` stands
 hosts, each with its own daemon sharing one catalog; tests emulate that with several
 daemons on one machine. ``client`` (default "spark"), ``batch_rows`` (default 65536) and
 ``batch_bytes`` (default 8 MiB, and never more than the daemon's max_bundle_bytes) bound a
-bundle; ``job_id`` names the job (any 1..256 bytes of UTF-8). An option not listed in
+bundle; ``job_id`` names the job (any 1..256 bytes of UTF-8); ``decide_timeout_s``
+(default 300) bounds how long the driver's commit and abort retry a daemon restarting or
+its catalog unreachable (``_decide``). An option not listed in
 quiverd/spark/options.py is refused on the driver, naming the closest known one.
 
 A batch write naming a ``job_id`` that is committed already (``foreachBatch`` replaying
@@ -104,6 +106,7 @@ from quiverd.client import Client
 from quiverd.kernel import logs
 from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.errors import (
+    AtCapacity,
     CatalogUnavailable,
     ConfigError,
     DaemonUnreachable,
@@ -145,10 +148,11 @@ TABLE_WRITE_REFUSED = (
     "be written and the table could never be read back; nothing was published. Write with "
     'df.write.format("quiver").option("client", ...).save(), and give the rows a SQL name '
     "with CREATE TEMPORARY VIEW v USING quiver OPTIONS (client '...', socket '...')")
-# The driver's commit and abort are idempotent, so a daemon restart or a full WAL
-# in between is retried: 6 tries over ~15 s.
-DECIDE_TRIES = 6
+# The driver's commit and abort are idempotent, so a daemon restart, a catalog outage
+# or a full WAL in between is retried, for option decide_timeout_s (default 300 s), with
+# backoff from DECIDE_BACKOFF_S doubling up to DECIDE_BACKOFF_MAX_S.
 DECIDE_BACKOFF_S = 0.5
+DECIDE_BACKOFF_MAX_S = 5.0
 T = TypeVar("T")
 
 
@@ -203,7 +207,7 @@ class QuiverWriter(DataSourceArrowWriter):
         rerun_differs(messages, self.job_id, refuse=self.if_committed == "verify")
         _wait_at_gate(self.opts.commit_gate)
         remote = remote_partitions(self.opts, winners)
-        _decide(self.opts, lambda c: c.commit_job(self.job_id, winners, remote))
+        _decide(self.opts, self.job_id, lambda c: c.commit_job(self.job_id, winners, remote))
         # Read your writes: returns once the catalog holds the rows, or warns (no raise).
         wait_visible([self.opts.path_for(w.partition) for w in winners], self.job_id,
                      self.opts.visible_timeout_s)
@@ -211,7 +215,7 @@ class QuiverWriter(DataSourceArrowWriter):
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         reason = "Spark aborted the write: a task or the commit failed"
         try:
-            _decide(self.opts, lambda c: c.abort_job(self.job_id, reason))
+            _decide(self.opts, self.job_id, lambda c: c.abort_job(self.job_id, reason))
         except JobConflict:
             # Spark aborts after a commit that raised; if that commit was recorded
             # (its answer lost), the rows are published and stay so.
@@ -258,7 +262,7 @@ class QuiverStreamWriter(DataSourceStreamArrowWriter):
                                       "published under its id again: restart the query with "
                                       "a new query_id / checkpoint") from exc
 
-        _decide(self.opts, commit)
+        _decide(self.opts, job_id, commit)
         wait_visible([self.opts.path_for(w.partition) for w in winners], job_id,
                      self.opts.visible_timeout_s)
 
@@ -498,18 +502,40 @@ def _decided_before(c: Client, job_id: str, if_committed: str,
     return message
 
 
-def _decide(opts: WriteOptions, decide: Callable[[Client], T]) -> T:
-    """Run a commit/abort on paths[0], retried while the daemon is away or full."""
-    for attempt in range(DECIDE_TRIES):
-        try:
-            with connect(opts, opts.paths[0], timeout=60) as c:
+def _decide(opts: WriteOptions, job_id: str, decide: Callable[[Client], T]) -> T:
+    """Run a commit/abort on paths[0], retried while the daemon is away, its catalog is
+    unreachable or its WAL full, for at most ``opts.decide_timeout_s``.
+
+    Each try first sends a JOB keepalive, and the connection stays open between tries
+    (the wait between them is shorter than the keepalive interval the daemon asks for):
+    the job keeps its writer lease, so a daemon whose catalog comes back does not expire
+    it (no writer for staging.writer_timeout_s) before this commit gets through."""
+    deadline = time.monotonic() + opts.decide_timeout_s
+    delay, pause_s = DECIDE_BACKOFF_S, DECIDE_BACKOFF_MAX_S
+    c: Client | None = None
+    try:
+        while True:
+            try:
+                if c is None:
+                    c = connect(opts, opts.paths[0], timeout=60)
+                pause_s = c.keepalive(job_id).keepalive_ms / 1000
                 return decide(c)
-        except (QuiverError, ConnectionError) as exc:
-            retryable = exc.retryable if isinstance(exc, QuiverError) else True
-            if not retryable or attempt == DECIDE_TRIES - 1:
-                raise
-            time.sleep(DECIDE_BACKOFF_S * 2**attempt)
-    raise AssertionError("unreachable")
+            except (QuiverError, OSError) as exc:  # OSError: reset, refused, timed out
+                retryable = exc.retryable if isinstance(exc, QuiverError) else True
+                wait = min(delay, pause_s)
+                if not retryable or time.monotonic() + wait > deadline:
+                    raise
+                if not isinstance(exc, CatalogUnavailable | AtCapacity) and c is not None:
+                    c.close()  # the connection's state is unknown: a new one next time
+                    c = None
+                _quiet_log().warning("spark_decide_retrying", job_id=job_id,
+                                     error=str(exc), retry_in_s=round(wait, 2),
+                                     gives_up_in_s=round(deadline - time.monotonic(), 1))
+                time.sleep(wait)
+                delay = min(delay * 2, DECIDE_BACKOFF_MAX_S)
+    finally:
+        if c is not None:
+            c.close()
 
 
 def _wait_at_gate(gate: str, timeout_s: float = 120.0) -> None:
