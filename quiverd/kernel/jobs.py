@@ -15,6 +15,7 @@ of each partition (``Winner``) or discards the job (``aborted``, ``expired``).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import msgspec
@@ -76,6 +77,27 @@ def read_end_marker(table: pa.Table) -> tuple[int, int]:
     if table.num_rows != 1 or table.schema.names != ["rows", "checksum"]:
         raise ValueError("not an end-of-partition marker")
     return int(table["rows"][0].as_py()), int(table["checksum"][0].as_py())
+
+
+def marker_problem(ends: Mapping[tuple[int, int], tuple[int, int]],
+                   winners: Iterable[Winner]) -> str:
+    """What is wrong with a commit's ``winners`` given the end markers held here,
+    ``ends[(partition, attempt)] = (rows, checksum)``; "" when each has its marker."""
+    missing, wrong = [], []
+    for w in winners:
+        end = ends.get((w.partition, w.attempt))
+        if end is None:
+            missing.append(f"{w.partition} (attempt {w.attempt})")
+        elif end != (w.rows, w.checksum):
+            wrong.append(f"{w.partition} (attempt {w.attempt}: marker rows={end[0]} "
+                         f"checksum={end[1]}, commit rows={w.rows} checksum={w.checksum})")
+    parts = []
+    if missing:
+        parts.append("no end-of-partition marker on this daemon for partitions "
+                     + ", ".join(missing))
+    if wrong:
+        parts.append("a different end marker for partitions " + ", ".join(wrong))
+    return "; ".join(parts)
 
 
 def check_job_id(job_id: str) -> str:

@@ -93,6 +93,23 @@ class Leases:
         since = self.free_since.get(job_id, self.started)
         return self.clock() - since
 
+    def due(self, last_staged_ns: dict[str, int], *, now_ns: int, writer_timeout_s: int,
+            ttl_s: int) -> dict[str, str]:
+        """Of the undecided jobs given (job -> its newest staged bundle's time), those to
+        expire now, with the reason: no holder for ``writer_timeout_s`` (unless another
+        daemon's lease says otherwise: the caller asks the catalog), or nothing from
+        the writer for ``ttl_s``."""
+        due: dict[str, str] = {}
+        for job_id, last_ns in last_staged_ns.items():
+            active_ns = max(last_ns, self.active_ns.get(job_id, 0))
+            idle_s = self.idle_s(job_id)
+            if now_ns - active_ns > ttl_s * 10**9:
+                due[job_id] = f"nothing came from its writer within staging.ttl_s={ttl_s} s"
+            elif idle_s is not None and idle_s >= writer_timeout_s:
+                due[job_id] = (f"no writer connection for staging.writer_timeout_s="
+                               f"{writer_timeout_s} s and no commit (driver or tasks gone?)")
+        return due
+
     def held_jobs(self) -> list[str]:
         return list(self.holders)
 

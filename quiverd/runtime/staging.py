@@ -41,7 +41,7 @@ from quiverd.kernel.backoff import backoff_s
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import AtCapacity, CatalogUnavailable, JobConflict, LakeError
-from quiverd.kernel.jobs import JobDecision, Verdict, Winner, check_job_id
+from quiverd.kernel.jobs import JobDecision, Verdict, Winner, check_job_id, marker_problem
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.metrics import Metrics
 from quiverd.runtime import jobs_view
@@ -205,23 +205,8 @@ class Staging:
                              f"{MARKER_WAIT_S:.0f} s, so its end markers cannot be checked",
                              hint="nothing was recorded; retry the commit")
         job = self.jobs.get(job_id)
-        ends = job.ends if job else {}
-        missing, wrong = [], []
-        for w in winners:
-            end = ends.get((w.partition, w.attempt))
-            if end is None:
-                missing.append(f"{w.partition} (attempt {w.attempt})")
-            elif end != (w.rows, w.checksum):
-                wrong.append(f"{w.partition} (attempt {w.attempt}: marker rows={end[0]} "
-                             f"checksum={end[1]}, commit rows={w.rows} checksum={w.checksum})")
-        if missing or wrong:
-            parts = []
-            if missing:
-                parts.append("no end-of-partition marker on this daemon for partitions "
-                             + ", ".join(missing))
-            if wrong:
-                parts.append("a different end marker for partitions " + ", ".join(wrong))
-            what = "; ".join(parts)
+        what = marker_problem(job.ends if job else {}, winners)
+        if what:
             raise JobConflict(f"job {job_id!r} not committed: {what} (node {self.node_id})",
                               hint="commit only attempts whose end_partition was acked; an "
                               "attempt written through another daemon is named in the "
@@ -446,18 +431,9 @@ class Staging:
     async def _expire(self, catalog: Any) -> None:
         """Decide ``expired`` every undecided job whose writer is gone (module doc)."""
         now_ns, timeout_s = time.time_ns(), self.scfg.writer_timeout_s
-        due: dict[str, str] = {}
-        for job_id, job in self.jobs.items():
-            if job_id in self.decisions:
-                continue
-            active_ns = max(job.last_ns, self.leases.active_ns.get(job_id, 0))
-            idle_s = self.leases.idle_s(job_id)
-            if now_ns - active_ns > self.scfg.ttl_s * 10**9:
-                due[job_id] = (f"nothing came from its writer within staging.ttl_s="
-                               f"{self.scfg.ttl_s} s")
-            elif idle_s is not None and idle_s >= timeout_s:
-                due[job_id] = (f"no writer connection for staging.writer_timeout_s="
-                               f"{timeout_s} s and no commit (driver or tasks gone?)")
+        due = self.leases.due(
+            {j: job.last_ns for j, job in self.jobs.items() if j not in self.decisions},
+            now_ns=now_ns, writer_timeout_s=timeout_s, ttl_s=self.scfg.ttl_s)
         if not due:
             return
         # A live writer on another daemon sharing the catalog keeps the job.

@@ -125,6 +125,7 @@ from quiverd.spark.chunks import (  # noqa: F401 - re-exported: tests import the
     rechunk,
 )
 from quiverd.spark.keepalive import KeepAlive
+from quiverd.spark.rerun import compare, rerun_differs  # noqa: F401 - tests import it here
 from quiverd.spark.visible import wait_visible
 from quiverd.spark.write_options import (  # noqa: F401 - re-exported
     BATCH_BYTES,
@@ -298,7 +299,7 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
     with connect(opts, opts.path_for(partition)) as c:
         if if_committed and (found := _decided_before(c, job_id, if_committed, message)):
             if found.recorded:  # skipped: say whether these rows are the committed ones
-                found.differs = _compare(opts, found, batches, c.server.max_bundle_bytes)
+                found.differs = compare(opts, found, batches, c.server.max_bundle_bytes)
             return found
         if skip_if_committed:
             state = c.job_status(job_id)["state"]
@@ -340,53 +341,6 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
         raise RuntimeError(f"_fail_after_end: partition {partition} attempt "
                            f"{ctx.attemptNumber()} fails after its end marker")
     return message
-
-
-def _compare(opts: WriteOptions, message: QuiverCommitMessage,
-             batches: Iterable[pa.RecordBatch], limit: int) -> str:
-    """"" when this partition's input, encoded as it would have been sent, has the rows
-    and checksum its recorded winner has; else what differs."""
-    mine = [r for r in message.recorded if r[0] == message.partition]
-    stream = AttemptStream(TxnTag(job_id=message.job_id, partition=message.partition,
-                                  attempt=0, row_offset=0))
-    chunks = rechunk(batches, max_rows=opts.batch_rows, max_bytes=min(opts.batch_bytes, limit))
-    for _ in stream.items(chunks, limit):
-        pass
-    if not mine:
-        return (f"partition {message.partition}: {stream.rows} rows now, the commit has no "
-                "such partition")
-    _, _, rows, checksum = mine[0]
-    if rows != stream.rows:
-        return f"partition {message.partition}: {stream.rows} rows now, {rows} committed"
-    if checksum != stream.checksum:
-        return (f"partition {message.partition}: {rows} rows as committed but another "
-                "checksum (other rows, or other batch_rows/batch_bytes options)")
-    return ""
-
-
-def rerun_differs(messages: Sequence[WriterCommitMessage | None], job_id: str, *,
-                  refuse: bool) -> None:
-    """A skipped replay whose rows differ from the commit's: a warning naming the earlier
-    commit and the partitions (``refuse``, if_committed="verify": WriteRefused)."""
-    found = [m for m in messages if isinstance(m, QuiverCommitMessage) and m.recorded]
-    differs = [m.differs for m in found if m.differs]
-    committed = {(int(p), int(r)) for m in found[:1] for p, _, r, _ in m.recorded}
-    if found and len(messages) != len(committed):  # fewer partitions now, or more
-        differs.append(f"{len(messages)} partitions now, {len(committed)} committed")
-    if not found or not differs:
-        return
-    first = found[0]
-    when = (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(first.committed_at_ns / 1e9))
-            if first.committed_at_ns else "at an unknown time")
-    text = (f"job {job_id!r} was committed {when} by {first.committed_by or 'a daemon'} "
-            f"with {sum(r for _, r in committed)} rows in {len(committed)} partitions; this "
-            f"write's rows differ ({'; '.join(differs[:10])}) and are NOT written: a job id "
-            "is written once")
-    if refuse:
-        raise WriteRefused(f"{text} (if_committed=\"verify\")")
-    _quiet_log().warning("spark_job_rerun_differs", job_id=job_id, message=text,
-                         hint='write them under a new job_id; if_committed="verify" makes '
-                         "this an error")
 
 
 def winners_of(messages: Sequence[WriterCommitMessage | None], job_id: str) -> list[Winner]:
