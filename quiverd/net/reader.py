@@ -116,8 +116,8 @@ class FrameReader:
         """Another frame started waiting for budget: if the frame being received holds
         some it needs, its stall ends after ``contended_s`` (``ByteBudget.contended``)."""
         scope = self._scope
-        if scope is not None and self._waiting_for != "handshake" and self.decoder.buffered \
-                and self._since is not None and self._contention():
+        if scope is not None and self._waiting_for in ("idle", "busy") \
+                and self.decoder.buffered and self._since is not None and self._contention():
             scope.deadline = min(scope.deadline, self._since + self.contended_s)
 
     def frame_done(self) -> None:
