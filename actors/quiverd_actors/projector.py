@@ -111,6 +111,8 @@ class Projector:
         self.reconcile_due = False
         self.round_commit_s = 0.0  # commit time of the current round (the duty cycle)
         self.skipped: dict[str, str] = {}  # file id -> reason, never tried again
+        # table -> {file id: rows} of its registered files it cannot hold (status shows it)
+        self.skipped_by_table: dict[str, dict[str, int]] = {}
         self.missing: set[str] = set()  # files left out for want of an object (logged once)
         # table -> this source's commit count the table held after our last sync (the
         # fence's base); absent until read, and dropped when a sync's outcome is unknown.
@@ -245,11 +247,13 @@ class Projector:
         want = [self._ref(r) for r in rows
                 if r.state in REGISTERED and r.file_id not in self.skipped]
         gone = [r.file_id for r in rows if r.state not in REGISTERED]
+        known = {r.file_id: r.row_count for r in rows
+                 if r.state in REGISTERED and r.file_id in self.skipped}
         summary = {"quiverd.source-id": self.tier.source_id, "quiverd.node-id": self.tier.node_id,
                    "quiverd.kind": kind}
         try:
             result = await self.projection.sync(table, want, gone, source=self.tier.source_id,
-                                                base=base, summary=summary)
+                                                base=base, summary=summary, known_skipped=known)
         except BaseException:
             self.commit_counts.pop(table, None)  # it may have landed: read the count again
             raise
@@ -258,7 +262,13 @@ class Projector:
         self.commit_counts[table] = result.commits
         if result.snapshot_id is not None:
             self._committed(table, result, "replace" if result.removed else kind)
-        self._skips(table, result)
+        row_counts = {r.file_id: r.row_count for r in rows}
+        self._skips(table, result, row_counts)
+        known.update((fid, row_counts.get(fid, 0)) for fid, _ in result.skipped)
+        if known:
+            self.skipped_by_table[table] = known
+        else:
+            self.skipped_by_table.pop(table, None)
         return result
 
     def _committed(self, table: str, result: CommitResult, kind: str) -> None:
@@ -275,7 +285,7 @@ class Projector:
                       skipped=len(result.skipped), retries=result.retries,
                       took_ms=round(result.took_s * 1000, 1))
 
-    def _skips(self, table: str, result: CommitResult) -> None:
+    def _skips(self, table: str, result: CommitResult, row_counts: dict[str, int]) -> None:
         for file_id, reason in result.skipped:
             if file_id not in self.skipped:
                 if len(self.skipped) >= SKIPPED_KEPT:
@@ -283,7 +293,9 @@ class Projector:
                 self.skipped[file_id] = reason
                 self.m.lake_iceberg_skipped.labels(_reason_kind(reason)).inc()
                 self.log.warning("iceberg_file_skipped", table=table, file_id=file_id,
-                                 reason=reason)
+                                 rows=row_counts.get(file_id), reason=reason,
+                                 hint="Iceberg readers of the table lack these rows; "
+                                 'spark.read.format("quiver") reads them')
         for file_id, reason in result.missing:
             if file_id not in self.missing and len(self.missing) < SKIPPED_KEPT:
                 self.missing.add(file_id)
@@ -349,7 +361,9 @@ class Projector:
             "last_commit_ms": None if self.last_commit_s is None
             else round(self.last_commit_s * 1000, 1),
             "commit_p99_ms": None if p99 is None else round(p99 * 1000, 1),
-            "files_skipped": len(self.skipped),
+            "files_skipped": sum(len(f) for f in self.skipped_by_table.values()),
+            "skipped": {table: {"files": len(files), "rows": sum(files.values())}
+                        for table, files in sorted(self.skipped_by_table.items())},
             "snapshots_expired": self.snapshots_expired,
             "last_reconcile_ns": self.last_reconcile_ns,
             "last_error": self.last_error,

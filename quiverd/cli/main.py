@@ -325,6 +325,10 @@ def _status(args: argparse.Namespace) -> int:
                   f"commits {ice['commits']}  last_commit_ms {ice['last_commit_ms']}  "
                   f"commit_p99_ms {ice['commit_p99_ms']}  files_skipped {ice['files_skipped']}"
                   + (f"  last_error {ice['last_error']}" if ice.get("last_error") else ""))
+            for name, skip in (ice.get("skipped") or {}).items():
+                print(f"iceberg  {name}  skipped_files {skip['files']}  skipped_rows "
+                      f"{skip['rows']}  (Iceberg cannot hold them: iceberg_file_skipped in "
+                      "the log says why; format(\"quiver\") reads them)")
         elif not ice.get("enabled"):
             print("iceberg off (lake.iceberg.enabled = false)")
         scrub = lake.get("scrub") or {}

@@ -3,7 +3,8 @@ table whose current snapshot is the live set of lake files, for any engine to re
 
 ``names``: table names, the catalog's URI, the warehouse; ``files``: a lake file's footer
 and whether Iceberg can hold it; ``catalog``: pyiceberg's SQL catalog as used here;
-``projection``: ``Projection``, one snapshot per ``commit``. docs/iceberg.md tells users
+``projection``: ``Projection``, one snapshot per ``commit`` or ``sync``; ``snapshot``: one
+snapshot's transaction and the table properties the projection keeps. docs/iceberg.md tells users
 how to read the tables.
 """
 
@@ -19,12 +20,8 @@ from quiverd.lake.iceberg.names import (
     table_name,
     warehouse,
 )
-from quiverd.lake.iceberg.projection import (
-    FILE_IDS,
-    REMOVED_FILE_IDS,
-    CommitResult,
-    Projection,
-)
+from quiverd.lake.iceberg.projection import CommitResult, Projection
+from quiverd.lake.iceberg.snapshot import FILE_IDS, REMOVED_FILE_IDS
 
 __all__ = [
     "CATALOG_NAME",

@@ -1,21 +1,21 @@
 """The Iceberg projection: quiverd's registered lake files as Iceberg table snapshots.
 
-    commit(table, add, remove)          one snapshot per call, compare-and-swap with retry
-      │ read footers once ── skipped: files Iceberg cannot hold (files.py), with reasons
-      │ attempt n:  load (or create) the table
-      │             name mapping set, schema evolved by name (new columns, int->long,
-      │             float->double), DataFiles built from the footers
-      │             merge append (remove empty) | overwrite (delete + add)
-      │             summary: quiverd.file-ids, quiverd.removed-file-ids, the caller's keys
+    sync(table, want, gone, source, base)   what the daemon calls: one snapshot at most
+      │ attempt n:  load the table; fenced (stale) when its quiverd.commits.<source> is
+      │             not ``base``; diff against the current snapshot: add ``want`` files it
+      │             lacks (footers read once per call), delete present ``gone`` ones
+      │             ── skipped: files Iceberg cannot hold (files.py), with reasons
+      │             snapshot.commit_once: schema evolved, merge append | overwrite,
+      │             commit count and skipped-file properties set, one transaction
       └ CommitFailedException (another writer won) -> refresh, backoff, again
         ... at most cfg.commit_retries times, then IcebergCommitFailed: nothing landed
+    commit(table, add, remove)              the same without diff or fence (tools, tests)
 
 Guarantees: a call lands as exactly one snapshot or not at all. Files are registered as
-they are (never rewritten, never checked for duplicates: quiverd's catalog guards
-coverage, and its reconciler compares ``live_locations`` before adding). ``expire`` drops
-snapshots older than a bound but never the current one, and deletes only Iceberg
-metadata no kept snapshot needs (manifest lists, manifests), never a data file: quiverd's
-janitor deletes an object once ``referenced_locations`` no longer holds it.
+they are (never rewritten). ``expire`` drops snapshots that stopped being current
+before a bound, never the current one, and deletes only Iceberg metadata no kept
+snapshot needs (manifest lists, manifests), never a data file: quiverd's janitor deletes
+an object once ``referenced_locations`` no longer holds it.
 
 Blocking: the daemon calls each method in a worker thread, one call per batch; calls on
 one table are serialised by a lock per table.
@@ -40,22 +40,21 @@ from quiverd.lake.iceberg.files import (
     DataFileRef,
     Footer,
     creation_column,
-    fits_table,
     nullable,
-    partition_of,
     read_footer,
     schema_problem,
-    to_data_file,
 )
 from quiverd.lake.iceberg.names import identifier
+from quiverd.lake.iceberg.snapshot import (
+    COMMITS_PREFIX,
+    KIND,
+    commit_once,
+    commits_of,
+    skip_properties,
+)
 
-FILE_IDS = "quiverd.file-ids"
-REMOVED_FILE_IDS = "quiverd.removed-file-ids"
-KIND = "quiverd.kind"
-COMMITS_PREFIX = "quiverd.commits."  # + source id: that source's commits (sync's fence)
 RETRY_BASE_S = 0.05  # CAS losers retry fast: the winner's commit is already done
 RETRY_MAX_S = 2.0
-FITS_CACHE = 1024  # schema verdicts kept (cleared when full)
 
 
 class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,7 +100,7 @@ class Projection:
                 try:
                     deleted = (cat.current_data_files(tbl, set(remove))
                                if tbl is not None and remove else [])
-                    snapshot_id, added, removed, unfit = _commit_once(
+                    snapshot_id, added, removed, unfit = commit_once(
                         tbl, footers, deleted, dict(summary or {}), self._fits)
                 except CommitFailedException as exc:
                     self._tables.pop(table, None)
@@ -117,8 +116,8 @@ class Projection:
         raise AssertionError("unreachable: the loop returns or raises")
 
     def sync(self, table: str, want: Sequence[DataFileRef], gone: Collection[str], *,
-             source: str, base: int, summary: Mapping[str, str] | None = None
-             ) -> CommitResult:
+             source: str, base: int, summary: Mapping[str, str] | None = None,
+             known_skipped: Mapping[str, int] | None = None) -> CommitResult:
         """Make the files of ``source`` in the current snapshot exactly ``want`` (quiverd's
         registered files of that source and table, just read from its catalog): add those
         the snapshot lacks, delete those whose id is in ``gone`` (the source's files the
@@ -132,20 +131,26 @@ class Projection:
         catalog read: when the table holds another count, a commit of this source landed
         that the caller's catalog read may predate (a killed daemon's worker, a second
         daemon on the same data directory), and the call changes nothing and returns
-        ``stale``: the caller reads the count and the catalog again."""
+        ``stale``: the caller reads the count and the catalog again.
+
+        ``known_skipped`` (file id -> rows): the source's registered files of the table
+        that earlier calls found Iceberg cannot hold (not in ``want``); with the ones this
+        call finds they are named in the table's properties (``quiverd.skipped-*``), so a
+        reader of the table can see what it lacks."""
         from pyiceberg.exceptions import CommitFailedException
 
         started = time.monotonic()
         key = COMMITS_PREFIX + source
         footers: dict[str, Footer] = {}
         skipped: dict[str, str] = {}
+        skipped_rows: dict[str, int] = dict(known_skipped or {})
         missing: dict[str, str] = {}
         gone = set(gone)
         with self._lock(table), _translated(table):
             for attempt in range(self._cfg.commit_retries + 1):
                 tbl = self._tables.get(table) if attempt == 0 else None
                 tbl = tbl if tbl is not None else self._load(table)
-                held = _commits(tbl, key)
+                held = commits_of(tbl, key)
                 if held != base:
                     return self._result(table, started, attempt, commits=held, stale=True)
                 present = cat.current_entries(tbl) if tbl is not None else {}
@@ -153,8 +158,12 @@ class Projection:
                 lacking = [r for r in want if r.file_id not in ids and r.location not in present]
                 fresh = [r for r in lacking if r.file_id not in footers
                          and r.file_id not in skipped and r.file_id not in missing]
-                self._read_footers(fresh, footers, skipped, missing)
+                self._read_footers(fresh, footers, skipped, missing, skipped_rows)
                 adding = [footers[r.file_id] for r in lacking if r.file_id in footers]
+                skips = skip_properties(source, skipped_rows)
+                props_changed = tbl is not None and any(
+                    tbl.metadata.properties.get(k, empty) != v
+                    for k, (v, empty) in skips.items())
                 deleted = [df for fid, df in present.values() if fid in gone]
                 if tbl is None:
                     tbl = self._table(table, adding, refresh=True)
@@ -162,8 +171,9 @@ class Projection:
                 if deleted:
                     props[KIND] = "replace"
                 try:
-                    snapshot_id, added, removed, unfit = _commit_once(
-                        tbl, adding, deleted, props, self._fits, properties={key: str(base + 1)})
+                    snapshot_id, added, removed, unfit = commit_once(
+                        tbl, adding, deleted, props, self._fits, force=props_changed,
+                        properties={key: str(base + 1), **{k: v for k, (v, _) in skips.items()}})
                 except CommitFailedException as exc:
                     self._tables.pop(table, None)
                     if attempt == self._cfg.commit_retries:
@@ -173,17 +183,17 @@ class Projection:
                     time.sleep(backoff_s(attempt + 1, base_s=RETRY_BASE_S, max_s=RETRY_MAX_S))
                     continue
                 skipped.update(unfit)
+                landed = snapshot_id is not None or props_changed
                 return self._result(table, started, attempt, snapshot_id=snapshot_id,
                                     added=added, removed=removed, skipped=skipped,
-                                    missing=missing,
-                                    commits=base if snapshot_id is None else base + 1)
+                                    missing=missing, commits=base + 1 if landed else base)
         raise AssertionError("unreachable: the loop returns or raises")
 
     def source_commits(self, table: str, source: str) -> int:
         """How many commits of ``source`` the table holds (0 without a table): the
         ``base`` of the source's next ``sync``."""
         with self._lock(table), _translated(table):
-            return _commits(self._load(table), COMMITS_PREFIX + source)
+            return commits_of(self._load(table), COMMITS_PREFIX + source)
 
     def live_locations(self, table: str) -> dict[str, str]:
         """location -> quiverd file id of every data file of the current snapshot."""
@@ -247,11 +257,12 @@ class Projection:
                 continue
             seen.add(ref.location)
             unique.append(ref)
-        self._read_footers(unique, footers, skipped, skipped)
+        self._read_footers(unique, footers, skipped, skipped, {})
         return [footers[r.file_id] for r in unique if r.file_id in footers], list(skipped.items())
 
     def _read_footers(self, refs: Sequence[DataFileRef], footers: dict[str, Footer],
-                      skipped: dict[str, str], missing: dict[str, str]) -> None:
+                      skipped: dict[str, str], missing: dict[str, str],
+                      skipped_rows: dict[str, int]) -> None:
         """Footers of ``refs`` into ``footers``; a file Iceberg cannot hold into ``skipped``,
         one whose object is absent or unreadable into ``missing`` (it may come back: a
         quarantined object restored; the scrubber quarantines a damaged one)."""
@@ -269,6 +280,7 @@ class Projection:
             problem = schema_problem(footer.schema)
             if problem is not None:
                 skipped[ref.file_id] = problem
+                skipped_rows[ref.file_id] = footer.metadata.num_rows
             else:
                 footers[ref.file_id] = footer
 
@@ -308,16 +320,6 @@ class Projection:
         return tbl
 
 
-def _commits(tbl: Any | None, key: str) -> int:
-    """The commit count a table's property ``key`` holds (0 when absent or no table)."""
-    if tbl is None:
-        return 0
-    try:
-        return int(tbl.metadata.properties.get(key, "0"))
-    except ValueError:
-        return -1  # not ours to read: never equal to a caller's count, so fenced
-
-
 @contextmanager
 def _translated(what: str) -> Iterator[None]:
     """The catalog's and the store's failures as quiverd's retryable errors. A commit
@@ -332,81 +334,3 @@ def _translated(what: str) -> Iterator[None]:
                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
     except OSError as exc:
         raise StoreUnavailable(f"Iceberg metadata of {what}: {exc}") from exc
-
-
-def _commit_once(tbl: Any, footers: list[Footer], deleted: list[Any], summary: dict[str, str],
-                 fits: dict[tuple[str, int, pa.Schema], bool], *,
-                 properties: dict[str, Any] | None = None
-                 ) -> tuple[int | None, list[str], list[str], list[tuple[str, str]]]:
-    """One attempt: (snapshot id, file ids added, locations removed, files refused).
-    ``deleted``: DataFiles of the current snapshot to delete; ``properties``: table
-    properties set in the same commit (only when a snapshot is made).
-
-    ``tbl.metadata`` is read directly where it suffices: every read of a transaction's
-    ``table_metadata`` deep-copies the whole metadata (every kept snapshot), which would
-    make a commit's cost grow with history. The transaction's view is taken once, and
-    only when a file's schema needs evolving."""
-    from pyiceberg.exceptions import ValidationError
-    from pyiceberg.table import TableProperties
-
-    if tbl is None:  # nothing to add, no table: nothing to remove either
-        return None, [], [], []
-    from quiverd.lake.iceberg.memo import transaction
-
-    base = tbl.metadata
-    tx = transaction(tbl)
-    changed = base.name_mapping() is None
-    if changed:
-        # The files carry no Iceberg field ids: readers map columns by name.
-        tx.set_properties(**{TableProperties.DEFAULT_NAME_MAPPING:
-                             base.schema().name_mapping.model_dump_json()})
-    source = cat.partition_source(base)
-    ready, unfit = [], []
-    for footer in footers:
-        ref = footer.ref
-        hour, problem = partition_of(footer, source) if source is not None else (None, None)
-        if problem is not None:
-            unfit.append((ref.file_id, problem))
-            continue
-        key = (str(base.table_uuid), base.current_schema_id, footer.schema)
-        if key not in fits:
-            if len(fits) >= FITS_CACHE:
-                fits.clear()
-            fits[key] = fits_table(base, footer.schema)
-        if not fits[key]:
-            try:  # new columns, or a wider int or float: evolve the table first
-                with tx.update_schema() as update:
-                    update.union_by_name(nullable(footer.schema))
-            except (ValidationError, ValueError) as exc:
-                unfit.append((ref.file_id, f"a column type Iceberg cannot evolve to: {exc}"))
-                continue
-            changed = True
-        ready.append((footer, hour, fits[key]))
-    meta = tx.table_metadata if changed else base
-    data_files, added = [], []
-    for footer, hour, checked in ready:
-        try:
-            data_files.append(to_data_file(footer, meta, hour,
-                                           checked=checked and meta is base))
-        except ValueError as exc:
-            unfit.append((footer.ref.file_id, "the file's schema does not fit the table's: "
-                          + str(exc).split("\n", 1)[0]))
-            continue
-        added.append(footer.ref.file_id)
-    if not data_files and not deleted:
-        return None, [], [], unfit
-    if properties:
-        tx.set_properties(properties)
-    props = {**summary, FILE_IDS: ",".join(added),
-             REMOVED_FILE_IDS: ",".join(cat.file_id_of(d.file_path) for d in deleted)}
-    snapshot = tx.update_snapshot(snapshot_properties=props)
-    # merge_append is pyiceberg's append that honours commit.manifest-merge.enabled (a fast
-    # append never merges); an overwrite rewrites only the manifests holding removed files.
-    producer = snapshot.overwrite() if deleted else snapshot.merge_append()
-    with producer:
-        for data_file in deleted:
-            producer.delete_data_file(data_file)
-        for data_file in data_files:
-            producer.append_data_file(data_file)
-    committed = tx.commit_transaction()
-    return committed.metadata.current_snapshot_id, added, [d.file_path for d in deleted], unfit

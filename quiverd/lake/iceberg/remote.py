@@ -118,11 +118,12 @@ class RemoteProjection:
         return result
 
     async def sync(self, table: str, want: Sequence[DataFileRef], gone: Collection[str], *,
-                   source: str, base: int, summary: Mapping[str, str] | None = None
-                   ) -> CommitResult:
+                   source: str, base: int, summary: Mapping[str, str] | None = None,
+                   known_skipped: Mapping[str, int] | None = None) -> CommitResult:
         result: CommitResult = await self._call("sync", table, list(want), sorted(gone),
                                                 source=source, base=base,
-                                                summary=dict(summary or {}))
+                                                summary=dict(summary or {}),
+                                                known_skipped=dict(known_skipped or {}))
         return result
 
     async def source_commits(self, table: str, source: str) -> int:
