@@ -179,8 +179,8 @@ class Connection:
             need = self.decoder.awaiting
             if need is None:
                 return
-            if not await self.reader.until_stopped(partial(self._reserve, need),
-                                                   partial(self._budget_timeout, need)):
+            if not await self.reader.wait_for_budget(partial(self._reserve, need),
+                                                     partial(self._budget_timeout, need)):
                 return  # stopping: the next receive ends the loop
             frames = self.decoder.resume()
             if frames:  # the frame that waited is complete: its stall is over

@@ -132,7 +132,7 @@ class FrameReader:
             return None
         return self.decoder.buffer_updated(n)
 
-    async def until_stopped(self, wait: Callable[[], Awaitable[None]],
+    async def wait_for_budget(self, wait: Callable[[], Awaitable[None]],
                             why: Callable[[int], str]) -> bool:
         """Run ``wait`` (for a frame's budget) unless ``stop()`` comes first (False).
 
