@@ -21,10 +21,11 @@ interval is followed at once by the next one. Its passes keep their pace across
 restarts: ``<data_dir>/lake.scrub`` holds ``<start ns> <where>``, written when a pass
 starts (``-``), every ``scrub.PROGRESS_EVERY_S`` during it (the last file id checked)
 and when it ends (``done``; a file holding only ``<start ns>`` is from before and
-counts as done). After a start, a finished pass is followed ``pass_interval_s`` after
-its start; an unfinished one resumes after its last file id soon after the start,
-so a restart neither reads the lake again from the beginning nor leaves its rest
-unchecked for another interval. Every object is thus read at least once every
+counts as done). A finished pass is followed ``pass_interval_s`` after its recorded
+start, also when a restart cut it and it was resumed; an unfinished one (cut by a
+restart, or failed) resumes after its last file id ``min(pass_interval_s,
+FIRST_RUN_MAX_S)`` later, so a restart neither reads the lake again from the beginning
+nor leaves its rest unchecked for another interval. Every object is thus read at least once every
 ``max(pass_interval_s, bytes of the lake / rate)`` (plus ``FIRST_RUN_MAX_S`` per
 restart): the bound docs/iceberg.md gives for a damaged object's exposure.
 """
@@ -79,8 +80,10 @@ class Janitor:
                 tg.start_soon(self._every, lake.compaction.interval_s, self.compact_once,
                               "compaction")
             if lake.scrub.rate_mb_per_s > 0:
+                # Paced from each pass's recorded start, also across a restart that
+                # resumed it (a pass cut short, or failed, resumes soon).
                 tg.start_soon(self._every, lake.scrub.pass_interval_s, self._scrub_pass,
-                              "scrub", await self._scrub_due_in())
+                              "scrub", self._scrub_due_in)
             task_status.started()
 
     async def sweep_once(self) -> JanitorReport:
@@ -141,12 +144,13 @@ class Janitor:
         resume one a restart cut short (module doc)."""
         interval = self.tier.cfg.lake.scrub.pass_interval_s
         stamp = await anyio.to_thread.run_sync(_read_stamp, self.tier.data.lake_scrub)
+        soon = max(MIN_GAP_S, min(interval, FIRST_RUN_MAX_S))
         if stamp is None:
-            return min(interval, FIRST_RUN_MAX_S)
+            return soon
         start_ns, where = stamp
-        if where != DONE:
+        if where != DONE:  # cut short by a restart, or failed (the store down): resume
             self._resume = (start_ns, "" if where == STARTED else where)
-            return min(interval, FIRST_RUN_MAX_S)
+            return soon
         return max(MIN_GAP_S, (start_ns + interval * NS_PER_S - time.time_ns()) / NS_PER_S)
 
     async def _scrub_pass(self) -> ScrubReport:
@@ -164,8 +168,11 @@ class Janitor:
         return report
 
     async def _every(self, interval_s: float, job: Callable[[], Awaitable[object]],
-                     kind: str, first_delay_s: float | None = None) -> None:
-        delay = min(interval_s, FIRST_RUN_MAX_S) if first_delay_s is None else first_delay_s
+                     kind: str, due_in: Callable[[], Awaitable[float]] | None = None
+                     ) -> None:
+        """``job`` on a timer; ``due_in`` (the scrub's) says when the next run is due
+        instead, before the first run and after each one."""
+        delay = min(interval_s, FIRST_RUN_MAX_S) if due_in is None else await due_in()
         while True:
             await anyio.sleep(delay)
             started = anyio.current_time()
@@ -177,7 +184,8 @@ class Janitor:
                                retry_in_s=interval_s, hint=getattr(exc, "hint", "") or None)
             # From start to start: a run longer than the interval is followed at once
             # (after MIN_GAP_S, so an interval of 0 cannot spin on an empty lake).
-            delay = max(MIN_GAP_S, started + interval_s - anyio.current_time())
+            delay = max(MIN_GAP_S, started + interval_s - anyio.current_time()) \
+                if due_in is None else await due_in()
 
 
 def _read_stamp(path: Path) -> tuple[int, str] | None:
