@@ -136,17 +136,55 @@ def data_file_ids(tbl: Any, snapshots: Iterable[Any]) -> dict[str, str]:
     return found
 
 
-def current_entries(tbl: Any) -> dict[str, tuple[str, Any]]:
-    """location -> (quiverd file id, DataFile) of every data file of the current snapshot."""
+class ManifestCache:
+    """The live entries of manifests read before, as (location, quiverd file id): a
+    manifest file never changes once written, and a sync reads every manifest of the
+    current snapshot, so without this each commit would decode the whole table's Avro
+    again (measured: 0.4-1.5 s at 2,000 files, against 40-100 ms for the append). Only
+    names are kept (~150 bytes an entry); bounded by entries held, oldest out first."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self.entries = 0
+        self._by_path: dict[str, list[tuple[str, str]]] = {}
+
+    def live(self, tbl: Any, manifest: Any) -> list[tuple[str, str]]:
+        path = manifest.manifest_path
+        hit = self._by_path.pop(path, None)
+        if hit is None:
+            hit = [(e.data_file.file_path,
+                    file_id_of(e.data_file.file_path, _summary_ids(tbl, e.snapshot_id)))
+                   for e in manifest.fetch_manifest_entry(tbl.io, discard_deleted=True)]
+            self.entries += len(hit)
+        self._by_path[path] = hit  # most recently used last
+        while self.entries > self.max_entries and len(self._by_path) > 1:
+            oldest = next(iter(self._by_path))
+            self.entries -= len(self._by_path.pop(oldest))
+        return hit
+
+
+def current_entries(tbl: Any, cache: ManifestCache) -> dict[str, tuple[str, str]]:
+    """location -> (quiverd file id, manifest path) of every data file of the current
+    snapshot."""
     snap = tbl.metadata.current_snapshot()
     if snap is None:
         return {}
-    found: dict[str, tuple[str, Any]] = {}
+    found: dict[str, tuple[str, str]] = {}
     for manifest in snap.manifests(tbl.io):
-        for entry in manifest.fetch_manifest_entry(tbl.io, discard_deleted=True):
-            path = entry.data_file.file_path
-            found[path] = (file_id_of(path, _summary_ids(tbl, entry.snapshot_id)), entry.data_file)
+        for location, file_id in cache.live(tbl, manifest):
+            found[location] = (file_id, manifest.manifest_path)
     return found
+
+
+def data_files_in(tbl: Any, manifest_paths: set[str], locations: set[str]) -> list[Any]:
+    """The DataFiles at ``locations`` of the current snapshot, read only from the
+    manifests named (those ``current_entries`` found them in)."""
+    snap = tbl.metadata.current_snapshot()
+    if snap is None or not locations:
+        return []
+    return [e.data_file for m in snap.manifests(tbl.io) if m.manifest_path in manifest_paths
+            for e in m.fetch_manifest_entry(tbl.io, discard_deleted=True)
+            if e.data_file.file_path in locations]
 
 
 def current_data_files(tbl: Any, locations: set[str]) -> list[Any]:

@@ -55,6 +55,7 @@ from quiverd.lake.iceberg.snapshot import (
 
 RETRY_BASE_S = 0.05  # CAS losers retry fast: the winner's commit is already done
 RETRY_MAX_S = 2.0
+MANIFEST_ENTRIES_CACHED = 500_000  # data files' (location, id) kept per Projection
 
 
 class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,6 +85,7 @@ class Projection:
         self._tables: dict[str, Any] = {}  # loaded pyiceberg Tables, one per table name
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._manifests = cat.ManifestCache(MANIFEST_ENTRIES_CACHED)
         # (table uuid, schema id, file schema) -> the file fits the table as it is.
         self._fits: dict[tuple[str, int, pa.Schema], bool] = {}
 
@@ -153,7 +155,7 @@ class Projection:
                 held = commits_of(tbl, key)
                 if held != base:
                     return self._result(table, started, attempt, commits=held, stale=True)
-                present = cat.current_entries(tbl) if tbl is not None else {}
+                present = cat.current_entries(tbl, self._manifests) if tbl is not None else {}
                 ids = {fid for fid, _ in present.values()}
                 lacking = [r for r in want if r.file_id not in ids and r.location not in present]
                 fresh = [r for r in lacking if r.file_id not in footers
@@ -164,7 +166,9 @@ class Projection:
                 props_changed = tbl is not None and any(
                     tbl.metadata.properties.get(k, empty) != v
                     for k, (v, empty) in skips.items())
-                deleted = [df for fid, df in present.values() if fid in gone]
+                doomed = {loc: where for loc, (fid, where) in present.items() if fid in gone}
+                deleted = (cat.data_files_in(tbl, set(doomed.values()), set(doomed))
+                           if tbl is not None and doomed else [])
                 if tbl is None:
                     tbl = self._table(table, adding, refresh=True)
                 props = {**(summary or {})}
