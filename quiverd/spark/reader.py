@@ -45,13 +45,16 @@ column as types no one type holds (string, then int), the error names both files
 gives the ``.schema("...")`` that reads the column as STRING; with ``.schema(...)``
 Spark skips schema() and every file is cast to the given types.
 
-An empty selection (an ``until`` before any file, an unused slot, a client with no file
-yet) is an empty DataFrame, never an error: a scheduled "last hour" query must run in a
-quiet hour. Its schema is the footer of the (client, slot)'s latest registered file (one
-catalog query, one footer); with no file at all, the established schema of
-``lake.schema_mode = "strict"`` (when the reader sees the daemon's data_dir) plus
-quiverd's columns, else quiverd's columns only (``_quiver_ingested_at``, ...). Another
-slot's files are not used: a slot is another table.
+An empty selection (an ``until`` before any file, an unused slot, only quarantined files
+with ``skip_quarantined``) is an empty DataFrame, never an error: a scheduled "last hour"
+query must run in a quiet hour. Its schema is the footer of the (client, slot)'s latest
+registered file (one catalog query, one footer); else the established schema of
+``lake.schema_mode = "strict"`` (when the reader sees the daemon's data_dir); else the
+footer of its newest quarantined file (under ``quarantine/``); each plus quiverd's
+columns, or quiverd's columns only (``_quiver_ingested_at``, ...). Another slot's files
+are not used: a slot is another table. A client the catalog has no file of at all (any
+slot or state) is refused naming the closest known one (``UnknownClient``): a typo, not
+a quiet hour; a name no writer could use (``load("some/path")``) is refused at once.
 
 Columns. Spark 4's Python data sources cannot prune columns yet, so option ``columns``
 ("a,b") does it: schema() returns only those (an unknown name fails listing the
@@ -104,8 +107,9 @@ reader with ``pushFilters`` otherwise (``quiverd.spark.register`` sets it).
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -125,14 +129,16 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config
-from quiverd.kernel.errors import LakeFileCorrupt
+from quiverd.kernel.errors import LakeError, LakeFileCorrupt
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.names import client_name_problem
 from quiverd.lake.bundles import as_current, with_extras
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.drift import unify
 from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, ZoneMap
 from quiverd.lake.schema_record import established_record
+from quiverd.lake.scrub import QUARANTINE_PREFIX
 from quiverd.lake.store import opendal_options
 from quiverd.lake.verified import corrupt_error, is_damage, open_verified
 from quiverd.spark.locator import Locator, resolve
@@ -162,6 +168,9 @@ MAX_FILES = 100_000  # files one read may plan; more: narrow it with since/until
 TRACE_FILE = "opened.log"
 TRACE_ROW_GROUPS = "row_groups.log"  # "<key> <row group index>" per row group read
 QUARANTINED_SHOWN = 100  # quarantined files one read's error looks up
+QUARANTINED_SCHEMAS = 3  # quarantined files whose footers an empty read tries for columns
+CLIENTS_SAMPLED = 10_000  # newest catalog rows whose clients an unknown client's error names
+KNOWN_SHOWN = 20
 
 
 
@@ -227,6 +236,8 @@ class QuiverReader(DataSourceReader):
     def partitions(self) -> list[FilePartition]:
         lake = Lake.open(self.sel.locator)
         rows, maps = lake.query(self.sel, zone_maps=bool(self.bounds))
+        if not rows:
+            lake.refuse_unknown_client(self.sel)  # with .schema(...), schema() never asked
         kept = [r for r in rows if may_match(r, maps.get(r.file_id, []), self.bounds,
                                              lake.time_column)]
         return [lake.partition(r) for r in kept]
@@ -320,6 +331,11 @@ class Selection:
         if not client:
             raise ValueError('option "client" is required: spark.read.format("quiver")'
                              '.option("client", "<name>"), or .load("<name>")')
+        if (problem := client_name_problem(client)) is not None:
+            # No writer could have used it (BUNDLE refuses it): a path or a typo, never
+            # a client whose rows are just not there.
+            where = "option \"client\"" if opts.get("client") else f'load("{client}")'
+            raise ValueError(f"{where}: {problem}; load() takes a client name, not a path")
         try:
             slot = int(opts.get("slot", "0"))
         except ValueError:
@@ -370,10 +386,11 @@ class Lake:
         return cls(cfg=cfg, time_column=cfg.lake.time_column or INGESTED_AT,
                    store_options=opendal_options(cfg.lake.store, data_dir=Path(cfg.data_dir)))
 
-    def query(self, sel: Selection, *, zone_maps: bool, latest: bool = False
+    def query(self, sel: Selection, *, zone_maps: bool, latest: bool = False,
+              states: Collection[FileState] = REGISTERED
               ) -> tuple[list[FileRow], dict[str, list[ZoneMap]]]:
         """Registered files of the selection, ordered by (start_ts, file_id); zone maps.
-        ``latest``: only the newest file, quarantined ones not checked."""
+        ``latest``: only the newest few files in ``states``, quarantined ones not checked."""
         db = DataDir(Path(self.cfg.data_dir)).catalog_db
         if not self.cfg.catalog.dsn and not db.exists():
             raise FileNotFoundError(f"no lake catalog at {db}, the data_dir that "
@@ -383,7 +400,8 @@ class Lake:
             async with open_catalog(self.cfg.catalog, db, log=_quiet_log()) as catalog:
                 if latest:
                     return await catalog.list_files(
-                        client=sel.client, slot=sel.slot, states=REGISTERED, limit=1,
+                        client=sel.client, slot=sel.slot, states=list(states),
+                        limit=1 if states is REGISTERED else QUARANTINED_SCHEMAS,
                         newest_first=True), [], {}
                 rows = await catalog.list_files(
                     client=sel.client, slot=sel.slot, since_ns=sel.since_ns,
@@ -431,10 +449,13 @@ class Lake:
         assert schema is not None, "rows is not empty"
         return schema
 
-    def footer_schema(self, row: FileRow) -> pa.Schema:
+    def footer_schema(self, row: FileRow, key: str | None = None) -> pa.Schema:
         """The Arrow schema of one file's footer (ranged reads at the object's tail),
-        quiverd's columns of a file from before issue 20 named with today's types."""
+        quiverd's columns of a file from before issue 20 named with today's types.
+        ``key``: the object's key if not the row's (its quarantine copy)."""
         part = self.partition(row)
+        if key is not None:
+            part = replace(part, key=key)
         source = open_object(part)
         try:
             return as_current(open_verified(source, file_id=row.file_id,
@@ -451,12 +472,60 @@ class Lake:
         latest registered file (outside the since/until range); else, in strict schema
         mode, its established schema; else only the columns quiverd adds to every row.
         Another slot's files are not used: a slot is another table."""
-        latest, _ = self.query(replace(sel, since_ns=None, until_ns=None), zone_maps=False,
-                               latest=True)
+        every = replace(sel, since_ns=None, until_ns=None)
+        latest, _ = self.query(every, zone_maps=False, latest=True)
         if latest:
             return self.footer_schema(latest[0])
         record = established_record(Path(self.cfg.data_dir), (sel.client, sel.slot))
-        return with_extras(record if record is not None else pa.schema([]))
+        if record is not None:
+            return with_extras(record)
+        self.refuse_unknown_client(sel)
+        # Only quarantined files (skip_quarantined): their rows are not read, but their
+        # columns are still the client's, so a query naming them gets no rows, not an
+        # unknown column. The scrub keeps each object under quarantine/ (lake.scrub):
+        # its data pages failed a check, its footer usually reads.
+        quarantined, _ = self.query(every, zone_maps=False, latest=True,
+                                    states=[FileState.QUARANTINED])
+        for row in quarantined:
+            for key in (QUARANTINE_PREFIX + row.object_key, row.object_key):
+                try:
+                    return self.footer_schema(row, key=key)
+                except (LakeError, OSError, pa.ArrowInvalid):
+                    continue  # that copy is gone or its footer is damaged too
+        return with_extras(pa.schema([]))
+
+
+    def refuse_unknown_client(self, sel: Selection) -> None:
+        """A client with no file in the catalog at all (any slot, any state) is refused,
+        naming the closest known client: a typo must not read as a quiet hour. (A client
+        with files, none in the range or slot asked, is an empty DataFrame.)"""
+        db = DataDir(Path(self.cfg.data_dir)).catalog_db
+
+        async def ask() -> tuple[list[FileRow], list[FileRow]]:
+            async with open_catalog(self.cfg.catalog, db, log=_quiet_log()) as catalog:
+                mine = await catalog.list_files(client=sel.client, limit=1)
+                if mine:
+                    return mine, []
+                return [], await catalog.list_files(limit=CLIENTS_SAMPLED, newest_first=True)
+
+        mine, sample = anyio.run(ask)
+        if not mine:
+            raise UnknownClient(sel.client, sorted({r.client_name for r in sample}))
+
+
+class UnknownClient(ValueError):
+    """No lake file of the client ever (a typo, or a client not uploaded yet)."""
+
+    def __init__(self, client: str, known: list[str]) -> None:
+        close = difflib.get_close_matches(client, known, n=1, cutoff=0.6)
+        guess = f'; did you mean "{close[0]}"?' if close else ""
+        shown = ", ".join(repr(k) for k in known[:KNOWN_SHOWN]) or "none yet"
+        more = f" and {len(known) - KNOWN_SHOWN} more" if len(known) > KNOWN_SHOWN else ""
+        super().__init__(
+            f"the lake has no file of client {client!r}{guess} (clients in the lake: "
+            f"{shown}{more}). A client is in the catalog from the first of its bundles the "
+            "uploader takes (a Received file, seconds after ingest): check the name, or "
+            "that the daemon's [lake] is enabled and has received the client's rows")
 
 
 # ---- types: the lake's Arrow as Spark's ---------------------------------------------------

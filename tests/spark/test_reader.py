@@ -95,7 +95,16 @@ def test_reader_embedded_reads_back_what_was_sent(daemon_factory: Any, spark: An
     side = _load(spark, d, "client-1", slot=1)
     assert side.count() == sent[("client-1", 1)]
     assert {"batch", "note", INGESTED_AT} <= set(side.columns) and "msg" not in side.columns
-    assert _load(spark, d, "nobody").count() == 0  # no file yet: an empty DataFrame
+    # A client the lake has never seen: refused, naming the closest one (a typo must not
+    # read as an empty hour); a name no writer could use: refused before the catalog.
+    with pytest.raises(Exception, match=r"the lake has no file of client 'client-9'; did you "
+                                        r"mean \"client-[01]\"\?"):
+        _load(spark, d, "client-9").count()
+    with pytest.raises(Exception, match=r'load\("some/path"\): client name \'some/path\' must '
+                                        r"match .*load\(\) takes a client name, not a path"):
+        spark.read.format("quiver").option("config", str(d.config_path)).load("some/path")
+    with pytest.raises(Exception, match=r'option "client": client name \'a b\' must match'):
+        _load(spark, d, "a b").count()
     assert d.stop() == 0
 
 

@@ -99,9 +99,16 @@ def test_reader_empty_selection_is_empty_dataframe_with_the_clients_schema(
     early = _reader(spark, d, "web", until=files[0].start_ts - 10**9).load()
     assert early.schema == full.schema and early.count() == 0
     assert early.where("status = 200").select("path").collect() == []
-    # An unused slot, a client with no file at all: only quiverd's own columns.
-    for df in (_reader(spark, d, "web", slot=7).load(), _reader(spark, d, "nobody").load()):
-        assert set(df.columns) == set(EXTRA_NAMES) and df.count() == 0
+    # An unused slot of a known client: only quiverd's own columns, no rows.
+    df = _reader(spark, d, "web", slot=7).load()
+    assert set(df.columns) == set(EXTRA_NAMES) and df.count() == 0
+    # A client with no file at all is not a quiet hour but a typo (or a client not in the
+    # lake yet): refused, with and without .schema(...), naming the known one.
+    with pytest.raises(Exception, match=r"no file of client 'wbe'; did you mean \"web\"\?.*"
+                                        r"clients in the lake: 'web'"):
+        _ = _reader(spark, d, "wbe").load().schema
+    with pytest.raises(Exception, match="no file of client 'wbe'"):
+        _reader(spark, d, "wbe").schema("status int").load().count()
     # A filter that prunes every file: no partition to read, no error.
     assert full.where(f"{INGESTED_AT} < '2000-01-01'").count() == 0
     # columns: only those are read; the time column only for since/until, then dropped.

@@ -8,8 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pyarrow.parquet as pq
 import pytest
+
+from quiverd.kernel.config import load as load_config
+from quiverd.kernel.logs import get as get_logger
+from quiverd.lake.scrub import quarantine_file
+from quiverd.lake.tier import open_tier
 
 pytest.importorskip("pyspark", reason="pip install 'quiverd[spark]' (scripts/setup)")
 
@@ -98,6 +104,26 @@ def test_reader_quarantined_file_fails_the_read_unless_skipped(daemon_factory: A
     assert sorted({r[0] for r in rest}) == [0, 2] and len(rest) == 2 * ROWS
     assert first.file_id != third.file_id
     assert d.stop() == 0
+
+
+def test_reader_skip_quarantined_keeps_the_columns_of_a_client_with_no_other_file(
+        daemon_factory: Any, spark: Any) -> None:
+    d = daemon_factory({**FAST_LAKE, "shards": 1}).start()
+    [only] = send_files(d, 1)
+    assert d.stop() == 0
+    flip_in_data_page(uri_path(only.uri))
+
+    async def quarantine() -> None:  # what the lake scrub does on finding the damage
+        async with open_tier(load_config(d.config_path), get_logger("test")) as tier:
+            assert await quarantine_file(tier, only, "CRC-32C mismatch (test)")
+
+    anyio.run(quarantine)
+    df = load(spark, d, skip_quarantined="true")
+    assert {"seed", "x"} <= set(df.columns)  # the client's columns, from its footer
+    assert df.select("seed", "x").collect() == []  # no rows, not an unknown column
+    assert df.where("seed > 0").count() == 0
+    with pytest.raises(Exception, match="is quarantined"):
+        _ = load(spark, d).schema  # not skipped: the read still refuses it
 
 
 def test_read_parquet_fast_path_verifies_page_checksums(daemon_factory: Any,
