@@ -32,7 +32,7 @@ passes run one at a time (a single task). The uploader never waits on the projec
 
 The reconciler (5 s after the start, on its timer, after a compaction, after a failed
 round, and when files were not recorded) syncs every table this source has files in,
-then expires snapshots older than ``keep_snapshots_s``.
+then expires the snapshots that stopped being current over ``keep_snapshots_s`` ago.
 
 A file Iceberg cannot hold (a ``timestamp[ns]`` column kept for precision, a type
 change Iceberg cannot express) is *skipped*: logged once, counted

@@ -2,10 +2,12 @@
 
 A compaction's replace snapshot removes the old files from the table's current state,
 but older snapshots keep referencing them until ``expire`` drops those snapshots
-(``[lake.iceberg] keep_snapshots_s``): an engine reading the table as of an older
-snapshot (time travel, a query planned before the replace) still opens them. So the
-janitor deletes a compacted object only when no unexpired snapshot of its table
-references it. Unknown (the catalog or the store cannot be read) means held.
+(``[lake.iceberg] keep_snapshots_s`` after they stopped being current): an engine
+reading the table as of an older snapshot (time travel, a query planned before the
+replace) still opens them. So the janitor deletes a compacted object only when no
+unexpired snapshot of its table references it: the same snapshots expiry keeps, so a
+reader that loaded the table within the window finds every file. Unknown (the catalog
+or the store cannot be read) means held.
 """
 
 from __future__ import annotations
