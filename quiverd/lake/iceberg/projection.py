@@ -55,7 +55,7 @@ from quiverd.lake.iceberg.snapshot import (
 
 RETRY_BASE_S = 0.05  # CAS losers retry fast: the winner's commit is already done
 RETRY_MAX_S = 2.0
-MANIFEST_ENTRIES_CACHED = 500_000  # data files' (location, id) kept per Projection
+MANIFEST_ENTRIES_CACHED = 100_000  # (location, id) of data files kept: ~30 MB at most
 
 
 class CommitResult(msgspec.Struct, frozen=True, kw_only=True):
