@@ -9,8 +9,10 @@ judges a decoded bundle's Arrow payloads (server side, in a worker thread).
 from __future__ import annotations
 
 import codecs
+import math
 import re
 import struct
+from decimal import Decimal
 from typing import Any
 
 import msgspec
@@ -159,6 +161,8 @@ def _hello(magic: bytes, lo: int, hi: int, role: int) -> Hello:
 
 
 _JOB_BODY = msgspec.json.Decoder(dict[str, Any])
+# Only to explain a body _JOB_BODY refused: any JSON, floats kept exact (1e400 included).
+_ANY_JSON = msgspec.json.Decoder(Any, float_hook=Decimal)
 
 
 def _job(r: _Reader, frame_type: FrameType
@@ -184,8 +188,10 @@ def _job(r: _Reader, frame_type: FrameType
     try:
         body = _JOB_BODY.decode(raw)
     except msgspec.ValidationError:
-        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is JSON but not an object "
-                            "with string keys") from None
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: {_json_problem(raw)}") from None
+    except RecursionError:  # thousands of nested arrays: no request is shaped so
+        raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is JSON nested too deeply "
+                            "for a request") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"{what}: body is not JSON: {exc}") from None
     match frame_type:
@@ -196,6 +202,34 @@ def _job(r: _Reader, frame_type: FrameType
         case FrameType.STREAM_OK:
             return StreamReply(request_id=request_id, body=body)
     return JobReply(request_id=request_id, body=body)
+
+
+def _json_problem(raw: memoryview | bytes) -> str:
+    """Why well-formed JSON is not a JOB/STREAM body, in our words (not msgspec's)."""
+    generic = "body is JSON but not an object with string keys"
+    try:
+        value = _ANY_JSON.decode(raw)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            return generic
+        path = _out_of_range(value, "")
+    except (msgspec.DecodeError, RecursionError):  # nested deeper than we explain
+        return generic
+    return (f"body holds a number out of the 64-bit float range at {path or '$'}"
+            if path is not None else generic)
+
+
+def _out_of_range(value: Any, path: str) -> str | None:
+    """The path of the first number a double cannot hold, if any (depth is bounded by
+    the body's 1 MiB)."""
+    if isinstance(value, Decimal):
+        return path if not math.isfinite(float(value)) else None
+    items = (value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, list) else ())
+    for key, item in items:
+        if (found := _out_of_range(item, f"{path}.{key}" if isinstance(key, str)
+                                   else f"{path}[{key}]")) is not None:
+            return found
+    return None
 
 
 def _decode_payload_frame(frame_type: FrameType, body: memoryview) -> BundleFrame | Delivery:

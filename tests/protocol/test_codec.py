@@ -677,6 +677,13 @@ def test_decoder_refuses_overlong_job_frame_before_allocation() -> None:
         (b'["op", "commit"]', "JOB: body is JSON but not an object"),
         (b'"commit"', "JOB: body is JSON but not an object"),
         (b"null", "JOB: body is JSON but not an object"),
+        (b'{"op": "fetch", "after": [1, -1e400]}',
+         r"JOB: body holds a number out of the 64-bit float range at \.after\[1\]$"),
+        (b'{"a": 1e400}', r"JOB: body holds a number out of the 64-bit float range at \.a$"),
+        (b'{"a": ' + b"[" * 5000 + b"1e400" + b"]" * 5000 + b"}",
+         "JOB: body is JSON nested too deeply for a request$"),
+        (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+         "JOB: body is JSON nested too deeply for a request$"),
         (b'{"op": "\xff"}', r"JOB: body is not UTF-8 \(invalid byte at offset 8\)$"),
         (b"\xff", r"JOB: body is not UTF-8 \(invalid byte at offset 0\)$"),
         # A UTF-16 surrogate encoded as UTF-8, and a sequence cut short at the end.
