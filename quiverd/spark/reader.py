@@ -101,6 +101,12 @@ Test hook: option ``_trace_dir`` names a directory where ``read`` appends the ke
 every object it opens to ``opened.log`` (one line each, O_APPEND), and "<key> <index>" of
 every row group it reads to ``row_groups.log``, so a test can assert what a query read.
 
+SQL: ``CREATE TEMPORARY VIEW v USING quiver OPTIONS (...)`` passes its options on every
+read. ``CREATE TABLE t USING quiver OPTIONS (...)`` passes them only to the schema() of
+the CREATE (as ``option.<name>`` too, with Spark's ``owner``/``provider``): schema()
+keeps them in the table's schema (options.TABLE_OPTIONS_KEY) and reader() takes them
+back from the stored schema Spark hands it, since a table's reads get no options.
+
 Filter pushdown needs ``spark.sql.python.filterPushdown.enabled=true``: Spark refuses a
 reader with ``pushFilters`` otherwise (``quiverd.spark.register`` sets it).
 """
@@ -108,6 +114,7 @@ reader with ``pushFilters`` otherwise (``quiverd.spark.register`` sets it).
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -150,7 +157,15 @@ from quiverd.spark.objects import (
     quarantined_error,
     with_hint,
 )
-from quiverd.spark.options import READ, STREAM_READ, lowered, refuse_unknown
+from quiverd.spark.options import (
+    READ,
+    STREAM_READ,
+    TABLE_OPTIONS_KEY,
+    lowered,
+    read_or_stream,
+    refuse_unknown,
+    table_options,
+)
 from quiverd.spark.pruning import Bound, datetime_ns, may_match, row_groups, to_bound
 from quiverd.spark.types import (  # to_spark: re-exported, tests import it from here
     as_ns,
@@ -182,21 +197,32 @@ class QuiverDataSource(DataSource):
         return NAME
 
     def schema(self) -> st.StructType:
+        table = table_options(self.options)  # CREATE TABLE ... USING quiver OPTIONS (...)
+        options = self.options if table is None else table
         # readStream without .schema(...) asks here too, with the stream's options.
-        streaming = "subscriber" in lowered(self.options)
-        if streaming and not ({"client", "path"} & set(lowered(self.options))):
+        known = read_or_stream(options)
+        if known is STREAM_READ and not ({"client", "path"} & set(lowered(options))):
             raise ValueError('spark.readStream.format("quiver") of every client has no one '
                              'schema: pass .schema(...) or name the client with option '
                              '"client" (its lake schema is used)')
-        sel = Selection.parse(self.options, known=STREAM_READ if streaming else READ)
+        sel = Selection.parse(options, known=known)
         lake = Lake.open(sel.locator)
         rows, _ = lake.query(sel, zone_maps=False)
         # An empty selection is an empty DataFrame, with the (client, slot)'s schema.
         schema = lake.representative_schema(rows) if rows else lake.empty_schema(sel)
-        return spark_schema(sel.project(schema))
+        spark = spark_schema(sel.project(schema))
+        return spark if table is None else _keep_options(spark, table)
 
     def reader(self, schema: st.StructType) -> QuiverReader:
-        return QuiverReader(Selection.parse(self.options), schema)
+        options = self.options or _kept_options(schema)
+        if not options:
+            raise ValueError('spark.read.format("quiver") got no options at all: a table '
+                             "made with CREATE TABLE ... USING quiver and a column list "
+                             "arrives like this (Spark keeps its OPTIONS only in its "
+                             "catalog); create it without the column list (the lake gives "
+                             "the columns), or use CREATE TEMPORARY VIEW ... USING quiver "
+                             "OPTIONS (...)")
+        return QuiverReader(Selection.parse(options), schema)
 
     def writer(self, schema: st.StructType, overwrite: bool) -> QuiverWriter:
         """``df.write.format("quiver")``: see quiverd/spark/writer.py."""
@@ -215,6 +241,23 @@ class QuiverDataSource(DataSource):
         from quiverd.spark.stream import QuiverStreamReader, StreamOptions
 
         return QuiverStreamReader(StreamOptions.parse(self.options), schema)
+
+
+def _keep_options(schema: st.StructType, options: dict[str, str]) -> st.StructType:
+    """The schema with the table's options in its first field's metadata (Spark's
+    catalog keeps it; see options.TABLE_OPTIONS_KEY)."""
+    first, *rest = schema.fields
+    meta = {**(first.metadata or {}), TABLE_OPTIONS_KEY: json.dumps(options, sort_keys=True)}
+    return st.StructType([st.StructField(first.name, first.dataType, first.nullable, meta),
+                          *rest])
+
+
+def _kept_options(schema: st.StructType) -> dict[str, str]:
+    """The options a CREATE TABLE's schema carries ({} if none)."""
+    if not schema.fields:
+        return {}
+    text = (schema.fields[0].metadata or {}).get(TABLE_OPTIONS_KEY)
+    return dict(json.loads(text)) if isinstance(text, str) else {}
 
 
 class QuiverReader(DataSourceReader):
