@@ -196,15 +196,20 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                              max_bundles=max_bundles, holder=self.holder)
         self._lost(reply.get("lost", []), f"planning the batch after {start}")
         self._waiting(reply.get("waiting") or {})
-        return _canon(reply["end"])
+        self.latest = _canon(reply["end"])
+        return self.latest
 
     def reportLatestOffset(self) -> dict[str, Any] | None:  # noqa: N802 - Spark's name
-        """Shown as the source's ``latestOffset`` in the query's progress: the undecided
-        exactly-once jobs its shards wait at, if any (``quiverd jobs list``)."""
-        waiting = getattr(self, "waiting", None)
-        if not waiting:
+        """Shown as the source's ``latestOffset`` in the query's progress: the latest
+        offset and the undecided exactly-once jobs its shards wait at, shard -> job id
+        (``quiverd jobs list``); {} when none. (Spark keeps the last report it got, so
+        one is sent every time, not None once the wait is over.)"""
+        latest = getattr(self, "latest", None)
+        if latest is None:
             return None
-        return {"waiting_for_jobs": {k: w["job_id"] for k, w in sorted(waiting.items())}}
+        waiting = getattr(self, "waiting", {})
+        return {"offset": latest,
+                "waiting_for_jobs": {k: w["job_id"] for k, w in sorted(waiting.items())}}
 
     def _waiting(self, waiting: dict[str, dict[str, Any]]) -> None:
         """Say once per (shard, job) on the driver's stderr what a shard waits for: an
