@@ -15,7 +15,7 @@ Checked after EVERY step, for each table:
 At the end every source reconciles and the table (a real scan) holds exactly the rows of
 the registered files, each once.
 
-QUIVERD_MODEL_EXAMPLES (default 6) sets the number of examples (and makes them random
+QUIVERD_MODEL_EXAMPLES (default 10) sets the number of examples (and makes them random
 rather than the same every run); QUIVERD_MODEL_STEPS (default 25) the most steps of each;
 QUIVERD_MODEL_SHRINK=1 shrinks a failure to a short sequence (minutes).
 """
@@ -59,7 +59,7 @@ from tests.lake.catalogs import Log
 from tests.lake.helpers import add_file, open_test_tier
 from tests.lake.iceberg_model import Killed, LocalProjection, new_projector, snapshot_paths
 
-EXAMPLES = int(os.environ.get("QUIVERD_MODEL_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("QUIVERD_MODEL_EXAMPLES", "10"))
 STEPS = int(os.environ.get("QUIVERD_MODEL_STEPS", "25"))
 HOUR0_NS = 1_795_000_000 * 1_000_000_000  # 2026-11-18, on an hour boundary
 # Shrinking a failure costs minutes: on demand only (QUIVERD_MODEL_SHRINK=1).
@@ -139,20 +139,23 @@ class ProjectionMachine(RuleBasedStateMachine):
 
     # ---- rules -----------------------------------------------------------------------
     @rule(source=st.integers(0, SOURCES - 1), client=st.integers(0, len(CLIENTS) - 1),
-          rows=st.integers(1, 2), noticed=st.booleans())
-    def register(self, source: int, client: int, rows: int, noticed: bool) -> None:
-        """The uploader registers a file; its notice reaches the projector unless the
-        daemon died in between (then only a reconcile finds it)."""
+          noticed=st.lists(st.booleans(), min_size=1, max_size=3))
+    def register(self, source: int, client: int, noticed: list[bool]) -> None:
+        """The uploader registers a file per entry of ``noticed`` (a rotation round);
+        each notice reaches the projector unless the daemon died in between (then only a
+        reconcile finds the file)."""
         s = self.sources[source]
-        ids = range(self.model.next_row, self.model.next_row + rows)
-        self.model.next_row += rows
-        s.segment += 1
-        row = self.run(add_file(s.tier, pa.table({"id": pa.array(ids, pa.int64())}),
-                                client=self.clients[client], segment=s.segment,
-                                ts_ns=HOUR0_NS + s.segment * 1000))
-        self.model.rows_of[row.file_id] = frozenset(ids)
-        if noticed:
-            s.projector.registered(row)
+        for told in noticed:
+            rows = 1 + s.segment % 2
+            ids = range(self.model.next_row, self.model.next_row + rows)
+            self.model.next_row += rows
+            s.segment += 1
+            row = self.run(add_file(s.tier, pa.table({"id": pa.array(ids, pa.int64())}),
+                                    client=self.clients[client], segment=s.segment,
+                                    ts_ns=HOUR0_NS + s.segment * 1000))
+            self.model.rows_of[row.file_id] = frozenset(ids)
+            if told:
+                s.projector.registered(row)
 
     @rule(source=st.integers(0, SOURCES - 1))
     def compact(self, source: int) -> None:
@@ -326,8 +329,7 @@ def test_iceberg_compaction_of_a_noticed_file_before_its_round_is_no_double() ->
     m = ProjectionMachine()
     try:
         m.start()
-        for step in (lambda: m.register(source=0, client=0, rows=1, noticed=False),
-                     lambda: m.register(source=0, client=0, rows=1, noticed=True),
+        for step in (lambda: m.register(source=0, client=0, noticed=[False, True]),
                      lambda: m.compact(source=0),
                      lambda: m.round(source=0, timer=False)):
             step()
