@@ -11,6 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from quiverd.client import Client
 from tests.daemon.iceberg_helpers import duckdb_count, load, scan, wait_projected
 from tests.daemon.lake_helpers import (
     FAST_LAKE,
@@ -50,6 +51,12 @@ def test_iceberg_table_holds_every_row_once_and_duckdb_reads_it(daemon_factory: 
     d = daemon_factory({**FAST_ICEBERG, "metrics.listen": "127.0.0.1:0"}).start()
     [event] = d.events("metrics_listening")
     sent = send_logs(d, clients=2, batches=8)
+    # Nanosecond timestamps that are not whole microseconds: kept, so Iceberg cannot
+    # hold the file; status, the CLI and the log must say so.
+    with Client.connect(d.socket) as c:
+        c.send({0: pa.table({"t": pa.array([1, 2, 3], pa.timestamp("ns", tz="UTC"))})},
+               client="precise")
+    sent[("precise", 0)] += 3
     wait_for_lake(d, sent)
     ice = wait_projected(d)
     assert ice["enabled"] and ice["commits"] >= 1 and ice["lag_s"] == 0
@@ -71,8 +78,12 @@ def test_iceberg_table_holds_every_row_once_and_duckdb_reads_it(daemon_factory: 
                for i in (s.summary.additional_properties.get("quiverd.file-ids") or "").split(",")
                if i}
         assert ids >= {r.file_id for r in rows if r.client_name == client and r.slot == 0}
+    assert ice["skipped"] == {"quiver.precise": {"files": 1, "rows": 3}}, ice
+    [skip] = d.events("iceberg_file_skipped")
+    assert skip["rows"] == 3 and "timestamp[ns" in skip["reason"] and skip["file_id"]
     plain = quiverd_cli("status", "--socket", str(d.admin_socket)).stdout
     assert "iceberg  lag_files 0  lag_s 0" in plain, plain
+    assert "iceberg  quiver.precise  skipped_files 1  skipped_rows 3" in plain, plain
     samples = scrape(event["address"])
     assert total(samples, "quiver_lake_iceberg_lag_files") == 0
     assert total(samples, "quiver_lake_iceberg_lag_seconds") == 0
