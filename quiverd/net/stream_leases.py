@@ -100,9 +100,6 @@ class StreamLeases:
         del self._leases[subscriber]
         return True
 
-    def forget(self, subscriber: str) -> None:
-        self._leases.pop(subscriber, None)
-
     def holder(self, subscriber: str) -> str | None:
         held = self._live(subscriber, self._clock())
         return None if held is None else held.holder
