@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import cast
 
 import anyio
@@ -18,6 +19,7 @@ from quiverd.net import consumers
 from quiverd.net.consumers import SubscriberHub
 from quiverd.net.reader import FrameReader
 from quiverd.protocol import codec as protocol
+from quiverd_actors import ranges
 from quiverd_actors.dispatcher import OutgoingDelivery, Session
 from quiverd_actors.messages import Feedback, RecordOutcome, RecordOutcomes
 from tests.actors.test_dispatcher import Rig, make_rig, running
@@ -120,3 +122,25 @@ async def test_read_feedback_bad_frame_sends_outcomes_before_it_then_refuses(
         msg = await rigs[0].outcomes.receive()
         assert isinstance(msg, RecordOutcome)
         await msg.reply.wait()  # raises had ack.log refused it
+
+
+@pytest.mark.asyncio
+async def test_fetch_names_a_segment_deleted_while_the_range_is_read(tmp_path: Path) -> None:
+    """Retention unlinks a segment of the range after the fetch picked it: the bundles
+    sent stay sent, the rest of that segment is named lost, no error."""
+    rig = make_rig(tmp_path)
+    rig.dispatcher.segments[2].path.unlink()  # still in the table: gone under the fetch
+    sent: list[object] = []
+
+    async def send_parts(parts: list[object]) -> None:
+        sent.append(parts)
+
+    reader = cast(FrameReader, SimpleNamespace(stream=SimpleNamespace(send_parts=send_parts)))
+    req = consumers._Fetch(subscriber="a", shard=0, after=(1, -1),
+                           through=(2, ranges.END_OF_SEGMENT))
+    async with running(rig):
+        reply = await consumers._fetch(rig.dispatcher, reader, req)
+    assert reply["bundles"] == 3 and len(sent) == 3  # segment 1's bundles
+    assert reply["lost"] == [{"shard": 0, "after": [2, -1],
+                              "through": [2, ranges.END_OF_SEGMENT], "segments": [2, 2],
+                              "dropped_bundles": 0}]
