@@ -12,10 +12,11 @@
          .load())
 
 Offsets. One position per shard, ``{"0": [segment_seq, bundle_index], ...}``, each
-meaning "after that bundle" (docs/protocol.md "Ranged reads"): a micro-batch is the
-range ``(start, end]`` of every shard. Positions are exact (bundle ids never repeat,
-segments are finalized read-only files), so a batch Spark re-runs after a crash reads
-the same bundles. The daemon computes every offset; the driver never scans data.
+meaning "after that bundle" (``[s, 4294967295]``: after all of segment s, as the
+daemon ends a range that reaches a segment's end; docs/protocol.md "Ranged reads"): a
+micro-batch is the range ``(start, end]`` of every shard. Positions are exact (bundle
+ids never repeat, segments are finalized read-only files), so a batch Spark re-runs
+after a crash reads the same bundles. The daemon computes every offset; the driver never scans data.
 
     driver   initialOffset()   STREAM open (registers the subscriber on first use):
                                just before its oldest unacked bundle, per shard
