@@ -34,13 +34,13 @@ from quiverd.acks.registry import SubscriberExists
 from quiverd.kernel.errors import ProtocolError, QuiverError, ShuttingDown
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.names import validate_subscriber_name
+from quiverd.net.jobs import held_at
 from quiverd.net.rawsock import RawStream
 from quiverd.net.reader import FrameReader
 from quiverd.net.stream_checks import check as check_numbers
 from quiverd.net.stream_leases import DEFAULT_LEASE_S, StreamLeases, holder_text
 from quiverd.protocol import codec as protocol
 from quiverd.protocol.frames import ErrorCode
-from quiverd.runtime.jobs_view import held_at
 from quiverd_actors import ranges
 from quiverd_actors.dispatcher import Dispatcher, OutgoingDelivery, Session
 from quiverd_actors.messages import Feedback

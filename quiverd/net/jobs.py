@@ -36,6 +36,8 @@ is never published. Contradicting a recorded decision is JOB_CONFLICT.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,9 +46,17 @@ import msgspec
 from quiverd.kernel.bundle import Bundle, TxnTag, make_slot
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.errors import CatalogUnavailable, JobConflict, ProtocolError, QuiverError
-from quiverd.kernel.jobs import END_OFFSET, JobDecision, Winner, check_job_id, end_marker_table
+from quiverd.kernel.jobs import (
+    END_OFFSET,
+    JobDecision,
+    Verdict,
+    Winner,
+    check_job_id,
+    end_marker_table,
+)
 from quiverd.kernel.names import client_name_problem
 from quiverd.protocol.frames import ErrorCode
+from quiverd.segments.table import SegmentView, StagedRef
 
 if TYPE_CHECKING:
     from quiverd.protocol.frames import BundleFrame
@@ -220,6 +230,25 @@ class Attempts:
                               hint="send every bundle of an attempt, then end_partition, on "
                               "one connection")
         return key
+
+
+def held_at(segments: SegmentView, verdict: Callable[[StagedRef], Verdict] | None,
+            end: tuple[int, int]) -> dict[str, Any] | None:
+    """{"job_id", "position"} when the bundle right after position ``end`` is staged for
+    an undecided job: a STREAM range that ends at ``end`` stops there, waiting for it."""
+    if verdict is None:
+        return None
+    seqs = segments.seqs()
+    for seg in seqs[bisect.bisect_left(seqs, end[0]):]:
+        info = segments.get(seg)
+        idx = end[1] + 1 if seg == end[0] else 0
+        if info is None or idx >= info.bundle_count:
+            continue
+        ref = info.staged.get(idx)
+        if ref is not None and verdict(ref) is Verdict.HOLD:
+            return {"job_id": ref.job_id, "position": [seg, idx]}
+        return None
+    return None
 
 
 def marker_bundle(req: EndPartition) -> Bundle:

@@ -3,8 +3,8 @@
     undecided(staging)  every undecided job staged here, oldest first: its bundles,
                         age, live writer connections, how long it has had none and
                         when it expires, the shards whose delivery it holds
-    held_at(...)        the job a STREAM ``latest`` range stops at (its reply's
-                        ``waiting``)
+    (the job a STREAM ``latest`` range stops at, its reply's ``waiting``, is
+    ``quiverd.net.jobs.held_at``: the net layer answers STREAM)
     holding(staging)    per shard, the undecided job whose first staged bundle is the
                         first one held: every subscriber and stream of that shard
                         waits there until the job is decided
@@ -15,35 +15,13 @@ I/O): the cost is one pass over the segments that hold staged bundles.
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from quiverd.kernel.jobs import Verdict
-from quiverd.segments.table import SegmentView, StagedRef
 
 if TYPE_CHECKING:
     from quiverd.runtime.staging import Staging
-
-
-def held_at(segments: SegmentView, verdict: Callable[[StagedRef], Verdict] | None,
-            end: tuple[int, int]) -> dict[str, Any] | None:
-    """{"job_id", "position"} when the bundle right after position ``end`` is staged for
-    an undecided job: a STREAM range that ends at ``end`` stops there, waiting for it."""
-    if verdict is None:
-        return None
-    seqs = segments.seqs()
-    for seg in seqs[bisect.bisect_left(seqs, end[0]):]:
-        info = segments.get(seg)
-        idx = end[1] + 1 if seg == end[0] else 0
-        if info is None or idx >= info.bundle_count:
-            continue
-        ref = info.staged.get(idx)
-        if ref is not None and verdict(ref) is Verdict.HOLD:
-            return {"job_id": ref.job_id, "position": [seg, idx]}
-        return None
-    return None
 
 
 def holding(staging: Staging) -> dict[int, dict[str, Any]]:
