@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from quiverd.net.admin import request
+from tests.tiers import TIER_ENV, tier
 
 START_TIMEOUT_S = 20.0
 ICEBERG_OFF = "lake.iceberg.enabled"  # written False unless a test's settings say True
@@ -127,6 +128,11 @@ class DaemonProcess:
                 if event.get("event") == name:
                     out.append(event)
         return out
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which tier this run is (tests/tiers.py): a smoke pass must not pass for a full one."""
+    return f"quiverd test tier: {tier()} ({TIER_ENV}; ./scripts/test --full for the full tier)"
 
 
 def _toml(value: Any) -> str:

@@ -16,6 +16,7 @@ from quiverd.acks.registry import SubscriberExists, UnknownSubscriber
 from quiverd.acks.state import AckState, UnknownBundle
 from quiverd.kernel.errors import AtCapacity
 from quiverd.kernel.names import InvalidSubscriberName
+from tests.tiers import size
 
 LOG = structlog.get_logger("test")
 
@@ -268,7 +269,8 @@ def run_op(h: Harness, o: tuple, finals: dict[str, set[tuple[int, int]]]) -> Non
         h.file.compact(s)
 
 
-@settings(max_examples=300, deadline=None,
+# 100 op sequences in the default tier, 300 in the full one (tests/tiers.py).
+@settings(max_examples=size(100, 300), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(op, max_size=60))
 def test_property_marks_match_brute_force_and_replay(tmp_path_factory: pytest.TempPathFactory,

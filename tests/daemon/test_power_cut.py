@@ -31,9 +31,13 @@ from tests.daemon.power_cut_rounds import (
     split,
     writer_round,
 )
+from tests.tiers import size
 
-ROUNDS = int(os.environ.get("QUIVERD_POWER_CUT_ROUNDS", "5"))
-GC_ROUNDS = int(os.environ.get("QUIVERD_POWER_CUT_GC_ROUNDS", "2"))
+# Rounds per mode (tests/tiers.py): the default tier cuts 2 times in each of the plain,
+# "never" and plain-writer modes and once with gc and lake on (7 cuts); the full tier
+# 5/5/5/2 (17). The env variables override both.
+ROUNDS = size(2, 5, env="QUIVERD_POWER_CUT_ROUNDS")
+GC_ROUNDS = size(1, 2, env="QUIVERD_POWER_CUT_GC_ROUNDS")
 KEEP = Path(os.environ.get("QUIVERD_POWER_CUT_KEEP", "/tmp/power-cut-lost"))
 # Lake files rotate after 1 s here, not the campaign's 250 ms: the uploader can crash when
 # a file's catalog insert outlasts lake.file_duration_ms (a race outside this test's

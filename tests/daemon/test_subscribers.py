@@ -14,6 +14,7 @@ import pytest
 from quiverd.client import Client, subscribe
 from quiverd.net.admin import request
 from tests.daemon.helpers import tagged_table
+from tests.tiers import size
 
 FAST = {"shards": 1, "segment.max_open_duration_ms": 50}
 
@@ -211,7 +212,8 @@ class Consumer(threading.Thread):
 @pytest.mark.slow
 def test_kill_9_during_ingest_delivery_and_acks_keeps_at_least_once(daemon_factory):
     rng = random.Random(int(os.environ.get("QUIVERD_CRASH_SEED", "99")))
-    iterations = int(os.environ.get("QUIVERD_CRASH_ITERATIONS", "20"))
+    # 5 kills in the default tier, 20 in the full (tests/tiers.py); the env var wins.
+    iterations = size(5, 20, env="QUIVERD_CRASH_ITERATIONS")
     d = daemon_factory({"shards": 2, "segment.max_open_duration_ms": 30})
     d.start()
     add(d, "x")
