@@ -15,7 +15,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from quiverd.kernel.config import Config, LakeConfig, StagingConfig
+from quiverd.kernel.config import Config, LakeConfig, StagingConfig, validate
+from quiverd.kernel.errors import ConfigError
 from quiverd.kernel.metrics import Metrics
 from quiverd.runtime.staging import Staging
 from tests.runtime.test_staging import eventually, ref, segment
@@ -68,3 +69,11 @@ async def test_a_held_job_never_expires_and_a_released_one_gets_its_grace(
         a.release(2)
         await eventually(lambda: "live" in a.decisions)
         assert a.decisions["live"].reason.startswith("no writer connection")
+
+
+@pytest.mark.parametrize("seconds", [0, 901])
+def test_writer_timeout_outside_1_to_900_s_is_a_config_error(tmp_path: Path,
+                                                              seconds: int) -> None:
+    cfg = Config(data_dir=str(tmp_path), staging=StagingConfig(writer_timeout_s=seconds))
+    with pytest.raises(ConfigError, match="staging.writer_timeout_s"):
+        validate(cfg)
