@@ -52,8 +52,10 @@ job ``f"{query_id}-{b}"``: option ``query_id``, else one derived from the
 ``checkpointLocation`` option (stable across restarts), else an error asks for one. A
 batch Spark replays after a restart re-commits the same job: one published before is not
 sent again, and the commit is a no-op. An aborted micro-batch records no decision: the
-restarted query replays it under the same job id, which must stay committable; the
-attempts it staged are discarded by that commit, or by staging.ttl_s.
+restarted query replays it under the same job id, whose commit discards the attempts it
+staged. If the query stays down longer than staging.writer_timeout_s, the daemon expires
+that job (its writers are gone); the replay then writes under the next incarnation,
+``f"{query_id}-{b}.1"`` (then ``.2`` ...: ``incarnation``), so it is published once.
 
 Read your writes: a batch job's commit, and each micro-batch's, returns once the catalog
 holds every row of the job, so the next ``spark.read.format("quiver")`` sees them
@@ -135,6 +137,7 @@ from quiverd.spark.write_options import (  # noqa: F401 - re-exported
 )
 
 MAX_ATTEMPT = 2**32 - 1  # TxnTag.attempt is a u32 on the wire
+MAX_INCARNATIONS = 100  # job ids one micro-batch may use: <query>-<batch>[.1 .. .99]
 BATCH_ID_PROPERTY = "streaming.sql.batchId"  # Spark's local property in micro-batch tasks
 # Spark's local properties that tell a nested write: a command that runs a query of its
 # own (CREATE TABLE AS SELECT: saveAsTable, writeTo(...).create()) gives that query an
@@ -242,7 +245,7 @@ class QuiverStreamWriter(DataSourceStreamArrowWriter):
 
     def commit(self, messages: Sequence[WriterCommitMessage | None],
                batchId: int) -> None:  # noqa: N803 - Spark's name
-        job_id = stream_job_id(self.query_id, batchId)
+        job_id = _written_as(messages, stream_job_id(self.query_id, batchId))
         winners = winners_of(messages, job_id)
         replay = any(isinstance(m, QuiverCommitMessage) and m.published_before
                      for m in messages)
@@ -259,9 +262,9 @@ class QuiverStreamWriter(DataSourceStreamArrowWriter):
             except JobConflict as exc:
                 if c.job_status(job_id)["state"] != "committed":
                     raise JobConflict(f"micro-batch {batchId} (job {job_id!r}): {exc}",
-                                      hint="an aborted or expired micro-batch cannot be "
-                                      "published under its id again: restart the query with "
-                                      "a new query_id / checkpoint") from exc
+                                      hint="Spark runs the micro-batch again (after the "
+                                      "query's restart), as the next incarnation of its "
+                                      "job id") from exc
 
         _decide(self.opts, job_id, commit)
         wait_visible([self.opts.path_for(w.partition) for w in winners], job_id,
@@ -302,14 +305,11 @@ def write_attempt(opts: WriteOptions, job_id: str, batches: Iterable[pa.RecordBa
                 found.differs = compare(opts, found, batches, c.server.max_bundle_bytes)
             return found
         if skip_if_committed:
-            state = c.job_status(job_id)["state"]
+            job_id, state = incarnation(c, job_id)
+            message.job_id = job_id
             if state == "committed":  # a replayed micro-batch: published before
                 message.published_before = True
                 return message
-            if state in ("aborted", "expired"):
-                raise JobConflict(f"job {job_id!r} is {state}: this micro-batch cannot be "
-                                  "published under its id again",
-                                  hint="restart the query with a new query_id / checkpoint")
         stream = AttemptStream(TxnTag(job_id=job_id, partition=partition, attempt=attempt,
                                       row_offset=0))
         limit = c.server.max_bundle_bytes
@@ -397,13 +397,40 @@ def query_id_of(options: Mapping[str, str]) -> str:
         raise ValueError('a streaming write to quiver needs a stable query id: set option '
                          '"query_id" (or "checkpointLocation", which it is derived from); '
                          "micro-batch b is committed as job f'{query_id}-{b}'")
-    if len(query_id.encode()) > MAX_JOB_ID_BYTES - 21:  # room for "-" and a batch id
-        raise ValueError(f'option "query_id" is longer than {MAX_JOB_ID_BYTES - 21} bytes')
+    if len(query_id.encode()) > MAX_JOB_ID_BYTES - 24:  # "-", a batch id, ".<incarnation>"
+        raise ValueError(f'option "query_id" is longer than {MAX_JOB_ID_BYTES - 24} bytes')
     return query_id
 
 
 def stream_job_id(query_id: str, batch_id: int) -> str:
     return check_job_id(f"{query_id}-{batch_id}")
+
+
+def incarnation(c: Client, base: str) -> tuple[str, str]:
+    """The job id a micro-batch writes under now, and its state: ``base``, or the first
+    of ``base.1``, ``base.2``, ... after those an expiry (its writers gone for
+    staging.writer_timeout_s: the query failed) or an operator's abort ended. A job id is
+    decided once, so a replay of a micro-batch whose job was expired writes its rows
+    again under the next one; a committed one is found and not written twice."""
+    for n in range(MAX_INCARNATIONS):
+        job_id = base if n == 0 else check_job_id(f"{base}.{n}")
+        state = str(c.job_status(job_id)["state"])
+        if state not in ("aborted", "expired"):
+            return job_id, state
+    raise JobConflict(f"job {base!r} and its next {MAX_INCARNATIONS - 1} incarnations are "
+                      "aborted or expired: this micro-batch keeps failing",
+                      hint="find why in the daemon's log (staged_job_expired); restart the "
+                      "query with a new query_id / checkpoint")
+
+
+def _written_as(messages: Sequence[WriterCommitMessage | None], base: str) -> str:
+    """The job id the micro-batch's tasks wrote under (its incarnation); all the same."""
+    ids = {m.job_id for m in messages if isinstance(m, QuiverCommitMessage)}
+    if len(ids) > 1:
+        raise JobConflict(f"the tasks of one micro-batch wrote under {sorted(ids)}: an "
+                          "incarnation was expired while they ran",
+                          hint="Spark runs the micro-batch again")
+    return ids.pop() if ids else base
 
 
 def is_table_write(ctx: TaskContext) -> bool:
