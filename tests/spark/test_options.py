@@ -26,7 +26,7 @@ def test_options_refuse_unknown_names_the_closest_and_ignores_case() -> None:
     with pytest.raises(ValueError, match='unknown option "zzz" for w \\(known: '):
         refuse_unknown({"zzz": 1}, WRITE, "w")
     assert not any(n.startswith("_") for n in STREAM_READ)
-    with pytest.raises(ValueError, match='"if_committed" must be "skip" or "error"'):
+    with pytest.raises(ValueError, match='"if_committed" must be one of skip, verify, error'):
         WriteOptions.parse({"if_committed": "ignore"})
 
 
