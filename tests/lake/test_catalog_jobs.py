@@ -227,3 +227,21 @@ async def test_job_notifications_raise_unavailable_when_listener_dropped(
             assert (await cat.decide_job(expire("B")))[1] is True
             with anyio.fail_after(5):
                 assert await anext(again) == "B"
+
+
+@pytest.mark.asyncio
+async def test_job_leases_newest_renewal_by_other_nodes_and_old_rows_pruned(
+        catalog: Catalog) -> None:
+    """Writer leases (runtime/leases.py): a daemon with a live writer of a job renews it;
+    another daemon holding staged rows of it reads the newest renewal by anyone else."""
+    day = 86_400 * 10**9
+    await catalog.renew_job_leases("a", ["j", "k"], 10 * day)
+    await catalog.renew_job_leases("b", ["j"], 10 * day + 5)
+    await catalog.renew_job_leases("b", ["j"], 10 * day + 7)  # renewed: upserted
+    assert await catalog.job_leases(["j", "k", "x"], exclude_node="c") == {
+        "j": 10 * day + 7, "k": 10 * day}
+    assert await catalog.job_leases(["j", "k"], exclude_node="a") == {"j": 10 * day + 7}
+    assert await catalog.job_leases(["k"], exclude_node="a") == {}
+    await catalog.renew_job_leases("b", [], 11 * day + 6)  # a's rows are a day old
+    assert await catalog.job_leases(["j", "k"], exclude_node="c") == {"j": 10 * day + 7}
+    assert await catalog.job_leases([], exclude_node="c") == {}
