@@ -92,7 +92,7 @@ def test_a_killed_writers_job_expires_within_the_writer_timeout_and_the_stream_m
         reply, tags = read_all(r, start)
         # The stream says what it waits for: the job and where.
         assert reply["waiting"]["0"]["job_id"] == "dead-job" and tags == []
-    time.sleep(3)  # longer than writer_timeout_s: the live (hung) writer keeps the job
+    time.sleep(2.5)  # longer than writer_timeout_s: the live (hung) writer keeps the job
     with Client.connect(d.socket) as c:
         assert c.job_status("dead-job")["state"] == "staged"
     killed = time.monotonic()

@@ -24,7 +24,7 @@ from tests.daemon.test_staging import tags_of, write_attempt  # noqa: E402
 from tests.daemon.test_subscribers import add, consume, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
-OUTAGE_S = 25  # longer than the old retry budget (~15 s) and the writer lease (3 s)
+OUTAGE_S = 18  # longer than the old retry budget (~15.5 s) and the writer lease (3 s)
 
 
 def written(d: Any, job: str) -> QuiverCommitMessage:
