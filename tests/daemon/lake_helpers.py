@@ -22,6 +22,7 @@ from quiverd.kernel.logs import get as get_logger
 from quiverd.lake.model import REGISTERED, FileRow
 from quiverd.lake.tier import open_tier
 from tests.conftest import DaemonProcess
+from tests.tiers import size
 
 BUNDLE_KEY = ("_quiver_shard", "_quiver_segment", "_quiver_bundle")
 FAST_LAKE = {
@@ -149,9 +150,10 @@ def wait_degraded(d: DaemonProcess, part: str, timeout: float = 30) -> dict[str,
 
 
 def produce_through_kills(d: DaemonProcess, bundle: Callable[[int, int], Any], *,
-                          rounds: int = 4, seed: int = 9, producers: int = 2
+                          rounds: int | None = None, seed: int = 9, producers: int = 2
                           ) -> set[tuple[int, int]]:
-    """``rounds`` times: ``producers`` threads send ``bundle(k, b)`` as client-k until the
+    """``rounds`` (default: 2 in the smoke tier, 4 in the full one) times: ``producers``
+    threads send ``bundle(k, b)`` as client-k until the
     daemon is SIGKILLed at a random moment (0.3-1.5 s), then it restarts. Returns the
     (k, b) the daemon acknowledged; a send the kill cut off does not count."""
     import random
@@ -159,7 +161,7 @@ def produce_through_kills(d: DaemonProcess, bundle: Callable[[int, int], Any], *
 
     acked: set[tuple[int, int]] = set()
     rng = random.Random(seed)
-    for round_no in range(rounds):
+    for round_no in range(size(2, 4) if rounds is None else rounds):
         stop = threading.Event()
 
         def produce(k: int, round_no: int = round_no, stop: threading.Event = stop) -> None:

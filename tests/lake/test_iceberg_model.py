@@ -15,8 +15,9 @@ Checked after EVERY step, for each table:
 At the end every source reconciles and the table (a real scan) holds exactly the rows of
 the registered files, each once.
 
-QUIVERD_MODEL_EXAMPLES (default 10) sets the number of examples (and makes them random
-rather than the same every run); QUIVERD_MODEL_STEPS (default 25) the most steps of each;
+Sizes (tests/tiers.py): 10 examples of up to 25 steps, the same every run, in the default
+tier; 100 random ones of up to 40 steps in the full tier. QUIVERD_MODEL_EXAMPLES and
+QUIVERD_MODEL_STEPS override both (explicit examples are random);
 QUIVERD_MODEL_SHRINK=1 shrinks a failure to a short sequence (minutes).
 """
 
@@ -58,9 +59,13 @@ from quiverd_actors.projector import Projector
 from tests.lake.catalogs import Log
 from tests.lake.helpers import add_file, open_test_tier
 from tests.lake.iceberg_model import Killed, LocalProjection, new_projector, snapshot_paths
+from tests.tiers import size, tier
 
-EXAMPLES = int(os.environ.get("QUIVERD_MODEL_EXAMPLES", "10"))
-STEPS = int(os.environ.get("QUIVERD_MODEL_STEPS", "25"))
+EXAMPLES = size(10, 100, env="QUIVERD_MODEL_EXAMPLES")
+STEPS = size(25, 40, env="QUIVERD_MODEL_STEPS")
+# The default tier replays the same examples every run; the full tier and an explicit
+# QUIVERD_MODEL_EXAMPLES explore new ones.
+DERANDOMIZE = "QUIVERD_MODEL_EXAMPLES" not in os.environ and tier() == "smoke"
 HOUR0_NS = 1_795_000_000 * 1_000_000_000  # 2026-11-18, on an hour boundary
 # Shrinking a failure costs minutes: on demand only (QUIVERD_MODEL_SHRINK=1).
 PHASES = tuple(Phase) if os.environ.get("QUIVERD_MODEL_SHRINK") else (
@@ -298,7 +303,7 @@ class ProjectionMachine(RuleBasedStateMachine):
 
 def _settings(examples: int) -> settings:
     return settings(max_examples=examples, stateful_step_count=STEPS, deadline=None,
-                    database=None, derandomize="QUIVERD_MODEL_EXAMPLES" not in os.environ,
+                    database=None, derandomize=DERANDOMIZE,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                     print_blob=True, phases=PHASES)
 

@@ -13,7 +13,8 @@ Checked after EVERY step, per file:
   * a command's answer (done, refused as corrupt, refused as missing, state conflict)
     is the one the model predicts, and a refused command changed nothing.
 
-QUIVERD_MODEL_EXAMPLES (default 6) and QUIVERD_MODEL_STEPS (default 25) size the run.
+Sizes (tests/tiers.py): 6 examples of up to 25 steps by default, 30 of up to 40 in the
+full tier; QUIVERD_MODEL_EXAMPLES and QUIVERD_MODEL_STEPS override both.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ from quiverd.lake.scrub import QUARANTINE_PREFIX, scrub_pass
 from quiverd.lake.tier import Tier
 from tests.lake.helpers import NS, add_file, open_test_tier
 from tests.lake.test_scrub import damaged, floats
+from tests.tiers import size, tier
 
-EXAMPLES = int(os.environ.get("QUIVERD_MODEL_EXAMPLES", "6"))
-STEPS = int(os.environ.get("QUIVERD_MODEL_STEPS", "25"))
+EXAMPLES = size(6, 30, env="QUIVERD_MODEL_EXAMPLES")
+STEPS = size(25, 40, env="QUIVERD_MODEL_STEPS")
+DERANDOMIZE = "QUIVERD_MODEL_EXAMPLES" not in os.environ and tier() == "smoke"
 FILES = 3
 GOOD, BAD, NONE = "good", "damaged", "none"  # what a file's key holds
 LIVE, QUARANTINED, LOST = "registered", "Quarantined", "Lost"
@@ -204,6 +207,6 @@ class QuarantineMachine(RuleBasedStateMachine):
 def test_quarantine_restore_forget_and_janitor_against_a_model() -> None:
     run_state_machine_as_test(QuarantineMachine, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-        derandomize="QUIVERD_MODEL_EXAMPLES" not in os.environ,
+        derandomize=DERANDOMIZE,
         phases=(Phase.explicit, Phase.reuse, Phase.generate),
         suppress_health_check=list(HealthCheck)))

@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from quiverd.net import consumers
 from quiverd_actors import ranges
+from tests.tiers import size
 
 END = ranges.END_OF_SEGMENT
 SEGMENTS = 8
@@ -128,6 +129,6 @@ class ReaderAgainstRetention(RuleBasedStateMachine):
         assert self.reported <= {(s, i) for s, i in every if s not in self.segments}
 
 
-ReaderAgainstRetention.TestCase.settings = settings(max_examples=300, stateful_step_count=30,
-                                                    deadline=None)
+ReaderAgainstRetention.TestCase.settings = settings(max_examples=size(100, 300),
+                                                    stateful_step_count=30, deadline=None)
 test_reader_against_retention = ReaderAgainstRetention.TestCase

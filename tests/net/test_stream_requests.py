@@ -19,6 +19,7 @@ from quiverd.net.admin import request
 from quiverd.protocol.codec import Delivery
 from quiverd.protocol.frames import ErrorCode
 from tests.net.test_ranged_fetch import FAST, finalized, produce, wait_for
+from tests.tiers import size
 
 END = 2**32 - 1
 
@@ -157,7 +158,7 @@ def test_stream_random_numbers_in_every_field_never_answer_internal(daemon_facto
     key, seg = _a_live_shard(d, start)
     answered: dict[str, int] = {}
 
-    @settings(max_examples=250, deadline=None, database=None,
+    @settings(max_examples=size(100, 250), deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(_bodies(int(key), seg))
     def check(body: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from quiverd.kernel.bundle import Slot, TxnTag, encode_ipc_stream, read_ipc_stre
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import AtCapacity, JobConflict, ProtocolError, ShuttingDown, Unauthorized
 from quiverd.protocol import codec as p
+from tests.tiers import size
 
 MAX_FRAME = p.max_frame_bytes(1 << 20)
 TXN = TxnTag(job_id="job-é", partition=3, attempt=1, row_offset=1000)
@@ -549,7 +550,8 @@ def test_error_mapping_both_ways() -> None:
 
 # --- fuzzing ----------------------------------------------------------------------------
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=size(100, 300), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
 
 
 def feed_all(decoder: p.FrameDecoder, data: bytes, step: int) -> list[p.Message]:

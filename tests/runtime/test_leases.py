@@ -14,6 +14,7 @@ from hypothesis import strategies as stg
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from quiverd.runtime.leases import Leases
+from tests.tiers import size
 
 JOBS = stg.sampled_from(["a", "b", "c"])
 CONNS = stg.integers(min_value=1, max_value=4)
@@ -72,6 +73,6 @@ class LeaseModel(RuleBasedStateMachine):
         return any(job in jobs for jobs in self.open.values())
 
 
-LeaseModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+LeaseModel.TestCase.settings = settings(max_examples=size(50, 150), stateful_step_count=40,
                                         deadline=None)
 test_leases_follow_the_model = LeaseModel.TestCase
