@@ -6,7 +6,7 @@ Every wait for the peer's bytes runs under a deadline (``ingest.*_timeout_ms``):
                 of the connection being accepted
     stalled     inside a frame: idle_timeout_ms without a byte closes it, so a
                 half-sent BUNDLE cannot hold its pending-bytes budget for ever;
-                CONTENDED_STALL_MS (at most idle_timeout_ms) while another frame
+                CONTENDED_STALL_MS (at most idle_timeout_ms / 2) while another frame
                 waits for the budget it holds (``ByteBudget.contended``)
     budget      a frame whose header is in but whose budget is not: it is stalled
                 from the moment it waits, on the same idle_timeout_ms clock, which
@@ -61,7 +61,9 @@ class FrameReader:
         self.handshake_deadline = anyio.current_time() + cfg.handshake_timeout_ms / 1000
         self.idle_s = cfg.idle_timeout_ms / 1000 if cfg.idle_timeout_ms else math.inf
         # idle_timeout_ms = 0 turns every stall limit off, this one too.
-        self.contended_s = min(self.idle_s, CONTENDED_STALL_MS / 1000) \
+        # Half the idle clock at most: a frame waiting for the budget a stalled frame holds
+        # is itself timed on idle_timeout_ms, so the holder must give way well before.
+        self.contended_s = min(self.idle_s / 2, CONTENDED_STALL_MS / 1000) \
             if cfg.idle_timeout_ms else math.inf
         stream.send_stall_s = self.idle_s
         self.stopped = False
@@ -180,7 +182,8 @@ class FrameReader:
             text = (f"frame stalled: nothing received for {stalled_ms} ms with "
                     f"{self.decoder.buffered} of its {self.decoder.expected or '?'} bytes in, "
                     f"while other frames wait for the budget it holds ({contention}); a "
-                    f"stalled frame gives that up after {CONTENDED_STALL_MS} ms: resend it")
+                    f"stalled frame gives that up after {round(self.contended_s * 1000)} ms: "
+                    "resend it")
         elif self.decoder.buffered:
             text = (f"frame stalled: nothing received for {self.idle_ms} ms with "
                     f"{self.decoder.buffered} of its {self.decoder.expected or '?'} bytes in "
