@@ -91,7 +91,12 @@ class Projection:
 
     def commit(self, table: str, add: Sequence[DataFileRef], remove: Sequence[str] = (), *,
                summary: Mapping[str, str] | None = None) -> CommitResult:
-        """Add ``add`` and delete the files at the locations ``remove`` in one snapshot."""
+        """Add ``add`` and delete the files at the locations ``remove`` in one snapshot.
+
+        The unfenced primitive: it does not look at quiverd's catalog, so a caller can
+        re-add a replaced file with it. The daemon commits only through ``sync``; this
+        stays for tests of the table mechanics (schema evolution, skips, the CAS) and
+        for tools that know the exact change."""
         from pyiceberg.exceptions import CommitFailedException
 
         started = time.monotonic()
@@ -105,12 +110,7 @@ class Projection:
                     snapshot_id, added, removed, unfit = commit_once(
                         tbl, footers, deleted, dict(summary or {}), self._fits)
                 except CommitFailedException as exc:
-                    self._tables.pop(table, None)
-                    if attempt == self._cfg.commit_retries:
-                        raise IcebergCommitFailed(
-                            f"Iceberg commit to {table} lost the compare-and-swap "
-                            f"{attempt + 1} times: {exc}") from exc
-                    time.sleep(backoff_s(attempt + 1, base_s=RETRY_BASE_S, max_s=RETRY_MAX_S))
+                    self._lost_cas(table, attempt, exc)
                     continue
                 return CommitResult(table=table, snapshot_id=snapshot_id, added=added,
                                     removed=removed, skipped=skipped + unfit, retries=attempt,
@@ -179,12 +179,7 @@ class Projection:
                         tbl, adding, deleted, props, self._fits, force=props_changed,
                         properties={key: str(base + 1), **{k: v for k, (v, _) in skips.items()}})
                 except CommitFailedException as exc:
-                    self._tables.pop(table, None)
-                    if attempt == self._cfg.commit_retries:
-                        raise IcebergCommitFailed(
-                            f"Iceberg commit to {table} lost the compare-and-swap "
-                            f"{attempt + 1} times: {exc}") from exc
-                    time.sleep(backoff_s(attempt + 1, base_s=RETRY_BASE_S, max_s=RETRY_MAX_S))
+                    self._lost_cas(table, attempt, exc)
                     continue
                 skipped.update(unfit)
                 landed = snapshot_id is not None or props_changed
@@ -192,6 +187,15 @@ class Projection:
                                     added=added, removed=removed, skipped=skipped,
                                     missing=missing, commits=base + 1 if landed else base)
         raise AssertionError("unreachable: the loop returns or raises")
+
+    def _lost_cas(self, table: str, attempt: int, exc: Exception) -> None:
+        """Another writer's commit landed first: reload the table next time and back off,
+        or give up after ``commit_retries``."""
+        self._tables.pop(table, None)
+        if attempt == self._cfg.commit_retries:
+            raise IcebergCommitFailed(f"Iceberg commit to {table} lost the compare-and-swap "
+                                      f"{attempt + 1} times: {exc}") from exc
+        time.sleep(backoff_s(attempt + 1, base_s=RETRY_BASE_S, max_s=RETRY_MAX_S))
 
     def source_commits(self, table: str, source: str) -> int:
         """How many commits of ``source`` the table holds (0 without a table): the
