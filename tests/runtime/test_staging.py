@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from quiverd.kernel.config import Config, StagingConfig
+from quiverd.kernel.config import Config, LakeConfig, StagingConfig
 from quiverd.kernel.errors import CatalogUnavailable, JobConflict
 from quiverd.kernel.jobs import Verdict, Winner
 from quiverd.kernel.metrics import Metrics
@@ -42,8 +42,11 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> N
 
 
 @asynccontextmanager
-async def running(tmp_path: Path, **staging: int) -> AsyncIterator[Staging]:
-    cfg = Config(data_dir=str(tmp_path),
+async def running(tmp_path: Path, node_id: str = "", **staging: int
+                  ) -> AsyncIterator[Staging]:
+    """A Staging on the embedded catalog of ``tmp_path`` (several with other node ids share
+    it, as daemons on one catalog do)."""
+    cfg = Config(data_dir=str(tmp_path), lake=LakeConfig(node_id=node_id),
                  staging=StagingConfig(**{"poll_interval_ms": 20, **staging}))
     s = Staging(cfg, metrics=Metrics())
     async with anyio.create_task_group() as tg:

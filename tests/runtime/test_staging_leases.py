@@ -8,30 +8,20 @@ closes, the job is expired writer_timeout_s later, by whichever daemon comes fir
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import anyio
 import pytest
 
-from quiverd.kernel.config import Config, LakeConfig, StagingConfig, validate
+from quiverd.kernel.config import Config, StagingConfig, validate
 from quiverd.kernel.errors import ConfigError
-from quiverd.kernel.metrics import Metrics
 from quiverd.runtime.staging import Staging
-from tests.runtime.test_staging import eventually, ref, segment
+from tests.runtime.test_staging import eventually, ref, running, segment
 
 
-@asynccontextmanager
-async def node(tmp_path: Path, name: str, **staging: int) -> AsyncIterator[Staging]:
-    cfg = Config(data_dir=str(tmp_path), lake=LakeConfig(node_id=name),
-                 staging=StagingConfig(**{"poll_interval_ms": 20, **staging}))
-    s = Staging(cfg, metrics=Metrics())
-    async with anyio.create_task_group() as tg:
-        await tg.start(s.run)
-        await eventually(lambda: s.catalog is not None)
-        yield s
-        tg.cancel_scope.cancel()
+def node(tmp_path: Path, name: str, **staging: int) -> AbstractAsyncContextManager[Staging]:
+    return running(tmp_path, node_id=name, **staging)
 
 
 @pytest.mark.asyncio
