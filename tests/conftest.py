@@ -24,7 +24,7 @@ ICEBERG_OFF = "lake.iceberg.enabled"  # written False unless a test's settings s
 
 # Real services for the storage tier, started once per run and stopped at its end:
 # PostgreSQL (initdb/pg_ctl under runuser) and moto's S3 server on loopback.
-pytest_plugins = ["tests.services.postgres", "tests.services.s3"]
+pytest_plugins = ["tests.services.postgres", "tests.services.s3", "tests.xdist_groups"]
 
 
 class DaemonProcess:
