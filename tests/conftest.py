@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +31,8 @@ pytest_plugins = ["tests.services.postgres", "tests.services.s3", "tests.xdist_g
 
 class DaemonProcess:
     """One `quiverd serve` subprocess with its config, sockets and log."""
+
+    in_process = False  # tests/inprocess.py's InProcessDaemon: serve on a thread
 
     def __init__(self, root: Path, settings: dict[str, Any], env: dict[str, str]) -> None:
         self.root = root
@@ -117,6 +121,16 @@ class DaemonProcess:
         assert self.proc is not None
         return self.proc.wait(timeout)
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def end(self) -> None:
+        """At the test's end: kill it if it still runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -157,10 +171,22 @@ def short_dir() -> Iterator[Path]:
 
 @pytest.fixture
 def daemon_factory(short_dir: Path) -> Iterator[Any]:
+    """``make(settings, *, env=None, name="d", in_process=False)``: a daemon (not yet
+    started) with its own root under ``short_dir``; every one still running at the end
+    is killed (a subprocess) or stopped (in process).
+
+    ``in_process=True`` runs the real ``serve`` on a thread of the test process
+    (tests/inprocess.py): the same interface, no interpreter start (about a CPU-second
+    each), but it cannot be killed or signalled, takes no ``env`` and no ``kill:`` fault
+    rule, and one runs at a time; after it stops nothing it opened may be left, and at
+    teardown no thread started meanwhile. Use it for tests that never kill or signal
+    their daemon nor need a process of its own.
+    """
     made: list[DaemonProcess] = []
+    threads_before = set(threading.enumerate())
 
     def make(settings: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
-             name: str = "d") -> DaemonProcess:
+             name: str = "d", in_process: bool = False) -> DaemonProcess:
         root = short_dir / name
         root.mkdir(exist_ok=True)
         settings = dict(settings or {})
@@ -168,12 +194,24 @@ def daemon_factory(short_dir: Path) -> Iterator[Any]:
             # The lake has its own tests (tests/daemon/test_lake*.py); elsewhere it would
             # hold segments back as a second subscriber.
             settings["lake.enabled"] = False
-        d = DaemonProcess(root, {"shards": 2, **settings}, env or {})
+        d: DaemonProcess
+        if in_process:
+            from tests.inprocess import InProcessDaemon  # it imports this module
+
+            if env:
+                raise TypeError("an in-process daemon has no environment of its own: "
+                                "make it with in_process=False")
+            d = InProcessDaemon(root, {"shards": 2, **settings})
+        else:
+            d = DaemonProcess(root, {"shards": 2, **settings}, env or {})
         made.append(d)
         return d
 
     yield make
-    for d in made:
-        if d.proc is not None and d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(10)
+    with contextlib.ExitStack() as ends:  # every daemon ends, even when one fails to
+        for d in made:
+            ends.callback(d.end)
+    if any(d.in_process for d in made):
+        from tests.inprocess import check_threads
+
+        check_threads(threads_before)

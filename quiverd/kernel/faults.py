@@ -155,5 +155,7 @@ class StepTracker:
             ATOMIC_STEPS.index(self.reached) >= ATOMIC_STEPS.index("renamed"))
 
 
-def describe(hooks: Hooks) -> str:
-    return os.environ.get(ENV, "") if hooks else ""
+def describe(hooks: Hooks, environ: dict[str, str] | None = None) -> str:
+    """The rules behind ``hooks``, as ``from_env`` read them from ``environ``."""
+    spec = (environ if environ is not None else os.environ).get(ENV, "")
+    return spec if hooks else ""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 import structlog
 
@@ -13,12 +15,14 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO,
            "warning": logging.WARNING, "error": logging.ERROR}
 
 
-def configure(fmt: str = "auto", level: str = "info") -> None:
-    """Set up structlog for the process; ``fmt`` is auto | json | console."""
-    use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+def configure(fmt: str = "auto", level: str = "info", *, file: TextIO | None = None) -> None:
+    """Set up structlog for the process; ``fmt`` is auto | json | console; lines go to
+    ``file``, stderr by default."""
+    out = sys.stderr if file is None else file
+    use_console = fmt == "console" or (fmt == "auto" and out.isatty())
     renderer: Any = (structlog.dev.ConsoleRenderer(colors=False) if use_console
                      else structlog.processors.JSONRenderer())
-    if os.environ.get("JOURNAL_STREAM"):
+    if file is None and os.environ.get("JOURNAL_STREAM"):
         # stderr goes to journald: a "<N>" prefix sets the line's priority, so
         # `journalctl -p err` finds errors (SyslogLevelPrefix=yes is the default).
         renderer = _JournalPriority(renderer)
@@ -31,9 +35,22 @@ def configure(fmt: str = "auto", level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
+
+
+@contextlib.contextmanager
+def configured(fmt: str, level: str, *, file: TextIO) -> Iterator[None]:
+    """``configure`` while the block runs, then the configuration from before it: for a
+    daemon inside another program (the tests' in-process daemons). structlog's
+    configuration is the process's, so one such block at a time."""
+    saved = structlog.get_config()
+    configure(fmt, level, file=file)
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
 
 
 Logger = structlog.typing.FilteringBoundLogger

@@ -13,15 +13,18 @@ loop, and the exit code systemd acts on.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import faulthandler
 import os
 import sys
+import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import anyio
 
@@ -52,23 +55,82 @@ def gil_switch_interval_s(env: dict[str, str] | os._Environ[str] = os.environ) -
     return value if 0 < value <= 1 else GIL_SWITCH_INTERVAL_S
 
 
-def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
-    """Run the daemon until shut down; return the process exit code."""
-    # A fatal signal (SIGBUS from a mapped file, SIGSEGV, SIGFPE, SIGABRT, SIGILL) kills
-    # the process before any Python handler runs: without this it leaves no line at
-    # all, and systemd restarts it silently. faulthandler writes "Fatal Python error"
-    # and every thread's stack to stderr (journald), then lets the signal kill us.
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    # The WAL's writer and syncer threads hand the GIL back and forth with the event
-    # loop on every commit; CPython's default 5 ms switch interval makes a thread
-    # that returns from fdatasync wait up to 5 ms for a busy loop (bench/choices.py).
+def serve(cfg: Config, *, fault_hooks: Hooks | None = None,
+          in_process: InProcess | None = None) -> int:
+    """Run the daemon until shut down; return the process exit code.
+
+    ``in_process``: run inside another program's thread instead of owning the process
+    (the test suite's in-process daemons): no signal handlers, the stop comes from
+    ``in_process.stop()``, the log goes to ``in_process.log_file``, and what is
+    process-wide (the switch interval, structlog) is put back on return.
+    """
+    if in_process is None:
+        # A fatal signal (SIGBUS from a mapped file, SIGSEGV, SIGFPE, SIGABRT, SIGILL)
+        # kills the process before any Python handler runs: without this it leaves no
+        # line at all, and systemd restarts it silently. faulthandler writes "Fatal
+        # Python error" and every thread's stack to stderr (journald), then lets the
+        # signal kill us.
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        # The WAL's writer and syncer threads hand the GIL back and forth with the
+        # event loop on every commit; CPython's default 5 ms switch interval makes a
+        # thread that returns from fdatasync wait up to 5 ms for a busy loop
+        # (bench/choices.py).
+        sys.setswitchinterval(gil_switch_interval_s())
+        logs.configure(cfg.log.format, cfg.log.level)
+        return _serve(cfg, fault_hooks, None)
+    # Inside another program its faulthandler stays as it is (pytest has its own); the
+    # daemon's switch interval and log hold only while it runs.
+    previous = sys.getswitchinterval()
     sys.setswitchinterval(gil_switch_interval_s())
-    logs.configure(cfg.log.format, cfg.log.level)
+    try:
+        with logs.configured(cfg.log.format, cfg.log.level, file=in_process.log_file):
+            return _serve(cfg, fault_hooks, in_process)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+class InProcess:
+    """What ``serve`` needs to run in a thread of another program: where its log goes,
+    its fault rules (``$QUIVERD_FAULTS`` syntax, the program's own environment is not
+    read), and ``stop()``, callable from any thread, which begins the graceful stop
+    SIGTERM begins in a daemon of its own."""
+
+    def __init__(self, log_file: TextIO, *, faults: str = "") -> None:
+        self.log_file = log_file
+        self.faults = faults
+        self._lock = threading.Lock()
+        self._stop_requested = False
+        self._wake: Callable[[], object] | None = None
+
+    def stop(self) -> None:
+        with self._lock:  # held while waking, so the loop cannot close in between
+            self._stop_requested = True
+            if self._wake is not None:
+                self._wake()
+
+    async def run(self, daemon: Daemon) -> None:
+        """``daemon.run()`` with its stop event set by ``stop()`` (on this loop)."""
+        event = daemon.stop = anyio.Event()
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._wake = partial(loop.call_soon_threadsafe, event.set)
+            if self._stop_requested:
+                event.set()
+        try:
+            await daemon.run()
+        finally:
+            with self._lock:
+                self._wake = None
+
+
+def _serve(cfg: Config, fault_hooks: Hooks | None, in_process: InProcess | None) -> int:
     log = logs.get("daemon")
+    environ = None if in_process is None else {faults.ENV: in_process.faults}
     if fault_hooks is None:
-        fault_hooks = faults.from_env()
+        fault_hooks = faults.from_env(environ)
     if fault_hooks:
-        log.warning("quiverd_fault_injection_active", rules=faults.describe(fault_hooks))
+        log.warning("quiverd_fault_injection_active",
+                    rules=faults.describe(fault_hooks, environ))
     if cfg.wal.flush_policy == "never":
         log.warning("wal_flush_policy_never", hint="acks do not mean durable: tests only")
     with contextlib.ExitStack() as held:
@@ -77,8 +139,10 @@ def serve(cfg: Config, *, fault_hooks: Hooks | None = None) -> int:
                 from quiverd.lake.tier import check_config as check_lake_config
 
                 check_lake_config(cfg)  # before anything starts: a typo exits 78, not after ready
-            daemon = Daemon(cfg, faults=fault_hooks, bound=claim(cfg, held))
-            anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
+            daemon = Daemon(cfg, faults=fault_hooks, bound=claim(cfg, held),
+                            handle_signals=in_process is None)
+            main = daemon.run if in_process is None else partial(in_process.run, daemon)
+            anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
         except BaseExceptionGroup as group:
             return _report_fatal(group, log)
         except (QuiverError, OSError) as exc:  # raised outside any task group

@@ -106,7 +106,8 @@ class PostgresCatalog(Catalog):
             listener.terminate()  # ends the LISTEN with the session, no round trip needed
         pool, self._pool = self._pool, None
         if pool is not None:
-            with anyio.move_on_after(CLOSE_TIMEOUT_S) as scope:
+            # Shielded (a close at shutdown runs in a cancelled scope), bounded instead.
+            with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True) as scope:
                 await pool.close()
             if scope.cancelled_caught:
                 pool.terminate()

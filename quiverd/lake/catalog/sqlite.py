@@ -72,7 +72,10 @@ class SqliteCatalog(Catalog):
         self._hub.close()
         self._job_hub.close()
         if self._conn is not None:
-            await anyio.to_thread.run_sync(self._close, limiter=self._limiter)
+            # Shielded: a close at shutdown runs in a cancelled scope (the daemon's root
+            # is cancelled), and an unshielded hop would leave the connection open.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._close, limiter=self._limiter)
 
     async def insert_file(self, row: FileRow) -> None:
         values = sql.row_values(row, state=row.state, now_ns=time.time_ns())

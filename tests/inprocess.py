@@ -1,0 +1,222 @@
+"""A real daemon in the test process: ``serve`` on a thread of its own, no interpreter start.
+
+The subprocess daemon (``tests.conftest.DaemonProcess``) costs about a CPU-second per
+start in imports alone; most daemon tests never kill or signal theirs. This one runs the
+same entry, ``quiverd.runtime.serve.serve``, with its config file, sockets, data
+directory, LOCK, uvloop event loop and exit code, on a thread (``serve``'s
+``in_process``): its log lines go to the same ``daemon.log`` (so ``log()`` and
+``events()`` read the same JSON lines), ``stop()`` begins the graceful stop SIGTERM
+begins and returns serve's exit code.
+
+What it cannot do, and says so when asked: be killed or signalled (a test process
+cannot lose one thread), fault rules that kill (``kill:``, they would SIGKILL pytest),
+an environment of its own. structlog's configuration is process-wide, so one runs at a
+time per test process (a second start is an error naming the way out:
+``in_process=False``). After each stop no file or socket under its root, event loop
+descriptor or child process it started may be left open; the fixture's teardown then
+checks that every thread started meanwhile has ended (``check_threads``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Collection
+from pathlib import Path
+from typing import IO, Any, NoReturn
+
+from quiverd.kernel import config as config_mod
+from quiverd.kernel.errors import ConfigError
+from quiverd.runtime.serve import EXIT_CONFIG, InProcess, serve
+from tests.conftest import START_TIMEOUT_S, DaemonProcess
+
+THREADS_GRACE_S = 5.0  # anyio's idle workers end just after their loop: not a leak
+_slot = threading.Lock()  # held by the one in-process daemon running in this process
+
+
+class InProcessDaemon(DaemonProcess):
+    """``DaemonProcess``'s interface over ``serve`` on a thread of the test process."""
+
+    in_process = True
+
+    def __init__(self, root: Path, settings: dict[str, Any]) -> None:
+        super().__init__(root, settings, {})
+        self.thread: threading.Thread | None = None
+        self.code: int | None = None
+        self.error: BaseException | None = None
+        self._control: InProcess | None = None
+        self._log_file: IO[str] | None = None
+        self._fds_at_start: dict[int, str] = {}
+        self._children_at_start: set[int] = set()
+
+    @property
+    def proc(self) -> NoReturn:
+        _refuse("has no process (pid, signals, returncode)")
+
+    @proc.setter
+    def proc(self, value: subprocess.Popen[bytes] | None) -> None:
+        assert value is None  # DaemonProcess.__init__'s "not started"
+
+    def start(self, *, faults: str = "", wait: bool = True) -> InProcessDaemon:
+        if self.running:
+            raise RuntimeError("this in-process daemon is already running")
+        if "kill:" in faults:
+            _refuse(f"cannot run the fault rule {faults!r}: a kill: rule would SIGKILL pytest")
+        if not _slot.acquire(blocking=False):
+            raise RuntimeError(
+                "another in-process daemon runs in this test process (structlog is configured "
+                "process-wide, so one at a time): make this one with in_process=False")
+        self._fds_at_start = _open_fds()
+        self._children_at_start = _children()
+        self.socket.unlink(missing_ok=True)
+        self._log_file = open(self.log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._control = InProcess(self._log_file, faults=faults)
+        self.code = self.error = None
+        self.thread = threading.Thread(target=self._serve, args=(self._control,),
+                                       name=f"quiverd-serve-{self.root.name}", daemon=True)
+        self.thread.start()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def _serve(self, control: InProcess) -> None:
+        """The CLI's ``_serve``: load the config (exit 78 when it is bad), then serve."""
+        try:
+            try:
+                cfg = config_mod.load(self.config_path)
+            except ConfigError as exc:
+                print(f"quiverd: {exc}", file=control.log_file)
+                self.code = EXIT_CONFIG
+                return
+            self.code = serve(cfg, in_process=control)
+        except BaseException as exc:  # noqa: BLE001 - a bug in serve: stop() raises it
+            self.error = exc
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.thread is not None and not self.thread.is_alive():
+                code = self._finish()
+                raise AssertionError(f"daemon exited {code}:\n{self.log()[-3000:]}")
+            if self.socket.exists() and self.admin_socket.exists():
+                try:
+                    self.status()
+                    return
+                except Exception:
+                    pass
+            time.sleep(0.02)
+        raise AssertionError(f"daemon not ready:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout: float = 30) -> int:
+        """A graceful stop (what SIGTERM begins); serve's exit code."""
+        assert self.thread is not None and self._control is not None, "never started"
+        self._control.stop()
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 30) -> int:
+        """serve's exit code once it returned by itself (a fatal error) or was stopped."""
+        assert self.thread is not None, "never started"
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise AssertionError(f"in-process daemon still running after {timeout} s "
+                                 f"(a thread cannot be killed):\n{self.log()[-3000:]}")
+        return self._finish()
+
+    def kill(self) -> None:
+        _refuse("cannot be killed")
+
+    def end(self) -> None:
+        """At the test's end: stop it if it still runs (a thread cannot be killed)."""
+        if self.running:
+            self.stop()
+        elif self._log_file is not None:
+            self._finish()
+
+    def _finish(self) -> int:
+        """After serve returned: release the slot and the log, check for leaks, the code."""
+        if self._log_file is None:
+            assert self.code is not None
+            return self.code  # finished before (wait_ready saw it exit)
+        self._log_file.close()
+        self._log_file = None
+        self._control = None
+        _slot.release()
+        if self.error is not None:
+            raise AssertionError(f"in-process serve raised:\n{self.log()[-3000:]}") \
+                from self.error
+        self._check_closed()
+        assert self.code is not None
+        return self.code
+
+    def _check_closed(self) -> None:
+        """Nothing of this daemon may stay open once serve returned."""
+        root = str(self.root)
+        bound = _unix_socket_paths()
+        left = []
+        for fd, target in _open_fds().items():
+            if self._fds_at_start.get(fd) == target:
+                continue
+            if (target.startswith(root + "/") or bound.get(target, "").startswith(root + "/")
+                    or target in ("anon_inode:[eventpoll]", "anon_inode:[eventfd]")):
+                left.append(f"fd {fd} -> {target} {bound.get(target, '')}".rstrip())
+        children = _children() - self._children_at_start
+        if left or children:
+            raise AssertionError(f"the in-process daemon in {root} left open: {left}; "
+                                 f"child processes still running: {sorted(children)}")
+
+
+def check_threads(before: Collection[threading.Thread], grace_s: float = THREADS_GRACE_S
+                  ) -> None:
+    """Every thread started since ``before`` has ended (a short grace for anyio's idle
+    workers, which end just after their loop); fail naming those that did not."""
+    deadline = time.monotonic() + grace_s
+    for thread in threading.enumerate():
+        if thread not in before:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in threading.enumerate() if t not in before]
+    if left:
+        raise AssertionError(f"threads left running after the in-process daemons stopped: {left}")
+
+
+def _refuse(what: str) -> NoReturn:
+    raise TypeError(f"an in-process daemon {what}: make it with in_process=False "
+                    "(a subprocess) in a test that kills, signals or needs its own process")
+
+
+def _open_fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # closed meanwhile (the listing's own descriptor among them)
+    return out
+
+
+def _unix_socket_paths() -> dict[str, str]:
+    """``socket:[inode]`` -> the path it is bound to (accepted sockets show the listener's)."""
+    out = {}
+    with open("/proc/net/unix") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if len(fields) >= 8:
+                out[f"socket:[{fields[6]}]"] = fields[7]
+    return out
+
+
+def _children() -> set[int]:
+    found: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                found.update(int(pid) for pid in f.read().split())
+        except OSError:
+            pass
+    return found
