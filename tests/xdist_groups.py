@@ -4,7 +4,10 @@ Each work unit goes to one worker whole. A unit is a test file, except for the g
 below, which share something a second worker must not start or touch at the same time:
 
     spark    tests/spark/ (not cluster/): the run's one local Spark session (5-9 s to
-             start, 1-2 GB of JVM; tests/spark/conftest.py)
+             start, 1-2 GB of JVM; tests/spark/conftest.py), except the tests in
+             SESSIONLESS, which drive Spark's code without the session (their own
+             driver processes, or the writer's tasks called directly) and so run
+             beside it; collection fails if a test there asks for the session
     cluster  tests/spark/cluster/: a standalone master and two workers on loopback
     loop     the loop-mounted filesystem images (power cuts, XFS disk-full): loop devices
              and dm targets are machine-wide
@@ -34,10 +37,20 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("loop", "tests/daemon/test_disk_full.py"),
 )
 ORDER = ("spark", "cluster", "loop")
+SESSIONLESS = (  # node-id prefixes under tests/spark/ that need no Spark session
+    "tests/spark/test_writer_commit_outage.py",
+    "tests/spark/test_writer_incarnation.py",
+    "tests/spark/test_stream_source.py::test_stream_killed_mid_stream_restarts_exactly_once",
+)
+SESSION_FIXTURE = "spark"
 
 
 def group_of(nodeid: str) -> str:
-    """The work unit of ``nodeid``: its group's name, or its file."""
+    """The work unit of ``nodeid``: its group's name, or its file (or, for a SESSIONLESS
+    prefix, that prefix)."""
+    for prefix in SESSIONLESS:
+        if nodeid.startswith(prefix):
+            return prefix
     for group, prefix in GROUPS:
         if nodeid.startswith(prefix):
             return group
@@ -60,9 +73,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker, sort the collection into the order units are handed out: the
-    groups first (longest: the Spark session's), then files by number of tests. Every
-    worker sorts the same way, so their collections stay identical (xdist checks)."""
+    """Refuse a test that asks for the Spark session outside the Spark group (it would
+    start a second session on another worker). On an xdist worker, sort the collection
+    into the order units are handed out: the groups first (longest: the Spark
+    session's), then files by number of tests. Every worker sorts the same way, so their
+    collections stay identical (xdist checks)."""
+    strays = [item.nodeid for item in items if SESSION_FIXTURE in getattr(
+        item, "fixturenames", ()) and group_of(item.nodeid) != "spark"]
+    if strays:
+        raise pytest.UsageError(
+            f"{len(strays)} test(s) ask for the Spark session outside the Spark group, "
+            f"e.g. {strays[0]}: a parallel run would start a second session; hint: move "
+            "the test under tests/spark/ (and out of SESSIONLESS in tests/xdist_groups.py)")
     if not hasattr(config, "workerinput"):
         return  # a plain run keeps pytest's order
     units: dict[str, int] = {}

@@ -3,11 +3,15 @@
     python -m tests.spark.stream_child SOCKET SUBSCRIBER CHECKPOINT OUT MODE [MAX_BUNDLES]
 
 MODE ``forever``: processing-time trigger, runs until killed; ``available``:
-Trigger.AvailableNow, exits 0 once it caught up. quiver → Parquet (Spark's file sink).
+Trigger.AvailableNow, exits 0 once it caught up, after writing ``OUT.rows.json``: the
+(tag, i) of every row the file sink committed, read back by this Spark through the
+sink's _spark_metadata log (so the test needs no Spark session of its own and runs
+beside the Spark group, tests/xdist_groups.py). quiver → Parquet (Spark's file sink).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -42,6 +46,10 @@ def main(argv: list[str]) -> int:
     query = writer.start()
     print("started", flush=True)
     query.awaitTermination()
+    if mode == "available":
+        rows = [[r.tag, r.i] for r in spark.read.parquet(out).select("tag", "i").collect()]
+        with open(out + ".rows.json", "w") as f:
+            json.dump(rows, f)
     spark.stop()
     return 0
 
