@@ -2,17 +2,21 @@
 comparisons of a top-level column with a literal, against the catalog's time range and
 the files' zone maps (``may_match``, on the driver), then against each row group's footer
 statistics (``row_groups``, on the executor: the file's min/max per column and row group,
-written by Parquet for every column). See reader.py."""
+written by Parquet for every column). See reader.py.
+
+No pyspark here: a filter's literal is judged by the Arrow type Spark reads its column
+as (``types.filter_types`` of the reader's Spark schema), so all of it runs, and is
+tested, without Spark."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pyspark.sql import types as st
 
 from quiverd.lake.model import FileRow, ZoneMap
 
@@ -20,6 +24,10 @@ NS_PER_US = 1_000
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 COMPARISONS = frozenset({"EqualTo", "GreaterThan", "GreaterThanOrEqual", "LessThan",
                           "LessThanOrEqual", "In"})
+# Spark's ByteType ... DoubleType as Arrow (to_arrow_type): the numbers a literal compares
+# with. Spark reads no column as an unsigned int or a float16 (types.spark_arrow_type).
+NUMBERS = frozenset({pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.float32(),
+                     pa.float64()})
 
 
 @dataclass(frozen=True)
@@ -31,42 +39,41 @@ class Bound:
     values: tuple[tuple[Any, Any], ...]  # (lo, hi) per literal; several for In only
 
 
-def to_bound(f: Any, schema: st.StructType) -> Bound | None:
+def to_bound(f: Any, types: Mapping[str, pa.DataType]) -> Bound | None:
     """The Bound of a Spark filter, or None when it cannot prune (kept by name: the
-    filter classes exist in pyspark 4.1+ only)."""
+    filter classes exist in pyspark 4.1+ only). ``types``: the Arrow type Spark reads
+    each top-level column as (``types.filter_types``); a column not there is not pruned."""
     op = type(f).__name__
     attribute: tuple[str, ...] = tuple(getattr(f, "attribute", ()))
-    if op not in COMPARISONS or len(attribute) != 1 or attribute[0] not in schema.names:
+    if op not in COMPARISONS or len(attribute) != 1 or attribute[0] not in types:
         return None
     column = attribute[0]
-    spark_type = schema[column].dataType
     literals = f.value if op == "In" else (f.value,)
-    values = [_interval(v, spark_type) for v in literals]
+    values = [_interval(v, types[column]) for v in literals]
     if not values or any(v is None for v in values):
         return None
     return Bound(column=column, op=op, values=tuple(v for v in values if v is not None))
 
 
-def _interval(value: Any, spark_type: st.DataType) -> tuple[Any, Any] | None:
-    """A literal in zone-map terms, as the interval of stored values Spark reads as it."""
-    if isinstance(spark_type, st.TimestampType | st.TimestampNTZType):
+def _interval(value: Any, t: pa.DataType) -> tuple[Any, Any] | None:
+    """A literal in zone-map terms, as the interval of stored values Spark reads as it
+    (``t``: the column's type as Spark reads it, in Arrow terms)."""
+    if pa.types.is_timestamp(t):  # TimestampType and TimestampNTZType
         if not isinstance(value, datetime):
             return None
         v = datetime_ns(value)
         return (v - 999 if v <= 0 else v), (v + 999 if v >= 0 else v)
-    if isinstance(spark_type, st.DateType):
+    if pa.types.is_date32(t):  # DateType
         if not isinstance(value, date) or isinstance(value, datetime):
             return None
         days = (value - date(1970, 1, 1)).days
         return days, days
-    numeric = (st.ByteType, st.ShortType, st.IntegerType, st.LongType, st.FloatType,
-               st.DoubleType)
-    if isinstance(spark_type, numeric):
+    if t in NUMBERS:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and value == value
         return (value, value) if ok else None
-    if isinstance(spark_type, st.StringType) and isinstance(value, str):
+    if pa.types.is_string(t) and isinstance(value, str):  # StringType
         return value, value
-    if isinstance(spark_type, st.BooleanType) and isinstance(value, bool):
+    if pa.types.is_boolean(t) and isinstance(value, bool):
         return value, value
     return None
 

@@ -171,6 +171,7 @@ from quiverd.spark.types import (  # to_spark: re-exported, tests import it from
     as_ns,
     as_target,
     drift_error,
+    filter_types,
     spark_schema,
     to_spark,  # noqa: F401
 )
@@ -271,8 +272,9 @@ class QuiverReader(DataSourceReader):
 
     def pushFilters(self, filters: Sequence[Any]) -> list[Any]:  # noqa: N802 - Spark's name
         """Keep what can prune files; return every filter, so Spark applies them all."""
+        types = filter_types(self.schema)  # each column's type as Spark reads it
         for f in filters:
-            if (bound := to_bound(f, self.schema)) is not None:
+            if (bound := to_bound(f, types)) is not None:
                 self.bounds.append(bound)
         return list(filters)
 

@@ -5,19 +5,30 @@ wider signed int, uint64 decimal(20, 0); timestamps with a zone become Timestamp
 UTC, without one TimestampNTZType. Spark keeps microseconds: nanoseconds are truncated
 toward zero, as Arrow casts. Files of one client read as one schema (``drift.unify``, or
 the user's ``.schema(...)``) are cast to it safely: a value the cast would change fails.
+
+Only ``spark_schema`` and ``filter_types``, which make or read Spark's types, import
+pyspark (when called); the rest is Arrow and runs without it, on the driver and the
+executors alike.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import types as st
-from pyspark.sql.pandas.types import from_arrow_type
 
 from quiverd.lake.drift import conflict, conform
 
+if TYPE_CHECKING:
+    from pyspark.sql import types as st
+
 
 def spark_schema(schema: pa.Schema) -> st.StructType:
+    """Spark's schema for lake schema ``schema``: each column as Spark reads it."""
+    from pyspark.sql import types as st
+    from pyspark.sql.pandas.types import from_arrow_type
+
     fields = []
     for f in schema:
         try:
@@ -27,6 +38,67 @@ def spark_schema(schema: pa.Schema) -> st.StructType:
                             f"({exc})") from exc
         fields.append(st.StructField(f.name, spark_type, nullable=True))
     return st.StructType(fields)
+
+
+def filter_types(schema: st.StructType) -> dict[str, pa.DataType]:
+    """The Arrow type Spark reads each top-level column of ``schema`` (the reader's)
+    as, for pruning's literals (``pruning.to_bound``). A column of a user-defined type,
+    or of one Arrow has no type for, is left out: it is not pruned."""
+    from pyspark.sql import types as st
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    out: dict[str, pa.DataType] = {}
+    for f in schema.fields:
+        if isinstance(f.dataType, st.UserDefinedType):
+            continue  # its literals are the UDT's Python objects, not its storage type's
+        try:
+            out.setdefault(f.name, to_arrow_type(f.dataType, timezone="UTC"))
+        except TypeError:  # PySparkTypeError: CHAR, VARCHAR, intervals of months, ...
+            continue
+    return out
+
+
+def spark_type_name(field: pa.Field) -> str:
+    """Spark's name (``simpleString``, as in a ``.schema("...")`` DDL) of the type Spark
+    reads lake column ``field`` as: "bigint", "timestamp_ntz", "array<string>". The usual
+    types are named here, without pyspark; the rare rest (times, intervals, decimal256)
+    by ``spark_schema``, which raises TypeError when Spark has no type for it."""
+    name = _simple_name(spark_arrow_type(field.type))
+    if name is None:
+        return str(spark_schema(pa.schema([field]))[0].dataType.simpleString())
+    return name
+
+
+# from_arrow_type's Spark type for each Arrow type, by its simpleString.
+_SIMPLE = {pa.bool_(): "boolean", pa.int8(): "tinyint", pa.int16(): "smallint",
+           pa.int32(): "int", pa.int64(): "bigint", pa.float32(): "float",
+           pa.float64(): "double", pa.string(): "string", pa.binary(): "binary",
+           pa.date32(): "date", pa.null(): "void"}
+
+
+def _simple_name(t: pa.DataType) -> str | None:
+    """``simpleString`` of from_arrow_type(t) for ``t`` already as spark_arrow_type
+    makes it (its structs carry no field metadata: never a variant), None if not here."""
+    if t in _SIMPLE:
+        return _SIMPLE[t]
+    if pa.types.is_fixed_size_binary(t):
+        return "binary"
+    if pa.types.is_decimal128(t):
+        return f"decimal({t.precision},{t.scale})"
+    if pa.types.is_timestamp(t):
+        return "timestamp" if t.tz else "timestamp_ntz"
+    if pa.types.is_list(t):
+        item = _simple_name(t.value_type)
+        return None if item is None else f"array<{item}>"
+    if pa.types.is_map(t):
+        key, value = _simple_name(t.key_type), _simple_name(t.item_type)
+        return None if key is None or value is None else f"map<{key},{value}>"
+    if pa.types.is_struct(t):
+        fields = [(t.field(i).name, _simple_name(t.field(i).type)) for i in range(t.num_fields)]
+        if any(name is None for _, name in fields):
+            return None
+        return "struct<" + ",".join(f"{n}:{name}" for n, name in fields) + ">"
+    return None
 
 
 def spark_arrow_type(t: pa.DataType) -> pa.DataType:
@@ -95,8 +167,7 @@ def drift_error(schema: pa.Schema, found: pa.Schema, file: tuple[str, str],
     fields.update({f.name: f.type for f in found if f.name not in fields})
     scalar = not any(_nested(t) for t in (before, here))
     fields[name] = pa.string() if scalar else fields[name]
-    ddl = ", ".join(f"`{n}` {spark_schema(pa.schema([pa.field(n, t)]))[0].dataType.simpleString()}"
-                    for n, t in fields.items())
+    ddl = ", ".join(f"`{n}` {spark_type_name(pa.field(n, t))}" for n, t in fields.items())
     cast = (f"as STRING, e.g. .schema(\"{ddl}\") (each file's values are cast to the given "
             "types; a value that does not fit fails the read naming its file)"
             if scalar else "with .schema(...) in a type both can be cast to")
@@ -140,6 +211,8 @@ def _cast_fails(column: pa.Array, t: pa.DataType) -> bool:
 # ---- pruning ------------------------------------------------------------------------------
 
 def as_ns(column: pa.Array) -> pa.Array:
+    """A timestamp column as int64 ns since the epoch (the catalog's unit); any other
+    column as it is."""
     if pa.types.is_timestamp(column.type):
         per_unit = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}[column.type.unit]
         return pc.multiply(column.cast(pa.int64()), per_unit)

@@ -28,6 +28,7 @@ from quiverd.spark.reader import (  # noqa: E402
     to_bound,
     to_spark,
 )
+from quiverd.spark.types import filter_types  # noqa: E402
 from tests.daemon.lake_helpers import (  # noqa: E402
     FAST_LAKE,
     lake_contents,
@@ -264,9 +265,11 @@ def test_reader_prune_keeps_exactly_the_files_a_row_of_may_pass() -> None:
 
     from pyspark.sql import types as st
 
-    schema = st.StructType([st.StructField(INGESTED_AT, st.TimestampType()),
-                            st.StructField("n", st.LongType()),
-                            st.StructField("d", st.DecimalType(10, 2))])
+    # The reader's Spark schema, as pushFilters hands it to to_bound (tests/sparkless/
+    # test_pruning.py has the rest, by Arrow type).
+    schema = filter_types(st.StructType([st.StructField(INGESTED_AT, st.TimestampType()),
+                                         st.StructField("n", st.LongType()),
+                                         st.StructField("d", st.DecimalType(10, 2))]))
     v = datetime(2025, 1, 1, tzinfo=UTC)
     v_ns = 1_735_689_600 * 10**9
     # Stored rows at v + 500 ns read as v in Spark: they pass "= v" and "<= v", not "> v".
