@@ -16,13 +16,21 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
+def spark_installed() -> None:
+    """Skips, saying why, unless pyspark and Java are here: for tests that run Spark in
+    processes of their own and need no session (tests/xdist_groups.py SESSIONLESS)."""
     try:
-        from pyspark.sql import SparkSession
+        import pyspark  # noqa: F401
     except ImportError:
         pytest.skip("pyspark is not installed: pip install 'quiverd[spark]' (scripts/setup)")
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("no Java: Spark needs Java 17+ (apt-get install openjdk-17-jre-headless)")
+
+
+@pytest.fixture(scope="session")
+def spark(spark_installed: None) -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"

@@ -125,7 +125,7 @@ def test_stream_daemon_restart_between_batches(spark, daemon_factory, tmp_path):
 
 
 @pytest.mark.timeout(600)  # two local Sparks in child processes, on a busy machine
-def test_stream_killed_mid_stream_restarts_exactly_once(daemon_factory, tmp_path):
+def test_stream_killed_mid_stream_restarts_exactly_once(spark_installed, daemon_factory, tmp_path):
     d = daemon_factory(FAST).start()
     produce(d, range(60))
     wait_for(lambda: finalized(d) == 60, what="60 finalized bundles")

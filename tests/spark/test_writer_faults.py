@@ -100,7 +100,7 @@ DRIVER = textwrap.dedent("""
 
 
 def test_driver_killed_before_the_commit_leaves_nothing_visible_after_the_ttl(
-        daemon_factory: Any, spark: Any, tmp_path: Path) -> None:
+        daemon_factory: Any, spark_installed: None, tmp_path: Path) -> None:
     d = daemon_factory({**FAST, "staging.ttl_s": 2}).start()
     add(d, "x")
     gate = tmp_path / "gate"
