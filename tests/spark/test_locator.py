@@ -1,11 +1,12 @@
 """One way to name the daemon (quiverd.spark.locator): a socket or a config, for the reader
-and the writer alike; given only the socket, the reader asks the daemon where its lake is."""
+and the writer alike; given only the socket, the reader asks the daemon where its lake is.
+The parts that need no daemon and no Spark (defaults, the writer's sockets, a JOB lake
+answer as a config) are in tests/sparkless/test_locator.py."""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from quiverd.kernel.config import load  # noqa: E402
 from quiverd.kernel.errors import ConfigError, DaemonUnreachable, ProtocolError  # noqa: E402
 from quiverd.protocol.frames import ErrorCode  # noqa: E402
 from quiverd.spark import locator  # noqa: E402
-from quiverd.spark.locator import Locator, config_of, resolve, writer_sockets  # noqa: E402
+from quiverd.spark.locator import Locator, resolve  # noqa: E402
 from quiverd.spark.objects import open_object  # noqa: E402
 from quiverd.spark.paths import local_paths  # noqa: E402
 from quiverd.spark.reader import Lake, Selection  # noqa: E402
@@ -27,44 +28,8 @@ from tests.daemon.test_lake_pg_s3 import _s3_settings  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture
-def nowhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """No $QUIVERD_SOCKET, and the default socket and config moved under tmp_path."""
-    monkeypatch.delenv(locator.SOCKET_ENV, raising=False)
-    monkeypatch.setattr(locator, "DEFAULT_SOCKET", str(tmp_path / "ingest.sock"))
-    monkeypatch.setattr(locator, "DEFAULT_CONFIG", str(tmp_path / "config.toml"))
-    return tmp_path
-
-
-def test_locator_defaults_in_order_and_the_error_names_each_one_tried(
-        nowhere: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError) as info:
-        locator.defaults(Locator())
-    text = str(info.value)
-    for tried in ('option "socket"', "$QUIVERD_SOCKET not set", str(nowhere / "ingest.sock"),
-                  str(nowhere / "config.toml")):
-        assert tried in text, tried
-    (nowhere / "config.toml").write_text(f'data_dir = "{nowhere}"\n')
-    assert locator.defaults(Locator()) == ("", str(nowhere / "config.toml"),
-                                           " (the default config)")
-    (nowhere / "ingest.sock").touch()
-    assert locator.defaults(Locator())[:2] == (str(nowhere / "ingest.sock"), "")
-    monkeypatch.setenv(locator.SOCKET_ENV, "/run/q.sock")
-    assert locator.defaults(Locator()) == ("/run/q.sock", "", " (from $QUIVERD_SOCKET)")
-    assert locator.defaults(Locator(config="/c.toml")) == ("", "/c.toml", "")
-    located = resolve({"CONFIG": str(nowhere / "config.toml")})
-    assert located.socket == str(nowhere / "ingest.sock") and located.config_path
-
-
-def test_locator_one_daemon_named_once() -> None:
-    with pytest.raises(ValueError, match='"socket" .* and "config" .* both name the daemon'):
-        Locator.parse({"socket": "/a.sock", "config": "/c.toml"})
-    with pytest.raises(ValueError, match='"config" and "path" both name the daemon'):
-        writer_sockets({"path": "/a.sock", "config": "/c.toml"})
-    with pytest.raises(ValueError, match='"path" .* and "socket" .* name two sockets'):
-        writer_sockets({"path": "/a.sock", "socket": "/b.sock"})
-    assert writer_sockets({"path": "/a.sock", "socket": "/a.sock"}) == (("/a.sock",), "")
-    assert writer_sockets({"socket": "/b.sock"}) == (("/b.sock",), "")
+def test_locator_reader_names_one_client_and_refuses_unknown_options() -> None:
+    # The daemon named once, by the writer and Locator.parse: tests/sparkless/test_locator.py.
     with pytest.raises(ValueError, match='load\\("web"\\) names client .web., option '
                        '"client" .app.'):
         Selection.parse({"path": "web", "client": "app"})
@@ -72,28 +37,6 @@ def test_locator_one_daemon_named_once() -> None:
     with pytest.raises(ValueError, match='unknown option "sinse" for spark.read.format'
                        '\\("quiver"\\); did you mean "since"'):
         Selection.parse({"client": "web", "sinse": "2025-01-01"})
-
-
-def test_locator_writer_default_socket_says_how_it_was_chosen(nowhere: Path) -> None:
-    sockets, why = writer_sockets({})
-    assert sockets == (str(nowhere / "ingest.sock"),) and "$QUIVERD_SOCKET not set" in why
-    (nowhere / "config.toml").write_text(f'data_dir = "{nowhere}/d"\n')
-    assert writer_sockets({}) == ((f"{nowhere}/d/ingest.sock",),
-                                  f" (from {nowhere / 'config.toml'})")
-
-
-def test_locator_withheld_s3_keys_let_the_reader_use_its_environment() -> None:
-    info = {"data_dir": "/srv/q", "node_id": "n",
-            "catalog": {"dsn": "postgresql://quiver@db/lake", "file": ""},
-            "lake": {"time_column": "ts", "store": {
-                "scheme": "s3", "root": "p", "options": {"bucket": "b", "region": "r"}}},
-            "withheld": ["lake.store.options.secret_access_key"]}
-    cfg = config_of(info)
-    assert cfg.catalog.dsn == "postgresql://quiver@db/lake" and cfg.lake.time_column == "ts"
-    assert cfg.lake.store.options == {"bucket": "b", "region": "r",
-                                      "disable_config_load": "false"}
-    info["withheld"] = []
-    assert "disable_config_load" not in config_of(info).lake.store.options
 
 
 def test_locator_reader_given_only_the_socket_reads_what_the_writer_wrote(

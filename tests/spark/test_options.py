@@ -1,6 +1,6 @@
 """Unknown options are refused with a did-you-mean, by the reader and the writer, under a
 real Spark (which passes them as the user spelled them); the names Spark adds itself
-are never refused."""
+are never refused. The refusal itself, without Spark: tests/sparkless/test_options.py."""
 
 from __future__ import annotations
 
@@ -11,23 +11,7 @@ import pytest
 
 pytest.importorskip("pyspark", reason="pip install 'quiverd[spark]' (scripts/setup)")
 
-from quiverd.spark.options import READ, STREAM_READ, WRITE, refuse_unknown  # noqa: E402
-from quiverd.spark.writer import WriteOptions  # noqa: E402
-
 pytestmark = pytest.mark.timeout(120)
-
-
-def test_options_refuse_unknown_names_the_closest_and_ignores_case() -> None:
-    refuse_unknown({"Client": "w", "SINCE": "1", "checkpointLocation": "/c"},
-                   READ | {"checkpointlocation"}, "r")
-    with pytest.raises(ValueError, match='unknown option "batch_row" for df.write.format'
-                       '\\("quiver"\\); did you mean "batch_rows"\\? \\(known: '):
-        WriteOptions.parse({"batch_row": "5"})
-    with pytest.raises(ValueError, match='unknown option "zzz" for w \\(known: '):
-        refuse_unknown({"zzz": 1}, WRITE, "w")
-    assert not any(n.startswith("_") for n in STREAM_READ)
-    with pytest.raises(ValueError, match='"if_committed" must be one of skip, verify, error'):
-        WriteOptions.parse({"if_committed": "ignore"})
 
 
 def test_options_unknown_read_and_write_options_fail_in_spark_with_a_did_you_mean(

@@ -1,6 +1,7 @@
 """``df.write.format("quiver")`` exactly once (SPEC §7): Spark in local mode writes into
-real daemons; a subscriber sees what was published. The chunking, checksum and commit
-logic is also checked on its own, without Spark or a daemon, first."""
+real daemons; a subscriber sees what was published. The commit logic is also checked on
+its own, without Spark or a daemon, first (the chunking and checksum, without pyspark, in
+tests/sparkless/test_chunks.py)."""
 
 from __future__ import annotations
 
@@ -20,21 +21,15 @@ import pytest
 pytest.importorskip("pyspark", reason="pip install 'quiverd[spark]' (scripts/setup)")
 
 from quiverd.client import Client, subscribe  # noqa: E402 - after the skip
-from quiverd.kernel.bundle import TxnTag, read_ipc_stream  # noqa: E402
-from quiverd.kernel.crc import crc32c  # noqa: E402
 from quiverd.kernel.errors import ConfigError  # noqa: E402
 from quiverd.kernel.jobs import Winner  # noqa: E402
 from quiverd.net.admin import request  # noqa: E402
 from quiverd.spark.writer import (  # noqa: E402
-    AttemptStream,
     QuiverCommitMessage,
     QuiverWriter,
-    RowTooLarge,
     WriteOptions,
     WriteRefused,
-    encode_bounded,
     query_id_of,
-    rechunk,
     winners_of,
 )
 from tests.daemon.lake_helpers import (  # noqa: E402
@@ -52,59 +47,11 @@ FAST = {"shards": 2, "segment.max_open_duration_ms": 50, "staging.poll_interval_
 
 # --- without Spark or a daemon --------------------------------------------------------------
 
-def batch(start: int, n: int) -> pa.RecordBatch:
-    ids = pa.array(range(start, start + n), pa.int64())
-    return pa.record_batch([ids, pc.cast(ids, pa.utf8())], ["id", "s"])
-
-
-def test_rechunk_bounds_rows_and_bytes_and_keeps_every_row_in_order() -> None:
-    batches = [batch(0, 10), batch(10, 0), batch(10, 25), batch(35, 3)]
-    chunks = list(rechunk(batches, max_rows=8, max_bytes=1 << 20))
-    assert [sum(b.num_rows for b in c) for c in chunks] == [8, 8, 8, 8, 6]
-    ids = [i for c in chunks for b in c for i in b["id"].to_pylist()]
-    assert ids == list(range(38))
-    by_bytes = list(rechunk([batch(0, 1000)], max_rows=10_000, max_bytes=4000))
-    # Bytes are estimated from the batch's average row: about, not exactly, 4000.
-    assert len(by_bytes) >= 3
-    assert all(sum(b.nbytes for b in c) <= 4000 * 1.25 for c in by_bytes)
-    assert sum(b.num_rows for c in by_bytes for b in c) == 1000
-    assert [len(c) for c in rechunk([batch(0, 3)], max_rows=5, max_bytes=1)] == [1, 1, 1]
-
-
-def test_encode_bounded_halves_a_chunk_until_it_fits() -> None:
-    group = [batch(0, 600), batch(600, 400)]
-    whole = list(encode_bounded(group, 1 << 20))
-    assert len(whole) == 1 and whole[0][1] == 1000
-    parts = list(encode_bounded(group, whole[0][0].nbytes // 3))
-    assert len(parts) > 2 and all(ipc.nbytes <= whole[0][0].nbytes // 3 for ipc, _ in parts)
-    back = pa.concat_tables([read_ipc_stream(ipc) for ipc, _ in parts])
-    assert back["id"].to_pylist() == list(range(1000))
-    assert [rows for _, rows in parts] == [len(read_ipc_stream(i)) for i, _ in parts]
-
-
-def test_attempt_stream_tags_offsets_and_chains_the_checksum_over_what_is_sent() -> None:
-    stream = AttemptStream(TxnTag(job_id="j", partition=3, attempt=42, row_offset=0))
-    items = list(stream.items(rechunk([batch(0, 10)], max_rows=4, max_bytes=1 << 20), 1 << 20))
-    assert [tag.row_offset for _, tag in items] == [0, 4, 8]
-    assert {(t.job_id, t.partition, t.attempt) for _, t in items} == {("j", 3, 42)}
-    crc = 0
-    for payload, _ in items:
-        crc = crc32c(payload.ipc, crc)
-    assert (stream.rows, stream.checksum) == (10, crc)
-
-
 def message(partition: int, job_id: str = "j", **kw: Any) -> QuiverCommitMessage:
     fields = {"job_id": job_id, "partition": partition, "task_attempt_id": 10 + partition,
               "attempt_number": 0, "stage_id": 1, "rows": 5, "checksum": 7, "node_id": "n",
               "shard": 0, "sequence": 1, **kw}
     return QuiverCommitMessage(**fields)
-
-
-def test_encode_bounded_refuses_one_row_larger_than_the_limit() -> None:
-    big = pa.record_batch([pa.array([3], pa.int64()), pa.array(["x" * 5000])], ["id", "s"])
-    with pytest.raises(RowTooLarge,
-                       match=r"a row of \d+ bytes .* ingest\.max_bundle_bytes of 4096:"):
-        list(encode_bounded([batch(0, 3), big], 4096))
 
 
 def test_winners_of_raises_the_reason_of_a_refused_attempt() -> None:
