@@ -5,6 +5,7 @@ unimportable, and reports each attempt to import it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,10 @@ def test_sparkless_tests_pass_with_pyspark_absent_and_never_import_it(tmp_path: 
     # one process, so the finder is in the interpreter that runs every test.
     args = [str(HERE.parent), f"--ignore={HERE}", "-q", "-p", "no:cacheprovider",
             "-p", "no:xdist"]
+    # Without PYTEST_ADDOPTS: options meant for the outer run (-n) must not reach it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     proc = subprocess.run([sys.executable, "-c", CHILD, str(result), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(result.read_text())
     assert report["asked"] == [], f"pyspark was imported: {report['asked']}"
