@@ -40,6 +40,7 @@ ORDER = ("spark", "cluster", "loop")
 SESSIONLESS = (  # node-id prefixes under tests/spark/ that need no Spark session
     "tests/spark/test_writer_commit_outage.py",
     "tests/spark/test_writer_incarnation.py",
+    "tests/spark/test_spark_types.py",
     "tests/spark/test_stream_source.py::test_stream_killed_mid_stream_restarts_exactly_once",
     "tests/spark/test_writer_faults.py::test_driver_killed_before_the_commit_leaves_nothing_",
 )
