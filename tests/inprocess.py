@@ -12,26 +12,36 @@ What it cannot do, and says so when asked: be killed or signalled (a test proces
 cannot lose one thread), fault rules that kill (``kill:``, they would SIGKILL pytest),
 an environment of its own. structlog's configuration is process-wide, so one runs at a
 time per test process (a second start is an error naming the way out:
-``in_process=False``). After each stop no file or socket under its root, event loop
-descriptor or child process it started may be left open; the fixture's teardown then
-checks that every thread started meanwhile has ended (``check_threads``).
+``in_process=False``). After each stop (and a garbage collection: a subprocess's exit
+closes everything, here only what is freed is) no file or socket under its root and no
+child process of its event loop may be left; the fixture's teardown then checks that
+every thread started meanwhile has ended (``check_threads``). Event loop descriptors are
+not counted: OpenDAL's runtime (epoll, eventfd) is the process's, made once and shared
+by every daemon after the first, as a library's state is meant to be; each daemon's own
+loop is closed by ``anyio.run`` on a thread that must have ended.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Collection
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from quiverd.kernel import config as config_mod
 from quiverd.kernel.errors import ConfigError
+from quiverd.kernel.layout import DataDir
 from quiverd.runtime.serve import EXIT_CONFIG, InProcess, serve
 from tests.conftest import START_TIMEOUT_S, DaemonProcess
 
+# The catalog database (catalog.sqlite, -wal, -shm): tests read it themselves, and
+# pyiceberg's SQLAlchemy pool keeps its connections, so its descriptors are not the
+# daemon's to answer for (its own connection is closed by Catalog.close at the stop).
+CATALOG_DB = DataDir(Path("/")).catalog_db.name
 THREADS_GRACE_S = 5.0  # anyio's idle workers end just after their loop: not a leak
 _slot = threading.Lock()  # held by the one in-process daemon running in this process
 
@@ -48,8 +58,8 @@ class InProcessDaemon(DaemonProcess):
         self.error: BaseException | None = None
         self._control: InProcess | None = None
         self._log_file: IO[str] | None = None
-        self._fds_at_start: dict[int, str] = {}
-        self._children_at_start: set[int] = set()
+        self._fds_at_start: dict[int, tuple[int, int]] = {}
+        self._children_left: list[int] = []
 
     @property
     def proc(self) -> NoReturn:
@@ -68,8 +78,7 @@ class InProcessDaemon(DaemonProcess):
             raise RuntimeError(
                 "another in-process daemon runs in this test process (structlog is configured "
                 "process-wide, so one at a time): make this one with in_process=False")
-        self._fds_at_start = _open_fds()
-        self._children_at_start = _children()
+        self._fds_at_start = {fd: identity for fd, (_, identity) in _open_fds().items()}
         self.socket.unlink(missing_ok=True)
         self._log_file = open(self.log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._control = InProcess(self._log_file, faults=faults)
@@ -93,6 +102,10 @@ class InProcessDaemon(DaemonProcess):
             self.code = serve(cfg, in_process=control)
         except BaseException as exc:  # noqa: BLE001 - a bug in serve: stop() raises it
             self.error = exc
+        # The event loop ran on this thread, so its child processes (the Iceberg
+        # worker) are this thread's: none may outlive serve.
+        with open("/proc/thread-self/children") as f:
+            self._children_left = [int(pid) for pid in f.read().split()]
 
     @property
     def running(self) -> bool:
@@ -155,33 +168,46 @@ class InProcessDaemon(DaemonProcess):
         return self.code
 
     def _check_closed(self) -> None:
-        """Nothing of this daemon may stay open once serve returned."""
+        """Nothing of this daemon may stay open once serve returned and its objects were
+        collected: a subprocess's exit closes everything, here only what is freed is."""
+        gc.collect()  # its segment readers' maps, held in reference cycles, close now
         root = str(self.root)
         bound = _unix_socket_paths()
         left = []
-        for fd, target in _open_fds().items():
-            if self._fds_at_start.get(fd) == target:
-                continue
-            if (target.startswith(root + "/") or bound.get(target, "").startswith(root + "/")
-                    or target in ("anon_inode:[eventpoll]", "anon_inode:[eventfd]")):
+        for fd, (target, identity) in _open_fds().items():
+            if self._fds_at_start.get(fd) == identity:
+                continue  # the test's own, open before the start (perhaps renamed since)
+            if Path(target).name.startswith(CATALOG_DB):
+                continue  # the test's own catalog readers (pyiceberg's SQLAlchemy pool)
+            if target.startswith(root + "/") or bound.get(target, "").startswith(root + "/"):
                 left.append(f"fd {fd} -> {target} {bound.get(target, '')}".rstrip())
-        children = _children() - self._children_at_start
-        if left or children:
+        if left or self._children_left:
             raise AssertionError(f"the in-process daemon in {root} left open: {left}; "
-                                 f"child processes still running: {sorted(children)}")
+                                 f"child processes left: {self._children_left}")
 
 
-def check_threads(before: Collection[threading.Thread], grace_s: float = THREADS_GRACE_S
+def check_threads(before: set[threading.Thread], grace_s: float = THREADS_GRACE_S
                   ) -> None:
     """Every thread started since ``before`` has ended (a short grace for anyio's idle
-    workers, which end just after their loop); fail naming those that did not."""
+    workers, which end just after their loop); fail naming those that did not.
+
+    pyiceberg's pool is not counted: the test's own Iceberg reads start it, and it is the
+    process's for good (``ExecutorFactory``), whoever started it.
+    """
+    shared = before | _pyiceberg_pool()
     deadline = time.monotonic() + grace_s
     for thread in threading.enumerate():
-        if thread not in before:
+        if thread not in shared:
             thread.join(max(0.0, deadline - time.monotonic()))
-    left = [t.name for t in threading.enumerate() if t not in before]
+    left = [t.name for t in threading.enumerate() if t not in shared]
     if left:
         raise AssertionError(f"threads left running after the in-process daemons stopped: {left}")
+
+
+def _pyiceberg_pool() -> set[threading.Thread]:
+    concurrent = sys.modules.get("pyiceberg.utils.concurrent")
+    pool = concurrent.ExecutorFactory._instance if concurrent is not None else None
+    return set(getattr(pool, "_threads", ()))
 
 
 def _refuse(what: str) -> NoReturn:
@@ -189,11 +215,13 @@ def _refuse(what: str) -> NoReturn:
                     "(a subprocess) in a test that kills, signals or needs its own process")
 
 
-def _open_fds() -> dict[int, str]:
+def _open_fds() -> dict[int, tuple[str, tuple[int, int]]]:
+    """fd -> (what it points to, its (device, inode))."""
     out = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+            st = os.stat(f"/proc/self/fd/{name}")
+            out[int(name)] = (os.readlink(f"/proc/self/fd/{name}"), (st.st_dev, st.st_ino))
         except OSError:
             pass  # closed meanwhile (the listing's own descriptor among them)
     return out
@@ -209,14 +237,3 @@ def _unix_socket_paths() -> dict[str, str]:
             if len(fields) >= 8:
                 out[f"socket:[{fields[6]}]"] = fields[7]
     return out
-
-
-def _children() -> set[int]:
-    found: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/children") as f:
-                found.update(int(pid) for pid in f.read().split())
-        except OSError:
-            pass
-    return found
