@@ -140,8 +140,7 @@ def wait_degraded(d: DaemonProcess, part: str, timeout: float = 30) -> dict[str,
         try:
             lake: dict[str, Any] = d.status()["lake"]
         except QuiverError as exc:
-            d.proc.poll()
-            raise AssertionError(f"daemon gone ({d.proc.returncode}):\n{d.log()[-3000:]}"
+            raise AssertionError(f"daemon gone (running: {d.running}):\n{d.log()[-3000:]}"
                                  ) from exc
         if part in lake.get("degraded", {}):
             return lake

@@ -24,7 +24,7 @@ def quiverd(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def test_send_ipc_and_parquet_files_one_bundle_per_batch(daemon_factory, tmp_path):
-    d = daemon_factory({"segment.max_open_duration_ms": 100}).start()
+    d = daemon_factory({"segment.max_open_duration_ms": 100}, in_process=True).start()
     table = pa.concat_tables([tagged_table(i) for i in range(5)])
     ipc = tmp_path / "t.arrow"
     with pa.ipc.new_file(ipc, table.schema) as w:
@@ -77,7 +77,7 @@ def test_kill_9_then_wal_dump_shows_every_acknowledged_bundle(daemon_factory):
 
 
 def test_segments_list_and_segment_dump(daemon_factory):
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}).start()
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}, in_process=True).start()
     from quiverd.client import Client
 
     with Client.connect(d.socket) as c:
@@ -109,7 +109,7 @@ def test_check_config_names_the_bad_key(tmp_path):
 def test_send_parquet_cuts_row_groups_to_fit_max_bundle_bytes(daemon_factory, tmp_path):
     limit = 128 * 1024
     d = daemon_factory({"ingest.max_bundle_bytes": limit,
-                        "segment.max_open_duration_ms": 100}).start()
+                        "segment.max_open_duration_ms": 100}, in_process=True).start()
     table = pa.concat_tables([tagged_table(i, rows=5000, text_bytes=16) for i in range(6)])
     parquet = tmp_path / "big.parquet"
     pq.write_table(table, parquet, row_group_size=10_000)  # 3 row groups of ~400 KB
@@ -130,7 +130,7 @@ def test_send_parquet_cuts_row_groups_to_fit_max_bundle_bytes(daemon_factory, tm
 
 
 def test_send_with_a_bad_client_name_is_one_line_not_a_traceback(daemon_factory, tmp_path):
-    d = daemon_factory().start()
+    d = daemon_factory(in_process=True).start()
     f = tmp_path / "t.arrow"
     with pa.ipc.new_file(f, tagged_table(0).schema) as w:
         w.write_table(tagged_table(0))
@@ -169,7 +169,7 @@ def _like_head_1(args: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("unbuffered", [True, False])
 def test_stdout_reader_gone_exits_quietly_with_141(daemon_factory, tmp_path, unbuffered):
-    d = daemon_factory().start()
+    d = daemon_factory(in_process=True).start()
     f = tmp_path / "t.arrow"
     with pa.ipc.new_file(f, tagged_table(0).schema) as w:
         for i in range(3):

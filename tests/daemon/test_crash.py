@@ -92,7 +92,8 @@ def test_kill_9_at_random_moments_loses_no_acknowledged_bundle(daemon_factory):
 def test_no_ack_leaves_before_its_covering_fdatasync(daemon_factory, short_dir):
     """A gate stalls every WAL fdatasync: while it is closed, no ack may arrive."""
     gate = short_dir / "gate"
-    d = daemon_factory({"wal.flush_interval_ms": 5}).start(faults=f"wal.fdatasync=gate:{gate}")
+    d = daemon_factory({"wal.flush_interval_ms": 5},
+                       in_process=True).start(faults=f"wal.fdatasync=gate:{gate}")
 
     async def scenario() -> None:
         async with await AsyncClient.connect(d.socket) as c:

@@ -150,7 +150,8 @@ def test_disk_full_is_backpressure_and_ingest_resumes_when_space_returns(
         daemon_factory: Any, short_dir: Path, at_capacity: str) -> None:
     d = daemon_factory({"shards": 1, "wal.at_capacity": at_capacity,
                         "segment.target_size_bytes": 4 * MiB,
-                        "segment.max_open_duration_ms": 2000, "metrics.listen": "127.0.0.1:0"})
+                        "segment.max_open_duration_ms": 2000, "metrics.listen": "127.0.0.1:0"},
+                       in_process=True)
     with mounted_image(d.data_dir, short_dir / "disk.img", "ext4", 128 * MiB):
         ballast = d.data_dir / "ballast"
         fill(ballast, 32 * MiB)
@@ -182,7 +183,7 @@ def test_disk_full_is_backpressure_and_ingest_resumes_when_space_returns(
                 print("NOTE: the open segment was empty when the disk filled up")
             time.sleep(0.5)
             held_for_1s = acked_count(producers) - held_at
-            assert d.proc is not None and d.proc.poll() is None, "the daemon exited"
+            assert d.running, "the daemon exited"
             assert all(p.error is None for p in producers), [p.error for p in producers]
             ballast.unlink()
             filler.unlink()

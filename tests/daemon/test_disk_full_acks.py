@@ -30,7 +30,7 @@ N = 300  # their acks outgrow the last page ack.log has: appends find no space
 def test_daemon_starts_on_a_full_disk_serves_a_drain_and_resumes_when_space_returns(
         daemon_factory: Any, short_dir: Path, lake: bool) -> None:
     d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50,
-                        "subscribers": [], "lake.enabled": lake})
+                        "subscribers": [], "lake.enabled": lake}, in_process=True)
     with mounted_tmpfs(d.data_dir, 64 * MiB):
         d.start()
         add(d, "sub")
@@ -44,7 +44,7 @@ def test_daemon_starts_on_a_full_disk_serves_a_drain_and_resumes_when_space_retu
         got = consume(d, "sub", want=N)
         assert sorted(b.tables[0].column("tag")[0].as_py() for b in got) == list(range(N))
         wait_for(lambda: bool(d.events("acklog_disk_full")), 10)
-        assert d.proc is not None and d.proc.poll() is None, d.log()[-3000:]
+        assert d.running, d.log()[-3000:]
         ballast.unlink()
         wait_for(lambda: bool(d.events("acklog_disk_space_back")), 30)
         with Client.connect(d.socket) as c:
@@ -61,7 +61,7 @@ def test_daemon_starts_on_a_full_disk_serves_a_drain_and_resumes_when_space_retu
 
 def test_deleted_marker_without_space_waits_and_deletes_once_space_returns(
         daemon_factory: Any, short_dir: Path) -> None:
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50})
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}, in_process=True)
     with mounted_tmpfs(d.data_dir, 64 * MiB):
         d.start()
         add(d, "sub")
@@ -74,7 +74,7 @@ def test_deleted_marker_without_space_waits_and_deletes_once_space_returns(
         consume(d, "sub", want=4)  # 4 acks fit in ack.log's last page; the marker does not
         wait_for(lambda: bool(d.events("segment_delete_deferred")), 10)
         time.sleep(0.3)
-        assert d.proc is not None and d.proc.poll() is None, d.log()[-3000:]
+        assert d.running, d.log()[-3000:]
         [deferred] = d.events("segment_delete_deferred")[:1]
         assert deferred["no_space"] is True and deferred["path"].endswith("DELETED")
         assert list((d.data_dir / "shard-0/segments").glob("*.qseg"))  # kept meanwhile

@@ -20,7 +20,7 @@ REFUSE = "finalize=raise:encode_sequence_6"
 
 def test_bundle_that_breaks_finalize_is_quarantined_reported_and_the_rest_delivered(
         daemon_factory: Any) -> None:
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 300})
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 300}, in_process=True)
     d.start(faults=REFUSE)
     add(d, "s")
     acks = produce(d, list(range(6)))  # one segment: sequences 1..6, tags 0..5
@@ -28,7 +28,7 @@ def test_bundle_that_breaks_finalize_is_quarantined_reported_and_the_rest_delive
     wait_for(lambda: bool(d.events("bundles_lost")), 10)
     got = consume(d, "s", want=5)
     assert sorted(b.tables[0].column("tag")[0].as_py() for b in got) == [0, 1, 2, 3, 4]
-    assert d.proc is not None and d.proc.poll() is None, d.log()[-3000:]
+    assert d.running, d.log()[-3000:]
     [lost] = d.events("bundles_lost")
     assert (lost["first_sequence"], lost["last_sequence"]) == (6, 6) and "injected" in lost[
         "error"]

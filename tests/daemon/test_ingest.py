@@ -22,7 +22,7 @@ from tests.daemon.helpers import stored_bundles, tagged_table
 
 
 def test_daemon_acks_bundles_and_stores_them_byte_identical(daemon_factory):
-    d = daemon_factory({"segment.max_open_duration_ms": 100}).start()
+    d = daemon_factory({"segment.max_open_duration_ms": 100}, in_process=True).start()
     sent = {}
     with Client.connect(d.socket) as c:
         for client in ("web", "app", "db"):
@@ -40,7 +40,7 @@ def test_daemon_acks_bundles_and_stores_them_byte_identical(daemon_factory):
 
 
 def test_one_clients_order_is_kept_on_one_shard(daemon_factory):
-    d = daemon_factory({"shards": 2}).start()
+    d = daemon_factory({"shards": 2}, in_process=True).start()
     with Client.connect(d.socket) as c:
         acks = c.send_many([tagged_table(i) for i in range(50)], client="ordered")
     assert len({a.shard for a in acks}) == 1
@@ -125,7 +125,7 @@ def _hello(s) -> None:
                                   "ipc_token", "ipc_body", "ipc_zstd"])
 def test_bad_input_gets_an_error_frame_and_others_are_unaffected(daemon_factory, case):
     d = daemon_factory({"ingest.max_bundle_bytes": 1 << 20,
-                        "wal.max_entry_bytes": 2 << 20}).start()
+                        "wal.max_entry_bytes": 2 << 20}, in_process=True).start()
     with Client.connect(d.socket) as good:
         good.send(tagged_table(0), client="good")
         bad = _raw_connect(d.socket)
@@ -226,7 +226,7 @@ def _as_nobody(action) -> str:
 
 
 def test_client_refuses_reserved_slot_before_sending(daemon_factory):
-    d = daemon_factory().start()
+    d = daemon_factory(in_process=True).start()
     with Client.connect(d.socket) as c, pytest.raises(ValueError, match="slot 63"):
         c.send({63: tagged_table(0)}, client="x")
 
@@ -243,7 +243,7 @@ def test_reserved_column_prefix_is_refused_at_ingest_with_the_column_named(
     from quiverd.client import IpcPayload
     from quiverd.kernel.errors import ProtocolError
 
-    d = daemon_factory().start()
+    d = daemon_factory(in_process=True).start()
     data = pa.table({"a": [1], name: column})
     with Client.connect(d.socket) as c:
         ok = c.send(pa.table({"a": [1], "quiver_x": [2], "x_quiver_": [3]}), client="w")
@@ -265,7 +265,7 @@ def test_reserved_column_prefix_is_refused_at_ingest_with_the_column_named(
 
 def test_silent_connections_cannot_lock_producers_out(daemon_factory):
     d = daemon_factory({"ingest.max_connections": 8, "ingest.max_connections_per_uid": 8,
-                        "ingest.handshake_timeout_ms": 1000}).start()
+                        "ingest.handshake_timeout_ms": 1000}, in_process=True).start()
     silent = [_raw_connect(d.socket) for _ in range(8)]  # never send HELLO
     late = _raw_connect(d.socket)
     _hello(late)
@@ -348,7 +348,8 @@ def test_one_uid_stalling_64_mib_frames_does_not_keep_its_own_fresh_connection_w
     from any ACK for 90 s: 4 held its share (256 MiB, half the default budget), 5 waited
     untimed behind them, and each wave stalled for a whole idle timeout in turn."""
     mib = 1 << 20
-    d = daemon_factory({"ingest.idle_timeout_ms": 4000}).start()  # default budget sizes
+    d = daemon_factory({"ingest.idle_timeout_ms": 4000},
+                       in_process=True).start()  # default budget sizes
     stalled = []
     try:
         for _ in range(9):  # each announces a 64 MiB bundle, sends 64 KiB of it, stalls
@@ -457,7 +458,7 @@ def _stall_half_sent_bundles(d: Any, peers: list[list[Any]], before: int) -> Non
 def test_subscriber_gets_an_error_frame_for_bad_frames_and_a_late_subscribe(daemon_factory):
     from quiverd.net.admin import request
 
-    d = daemon_factory({"ingest.handshake_timeout_ms": 500}).start()
+    d = daemon_factory({"ingest.handshake_timeout_ms": 500}, in_process=True).start()
     request(d.admin_socket, "subscribers.add", {"name": "sub"})
     s = _raw_connect(d.socket)
     s.sendall(protocol.encode_hello(protocol.Role.SUBSCRIBER) + protocol.encode_subscribe("sub", 4)

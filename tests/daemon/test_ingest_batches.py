@@ -115,7 +115,7 @@ def tag_of(stored: Any) -> int:
 
 
 def test_one_read_batch_for_both_shards_is_acked_per_shard_in_order_and_stored(daemon_factory):
-    d = daemon_factory({"shards": 2}).start()
+    d = daemon_factory({"shards": 2}, in_process=True).start()
     clients = (client_on(0), client_on(1))
     sent = {rid: (clients[rid % 2], tagged_table(rid, rows=10 + rid)) for rid in range(1, 13)}
     wire = Wire(d.socket)

@@ -122,7 +122,8 @@ def test_report_fatal_maps_io_errors_to_the_durability_exit(group):
                                            ("finalize.floor_tmp_written=enospc@1", "ENOSPC")])
 def test_segment_write_failure_is_retried_and_daemon_keeps_running(daemon_factory, fault,
                                                                    errname):
-    d = daemon_factory({**SMALL_WAL, "metrics.listen": "127.0.0.1:0"}).start(faults=fault)
+    d = daemon_factory({**SMALL_WAL, "metrics.listen": "127.0.0.1:0"},
+                       in_process=True).start(faults=fault)
     listening = first_event(d, "metrics_listening")
     acked = send_until_gone(d, 60)
     assert len(acked) == 60
@@ -133,7 +134,7 @@ def test_segment_write_failure_is_retried_and_daemon_keeps_running(daemon_factor
     assert samples["quiver_segment_write_failures_total"][(("shard", "0"),)] >= 1
     if errname == "ENOSPC":
         assert samples["quiver_disk_full_total"][(("file", "segment"), ("shard", "0"))] >= 1
-    assert d.proc is not None and d.proc.poll() is None
+    assert d.running
     assert d.stop() == 0
     assert not d.events("quiverd_fatal_durability") and "Traceback" not in d.log()
     assert_all_stored(d.data_dir, acked)
@@ -141,7 +142,7 @@ def test_segment_write_failure_is_retried_and_daemon_keeps_running(daemon_factor
 
 
 def test_wal_write_without_space_is_held_then_written_with_contiguous_sequences(daemon_factory):
-    d = daemon_factory(SMALL_WAL).start(faults="wal.write=enospc@3-6")
+    d = daemon_factory(SMALL_WAL, in_process=True).start(faults="wal.write=enospc@3-6")
     acked = send_until_gone(d, 40)
     assert len(acked) == 40
     assert d.stop() == 0
@@ -153,7 +154,8 @@ def test_wal_write_without_space_is_held_then_written_with_contiguous_sequences(
 
 
 def test_sidecar_without_space_defers_the_release(daemon_factory):
-    d = daemon_factory(SMALL_WAL).start(faults="wal.sidecar_tmp_written=enospc@1-2")
+    d = daemon_factory(SMALL_WAL, in_process=True)
+    d.start(faults="wal.sidecar_tmp_written=enospc@1-2")
     acked = send_until_gone(d, 80)
     assert len(acked) == 80
     first_event(d, "wal_release_done")

@@ -83,7 +83,7 @@ def stream_tags_until(d: Any, want: int, timeout_s: float) -> tuple[list[int], l
 
 def test_a_killed_writers_job_expires_within_the_writer_timeout_and_the_stream_moves_on(
         daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     writer = start_writer(d, "dead-job")
     produce(d, [100])  # after the staged bundles, in the same shard: held behind them
     with RangedReader.connect(d.socket, timeout=30) as r:
@@ -114,7 +114,7 @@ def test_a_killed_writers_job_expires_within_the_writer_timeout_and_the_stream_m
 def test_a_slow_live_writer_keeps_its_job_with_keepalives_past_the_idle_timeout(
         daemon_factory):
     d = daemon_factory({**FAST, "staging.writer_timeout_s": 1,
-                        "ingest.idle_timeout_ms": 1000}).start()
+                        "ingest.idle_timeout_ms": 1000}, in_process=True).start()
     with Client.connect(d.socket) as c:
         first = c.keepalive("slow")  # before any row: the job is held
         assert first.keepalive_ms == 250 and first.state == "unknown"
@@ -139,7 +139,7 @@ def test_a_slow_live_writer_keeps_its_job_with_keepalives_past_the_idle_timeout(
 
 def test_jobs_list_and_abort_from_the_cli_release_a_waiting_stream(daemon_factory):
     d = daemon_factory({**FAST, "staging.writer_timeout_s": 600,
-                        "metrics.listen": "127.0.0.1:0"}).start()
+                        "metrics.listen": "127.0.0.1:0"}, in_process=True).start()
     admin = ["--socket", str(d.admin_socket)]
     with Client.connect(d.socket) as c:  # a writer that closed without a decision
         checksum = crc32c(b"1")

@@ -33,7 +33,7 @@ def rows_in_catalog(d: Any, client: str) -> int:
 
 
 def test_visible_after_commit_with_the_default_lake_config(daemon_factory: Any) -> None:
-    d = daemon_factory(DEFAULT_LAKE).start()
+    d = daemon_factory(DEFAULT_LAKE, in_process=True).start()
     with Client.connect(d.socket) as c:
         c.send(write_table(), client="other")  # untagged rows of another client
         w0 = write_attempt(c, "ryw", 0, 1, [1, 2, 3])
@@ -59,7 +59,7 @@ def test_visible_after_commit_with_the_default_lake_config(daemon_factory: Any) 
 
 
 def test_visible_job_without_rows_answers_at_once(daemon_factory: Any) -> None:
-    d = daemon_factory(DEFAULT_LAKE).start()
+    d = daemon_factory(DEFAULT_LAKE, in_process=True).start()
     with Client.connect(d.socket) as c:
         empty = write_attempt(c, "empty", 0, 1, [])
         assert empty is not None and empty.rows == 0
@@ -70,7 +70,7 @@ def test_visible_job_without_rows_answers_at_once(daemon_factory: Any) -> None:
 
 
 def test_visible_lake_off_answers_at_once_that_there_is_no_lake(daemon_factory: Any) -> None:
-    d = daemon_factory({"shards": 2}).start()  # the factory turns the lake off
+    d = daemon_factory({"shards": 2}, in_process=True).start()  # the factory turns the lake off
     with Client.connect(d.socket) as c:
         w = write_attempt(c, "nolake", 0, 1, [1])
         assert w is not None
@@ -90,7 +90,7 @@ def test_visible_store_unreachable_times_out_saying_committed_and_durable(
     d = daemon_factory({**DEFAULT_LAKE, **s3_settings({
         "bucket": "nowhere", "endpoint": f"http://127.0.0.1:{port}", "region": "us-east-1",
         "access_key_id": "x", "secret_access_key": "y", "disable_config_load": "true",
-        "disable_ec2_metadata": "true"})}).start()
+        "disable_ec2_metadata": "true"})}, in_process=True).start()
     with Client.connect(d.socket) as c:
         w = write_attempt(c, "stuck", 0, 1, [1, 2])
         assert w is not None

@@ -26,7 +26,7 @@ def fsck(d: Any, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_loss_is_reported_once_then_listed_as_known(daemon_factory: Any) -> None:
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}).start()
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}, in_process=True).start()
     newest, sequences = two_segments_released(d)
     with SegmentReader.open(newest) as reader:
         footer = reader.footer

@@ -43,7 +43,7 @@ def _wait_lag_zero(d: Any, timeout: float = 30) -> None:
 
 
 def test_lake_embedded_defaults_upload_register_index_evict(daemon_factory: Any) -> None:
-    d = daemon_factory({**FAST_LAKE, "lake.iceberg.enabled": True}).start()
+    d = daemon_factory({**FAST_LAKE, "lake.iceberg.enabled": True}, in_process=True).start()
     sent = send_logs(d, clients=2, batches=12)
     rows = wait_for_lake(d, sent)
     _wait_lag_zero(d)
@@ -91,7 +91,7 @@ def test_lake_embedded_defaults_upload_register_index_evict(daemon_factory: Any)
 
 
 def test_lake_schema_drift_reads_back_equal(daemon_factory: Any) -> None:
-    d = daemon_factory({**FAST_LAKE, "lake.file_duration_ms": 1500}).start()
+    d = daemon_factory({**FAST_LAKE, "lake.file_duration_ms": 1500}, in_process=True).start()
     words = pa.array(["a", "b", "c", "a"])
     tables = [
         pa.table({"k": pa.array([1, 2, 3, 4], pa.int32()), "w": words}),
@@ -192,7 +192,7 @@ def test_lake_full_disk_fails_the_file_then_catches_up(daemon_factory: Any,
     from tests.daemon.mounts import fill, mounted_tmpfs
 
     d = daemon_factory({**FAST_LAKE, "shards": 1, "lake.file_duration_ms": 1500,
-                        "lake.compression_level": 1})
+                        "lake.compression_level": 1}, in_process=True)
     with mounted_tmpfs(d.data_dir, 96 * 1024 * 1024):
         d.start()
         sent: Counter[tuple[str, int]] = Counter()
@@ -209,7 +209,7 @@ def test_lake_full_disk_fails_the_file_then_catches_up(daemon_factory: Any,
         while not (d.events("lake_file_failed") or d.events("lake_catalog_unavailable")):
             assert time.monotonic() < deadline, d.log()[-3000:]
             time.sleep(0.1)
-        assert d.proc is not None and d.proc.poll() is None, "the daemon exited"
+        assert d.running, "the daemon exited"
         assert registered_rows(d) == []
         filler.unlink()
         wait_for_lake(d, sent, timeout=90)

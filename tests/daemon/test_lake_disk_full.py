@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_lake_sqlite_catalog_fs_full_ingest_goes_on_restart_then_catches_up(
         daemon_factory: Any, short_dir: Path) -> None:
     with mounted_tmpfs(short_dir / "catfs", 8 * MiB) as fs:
-        d = daemon_factory({**FAST_LAKE})
+        d = daemon_factory({**FAST_LAKE}, in_process=True)
         d.data_dir.mkdir()
         (d.data_dir / "catalog.sqlite").symlink_to(fs / "catalog.sqlite")
         d.start()
@@ -38,14 +38,14 @@ def test_lake_sqlite_catalog_fs_full_ingest_goes_on_restart_then_catches_up(
         lake = wait_degraded(d, "catalog")
         assert lake["degraded"]["catalog"]["kind"] == "unavailable"
         time.sleep(2)
-        assert d.proc.poll() is None, d.log()[-3000:]
+        assert d.running, d.log()[-3000:]
         assert d.stop() == 0, d.log()[-3000:]
         d.start()  # still full: starts, logs, ingests
         assert d.events("quiverd_ready")
         sent.update(send_logs(d, clients=1, batches=2, start=6))
         wait_degraded(d, "catalog")
         time.sleep(2)
-        assert d.proc.poll() is None, d.log()[-3000:]
+        assert d.running, d.log()[-3000:]
         ballast.unlink()
         wait_for_lake(d, sent, timeout=120)
         rows, tables = lake_contents(d)
@@ -55,7 +55,7 @@ def test_lake_sqlite_catalog_fs_full_ingest_goes_on_restart_then_catches_up(
 
 def test_lake_staging_fs_full_degraded_ingest_goes_on_then_catches_up(
         daemon_factory: Any, short_dir: Path) -> None:
-    d = daemon_factory({**FAST_LAKE})
+    d = daemon_factory({**FAST_LAKE}, in_process=True)
     with mounted_tmpfs(d.data_dir / "staging", 4 * MiB) as fs:
         d.start()
         sent = send_logs(d, clients=2, batches=2)
@@ -70,7 +70,7 @@ def test_lake_staging_fs_full_degraded_ingest_goes_on_then_catches_up(
         lake = wait_degraded(d, "staging")
         assert lake["degraded"]["staging"]["kind"] == "no_space", lake
         assert d.events("lake_file_failed")
-        assert d.proc.poll() is None
+        assert d.running
         ballast.unlink()
         wait_for_lake(d, sent, timeout=120)
         rows, tables = lake_contents(d)

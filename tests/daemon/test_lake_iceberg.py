@@ -48,7 +48,7 @@ def _drifting(k: int, b: int) -> pa.Table:
 
 
 def test_iceberg_table_holds_every_row_once_and_duckdb_reads_it(daemon_factory: Any) -> None:
-    d = daemon_factory({**FAST_ICEBERG, "metrics.listen": "127.0.0.1:0"}).start()
+    d = daemon_factory({**FAST_ICEBERG, "metrics.listen": "127.0.0.1:0"}, in_process=True).start()
     [event] = d.events("metrics_listening")
     sent = send_logs(d, clients=2, batches=8)
     # Nanosecond timestamps that are not whole microseconds: kept, so Iceberg cannot
@@ -149,7 +149,7 @@ def test_iceberg_compaction_is_one_replace_and_objects_outlive_snapshots(
         daemon_factory: Any) -> None:
     d = daemon_factory({**FAST_ICEBERG, "lake.compaction.min_files": 2,
                         "lake.compaction.delete_grace_s": 0, "lake.janitor.grace_s": 0,
-                        "lake.iceberg.keep_snapshots_s": 3600}).start()
+                        "lake.iceberg.keep_snapshots_s": 3600}, in_process=True).start()
     sent: Counter[tuple[str, int]] = Counter()
     for b in range(4):  # four files: one per rotation
         sent.update(send_logs(d, clients=1, batches=1, start=b, two_slots_every=0))

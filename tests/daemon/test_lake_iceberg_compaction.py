@@ -22,7 +22,7 @@ def test_iceberg_reads_never_see_a_row_twice_while_compacting(daemon_factory: An
                         "lake.compaction.interval_s": 1, "lake.compaction.min_files": 2,
                         "lake.compaction.delete_grace_s": 3600,
                         "lake.iceberg.enabled": True, "lake.iceberg.linger_ms": 300,
-                        "lake.iceberg.reconcile_interval_s": 30}).start()
+                        "lake.iceberg.reconcile_interval_s": 30}, in_process=True).start()
     sent = send_logs(d, clients=1, batches=1, two_slots_every=0)
     started = time.monotonic()
     while not catalog(d).table_exists("quiver.client-0"):  # the first commit

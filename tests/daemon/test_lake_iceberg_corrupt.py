@@ -48,7 +48,7 @@ def seeds_ok(d: Any) -> dict[int, bool]:
 
 def test_damaged_object_leaves_the_iceberg_table_within_the_bound_then_restore_adds_it(
         daemon_factory: Any, tmp_path: Path) -> None:
-    d = daemon_factory(CONFIG).start()
+    d = daemon_factory(CONFIG, in_process=True).start()
     rows = send_files(d, 3)
     wait_projected(d)
     assert seeds_ok(d) == {0: True, 1: True, 2: True}

@@ -21,7 +21,7 @@ def test_iceberg_two_daemons_one_postgres_catalog_one_bucket(
     shared = {**FAST_LAKE, "catalog.dsn": pg_catalog_dsn, **_s3_settings(s3_bucket),
               "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 0.5,
               "lake.iceberg.linger_ms": 20}
-    a = daemon_factory({**shared, "lake.node_id": "node-a"}, name="a").start()
+    a = daemon_factory({**shared, "lake.node_id": "node-a"}, name="a", in_process=True).start()
     b = daemon_factory({**shared, "lake.node_id": "node-b"}, name="b").start()
     sent = Counter[tuple[str, int]]()
     for start in range(0, 12, 3):  # interleaved: both commit to the same tables
@@ -60,7 +60,7 @@ def test_iceberg_catches_up_after_a_postgresql_outage(
     wait; once it is back, the table holds every row once."""
     d = daemon_factory({**FAST_LAKE, "catalog.dsn": pg_catalog_dsn,
                         "lake.iceberg.enabled": True, "lake.iceberg.reconcile_interval_s": 0.5,
-                        "lake.iceberg.linger_ms": 20}).start()
+                        "lake.iceberg.linger_ms": 20}, in_process=True).start()
     sent = send_logs(d, clients=1, batches=4, two_slots_every=0)
     wait_for_lake(d, sent)
     wait_projected(d)

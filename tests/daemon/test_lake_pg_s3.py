@@ -37,7 +37,7 @@ def test_lake_postgres_s3_exactly_once_indexed_via_notify(
         daemon_factory: Any, pg_catalog_dsn: str, s3_bucket: dict[str, str],
         s3_server: Any) -> None:
     d = daemon_factory({**FAST_LAKE, "catalog.dsn": pg_catalog_dsn,
-                        **_s3_settings(s3_bucket)}).start()
+                        **_s3_settings(s3_bucket)}, in_process=True).start()
     sent = send_logs(d, clients=3, batches=8)
     wait_for_lake(d, sent)
     s3 = s3_server.client()
@@ -57,7 +57,7 @@ def test_lake_postgres_s3_exactly_once_indexed_via_notify(
 
 def test_lake_postgres_outage_ingest_goes_on_no_duplicates(
         daemon_factory: Any, postgres_server: Any, pg_catalog_dsn: str) -> None:
-    d = daemon_factory({**FAST_LAKE, "catalog.dsn": pg_catalog_dsn}).start()
+    d = daemon_factory({**FAST_LAKE, "catalog.dsn": pg_catalog_dsn}, in_process=True).start()
     assert quiverd_cli("subscribers", "add", "ext", "--socket", str(d.admin_socket)).returncode == 0
     sent = send_logs(d, clients=2, batches=4)
     wait_for_lake(d, sent)
@@ -91,7 +91,7 @@ def test_lake_postgres_outage_ingest_goes_on_no_duplicates(
 def test_lake_s3_denied_keeps_local_file_then_uploads(
         daemon_factory: Any, s3_faults: Any, s3_server: Any) -> None:
     s3_faults.deny()
-    d = daemon_factory({**FAST_LAKE, **_s3_settings(s3_faults.options)}).start()
+    d = daemon_factory({**FAST_LAKE, **_s3_settings(s3_faults.options)}, in_process=True).start()
     with Client.connect(d.socket) as c:
         c.send(logs_table(0, 0), client="denied")
     deadline = time.monotonic() + 20
@@ -114,7 +114,7 @@ def test_lake_s3_denied_keeps_local_file_then_uploads(
 def test_lake_s3_server_errors_retried_then_uploaded(
         daemon_factory: Any, s3_faults: Any, s3_server: Any) -> None:
     s3_faults.fail(500, count=4)
-    d = daemon_factory({**FAST_LAKE, **_s3_settings(s3_faults.options)}).start()
+    d = daemon_factory({**FAST_LAKE, **_s3_settings(s3_faults.options)}, in_process=True).start()
     sent = send_logs(d, clients=1, batches=3, two_slots_every=0)
     wait_for_lake(d, sent, timeout=60)
     rows, tables = lake_contents(d, s3_server.client())
@@ -126,7 +126,7 @@ def test_lake_two_nodes_share_bucket_and_catalog(
         daemon_factory: Any, pg_catalog_dsn: str, s3_bucket: dict[str, str],
         s3_server: Any) -> None:
     shared = {**FAST_LAKE, "catalog.dsn": pg_catalog_dsn, **_s3_settings(s3_bucket)}
-    a = daemon_factory({**shared, "lake.node_id": "node-a"}, name="a").start()
+    a = daemon_factory({**shared, "lake.node_id": "node-a"}, name="a", in_process=True).start()
     b = daemon_factory({**shared, "lake.node_id": "node-b"}, name="b").start()
     sent_a = send_logs(a, clients=2, batches=4)
     sent_b = send_logs(b, clients=2, batches=4)  # the same client names on both nodes

@@ -38,7 +38,7 @@ def total(samples: dict[str, dict[tuple[Any, ...], float]], name: str) -> float:
 
 def test_metrics_endpoint_serves_design_names_and_latencies(daemon_factory: Any) -> None:
     d = daemon_factory({"metrics.listen": "127.0.0.1:0", "retention.size_cap_bytes": 1 << 30,
-                        "segment.max_open_duration_ms": 100}).start()
+                        "segment.max_open_duration_ms": 100}, in_process=True).start()
     [event] = d.events("metrics_listening")
     address = event["address"]
     with Client.connect(d.socket) as c:
@@ -68,6 +68,6 @@ def test_metrics_endpoint_serves_design_names_and_latencies(daemon_factory: Any)
 
 
 def test_metrics_endpoint_is_off_by_default(daemon_factory: Any) -> None:
-    d = daemon_factory({"shards": 1}).start()
+    d = daemon_factory({"shards": 1}, in_process=True).start()
     assert d.events("metrics_listening") == []
     assert "quiver_gc_evictions_total" in d.status()["metrics"]

@@ -68,7 +68,7 @@ def test_wal_entry_length_past_eof_loses_only_that_entry_and_reports_it(daemon_f
 
 def test_quarantined_newest_segment_loss_is_reported_with_its_bundle_ids(daemon_factory):
     # A flip in the manifest: the metadata CRC catches it at startup (format version 2).
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}).start()
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}, in_process=True).start()
     request(d.admin_socket, "subscribers.add", {"name": "s", "start": "earliest"})
     newest, sequences = two_segments_released(d)
     with SegmentReader.open(newest) as reader:
@@ -96,7 +96,7 @@ def test_segment_with_a_flipped_data_byte_is_quarantined_after_startup(daemon_fa
     # its bundles are reported lost with their ids, as startup reports them.
     rate = 0 if found_by == "read" else 50
     d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50,
-                        "scrub.rate_mb_per_s": rate}).start()
+                        "scrub.rate_mb_per_s": rate}, in_process=True).start()
     request(d.admin_socket, "subscribers.add", {"name": "s", "start": "earliest"})
     newest, sequences = two_segments_released(d)
     flip(newest, 200)  # inside the first stream's IPC file

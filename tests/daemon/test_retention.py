@@ -72,7 +72,7 @@ class Producer(threading.Thread):
 
 
 def test_backpressure_stalls_producers_within_the_cap_and_resumes_after_acks(daemon_factory):
-    d = daemon_factory(SMALL).start()
+    d = daemon_factory(SMALL, in_process=True).start()
     add(d, "stalled")
     sampler, producer = Sampler(d.data_dir), Producer(d)
     sampler.start()
@@ -94,7 +94,7 @@ def test_backpressure_stalls_producers_within_the_cap_and_resumes_after_acks(dae
 
 
 def test_backpressure_reject_answers_at_capacity(daemon_factory):
-    d = daemon_factory({**SMALL, "wal.at_capacity": "reject"}).start()
+    d = daemon_factory({**SMALL, "wal.at_capacity": "reject"}, in_process=True).start()
     add(d, "stalled")
     with Client.connect(d.socket) as c, pytest.raises(AtCapacity):
         for _ in range(200):
@@ -104,7 +104,8 @@ def test_backpressure_reject_answers_at_capacity(daemon_factory):
 
 
 def test_drop_oldest_records_dropped_and_keeps_the_cap(daemon_factory):
-    d = daemon_factory({**SMALL, "retention.size_cap_policy": "drop_oldest"}).start()
+    d = daemon_factory({**SMALL, "retention.size_cap_policy": "drop_oldest"},
+                       in_process=True).start()
     add(d, "stalled")
     sampler = Sampler(d.data_dir)
     sampler.start()
@@ -137,7 +138,7 @@ def test_drop_oldest_records_dropped_and_keeps_the_cap(daemon_factory):
 
 def test_max_age_deletes_expired_segments_and_counts_them(daemon_factory):
     d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50,
-                        "retention.max_age_s": 1}).start()
+                        "retention.max_age_s": 1}, in_process=True).start()
     add(d, "slow")
     produce(d, [1, 2, 3])
     wait_for(lambda: announced(d) >= 1)
@@ -150,7 +151,7 @@ def test_max_age_deletes_expired_segments_and_counts_them(daemon_factory):
 
 @pytest.mark.parametrize("damage", ["torn_tail", "flipped_byte"])
 def test_damaged_ack_log_recovers_and_marks_are_never_ahead(daemon_factory, damage):
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}).start()
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}, in_process=True).start()
     add(d, "a")
     add(d, "keep")  # never acks: segments stay so redelivery can be observed
     for i in range(3):

@@ -23,7 +23,7 @@ def _users(values: list[object], t: pa.DataType) -> pa.Table:
 
 
 def test_schema_mode_strict_refuses_conflict_names_column_and_types(daemon_factory):
-    d = daemon_factory(STRICT).start()
+    d = daemon_factory(STRICT, in_process=True).start()
     with Client.connect(d.socket) as c:
         first = c.send(_users(["a", "b"], pa.string()), client="web")
         with pytest.raises(SchemaConflict) as refused:
@@ -80,7 +80,7 @@ def test_schema_mode_strict_established_schema_survives_restart(daemon_factory):
 
 
 def test_schema_mode_strict_refuses_staged_bundle_once(daemon_factory):
-    d = daemon_factory(STRICT).start()
+    d = daemon_factory(STRICT, in_process=True).start()
     tag = TxnTag(job_id="job-1", partition=0, attempt=1, row_offset=0)
     with Client.connect(d.socket) as c:
         c.send(_users(["a"], pa.string()), client="web")
@@ -89,7 +89,7 @@ def test_schema_mode_strict_refuses_staged_bundle_once(daemon_factory):
 
 
 def test_schema_mode_evolve_accepts_conflicting_bundle(daemon_factory):
-    d = daemon_factory({"lake.enabled": False}).start()
+    d = daemon_factory({"lake.enabled": False}, in_process=True).start()
     with Client.connect(d.socket) as c:
         c.send(_users(["a"], pa.string()), client="web")
         c.send(_users([1], pa.int32()), client="web")

@@ -76,7 +76,7 @@ def test_corrupt_segment_is_quarantined_and_recovered_from_the_wal(daemon_factor
 
 
 def test_segment_numbers_never_repeat_after_every_segment_is_deleted(daemon_factory):
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}).start()
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50}, in_process=True).start()
     with Client.connect(d.socket) as c:
         for t in range(3):
             c.send(tagged_table(t), client="f")
@@ -135,7 +135,7 @@ def test_reused_receive_buffers_never_change_stored_bundles(daemon_factory):
     stored bundle must still be the one sent (a buffer reused too early would not be)."""
     d = daemon_factory({"shards": 1, "segment.target_size_bytes": 4 << 20,
                         "ingest.max_bundle_bytes": 1 << 20,
-                        "ingest.max_pending_bytes": 2 << 20}).start()
+                        "ingest.max_pending_bytes": 2 << 20}, in_process=True).start()
     tables = [tagged_table(tag, rows=3000, text_bytes=30) for tag in range(60)]  # ~150 KB
     with Client.connect(d.socket) as c:
         for start in range(0, len(tables), 12):

@@ -46,7 +46,7 @@ def tags_of(bundles: list[Any]) -> list[int]:
 
 def test_staged_rows_are_invisible_until_commit_then_only_the_winners_are_published(
         daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "x")
     with Client.connect(d.socket) as c:
         lost = write_attempt(c, "job1", 0, 7, [1, 2], end=False)  # cut: no end marker
@@ -73,7 +73,7 @@ def test_staged_rows_are_invisible_until_commit_then_only_the_winners_are_publis
 
 
 def test_abort_discards_the_job_and_frees_its_segments(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "x")
     with Client.connect(d.socket) as c:
         write_attempt(c, "job2", 0, 1, [1, 2])
@@ -88,7 +88,7 @@ def test_abort_discards_the_job_and_frees_its_segments(daemon_factory):
 
 
 def test_end_marker_is_refused_for_an_incomplete_attempt(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     with Client.connect(d.socket) as c:
         t = tagged_table(1)
         c.send(t, client="spark", txn=TxnTag(job_id="j", partition=0, attempt=1, row_offset=0))
@@ -119,7 +119,7 @@ def test_kill_9_between_write_and_commit_then_commit_publishes_once(daemon_facto
 
 
 def test_a_job_never_decided_expires_after_the_ttl(daemon_factory):
-    d = daemon_factory({**FAST, "staging.ttl_s": 1}).start()
+    d = daemon_factory({**FAST, "staging.ttl_s": 1}, in_process=True).start()
     add(d, "x")
     with Client.connect(d.socket) as c:
         w = write_attempt(c, "job4", 0, 1, [1])
@@ -139,7 +139,7 @@ def test_a_job_never_decided_expires_after_the_ttl(daemon_factory):
 def test_two_daemons_sharing_one_postgres_catalog_publish_exactly_once(
         daemon_factory, pg_catalog_dsn):
     settings = {**FAST, "catalog.dsn": pg_catalog_dsn, "lake.enabled": False}
-    a = daemon_factory(settings, name="a").start()
+    a = daemon_factory(settings, name="a", in_process=True).start()
     b = daemon_factory(settings, name="b").start()
     for d in (a, b):
         add(d, "x")
@@ -162,7 +162,7 @@ def test_two_daemons_sharing_one_postgres_catalog_publish_exactly_once(
 
 def test_a_commit_naming_an_attempt_without_its_end_marker_is_refused(daemon_factory):
     """Issue 26: it was recorded, and `visible` answered true with 0 bundles."""
-    d = daemon_factory({**FAST, "segment.max_open_duration_ms": 60_000}).start()
+    d = daemon_factory({**FAST, "segment.max_open_duration_ms": 60_000}, in_process=True).start()
     add(d, "x")
     with Client.connect(d.socket) as c:
         write_attempt(c, "cut", 0, 1, [1, 2], end=False)
@@ -190,7 +190,7 @@ def test_end_partition_refuses_a_client_name_bundle_would_refuse(daemon_factory)
     from quiverd.protocol.frames import ErrorCode
     from tests.daemon.test_ingest import _hello, _raw_connect, _read_error
 
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     for client in ["../x", "a/b", "", "x" * 300, "é"]:
         bad = _raw_connect(d.socket)
         _hello(bad)
@@ -208,7 +208,7 @@ def test_staged_rows_over_half_the_size_cap_are_refused_not_left_hanging(daemon_
     # Under backpressure a job bigger than the cap would wait for room only its own
     # commit can free: refuse its bundles with a reason instead (the task fails).
     cap = 1024 * 1024
-    d = daemon_factory({**FAST, "retention.size_cap_bytes": cap}).start()
+    d = daemon_factory({**FAST, "retention.size_cap_bytes": cap}, in_process=True).start()
     add(d, "x")
     with Client.connect(d.socket) as c, pytest.raises(AtCapacity, match="undecided jobs"):
         for p in range(1000):  # ~30 KB per partition: refused long before the cap
@@ -227,7 +227,7 @@ def test_staged_rows_over_half_the_size_cap_are_refused_not_left_hanging(daemon_
 def test_a_replay_after_the_commit_reusing_the_winners_attempt_id_is_refused(daemon_factory):
     # Spark counts task attempt ids from 0 in every application: a micro-batch replayed
     # after a restart can carry the winner's (partition, attempt) and the same rows.
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "x")
     with Client.connect(d.socket) as c:
         w = write_attempt(c, "q-7", 0, 0, [1, 2])
@@ -243,7 +243,8 @@ def test_job_status_with_the_catalog_down_is_a_retryable_error(daemon_factory, p
                                                                pg_catalog_dsn):
     """Issue 17: with PostgreSQL stopped, status answered "staged" / "unknown" from local
     state; it is CatalogUnavailable (retryable) now, and the connection stays usable."""
-    d = daemon_factory({**FAST, "catalog.dsn": pg_catalog_dsn, "lake.enabled": False}).start()
+    d = daemon_factory({**FAST, "catalog.dsn": pg_catalog_dsn, "lake.enabled": False},
+                       in_process=True).start()
     with Client.connect(d.socket) as c:
         w = write_attempt(c, "job6", 0, 1, [1, 2])
         assert w

@@ -30,7 +30,7 @@ def test_status_in_flight_is_zero_once_everything_is_acked(daemon_factory: Any) 
     # for the group commit while a large one (past flush_bytes) syncs in its own hop
     # and covers it (the early commit). Once both are acked nothing is in flight.
     d = daemon_factory({"shards": 1, "wal.flush_bytes": 256 * 1024,
-                        "wal.flush_interval_ms": 1000}).start()
+                        "wal.flush_interval_ms": 1000}, in_process=True).start()
     small, big = tagged_table(1, rows=10), tagged_table(2, rows=20_000, text_bytes=16)
     barrier = threading.Barrier(2)
     stale = []
@@ -56,7 +56,7 @@ def test_status_in_flight_is_zero_once_everything_is_acked(daemon_factory: Any) 
 
 
 def test_status_after_clean_restart_keeps_sequence_and_wal_bytes(daemon_factory: Any) -> None:
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 100}).start()
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 100}, in_process=True).start()
     with Client.connect(d.socket) as c:
         c.send_many([tagged_table(i, rows=2000) for i in range(20)], client="s")
     # The segment is listed before its WAL region is released (the finalizer's
@@ -74,7 +74,7 @@ def test_status_after_clean_restart_keeps_sequence_and_wal_bytes(daemon_factory:
 
 
 def test_status_segments_list_prints_utc_times(daemon_factory: Any) -> None:
-    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 100}).start()
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 100}, in_process=True).start()
     with Client.connect(d.socket) as c:
         c.send(tagged_table(1), client="s")
     wait_for(lambda: shard0(d)["segments"] >= 1)
@@ -86,7 +86,7 @@ def test_status_segments_list_prints_utc_times(daemon_factory: Any) -> None:
 
 
 def test_status_shard_dirs_beyond_config_keep_being_served(daemon_factory: Any) -> None:
-    d = daemon_factory({"shards": 2, "segment.max_open_duration_ms": 100}).start()
+    d = daemon_factory({"shards": 2, "segment.max_open_duration_ms": 100}, in_process=True).start()
     with Client.connect(d.socket) as c:
         acks = [c.send(tagged_table(i), client=f"client-{i}") for i in range(40)]
     assert {a.shard for a in acks} == {0, 1}

@@ -69,7 +69,7 @@ def finalized_bundles(d: Any) -> int:
 
 
 def test_subscribers_add_list_remove_shows_lag_and_remove_releases_segments(daemon_factory):
-    d = daemon_factory({"shards": 1, **FAST}).start()
+    d = daemon_factory({"shards": 1, **FAST}, in_process=True).start()
     out = admin(d, "add", "keeper").stdout
     assert "'keeper' added from earliest on 1 shard" in out
     admin(d, "add", "slow", "--from", "latest")
@@ -97,7 +97,7 @@ def test_subscribers_add_list_remove_shows_lag_and_remove_releases_segments(daem
 
 
 def test_subscribers_bad_requests_exit_1_with_message_and_hint(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     bad = admin(d, "add", "Bad Name!", check=False)
     assert bad.returncode == 1
     assert "invalid subscriber name 'Bad Name!'" in bad.stderr
@@ -116,7 +116,7 @@ def test_subscribers_bad_requests_exit_1_with_message_and_hint(daemon_factory):
 
 
 def test_subscribe_count_json_receives_exactly_the_produced_bundles(daemon_factory):
-    d = daemon_factory({"shards": 2, **FAST}).start()
+    d = daemon_factory({"shards": 2, **FAST}, in_process=True).start()
     admin(d, "add", "counter")
     for client in ("alpha", "beta", "gamma"):  # clients hash to shards: use both
         produce(d, list(range(4)), client=client)
@@ -137,7 +137,7 @@ def test_subscribe_count_json_receives_exactly_the_produced_bundles(daemon_facto
 
 
 def test_subscribe_out_writes_durable_files_equal_to_the_sent_tables(daemon_factory, tmp_path):
-    d = daemon_factory({"shards": 2, **FAST}).start()
+    d = daemon_factory({"shards": 2, **FAST}, in_process=True).start()
     admin(d, "add", "files")
     sent: dict[int, dict[int, pa.Table]] = {}
     with Client.connect(d.socket) as c:
@@ -172,7 +172,7 @@ def test_subscribe_out_writes_durable_files_equal_to_the_sent_tables(daemon_fact
 
 
 def test_subscribe_from_latest_sees_only_new_data_from_earliest_everything(daemon_factory):
-    d = daemon_factory({"shards": 2, **FAST}).start()
+    d = daemon_factory({"shards": 2, **FAST}, in_process=True).start()
     produce(d, list(range(5)), client="before")
     wait_for(lambda: finalized_bundles(d) == 5)  # "latest" starts after finalized segments
     # "early" first: a lone "latest" subscriber's mark would cover (and so release for
@@ -192,7 +192,7 @@ def test_subscribe_from_latest_sees_only_new_data_from_earliest_everything(daemo
 
 
 def test_subscribe_unknown_subscriber_exits_1_with_a_clear_error(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     proc = consume(d, "nobody", "--count", "1", check=False)
     assert proc.returncode == 1
     assert "no subscriber named 'nobody'" in proc.stderr
@@ -209,7 +209,7 @@ def test_subscribe_without_a_daemon_exits_1_with_a_clear_error(tmp_path):
 
 
 def test_subscribe_sigint_stops_cleanly_with_exit_130(daemon_factory, tmp_path):
-    d = daemon_factory({"shards": 1, **FAST}).start()
+    d = daemon_factory({"shards": 1, **FAST}, in_process=True).start()
     admin(d, "add", "tail")
     proc = subprocess.Popen(
         [sys.executable, "-m", "quiverd", "subscribe", "tail", "--config", str(d.config_path),
@@ -235,7 +235,7 @@ def test_subscribe_sigint_stops_cleanly_with_exit_130(daemon_factory, tmp_path):
 
 def test_subscribe_out_write_failure_exits_1_and_the_bundle_is_redelivered(daemon_factory,
                                                                            tmp_path):
-    d = daemon_factory({"shards": 1, **FAST}).start()
+    d = daemon_factory({"shards": 1, **FAST}, in_process=True).start()
     admin(d, "add", "probe")
     admin(d, "add", "retry")
     produce(d, [1, 2, 3])
@@ -262,7 +262,7 @@ def test_subscribe_out_write_failure_exits_1_and_the_bundle_is_redelivered(daemo
 
 def test_subscribe_daemon_shutdown_exits_1_saying_the_subscription_ended(daemon_factory,
                                                                          tmp_path):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     admin(d, "add", "tail")
     proc = subprocess.Popen(
         [sys.executable, "-m", "quiverd", "subscribe", "tail", "--socket", str(d.socket),

@@ -66,7 +66,7 @@ def consume(d: Any, name: str, *, want: int, ack: Any = lambda b: True,
 
 
 def test_segment_is_deleted_only_when_every_subscriber_acked_it(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "a")
     add(d, "b")
     for batch in range(3):  # three segments (age trigger between batches)
@@ -88,7 +88,7 @@ def test_segment_is_deleted_only_when_every_subscriber_acked_it(daemon_factory):
 
 def test_out_of_order_acks_hold_the_mark_until_the_gap_closes_and_survive_restart(
         daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "s")
     for batch in range(3):
         produce(d, [batch])
@@ -108,7 +108,7 @@ def test_out_of_order_acks_hold_the_mark_until_the_gap_closes_and_survive_restar
 
 
 def test_from_latest_sees_only_new_data_from_earliest_sees_everything(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "keeper")  # holds old segments so they stay retained
     produce(d, [1, 2])
     wait_for(lambda: announced(d) == 1)
@@ -124,7 +124,7 @@ def test_from_latest_sees_only_new_data_from_earliest_sees_everything(daemon_fac
 
 
 def test_nack_is_redelivered_with_backoff(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "n")
     produce(d, [7])
     seen: list[float] = []
@@ -147,7 +147,7 @@ def test_nack_is_redelivered_with_backoff(daemon_factory):
 
 
 def test_remove_releases_the_subscribers_hold(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "stuck")
     produce(d, [1])
     wait_for(lambda: announced(d) == 1)
@@ -265,7 +265,7 @@ def test_durable_ack_is_not_delivered_again_after_restart(daemon_factory):
 def test_removing_an_attached_subscriber_ends_its_connection_with_an_error(daemon_factory):
     from quiverd.kernel.errors import ProtocolError
 
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     add(d, "gone")
     produce(d, [1])
     outcome: list[BaseException] = []
@@ -291,7 +291,7 @@ def test_window_shared_across_shards_never_stalls_delivery(daemon_factory):
     """Window 1 with a backlog on both shards: an ack on one shard must wake the other."""
     from quiverd.net.ingest import shard_of
 
-    d = daemon_factory({"shards": 2, "segment.max_open_duration_ms": 50}).start()
+    d = daemon_factory({"shards": 2, "segment.max_open_duration_ms": 50}, in_process=True).start()
     add(d, "w")
     names = {shard_of(f"c{i}", 2): f"c{i}" for i in range(20)}
     assert len(names) == 2
@@ -316,7 +316,7 @@ def test_window_shared_across_shards_never_stalls_delivery(daemon_factory):
 
 
 def test_config_subscribers_are_registered_at_startup(daemon_factory):
-    d = daemon_factory(FAST)
+    d = daemon_factory(FAST, in_process=True)
     with open(d.config_path, "a") as f:
         f.write('\n[[subscribers]]\nname = "from-config"\nstart = "earliest"\n')
     d.start()
