@@ -25,7 +25,7 @@ def files_list(d: Any) -> dict[str, dict[str, Any]]:
 
 def test_fsck_lake_reports_missing_and_damaged_objects_and_repairs(daemon_factory: Any
                                                                    ) -> None:
-    d = daemon_factory({**FAST_LAKE, "shards": 1}).start()
+    d = daemon_factory({**FAST_LAKE, "shards": 1}, in_process=True).start()
     gone, bad, good = send_files(d, 3)
     assert d.stop() == 0
     Path(uri_path(gone.uri)).unlink()
@@ -74,7 +74,7 @@ def test_fsck_lake_reports_missing_and_damaged_objects_and_repairs(daemon_factor
 
 
 def test_fsck_lake_healthy_lake_and_no_lake(daemon_factory: Any, tmp_path: Path) -> None:
-    d = daemon_factory({**FAST_LAKE, "shards": 1}).start()
+    d = daemon_factory({**FAST_LAKE, "shards": 1}, in_process=True).start()
     send_files(d, 1)
     assert d.stop() == 0
     done = quiverd_cli("fsck", str(d.data_dir), "--lake", "--config", str(d.config_path))
@@ -91,7 +91,7 @@ def test_files_restore_and_forget_clear_fsck_lake(daemon_factory: Any, tmp_path:
     """The commands the hints name, as an operator runs them: a quarantined file is put
     back from a backup (fsck healthy again, the row live), another is forgotten (fsck
     lists it as KNOWN and exits 0)."""
-    d = daemon_factory({**FAST_LAKE, "shards": 1}).start()
+    d = daemon_factory({**FAST_LAKE, "shards": 1}, in_process=True).start()
     back, lost, good = send_files(d, 3)
     assert d.stop() == 0
     backup = tmp_path / "backup.parquet"

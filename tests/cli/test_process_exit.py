@@ -30,7 +30,7 @@ BUDGET_S = 15.0
 
 
 def test_lake_commands_never_abort_at_exit(daemon_factory: Any) -> None:
-    d = daemon_factory({**FAST_LAKE, "shards": 1}).start()
+    d = daemon_factory({**FAST_LAKE, "shards": 1}, in_process=True).start()
     (row,) = send_files(d, 1)
     assert d.stop() == 0
     cli = [sys.executable, "-m", "quiverd"]

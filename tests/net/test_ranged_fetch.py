@@ -46,7 +46,7 @@ def read_range(r: RangedReader, name: str, start: dict[str, Any], end: dict[str,
 
 
 def test_ranged_fetch_same_range_same_bundles_until_acked(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     produce(d, list(range(6)), client="a")
     produce(d, list(range(100, 104)), client="b")
     wait_for(lambda: finalized(d) >= 10)
@@ -78,7 +78,7 @@ def test_ranged_fetch_same_range_same_bundles_until_acked(daemon_factory):
 
 
 def test_ranged_latest_max_bundles_and_cap_bound_the_range(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     request(d.admin_socket, "subscribers.add", {"name": "m", "start": "earliest"})
     produce(d, list(range(20)), client="a")
     produce(d, list(range(20, 40)), client="zz")
@@ -104,7 +104,7 @@ def test_ranged_latest_max_bundles_and_cap_bound_the_range(daemon_factory):
 
 
 def test_ranged_reads_survive_a_daemon_restart(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     produce(d, list(range(8)))
     wait_for(lambda: finalized(d) >= 8)
     with RangedReader.connect(d.socket) as r:
@@ -124,7 +124,7 @@ def test_ranged_reads_survive_a_daemon_restart(daemon_factory):
 
 
 def test_ranged_request_malformed_closes_the_connection(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     with RangedReader.connect(d.socket) as r:
         with pytest.raises(ProtocolError, match="STREAM request"):
             r._call({"op": "latest", "subscriber": "x"})  # no start

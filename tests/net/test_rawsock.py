@@ -143,7 +143,7 @@ def test_second_daemon_on_a_live_socket_path_is_refused_and_the_first_keeps_serv
     from quiverd.client import Client
     from tests.daemon.helpers import tagged_table
 
-    first = daemon_factory(name="a").start()
+    first = daemon_factory(name="a", in_process=True).start()
     path = first.socket if shared == "ingest" else first.admin_socket
     inode = os.stat(path).st_ino
     second = daemon_factory({f"{shared}.socket_path": str(path)}, name="b")
@@ -244,7 +244,7 @@ def test_daemon_replaces_the_sockets_a_killed_daemon_left(daemon_factory) -> Non
 
 def test_stopping_daemon_leaves_alone_a_socket_that_replaced_its_own(
         daemon_factory, short_dir: Path) -> None:
-    d = daemon_factory().start()
+    d = daemon_factory(in_process=True).start()
     newer = {}
     for name, path in (("ingest", d.socket), ("admin", d.admin_socket)):
         newer[name] = _listening(short_dir / f"{name}.new")
@@ -263,7 +263,7 @@ def _wait_ready(d, admin_socket: Path) -> None:
 
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        assert d.proc.poll() is None, d.log()[-3000:]
+        assert d.running, d.log()[-3000:]
         try:
             request(admin_socket, "status", timeout_s=1)
             return

@@ -29,7 +29,7 @@ def segments(d: Any) -> list[int]:
 
 
 def test_ranged_latest_and_fetch_name_bundles_retention_deleted(daemon_factory):
-    d = daemon_factory(AGED).start()
+    d = daemon_factory(AGED, in_process=True).start()
     with RangedReader.connect(d.socket) as r:
         start = r.open("late", register=True)["start"]  # before any bundle
         produce(d, [1, 2, 3])
@@ -65,7 +65,7 @@ def test_ranged_latest_and_fetch_name_bundles_retention_deleted(daemon_factory):
 
 
 def test_ranged_acked_segments_deleted_are_not_reported_lost(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     with RangedReader.connect(d.socket) as r:
         start = r.open("acker", register=True)["start"]
         produce(d, [1, 2, 3])
@@ -81,7 +81,7 @@ def test_ranged_acked_segments_deleted_are_not_reported_lost(daemon_factory):
 
 
 def test_ranged_lease_refuses_a_second_holder_until_released(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     with RangedReader.connect(d.socket) as r, RangedReader.connect(d.socket) as other:
         start = r.open("one", register=True, holder="query A")["start"]
         assert r.latest("one", start, holder="query A")["bundles"] == 0  # renews
@@ -97,7 +97,7 @@ def test_ranged_lease_refuses_a_second_holder_until_released(daemon_factory):
 
 
 def test_ranged_lease_ends_with_the_holders_process(daemon_factory):
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     with RangedReader.connect(d.socket) as r:
         r.open("crashed", register=True)
     code = ("import sys; from quiverd.client.consumer import RangedReader; "

@@ -26,7 +26,7 @@ END = 2**32 - 1
 
 def _ready(daemon_factory: Any) -> tuple[Any, dict[str, list[int]]]:
     """A daemon of 2 shards with 6 finalized bundles and subscriber "s"; its start."""
-    d = daemon_factory(FAST).start()
+    d = daemon_factory(FAST, in_process=True).start()
     produce(d, list(range(6)))
     wait_for(lambda: finalized(d) >= 6)
     with RangedReader.connect(d.socket) as r:
