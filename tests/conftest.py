@@ -89,11 +89,15 @@ class DaemonProcess:
             self.wait_ready()
         return self
 
+    def exited(self) -> int | None:
+        """The exit code if the daemon has ended, else None."""
+        return None if self.proc is None else self.proc.poll()
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if (code := self.exited()) is not None:
+                raise AssertionError(f"daemon exited {code}:\n{self.log()[-3000:]}")
             if self.socket.exists() and self.admin_socket.exists():
                 try:
                     self.status()
