@@ -9,7 +9,6 @@ exit closed them, which an in-process daemon (tests/inprocess.py) does not have.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import anyio
 import asyncpg
@@ -37,7 +36,9 @@ async def _connections(target: Target) -> int:
     """Descriptors of this process on the SQLite file, or the database's other sessions."""
     config, path = target
     if not config.dsn:
-        return sum(Path(p).name.startswith(path.name) for p in _open_paths())
+        # This test's file (and its -wal, -shm) only: under xdist the worker has run
+        # other tests whose readers keep a catalog.sqlite of their own open.
+        return sum(p.startswith(str(path.resolve())) for p in _open_paths())
     probe = await asyncpg.connect(config.dsn)
     try:
         n: int = await probe.fetchval(
