@@ -99,13 +99,22 @@ def _iceberg_rows(data_dir: Path) -> int:
     (docs/iceberg.md); 0 while the table does not exist yet."""
     from pyiceberg.catalog.sql import SqlCatalog
     from pyiceberg.exceptions import NoSuchTableError
+    from sqlalchemy.exc import OperationalError
 
+    # A reader does not create the catalog's tables (docs/iceberg.md): racing the
+    # daemon's projection creating them, pyiceberg's own CREATE TABLE failed with
+    # "table iceberg_tables already exists" in a parallel run.
     catalog = SqlCatalog("quiverd", uri=f"sqlite:///{data_dir / 'catalog.sqlite'}",
-                         warehouse=f"file://{data_dir / 'objects'}")
+                         warehouse=f"file://{data_dir / 'objects'}",
+                         init_catalog_tables="false")
     try:
         return int(catalog.load_table(("quiver", "smoke")).scan().to_arrow().num_rows)
     except NoSuchTableError:
         return 0
+    except OperationalError as exc:
+        if "no such table" in str(exc):
+            return 0  # the projection has not created the catalog's tables yet
+        raise
 
 
 def _wait(ready: Callable[[], bool], what: str) -> None:
