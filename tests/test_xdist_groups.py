@@ -78,3 +78,18 @@ def test_a_parallel_run_keeps_each_group_on_one_worker(tmp_path: Path) -> None:
     # The other files are spread over the other workers, a file whole.
     others = {w for name, w in ran if name.startswith("test_d")}
     assert worker not in others and len(others) == 2, ran
+
+
+def test_a_session_user_outside_the_spark_group_fails_collection(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "tests" / "daemon").mkdir(parents=True)
+    (tree / "conftest.py").write_text(CONFTEST + "\nimport pytest\n\n@pytest.fixture\n"
+                                      "def spark():\n    return None\n")
+    (tree / "tests" / "daemon" / "test_stray.py").write_text("def test_x(spark):\n    pass\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         "--collect-only", "--rootdir", str(tree), str(tree)],
+        cwd=tree, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]  # a usage error
+    assert "ask for the Spark session outside the Spark group" in done.stdout + done.stderr
+    assert "tests/daemon/test_stray.py::test_x" in done.stdout + done.stderr

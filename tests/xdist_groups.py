@@ -25,6 +25,7 @@ the default ``--dist load`` when ``-n`` is given; an explicit ``--dist`` keeps i
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -89,10 +90,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "the test under tests/spark/ (and out of SESSIONLESS in tests/xdist_groups.py)")
     if not hasattr(config, "workerinput"):
         return  # a plain run keeps pytest's order
-    units: dict[str, int] = {}
-    for item in items:
-        unit = group_of(item.nodeid)
-        units[unit] = units.get(unit, 0) + 1
+    units = Counter(group_of(item.nodeid) for item in items)
 
     def key(unit: str) -> tuple[int, int]:
         rank = ORDER.index(unit) if unit in ORDER else len(ORDER)
