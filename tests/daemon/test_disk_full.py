@@ -151,9 +151,9 @@ def test_disk_full_is_backpressure_and_ingest_resumes_when_space_returns(
     d = daemon_factory({"shards": 1, "wal.at_capacity": at_capacity,
                         "segment.target_size_bytes": 4 * MiB,
                         "segment.max_open_duration_ms": 2000, "metrics.listen": "127.0.0.1:0"})
-    # A subprocess daemon: in process its threads share the GIL with the producers',
-    # and an ack made durable before the disk filled can be read after held_at (a clean
-    # clone's parallel run counted 3 acks against the bound of 2).
+    # A subprocess daemon. Under a parallel run's load this test has counted 3 acks
+    # against the bound of 2 below, in process and as a subprocess alike; whether those
+    # were appends that still fitted in the WAL's preallocated space is not yet known.
     with mounted_image(d.data_dir, short_dir / "disk.img", "ext4", 128 * MiB):
         ballast = d.data_dir / "ballast"
         fill(ballast, 32 * MiB)
