@@ -1,0 +1,121 @@
+"""The file-system seam: every durable write of the core goes through one object.
+
+    WalFiles, wal/disk, wal/replay, wal/scan ─┐
+    segments/files, acks/log, durable,        ├─▶ fs.active() ──▶ FileSystem (os.*)
+    quarantine, runtime/recovery              ┘        │            production
+                                                       └──────────▶ a recording model
+                                                                    (tests/sim/modelfs.py)
+
+What goes through it: every call that changes a file or a directory, or makes a
+change durable (open for writing, write, writev, ftruncate, punch, copy_file_range,
+fsync, fdatasync, rename, unlink, mkdir, fsync of a directory). Reads do not: they
+go straight to the kernel (mmap, read, stat, listdir). The model in the tests
+performs every call on a real directory as well, so reads see what was written,
+and keeps apart what is durable from what is only written; a crash then builds
+the directory a power cut may leave (tests/sim/).
+
+``FileSystem`` binds the ``os`` functions themselves: production pays one attribute
+lookup per call. ``active()`` is the one that callers capture (``WalFiles`` once, when
+it opens); ``install`` swaps it, for tests only. It is the one piece of module-level
+state in the daemon, kept so that no hot-path signature carries a file system.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Buffer = bytes | bytearray | memoryview
+StrPath = str | os.PathLike[str]
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+class FileSystem:
+    """The real file system: each method is the ``os`` call of the same name."""
+
+    open = staticmethod(os.open)
+    close = staticmethod(os.close)
+    write = staticmethod(os.write)
+    writev = staticmethod(os.writev)
+    ftruncate = staticmethod(os.ftruncate)
+    fsync = staticmethod(os.fsync)
+    fdatasync = staticmethod(os.fdatasync)
+    rename = staticmethod(os.rename)
+    chmod = staticmethod(os.chmod)
+
+    def unlink(self, path: StrPath, *, missing_ok: bool = False) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def mkdir(self, path: StrPath) -> None:
+        """``path`` and its missing parents (``mkdir -p``)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def fsync_dir(self, path: StrPath) -> None:
+        """fsync a directory so a create, rename or unlink inside it is durable."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def copy_file_range(self, src: int, dst: int, count: int, offset_src: int) -> int:
+        """Copy ``count`` bytes of ``src`` from ``offset_src`` to ``dst``'s position."""
+        return os.copy_file_range(src, dst, count, offset_src)
+
+    def punch_hole(self, fd: int, offset: int, length: int) -> None:
+        """fallocate(PUNCH_HOLE | KEEP_SIZE) via libc; raises OSError."""
+        mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        if _fallocate()(fd, mode, offset, length) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def mark(self, event: str, **facts: Any) -> None:
+        """A fact for crash-state tools (e.g. an ack was sent); nothing in production."""
+
+
+@functools.cache
+def _fallocate() -> Any:
+    """libc's fallocate, looked up once (find_library forks ldconfig)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = libc.fallocate
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return fn
+
+
+_active: FileSystem = FileSystem()
+
+
+def active() -> FileSystem:
+    """The file system durable writes go through (the real one outside tests)."""
+    return _active
+
+
+def install(fs: FileSystem) -> FileSystem:
+    """Tests: make ``fs`` the active file system; returns the one it replaces."""
+    global _active
+    previous, _active = _active, fs
+    return previous
+
+
+def write_all(fd: int, chunks: Sequence[Buffer] | Any, fs: FileSystem | None = None) -> int:
+    """Write every chunk fully (a write may be short); returns bytes written."""
+    fs = fs or _active
+    total = 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            n = fs.write(fd, view)
+            view = view[n:]
+            total += n
+    return total
