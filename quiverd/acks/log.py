@@ -30,8 +30,8 @@ import msgspec
 
 from quiverd.acks import format as fmt
 from quiverd.acks.state import AckState
-from quiverd.kernel import layout
-from quiverd.kernel.durable import atomic_write, fsync_dir, with_path, write_all
+from quiverd.kernel import fs, layout
+from quiverd.kernel.durable import atomic_write, fsync_dir, with_path
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost, NoSpace
 from quiverd.kernel.faults import Hook, StepTracker
 from quiverd.kernel.quarantine import keep_bytes
@@ -138,14 +138,15 @@ def _quarantine(path: Path, quarantine_dir: str | os.PathLike[str], start: int, 
 def _cut_tail(path: Path, quarantine_dir: str | os.PathLike[str], good_end: int, size: int,
               log: Any) -> None:
     _quarantine(path, quarantine_dir, good_end, size, "torn_tail", log)
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    seam = fs.active()
+    fd = seam.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        os.ftruncate(fd, good_end)
-        os.fsync(fd)
+        seam.ftruncate(fd, good_end)
+        seam.fsync(fd)
     except OSError as exc:
         raise _lost(f"cutting the torn tail of {path}", exc) from with_path(exc, path)
     finally:
-        os.close(fd)
+        seam.close(fd)
     log.warning("ack_log_truncated", path=str(path), offset=good_end, bytes=size - good_end)
 
 
@@ -164,7 +165,7 @@ def compact(path: str | os.PathLike[str], state: AckState) -> int:
             raise _lost(f"compacting {path} (after step {steps.reached})", exc
                         ) from with_path(exc, path)
         # The temp file was not even written: the old ack.log is untouched and whole.
-        layout.tmp_path(Path(path)).unlink(missing_ok=True)
+        fs.active().unlink(layout.tmp_path(Path(path)), missing_ok=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise NoSpace(f"compacting {path}: {exc.strerror}") from exc
         raise  # an ordinary I/O error
@@ -177,9 +178,12 @@ def _lost(what: str, exc: OSError) -> DurabilityLost:
 
 
 class AckLogFile:
-    """Appender for ack.log. Not thread-safe: one worker hop at a time."""
+    """Appender for ack.log. Not thread-safe: one worker hop at a time.
+
+    Every change goes through the seam captured once here (``self._fs``)."""
 
     def __init__(self, path: Path, fd: int, size: int) -> None:
+        self._fs = fs.active()
         self.path = path
         self._fd = fd
         self._size = size
@@ -193,6 +197,7 @@ class AckLogFile:
         Call after replay, which has already cut any torn tail.
         """
         path = Path(path)
+        seam = fs.active()
         if not path.exists() or path.stat().st_size == 0:
             try:
                 atomic_write(path, fmt.encode_header())
@@ -201,10 +206,10 @@ class AckLogFile:
                     raise
                 # A new shard on a 100 % full disk: an empty file (an inode, no data
                 # block) reads as no ack.log; the first append writes the header.
-                layout.tmp_path(path).unlink(missing_ok=True)
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                seam.unlink(layout.tmp_path(path), missing_ok=True)
+                seam.close(seam.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
                 fsync_dir(path.parent)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        fd = seam.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         return cls(path, fd, os.fstat(fd).st_size)
 
     @property
@@ -228,11 +233,11 @@ class AckLogFile:
         if self._size == 0:
             self._write_header()
         try:
-            n = write_all(self._fd, records)
+            n = fs.write_all(self._fd, records, self._fs)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            os.ftruncate(self._fd, self._size)
+            self._fs.ftruncate(self._fd, self._size)
             raise NoSpace(f"{self.path}: {exc.strerror}") from exc
         self._size += n
         return n
@@ -242,13 +247,13 @@ class AckLogFile:
         header would stop the next start), or raise NoSpace like any append."""
         try:
             atomic_write(self.path, fmt.encode_header())
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            fd = self._fs.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            layout.tmp_path(self.path).unlink(missing_ok=True)
+            self._fs.unlink(layout.tmp_path(self.path), missing_ok=True)
             raise NoSpace(f"{self.path}: {exc.strerror}") from exc
-        os.close(self._fd)
+        self._fs.close(self._fd)
         self._fd = fd
         self._size = self._base_size = os.fstat(fd).st_size
 
@@ -259,24 +264,24 @@ class AckLogFile:
         succeed."""
         if self.fault_hook is not None:
             self.fault_hook("fdatasync")
-        os.fdatasync(self._fd)
+        self._fs.fdatasync(self._fd)
 
     def compact(self, state: AckState) -> int:
         """Rewrite the file as one checkpoint and reopen it; returns the new size."""
-        os.close(self._fd)
+        self._fs.close(self._fd)
         try:
             size = compact(self.path, state)
         finally:
             # The rename swapped inodes, or (on failure) the old file is intact:
             # either way appends must go to whatever ack.log now is.
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._fd = self._fs.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             self._size = os.fstat(self._fd).st_size
         self._base_size = self._size
         return size
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            self._fs.close(self._fd)
             self._fd = -1
 
     def __enter__(self) -> AckLogFile:

@@ -3,6 +3,9 @@
 Recipe: write ``<name>.tmp`` → fsync it → rename over ``<name>`` → fsync the
 directory. A reader sees the old file or the new one, never a mix. All functions
 here block: call them from a worker thread (``anyio.to_thread.run_sync``).
+
+Every call that changes a file goes through the seam (``kernel.fs.active()``), so
+a test's recording file system sees each step; the names here stay for callers.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from quiverd.kernel import fs
 from quiverd.kernel.layout import tmp_path
 
 Buffer = bytes | bytearray | memoryview
@@ -27,25 +31,15 @@ def with_path(exc: OSError, path: str | os.PathLike[str]) -> OSError:
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename or create inside it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fs.active().fsync_dir(path)
     except OSError as exc:
         raise with_path(exc, path) from exc
-    finally:
-        os.close(fd)
 
 
 def write_all(fd: int, chunks: Iterable[Buffer]) -> int:
-    """Write every chunk fully (os.write may be short); returns bytes written."""
-    total = 0
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-            total += n
-    return total
+    """Write every chunk fully (a write may be short); returns bytes written."""
+    return fs.write_all(fd, chunks, fs.active())
 
 
 def atomic_write(
@@ -65,18 +59,19 @@ def atomic_write(
         chunks = [chunks]
     target = Path(path)
     tmp = tmp_path(target)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    seam = fs.active()
+    fd = seam.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        n = write_all(fd, chunks)
+        n = fs.write_all(fd, chunks, seam)
         _step(hook, "tmp_written")
-        os.fsync(fd)
+        seam.fsync(fd)
         _step(hook, "tmp_fsynced")
     except OSError as exc:  # by fd: no filename of its own; the fatal event names it
         raise with_path(exc, tmp) from exc
     finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.rename(tmp, target)
+        seam.close(fd)
+    seam.chmod(tmp, mode)
+    seam.rename(tmp, target)
     _step(hook, "renamed")
     fsync_dir(target.parent)
     _step(hook, "dir_fsynced")

@@ -18,10 +18,10 @@ Blocking: call from a worker thread (recovery runs in one).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from quiverd.kernel import fs
 from quiverd.kernel.durable import Buffer, atomic_write, fsync_dir
 
 
@@ -35,9 +35,10 @@ def move_file(path: Path, quarantine_dir: Path, *, reason: str, log: _Log) -> Pa
     target, n = quarantine_dir / path.name, 1
     while target.exists():
         target, n = quarantine_dir / f"{path.name}.{n}", n + 1
+    seam = fs.active()
     if path.stat().st_mode & 0o200 == 0:
-        os.chmod(path, 0o640)  # finalized segments are 0440: let an operator clean up
-    os.rename(path, target)
+        seam.chmod(path, 0o640)  # finalized segments are 0440: let an operator clean up
+    seam.rename(path, target)
     fsync_dir(quarantine_dir)
     fsync_dir(path.parent)
     log.warning("file_quarantined", path=str(path), moved_to=str(target), reason=reason)
@@ -59,5 +60,5 @@ def keep_bytes(data: Buffer, quarantine_dir: Path, name: str) -> Path:
 
 def _ensure_dir(quarantine_dir: Path) -> None:
     if not quarantine_dir.is_dir():
-        quarantine_dir.mkdir(parents=True, exist_ok=True)
+        fs.active().mkdir(quarantine_dir)
         fsync_dir(quarantine_dir.parent)

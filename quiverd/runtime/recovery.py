@@ -42,6 +42,7 @@ from quiverd.acks import format as ackformat
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.recovery import gone_segments, replay_acks, settle_acks
 from quiverd.acks.state import AckState
+from quiverd.kernel import fs
 from quiverd.kernel.bundle import Bundle, split_meta
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import CorruptRecord
@@ -103,8 +104,9 @@ class Recovered(msgspec.Struct, kw_only=True):
 
 def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
                   log: Logger) -> Recovered:
+    seam = fs.active()
     for d in shard.directories():
-        d.mkdir(parents=True, exist_ok=True)
+        seam.mkdir(d)
     scan = scan_segments(shard, log)
     segments, quarantined = scan.good, scan.quarantined
     floor = read_marker(shard.floor, Floor)

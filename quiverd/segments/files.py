@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import msgspec
 import pyarrow.compute as pc
 
-from quiverd.kernel import layout
+from quiverd.kernel import fs, layout
 from quiverd.kernel.durable import atomic_write, fsync_dir, with_path
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost, QuiverError
 from quiverd.kernel.faults import Hook, StepTracker, prefixed
@@ -128,9 +128,7 @@ def checked_write(path: Path, chunks: list[Piece] | bytes, *, mode: int, hook: o
                                  "is durable is unknown, the shard stops"
                                  ) from with_path(exc, path)
         try:
-            os.unlink(layout.tmp_path(path))
-        except FileNotFoundError:
-            pass
+            fs.active().unlink(layout.tmp_path(path), missing_ok=True)
         except OSError as cleanup:
             raise DurabilityLost(f"removing {layout.tmp_path(path)} after a failed write "
                                  f"failed: {cleanup.strerror or cleanup}"
@@ -177,9 +175,10 @@ def delete_segments(shard: ShardLayout, segments: Iterable[SegmentInfo], *,
         checked_write(shard.deleted, msgspec.json.encode(marker), mode=0o644,
                       hook=prefixed(hook, "marker_"))
     unlinked = 0
+    seam = fs.active()
     for seg in batch:
         try:
-            os.unlink(seg.path)
+            seam.unlink(seg.path)
             unlinked += 1
         except FileNotFoundError:
             pass

@@ -11,28 +11,23 @@
     fallocate(PUNCH_HOLE) ───────────▶ released prefix of the active file given back
     lseek(SEEK_HOLE) ────────────────▶ the holes replay steps over unread
 
-Blocking code, called from worker threads (``WalFiles``).
+Blocking code, called from worker threads (``WalFiles``). Every change to a file
+goes through the seam (``kernel.fs.active()``); reads (statvfs, lseek, pread) do not.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import functools
 import os
 from pathlib import Path
-from typing import Any
 
-from quiverd.kernel import layout
+from quiverd.kernel import fs, layout
 from quiverd.kernel.durable import atomic_write, with_path, write_all
 from quiverd.kernel.errors import AtCapacity, DurabilityLost
 from quiverd.kernel.faults import Hook, StepTracker, prefixed
 from quiverd.wal import format as walformat
 
 BLOCK = 4096
-FALLOC_FL_KEEP_SIZE = 0x01
-FALLOC_FL_PUNCH_HOLE = 0x02
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 PUNCH_UNSUPPORTED = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
 
@@ -60,9 +55,10 @@ def reason_of(exc: OSError) -> str:
 
 def create_fresh(tmp: Path, cfg_hash: bytes, *, done: int) -> int:
     """``tmp`` holding just a WAL header, synced; returns its fd (WalNoSpace: disk full)."""
+    seam = fs.active()
     fd = -1
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        fd = seam.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
         write_all(fd, [walformat.encode_header(cfg_hash)])
     except OSError as exc:
         close_and_unlink(fd, tmp)
@@ -72,7 +68,7 @@ def create_fresh(tmp: Path, cfg_hash: bytes, *, done: int) -> int:
         raise WalNoSpace(f"no space left for a new WAL file {tmp}: {exc.strerror or exc}",
                          written=done, reason=reason_of(exc)) from exc
     try:
-        os.fdatasync(fd)
+        seam.fdatasync(fd)
     except OSError as exc:
         close_and_unlink(fd, tmp)
         raise DurabilityLost(f"fdatasync of {tmp} failed: {exc.strerror or exc}"
@@ -82,20 +78,21 @@ def create_fresh(tmp: Path, cfg_hash: bytes, *, done: int) -> int:
 
 def copy_live_tail(active: Path, new_path: Path, cfg_hash: bytes, offset: int, end: int) -> int:
     """A fresh file: header + bytes ``offset..end`` of ``active``, fdatasynced; its fd."""
-    fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+    seam = fs.active()
+    fd = seam.open(new_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
     try:
         write_all(fd, [walformat.encode_header(cfg_hash)])
         src = os.open(active, os.O_RDONLY | os.O_CLOEXEC)
         try:
             remaining, pos = end - offset, offset
             while remaining > 0:
-                n = os.copy_file_range(src, fd, remaining, pos)
+                n = seam.copy_file_range(src, fd, remaining, pos)
                 if n == 0:
                     raise OSError(errno.EIO, "WAL shrank during rewrite")
                 pos, remaining = pos + n, remaining - n
         finally:
-            os.close(src)
-        os.fdatasync(fd)
+            os.close(src)  # read-only: not the seam's
+        seam.fdatasync(fd)
     except BaseException:
         close_and_unlink(fd, new_path)
         raise
@@ -121,12 +118,10 @@ def write_sidecar(wal_dir: Path, offset: int, gen: int, *, hook: Hook | None) ->
 
 def close_and_unlink(fd: int, path: Path) -> None:
     """Clean up a temp file that will not be used (it may not exist)."""
+    seam = fs.active()
     if fd >= 0:
-        os.close(fd)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        seam.close(fd)
+    seam.unlink(path, missing_ok=True)
 
 
 def free_bytes(directory: Path) -> int:
@@ -135,21 +130,9 @@ def free_bytes(directory: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-@functools.cache
-def _fallocate() -> Any:
-    """libc's fallocate, looked up once (find_library forks ldconfig)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn = libc.fallocate
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-    return fn
-
-
 def punch_hole(fd: int, offset: int, length: int) -> None:
-    """fallocate(PUNCH_HOLE | KEEP_SIZE) via libc; raises OSError."""
-    mode = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-    if _fallocate()(fd, mode, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+    """fallocate(PUNCH_HOLE | KEEP_SIZE) through the seam; raises OSError."""
+    fs.active().punch_hole(fd, offset, length)
 
 
 def holes(fd: int, start: int, end: int) -> list[tuple[int, int]]:
@@ -182,15 +165,16 @@ def holes(fd: int, start: int, end: int) -> list[tuple[int, int]]:
 def probe_punch_hole(directory: Path) -> bool:
     """Startup probe: can this filesystem punch holes? (doc 000)"""
     probe = directory / ".punch-probe"
+    seam = fs.active()
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = seam.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         if exc.errno in NO_SPACE:
             return True  # a full disk at startup: assume so; release falls back if not
         raise
     try:
         write_all(fd, [b"\xff" * (2 * BLOCK)])
-        punch_hole(fd, 0, BLOCK)
+        seam.punch_hole(fd, 0, BLOCK)
         return os.pread(fd, 8, 0) == b"\0" * 8
     except OSError as exc:
         if exc.errno in NO_SPACE:
@@ -199,5 +183,5 @@ def probe_punch_hole(directory: Path) -> bool:
             return False
         raise
     finally:
-        os.close(fd)
-        os.unlink(probe)
+        seam.close(fd)
+        seam.unlink(probe)

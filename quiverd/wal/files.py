@@ -18,6 +18,9 @@ filesystem, or whose write fails with ENOSPC/EDQUOT, raises ``WalNoSpace``
 naming how many of its entries made it; the file is cut back (ftruncate) to
 where the others would have started, so no torn entry sits in front of later
 appends. Any other I/O failure, and any failed fsync, raises DurabilityLost.
+
+Every change to a file goes through the seam captured once at construction
+(``self._fs = fs.active()``): one attribute lookup per call on the hot path.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quiverd.kernel import layout
+from quiverd.kernel import fs, layout
 from quiverd.kernel.bundle import META_SLOT, Buffer, Slot
-from quiverd.kernel.durable import atomic_write, fsync_dir, with_path, write_all
+from quiverd.kernel.durable import atomic_write, fsync_dir, with_path
 from quiverd.kernel.errors import CorruptRecord, DurabilityLost
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.quarantine import keep_bytes
@@ -94,6 +97,7 @@ class WalFiles:
     # _mutex serializes append and release, which both change the file layout.
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _mutex: threading.Lock = field(default_factory=threading.Lock)
+    _fs: fs.FileSystem = field(default_factory=fs.active)  # the seam, captured once
 
     # ---- opening -----------------------------------------------------------------------
     @classmethod
@@ -112,7 +116,7 @@ class WalFiles:
             # The sidecar's prefix was released before the restart: not live bytes.
             self._released_offset = state.start_offset - walformat.HEADER_LEN
         self._deferred_cut = getattr(state, "deferred_cut_target", None)
-        self._fd = os.open(layout.active_wal(wal_dir), os.O_WRONLY | os.O_CLOEXEC)
+        self._fd = self._fs.open(layout.active_wal(wal_dir), os.O_WRONLY | os.O_CLOEXEC)
         os.lseek(self._fd, self.end_offset, os.SEEK_SET)
         self.punch_supported = probe_punch_hole(wal_dir)
         return self
@@ -120,7 +124,7 @@ class WalFiles:
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0:
-                os.close(self._fd)
+                self._fs.close(self._fd)
                 self._fd = -1
 
     # ---- capacity --------------------------------------------------------------------
@@ -197,16 +201,16 @@ class WalFiles:
         path = layout.active_wal(self.wal_dir)
         try:
             atomic_write(path, walformat.encode_header(self.cfg_hash))
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            fd = self._fs.open(path, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise self._lost("creating", exc) from with_path(exc, path)
-            layout.tmp_path(path).unlink(missing_ok=True)
+            self._fs.unlink(layout.tmp_path(path), missing_ok=True)
             raise WalNoSpace(f"no space left to write the header of {path}: "
                              f"{exc.strerror or exc}", written=0, reason=reason_of(exc)) from exc
         os.lseek(fd, walformat.HEADER_LEN, os.SEEK_SET)
         with self._lock:
-            os.close(self._fd)
+            self._fs.close(self._fd)
             self._fd = fd
         self.end_offset = walformat.HEADER_LEN
         self.log.info("wal_created", path=str(path), generation=self.generation, deferred=True)
@@ -225,12 +229,12 @@ class WalFiles:
                 f.seek(self.end_offset)
                 torn = f.read()
             keep_bytes(torn, target.parent, target.name)
-            os.ftruncate(self._fd, self.end_offset)
-            os.fsync(self._fd)
+            self._fs.ftruncate(self._fd, self.end_offset)
+            self._fs.fsync(self._fd)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise self._lost("cutting the torn tail of", exc) from with_path(exc, path)
-            layout.tmp_path(target).unlink(missing_ok=True)
+            self._fs.unlink(layout.tmp_path(target), missing_ok=True)
             raise WalNoSpace(f"no space left to copy the torn tail of {path} into "
                              f"{target.parent}: {exc.strerror or exc}", written=0,
                              reason=reason_of(exc)) from exc
@@ -285,7 +289,7 @@ class WalFiles:
     def _cut_back(self, start: int, count: int, cause: OSError) -> None:
         """A write failed part-way: drop its bytes and its entries from the index."""
         try:
-            os.ftruncate(self._fd, start)
+            self._fs.ftruncate(self._fd, start)
             os.lseek(self._fd, start, os.SEEK_SET)
         except OSError as exc:
             raise DurabilityLost(
@@ -306,9 +310,9 @@ class WalFiles:
         for start in range(0, len(pieces), IOV_MAX):
             chunk = pieces[start:start + IOV_MAX]
             want = sum(len(p) for p in chunk)
-            done = os.writev(self._fd, chunk)
+            done = self._fs.writev(self._fd, chunk)
             if done < want:  # short write (signal, near-full disk): finish it by hand
-                write_all(self._fd, [_tail(chunk, done)])
+                fs.write_all(self._fd, [_tail(chunk, done)], self._fs)
 
     def sync(self) -> None:
         """fdatasync the active file. A failure is fatal: the caller must not ack.
@@ -319,7 +323,7 @@ class WalFiles:
             try:
                 self._fault("fdatasync")
                 started = time.perf_counter()
-                os.fdatasync(self._fd)
+                self._fs.fdatasync(self._fd)
                 self.last_sync_seconds = time.perf_counter() - started
             except OSError as exc:
                 raise DurabilityLost(
@@ -350,17 +354,17 @@ class WalFiles:
         fd = create_fresh(layout.tmp_path(active), self.cfg_hash, done=done)
         with self._lock:
             try:
-                os.rename(active, layout.rotated_wal(self.wal_dir, self.generation))
-                os.rename(layout.tmp_path(active), active)
+                self._fs.rename(active, layout.rotated_wal(self.wal_dir, self.generation))
+                self._fs.rename(layout.tmp_path(active), active)
                 fsync_dir(self.wal_dir)
                 self._fault("rotate_dir_fsync")
             except OSError as exc:
-                os.close(fd)
+                self._fs.close(fd)
                 raise DurabilityLost(f"rotating {active} failed: {exc.strerror or exc}; the "
                                      "shard stops, replay finds every synced entry"
                                      ) from with_path(exc, self.wal_dir)
             self._rotated.append(_Rotated(self.generation, self.end_offset - self._released_offset))
-            os.close(self._fd)
+            self._fs.close(self._fd)
             self.generation += 1
             self._fd = fd
             self.end_offset = walformat.HEADER_LEN
@@ -474,7 +478,7 @@ class WalFiles:
         freed = False
         try:
             for r in [r for r in self._rotated if r.generation < gen]:
-                os.unlink(layout.rotated_wal(self.wal_dir, r.generation))
+                self._fs.unlink(layout.rotated_wal(self.wal_dir, r.generation))
                 self._rotated.remove(r)
                 freed = True
             if freed:
@@ -494,7 +498,7 @@ class WalFiles:
             end = offset // BLOCK * BLOCK
             try:
                 if end > begin:
-                    punch_hole(self._fd, begin, end - begin)
+                    self._fs.punch_hole(self._fd, begin, end - begin)
                 self._released_offset = offset - start
                 return True
             except OSError as exc:
@@ -532,13 +536,13 @@ class WalFiles:
             return False
         with self._lock:
             try:
-                os.rename(new_path, layout.active_wal(self.wal_dir))
+                self._fs.rename(new_path, layout.active_wal(self.wal_dir))
                 fsync_dir(self.wal_dir)
             except OSError as exc:
-                os.close(fd)
+                self._fs.close(fd)
                 raise self._lost("replacing", exc) from with_path(
                     exc, layout.active_wal(self.wal_dir))
-            os.close(self._fd)
+            self._fs.close(self._fd)
             self._fd = fd
             shift = offset - start
             self._index = deque((s, g, o - shift if g == self.generation else o)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import msgspec
 
-from quiverd.kernel import layout
+from quiverd.kernel import fs, layout
 from quiverd.kernel.durable import atomic_write, fsync_dir
 from quiverd.wal import format as wf
 from quiverd.wal.disk import NO_SPACE
@@ -93,7 +93,7 @@ def replay_wal(
     the floor from elsewhere. ``covered`` tells which skipped sequences are not
     lost (and where the live part starts); without it every skipped one is.
     """
-    wal_dir.mkdir(parents=True, exist_ok=True)
+    fs.active().mkdir(wal_dir)
     active = layout.active_wal(wal_dir)
     created = not active.exists() or active.stat().st_size == 0
     # An empty file has no header to protect: only then may we write one.
@@ -153,15 +153,16 @@ def _create_active(active: Path, cfg_hash: bytes, log: Logger) -> bool:
     A new shard on a 100 % full disk still starts: its active file stays empty (an
     inode, no data block) and ``WalFiles`` writes the header before its first append.
     """
+    seam = fs.active()
     try:
         create_wal_file(active, cfg_hash)
         return True
     except OSError as exc:
         if exc.errno not in NO_SPACE:
             raise
-        layout.tmp_path(active).unlink(missing_ok=True)
-    fd = os.open(active, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    os.close(fd)
+        seam.unlink(layout.tmp_path(active), missing_ok=True)
+    fd = seam.open(active, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    seam.close(fd)
     fsync_dir(active.parent)
     log.warning("wal_header_deferred", path=str(active), error="no space left on device",
                 hint="the header is written before the first append, once space returns")

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import msgspec
 import pyarrow as pa
 
-from quiverd.kernel import layout
+from quiverd.kernel import fs, layout
 from quiverd.kernel.bundle import META_SLOT, Slot, stream_facts
 from quiverd.kernel.durable import with_path
 from quiverd.kernel.quarantine import keep_bytes
@@ -264,7 +264,7 @@ class Scan:
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise
-            layout.tmp_path(self.quarantine_dir / name).unlink(missing_ok=True)
+            fs.active().unlink(layout.tmp_path(self.quarantine_dir / name), missing_ok=True)
             self.deferred_cut_target = self.quarantine_dir / name
             self.log.warning("wal_torn_tail_deferred", path=str(path), offset=offset,
                              bytes=cut, reason=reason, error=exc.strerror or str(exc),
@@ -272,14 +272,15 @@ class Scan:
                              "stay in the file until the first write after space returns")
             return offset
         self.quarantined.append(target)
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        seam = fs.active()
+        fd = seam.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            os.ftruncate(fd, offset)
-            os.fsync(fd)
+            seam.ftruncate(fd, offset)
+            seam.fsync(fd)
         except OSError as exc:
             raise with_path(exc, path) from exc
         finally:
-            os.close(fd)
+            seam.close(fd)
         self.torn_bytes += cut
         self.log.warning(
             "wal_torn_tail", path=str(path), offset=offset, bytes=cut, reason=reason,
@@ -299,7 +300,7 @@ class Scan:
             # Skipping cuts nothing: the bytes stay in the WAL file, and the next
             # replay that finds space writes this copy. A full disk must not stop a start.
             target = self.quarantine_dir / name
-            layout.tmp_path(target).unlink(missing_ok=True)
+            fs.active().unlink(layout.tmp_path(target), missing_ok=True)
             self.log.warning("wal_quarantine_deferred", path=str(target), offset=offset,
                              bytes=len(chunk), error=exc.strerror or str(exc))
             return target

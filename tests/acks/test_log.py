@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +12,7 @@ import structlog
 from quiverd.acks import format as fmt
 from quiverd.acks.log import AckLogFile, compact, replay_ack_log, scan_ack_log
 from quiverd.acks.state import AckState
+from quiverd.kernel import fs
 from quiverd.kernel.errors import CorruptRecord, FormatMismatch, NoSpace
 
 LOG = structlog.get_logger("test")
@@ -249,15 +249,22 @@ def test_replay_bound_records_since_checkpoint(tmp_path: Path) -> None:
     assert 0 < most_since <= threshold // 17 + 3
 
 
-def test_sync_error_propagates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_error_propagates(tmp_path: Path) -> None:
     def fail(fd: int) -> None:
         raise OSError(5, "Input/output error")
 
-    with AckLogFile.open(tmp_path / "ack.log") as f:
-        f.append([fmt.encode(fmt.SegmentDeleted(segment_seq=1))])
-        monkeypatch.setattr(os, "fdatasync", fail)
-        with pytest.raises(OSError):
-            f.sync()
+    class FailingFdatasync(fs.FileSystem):
+        fdatasync = staticmethod(fail)
+
+    # The file captures the seam when it opens: the failing one must be active then.
+    previous = fs.install(FailingFdatasync())
+    try:
+        with AckLogFile.open(tmp_path / "ack.log") as f:
+            f.append([fmt.encode(fmt.SegmentDeleted(segment_seq=1))])
+            with pytest.raises(OSError):
+                f.sync()
+    finally:
+        fs.install(previous)
 
 
 @contextmanager

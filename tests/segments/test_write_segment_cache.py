@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from quiverd.kernel import fs
 from quiverd.segments import files
 from quiverd.segments.files import write_segment
 
@@ -19,11 +20,11 @@ from quiverd.segments.files import write_segment
 def test_write_segment_drops_cached_pages_after_the_file_is_durable(tmp_path, monkeypatch):
     path = tmp_path / "0000000000000001.qseg"
     events: list[str] = []
-    real_fsync = os.fsync
 
-    def fsync(fd: int) -> None:
-        events.append("fsync")
-        real_fsync(fd)
+    class RecordingFsync(fs.FileSystem):
+        def fsync(self, fd: int) -> None:
+            events.append("fsync")
+            os.fsync(fd)
 
     def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
         assert path.exists(), "advice before the rename"
@@ -31,8 +32,11 @@ def test_write_segment_drops_cached_pages_after_the_file_is_durable(tmp_path, mo
         events.append(f"fadvise {offset} {length} {advice == os.POSIX_FADV_DONTNEED}")
 
     monkeypatch.setattr(files.os, "posix_fadvise", fadvise)
-    monkeypatch.setattr("quiverd.kernel.durable.os.fsync", fsync)
-    assert write_segment(path, [b"a" * 4096, memoryview(b"b" * 8192)]) == 3 * 4096
+    previous = fs.install(RecordingFsync())
+    try:
+        assert write_segment(path, [b"a" * 4096, memoryview(b"b" * 8192)]) == 3 * 4096
+    finally:
+        fs.install(previous)
     assert events[-1] == "fadvise 0 0 True"
     assert "fsync" in events[:-1]
     assert path.read_bytes() == b"a" * 4096 + b"b" * 8192
