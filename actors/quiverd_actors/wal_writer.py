@@ -44,6 +44,7 @@ import anyio
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from quiverd.kernel import fs
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import WalConfig
 from quiverd.kernel.logs import Logger
@@ -123,6 +124,7 @@ class _Writer:
                  outbox: MemoryObjectSendStream[DurableBatch]) -> None:
         self.shard, self.wal, self.cfg, self.stats, self.log = shard, wal, cfg, stats, log
         self.outbox = outbox
+        self.fs = fs.active()  # its mark() tells crash-state tools when acks leave
         self.gate: RetentionGate | None = None
         self.over_cap = Changes()  # wakes the gc; the shard passes its own
         self.drop_oldest = False
@@ -164,6 +166,7 @@ class _Writer:
         """One commit: ack its bundles now, queue its DurableBatch for the outbox."""
         now = time.monotonic()
         stats, shard = self.stats, self.shard
+        self.fs.mark("acked", shard=shard, written=written)  # a no-op outside tests
         for req, bundle, taken in written:
             _reply(req, Ack(request_id=req.request_id, shard=shard, sequence=bundle.sequence))
             stats.ack_latency.observe(now - taken)

@@ -1,0 +1,243 @@
+"""Every crash state a recorded workload allows, recovered and checked.
+
+    ops (ModelFS log) ─▶ replayed into a State; before each barrier (fsync, fdatasync,
+                         fsync of a directory) and at the end, the cuts worth trying
+                         (nothing pending kept, everything, a metadata prefix, torn
+                         subsets: State.crash_cuts) each give an Image
+    Image ─▶ a real directory ─▶ quiverd's own recovery (recover_shard) ─▶ invariants
+
+Identical images (most barriers touch one file) are recovered once. The invariants,
+against what clients were told before the crash point:
+
+- recovery succeeds and reports no loss (a crash alone loses nothing acknowledged);
+- every bundle whose ACK was about to leave (the daemon's "acked" mark) is held exactly
+  once, in a segment or in the WAL, with its own rows; or it was deleted, and then the
+  subscriber had acked it (a "sub_ack" mark);
+- no bundle is held twice, and none that the durable ack.log says the subscriber acked
+  comes back to it (resurrected: pending again, or in the WAL as a new bundle);
+- the next sequence and the next segment number are past every one already used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from quiverd.acks.log import scan_ack_log
+from quiverd.acks.state import AckState
+from quiverd.kernel import config as config_mod
+from quiverd.kernel import logs
+from quiverd.kernel.faults import Hooks
+from quiverd.kernel.layout import DataDir
+from quiverd.runtime.recovery import recover_shard
+from quiverd.segments.reader import SegmentReader
+from tests.sim.modelfs import BARRIERS, Image, Op, State
+from tests.sim.workload import SETTINGS, SUBSCRIBER, Facts
+
+# Replay cannot yet tell a torn unsynced write from damage to acked entries; until the
+# WAL records its synced frontier such reports are counted (Report.false_loss), not failed.
+FALSE_LOSS_REPORTS_KNOWN = True
+
+
+@dataclass
+class Report:
+    points: int = 0  # crash points (barriers and the end)
+    images: int = 0  # crash states built
+    recovered: int = 0  # distinct ones recovered and checked
+    violations: list[str] = field(default_factory=list)
+    false_loss: int = 0  # states whose recovery reported never-acked sequences as lost
+
+
+@dataclass
+class _Known:
+    """What clients had been told before the crash point."""
+
+    acked: set[int] = field(default_factory=set)  # WAL sequences whose ACK left
+    sub_acked: set[int] = field(default_factory=set)  # tags the subscriber acked
+    segments: set[int] = field(default_factory=set)  # segment numbers delivered so far
+
+    def note(self, op: Op) -> None:
+        event, facts = op[1], op[2]
+        if event == "acked":
+            self.acked.update(facts["sequences"])
+        elif event == "sub_ack":
+            self.sub_acked.add(facts["tag"])
+            self.segments.add(facts["id"][0])
+
+
+def check_crash_states(ops: list[Op], facts: Facts, *, seed: int, random_cuts: int = 2,
+                       stop_at_first: bool = True) -> Report:
+    """Recover every distinct crash state of ``ops``; violations in the report."""
+    rng = random.Random(seed)
+    state, known, report = State(), _Known(), Report()
+    seen: set[bytes] = set()
+    work = Path(tempfile.mkdtemp(prefix="qcrash", dir="/tmp"))
+    try:
+        for i, op in enumerate([*ops, ("end",)]):
+            if op[0] in BARRIERS or op[0] == "end":
+                report.points += 1
+                for cut in state.crash_cuts(rng, random_cuts):
+                    image = state.image(cut)
+                    report.images += 1
+                    key = _digest(image)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    report.recovered += 1
+                    false_loss: list[Any] = []
+                    problems = check_image(image, _durable_image(state), known, facts,
+                                           work / str(report.recovered), false_loss)
+                    report.false_loss += len(false_loss)
+                    for p in problems:
+                        report.violations.append(f"op {i} ({op[0]}), cut {cut}: {p}")
+                    if problems and stop_at_first:
+                        return report
+            if op[0] == "end":
+                break
+            state.apply(op)
+            if op[0] == "mark":
+                known.note(op)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return report
+
+
+def _durable_image(state: State) -> Image:
+    from tests.sim.modelfs import Cut
+
+    return state.image(Cut(0, "none"))
+
+
+def _digest(image: Image) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for rel in sorted(image.files):
+        h.update(rel.encode() + b"\0" + hashlib.blake2b(image.files[rel]).digest())
+    for d in sorted(image.dirs):
+        h.update(b"d" + d.encode())
+    return h.digest()
+
+
+def check_image(image: Image, durable: Image, known: _Known, facts: Facts, where: Path,
+                false_loss: list[Any] | None = None) -> list[str]:
+    """Recover ``image`` as a data directory at ``where``; what it breaks."""
+    data_dir = where / "data"
+    image.materialize(data_dir)
+    try:
+        return _check(data_dir, durable, known, facts, where,
+                      false_loss if false_loss is not None else [])
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _config(data_dir: Path) -> config_mod.Config:
+    lines = [f'data_dir = "{data_dir}"', "shards = 1"]
+    sections: dict[str, list[str]] = {}
+    for key, value in SETTINGS.items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            v = str(value).lower() if isinstance(value, bool) else repr(value)
+            sections.setdefault(section, []).append(f"{name} = {v}")
+    for section, values in sections.items():
+        lines += [f"[{section}]", *values]
+    return config_mod.loads("\n".join(lines) + "\n")
+
+
+def _check(data_dir: Path, durable: Image, known: _Known, facts: Facts, where: Path,
+           false_loss: list[Any]) -> list[str]:
+    problems: list[str] = []
+    layout = DataDir(data_dir).shard(0)
+    try:
+        rec = recover_shard(0, layout, _config(data_dir), Hooks(), logs.get("crashstates"))
+    except Exception as exc:  # noqa: BLE001 - a failed recovery is the finding
+        return [f"recovery failed: {type(exc).__name__}: {exc}"]
+    try:
+        acked_lost = sorted(s for a, b in rec.lost_sequences for s in range(a, b + 1)
+                            if s in known.acked)
+        if acked_lost or rec.lost_bundles:
+            problems.append(f"recovery reports loss: sequences {rec.lost_sequences} "
+                            f"(acked among them: {acked_lost}), bundles {rec.lost_bundles}")
+        elif rec.lost_sequences and FALSE_LOSS_REPORTS_KNOWN:
+            # Known defect (test_wal_torn_unsynced.py, xfail): unsynced entries that
+            # reached the disk out of order are reported lost though never acked.
+            false_loss.append(rec.lost_sequences)
+        elif rec.lost_sequences:
+            problems.append(f"recovery reports never-acked sequences {rec.lost_sequences} "
+                            "as lost")
+        held: dict[int, list[str]] = {}
+        tag_of_seq = {seq: tag for tag, seq in facts.seq_of_tag.items()}
+        for seg in rec.segments:
+            with SegmentReader.open(seg.path) as reader:
+                for b in reader.bundles():
+                    held.setdefault(b.sequence, []).append(f"segment {seg.segment_seq}")
+                    _check_rows(b.sequence, b.slots, tag_of_seq, problems)
+        for b in rec.open_bundles:
+            held.setdefault(b.sequence, []).append("wal")
+            tables = {s.slot: pa.ipc.open_stream(s.ipc).read_all() for s in b.slots}
+            _check_rows(b.sequence, tables, tag_of_seq, problems)
+        for seq, places in held.items():
+            if len(places) > 1:
+                problems.append(f"sequence {seq} held twice: {places}")
+        for seq in sorted(known.acked):
+            tag = tag_of_seq.get(seq)
+            if seq not in held and tag not in known.sub_acked:
+                problems.append(f"acked sequence {seq} (tag {tag}) is lost")
+        durable_acks = _durable_acks(durable, where)
+        present = {s.segment_seq for s in rec.segments}
+        for (seg, idx), tag in facts.tag_of_id.items():
+            if durable_acks is None or not durable_acks.is_done(SUBSCRIBER, seg, idx):
+                continue
+            seq = facts.seq_of_tag[tag]
+            if "wal" in held.get(seq, []):
+                problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked durably and is "
+                                "back in the WAL's open segment")
+            if seg in present and not rec.acks.is_done(SUBSCRIBER, seg, idx):
+                problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked durably and is "
+                                "pending again")
+        if known.acked and rec.next_sequence <= max(known.acked):
+            problems.append(f"next sequence {rec.next_sequence} reuses an acked one "
+                            f"(max {max(known.acked)})")
+        used = known.segments | present
+        if used and rec.next_segment_seq <= max(used):
+            problems.append(f"next segment number {rec.next_segment_seq} was used "
+                            f"(max {max(used)})")
+    finally:
+        rec.wal.close()
+        rec.ack_file.close()
+    return problems
+
+
+def _check_rows(seq: int, slots: dict[int, pa.Table], tag_of_seq: dict[int, int],
+                problems: list[str]) -> None:
+    want = tag_of_seq.get(seq)
+    if want is None:
+        return  # sent, never acked: any content the producer sent is fine
+    tags = {t for table in slots.values() for t in table.column("tag").to_pylist()}
+    if tags != {want}:
+        problems.append(f"sequence {seq} holds tags {sorted(tags)}, not {want}")
+
+
+def _durable_acks(durable: Image, where: Path) -> AckState | None:
+    """The subscriber outcomes ack.log holds durably at this point."""
+    raw = durable.files.get("shard-0/ack.log")
+    if raw is None:
+        return None
+    scratch = where / "durable-acks"
+    scratch.mkdir(parents=True, exist_ok=True)
+    (scratch / "ack.log").write_bytes(raw)
+    report: Any = scan_ack_log(scratch / "ack.log", scratch / "q", log=logs.get("crashstates"))
+    return report.state  # type: ignore[no-any-return]
+
+
+def replay_saved(path: str | Path) -> Report:
+    """Check a saved failing workload's ops log again (its crash states are exact)."""
+    import pickle
+
+    ops, facts, seed = pickle.loads(Path(path).read_bytes())
+    return check_crash_states(ops, facts, seed=seed, stop_at_first=False)

@@ -1,0 +1,146 @@
+"""Planted bugs the proof tools must catch: each one applied to a scratch copy of the tree.
+
+    python -m tests.sim.mutations [NAME ...]      (scripts/mutations runs this)
+
+For each mutation: copy the working tree (tracked and new files) to a scratch directory,
+replace one snippet of product code (it must occur exactly once), run the tools named
+for it from that copy, and expect them to FAIL. A mutation they pass is a tool that
+proves nothing: exit 1. The product code itself is never changed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CRASH_STATES = "tests/sim/test_crash_states.py"
+CORE_MODEL = "tests/sim/test_core_model.py"
+ICEBERG_MODEL = "tests/lake/test_iceberg_model.py"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    why: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+MUTATIONS = (
+    Mutation(
+        "ack_before_fdatasync",
+        "the syncer hands a commit to the loop (which acks it) before its fdatasync",
+        "actors/quiverd_actors/wal_threads.py",
+        "            self.wal.sync()  # DurabilityLost ends the thread: nothing covered is acked\n",
+        "            self.post(self.sink.on_durable, covered)\n"
+        "            covered = []\n"
+        "            self.wal.sync()  # DurabilityLost ends the thread: nothing covered is acked\n",
+        (CRASH_STATES, CORE_MODEL)),
+    Mutation(
+        "segment_rename_without_dir_fsync",
+        "a finalized segment is renamed into place and its directory never fsynced",
+        "quiverd/kernel/durable.py",
+        "    fsync_dir(target.parent)\n    _step(hook, \"dir_fsynced\")\n",
+        "    if target.suffix != \".qseg\":\n        fsync_dir(target.parent)\n"
+        "    _step(hook, \"dir_fsynced\")\n",
+        (CRASH_STATES, CORE_MODEL)),
+    Mutation(
+        "wal_release_before_segment_durable",
+        "the finalizer releases the WAL before the segment holding its bundles is written",
+        "actors/quiverd_actors/finalizer.py",
+        "            size = await _until_written(job, limiter, retry, stats)\n",
+        "            assert segment.last_sequence is not None\n"
+        "            await releases.send(WalReleased(upto_sequence=segment.last_sequence))\n"
+        "            size = await _until_written(job, limiter, retry, stats)\n",
+        (CRASH_STATES, CORE_MODEL)),
+    Mutation(
+        "acklog_append_not_synced",
+        "ack.log records are appended and relied on (gc, replies) without their fdatasync",
+        "actors/quiverd_actors/ack_logger.py",
+        "    file.append(encoded)\n    file.sync()\n",
+        "    file.append(encoded)\n",
+        (CRASH_STATES, CORE_MODEL)),
+)
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree as it is (tracked files and new ones), without .git or the venv."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def apply(m: Mutation, tree: Path) -> None:
+    path = tree / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutation {m.name}: the snippet occurs {text.count(m.old)} times "
+                         f"in {m.path} (must be once): the code moved; update tests/sim/"
+                         "mutations.py")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def run(m: Mutation, test: str, tree: Path) -> tuple[bool, str, float]:
+    """Run ``test`` on the mutated copy; (caught, last lines, seconds)."""
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'actors'}", **m.env}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [str(REPO / ".venv/bin/python"), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+         "-n", "0", test], cwd=tree, env=env, capture_output=True, text=True)
+    tail = "\n".join(proc.stdout.splitlines()[-6:])
+    return proc.returncode == 1, tail, time.monotonic() - started
+
+
+def check_isolated(tree: Path) -> None:
+    """The copy's code, not the checkout's, is what runs (an editable install must not win)."""
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'actors'}"}
+    out = subprocess.run([str(REPO / ".venv/bin/python"), "-c",
+                          "import quiverd, quiverd_actors; print(quiverd.__file__); "
+                          "print(quiverd_actors.__file__)"],
+                         cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
+    for line in out.split():
+        if not line.startswith(str(tree)):
+            raise SystemExit(f"the mutated copy imports {line}, not its own code")
+
+
+def main(names: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not names or m.name in names]
+    unknown = set(names) - {m.name for m in MUTATIONS}
+    if unknown:
+        print(f"unknown mutations {sorted(unknown)}; known: {[m.name for m in MUTATIONS]}")
+        return 2
+    missed = 0
+    for m in chosen:
+        with tempfile.TemporaryDirectory(prefix="qmut") as scratch:
+            tree = Path(scratch)
+            copy_tree(tree)
+            apply(m, tree)
+            check_isolated(tree)
+            for test in m.tests:
+                caught, tail, seconds = run(m, test, tree)
+                verdict = "caught" if caught else "MISSED"
+                print(f"{m.name:40} {test:40} {verdict} in {seconds:.0f} s")
+                if not caught:
+                    missed += 1
+                    print(f"  ({m.why})\n" + "\n".join(f"  | {t}" for t in tail.splitlines()))
+    print(f"{len(chosen)} mutations, {missed} tool runs missed one")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
