@@ -96,24 +96,29 @@ async def run(
     writer.gate, writer.drop_oldest = gate, drop_oldest
     if over_cap is not None:
         writer.over_cap = over_cap
-    async with releases, anyio.create_task_group() as tg:
-        # Releases outlive the inbox: the finalizer still writes the last segment
-        # after producers are gone, and ends `releases` when it is done.
-        tg.start_soon(writer.serve_releases, releases, limiter)
-        async with outbox, anyio.create_task_group() as io:
-            if isinstance(inbox, MemoryObjectReceiveStream):
-                stream, inbox = inbox, ShardInbox()
-                io.start_soon(inbox.pump, stream)
-            writer.start(io, inbox, stopping)
-            task_status.started()
-            try:
-                await writer.serve(inbox)
-            except BaseException:
-                writer.pipeline.abort()  # cancelled or failed: the threads end now
-                raise
-            await writer.done.wait()  # threads exited, every commit handed on
-            io.cancel_scope.cancel()  # the stop watcher
-    await anyio.to_thread.run_sync(wal.close, limiter=limiter)
+    try:
+        async with releases, anyio.create_task_group() as tg:
+            # Releases outlive the inbox: the finalizer still writes the last segment
+            # after producers are gone, and ends `releases` when it is done.
+            tg.start_soon(writer.serve_releases, releases, limiter)
+            async with outbox, anyio.create_task_group() as io:
+                if isinstance(inbox, MemoryObjectReceiveStream):
+                    stream, inbox = inbox, ShardInbox()
+                    io.start_soon(inbox.pump, stream)
+                writer.start(io, inbox, stopping)
+                task_status.started()
+                try:
+                    await writer.serve(inbox)
+                except BaseException:
+                    writer.pipeline.abort()  # cancelled or failed: the threads end now
+                    raise
+                await writer.done.wait()  # threads exited, every commit handed on
+                io.cancel_scope.cancel()  # the stop watcher
+    finally:
+        # Also after a fatal error: a daemon serving in a test process must not keep
+        # the file open (a subprocess's exit would close it).
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(wal.close, limiter=limiter)
 
 
 class _Writer:

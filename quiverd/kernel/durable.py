@@ -15,9 +15,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from quiverd.kernel import fs
+from quiverd.kernel.fs import Buffer
 from quiverd.kernel.layout import tmp_path
 
-Buffer = bytes | bytearray | memoryview
+__all__ = ["Buffer", "atomic_write", "fsync_dir", "make_dirs", "with_path", "write_all"]
 
 def with_path(exc: OSError, path: str | os.PathLike[str]) -> OSError:
     """``exc`` naming the file it concerns: an fsync or write by fd raises with no
@@ -35,6 +36,22 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         fs.active().fsync_dir(path)
     except OSError as exc:
         raise with_path(exc, path) from exc
+
+
+def make_dirs(path: str | os.PathLike[str]) -> None:
+    """``mkdir -p`` whose new directories survive a power cut: each created directory's
+    entry is made durable by fsyncing its parent (a new directory is only a name in
+    its parent until then), the deepest first."""
+    created: list[Path] = []
+    p = Path(path)
+    while not p.is_dir():
+        created.append(p)
+        p = p.parent
+    if not created:
+        return
+    fs.active().mkdir(path)
+    for new in created:
+        fsync_dir(new.parent)
 
 
 def write_all(fd: int, chunks: Iterable[Buffer]) -> int:

@@ -26,7 +26,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -108,14 +108,14 @@ def install(fs: FileSystem) -> FileSystem:
     return previous
 
 
-def write_all(fd: int, chunks: Sequence[Buffer] | Any, fs: FileSystem | None = None) -> int:
+def write_all(fd: int, chunks: Iterable[Buffer], seam: FileSystem | None = None) -> int:
     """Write every chunk fully (a write may be short); returns bytes written."""
-    fs = fs or _active
+    write = (seam or _active).write
     total = 0
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         while view:
-            n = fs.write(fd, view)
+            n = write(fd, view)
             view = view[n:]
             total += n
     return total

@@ -42,9 +42,9 @@ from quiverd.acks import format as ackformat
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.recovery import gone_segments, replay_acks, settle_acks
 from quiverd.acks.state import AckState
-from quiverd.kernel import fs
 from quiverd.kernel.bundle import Bundle, split_meta
 from quiverd.kernel.config import Config
+from quiverd.kernel.durable import make_dirs
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import ShardLayout
@@ -104,9 +104,8 @@ class Recovered(msgspec.Struct, kw_only=True):
 
 def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
                   log: Logger) -> Recovered:
-    seam = fs.active()
     for d in shard.directories():
-        seam.mkdir(d)
+        make_dirs(d)  # durably: a power cut must not take a new shard's directories
     scan = scan_segments(shard, log)
     segments, quarantined = scan.good, scan.quarantined
     floor = read_marker(shard.floor, Floor)

@@ -31,6 +31,7 @@ from typing import Any
 import pyarrow as pa
 
 from quiverd.acks.log import scan_ack_log
+from quiverd.acks.registry import UnknownSubscriber
 from quiverd.acks.state import AckState
 from quiverd.kernel import config as config_mod
 from quiverd.kernel import logs
@@ -38,7 +39,7 @@ from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import DataDir
 from quiverd.runtime.recovery import recover_shard
 from quiverd.segments.reader import SegmentReader
-from tests.sim.modelfs import BARRIERS, Image, Op, State
+from tests.sim.modelfs import BARRIERS, Cut, Image, Op, State
 from tests.sim.workload import SETTINGS, SUBSCRIBER, Facts
 
 # Replay cannot yet tell a torn unsynced write from damage to acked entries; until the
@@ -83,6 +84,7 @@ def check_crash_states(ops: list[Op], facts: Facts, *, seed: int, random_cuts: i
         for i, op in enumerate([*ops, ("end",)]):
             if op[0] in BARRIERS or op[0] == "end":
                 report.points += 1
+                durable: AckState | None | bool = False  # parsed once per point, if needed
                 for cut in state.crash_cuts(rng, random_cuts):
                     image = state.image(cut)
                     report.images += 1
@@ -91,8 +93,10 @@ def check_crash_states(ops: list[Op], facts: Facts, *, seed: int, random_cuts: i
                         continue
                     seen.add(key)
                     report.recovered += 1
+                    if durable is False:
+                        durable = durable_acks(state.image(Cut(0, "none")), work / "acks")
                     false_loss: list[Any] = []
-                    problems = check_image(image, _durable_image(state), known, facts,
+                    problems = check_image(image, durable, known, facts,
                                            work / str(report.recovered), false_loss)
                     report.false_loss += len(false_loss)
                     for p in problems:
@@ -109,12 +113,6 @@ def check_crash_states(ops: list[Op], facts: Facts, *, seed: int, random_cuts: i
     return report
 
 
-def _durable_image(state: State) -> Image:
-    from tests.sim.modelfs import Cut
-
-    return state.image(Cut(0, "none"))
-
-
 def _digest(image: Image) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for rel in sorted(image.files):
@@ -124,7 +122,8 @@ def _digest(image: Image) -> bytes:
     return h.digest()
 
 
-def check_image(image: Image, durable: Image, known: _Known, facts: Facts, where: Path,
+def check_image(image: Image, durable: AckState | None, known: _Known, facts: Facts,
+                where: Path,
                 false_loss: list[Any] | None = None) -> list[str]:
     """Recover ``image`` as a data directory at ``where``; what it breaks."""
     data_dir = where / "data"
@@ -149,8 +148,8 @@ def _config(data_dir: Path) -> config_mod.Config:
     return config_mod.loads("\n".join(lines) + "\n")
 
 
-def _check(data_dir: Path, durable: Image, known: _Known, facts: Facts, where: Path,
-           false_loss: list[Any]) -> list[str]:
+def _check(data_dir: Path, durable_acks: AckState | None, known: _Known, facts: Facts,
+           where: Path, false_loss: list[Any]) -> list[str]:
     problems: list[str] = []
     layout = DataDir(data_dir).shard(0)
     try:
@@ -188,16 +187,15 @@ def _check(data_dir: Path, durable: Image, known: _Known, facts: Facts, where: P
             tag = tag_of_seq.get(seq)
             if seq not in held and tag not in known.sub_acked:
                 problems.append(f"acked sequence {seq} (tag {tag}) is lost")
-        durable_acks = _durable_acks(durable, where)
         present = {s.segment_seq for s in rec.segments}
         for (seg, idx), tag in facts.tag_of_id.items():
-            if durable_acks is None or not durable_acks.is_done(SUBSCRIBER, seg, idx):
+            if not _done(durable_acks, seg, idx):
                 continue
             seq = facts.seq_of_tag[tag]
             if "wal" in held.get(seq, []):
                 problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked durably and is "
                                 "back in the WAL's open segment")
-            if seg in present and not rec.acks.is_done(SUBSCRIBER, seg, idx):
+            if seg in present and not _done(rec.acks, seg, idx):
                 problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked durably and is "
                                 "pending again")
         if known.acked and rec.next_sequence <= max(known.acked):
@@ -213,6 +211,14 @@ def _check(data_dir: Path, durable: Image, known: _Known, facts: Facts, where: P
     return problems
 
 
+def _done(acks: AckState | None, seg: int, idx: int) -> bool:
+    """Has the subscriber acked this bundle in ``acks`` (False: not registered there)?"""
+    try:
+        return acks is not None and acks.is_done(SUBSCRIBER, seg, idx)
+    except UnknownSubscriber:
+        return False
+
+
 def _check_rows(seq: int, slots: dict[int, pa.Table], tag_of_seq: dict[int, int],
                 problems: list[str]) -> None:
     want = tag_of_seq.get(seq)
@@ -223,13 +229,13 @@ def _check_rows(seq: int, slots: dict[int, pa.Table], tag_of_seq: dict[int, int]
         problems.append(f"sequence {seq} holds tags {sorted(tags)}, not {want}")
 
 
-def _durable_acks(durable: Image, where: Path) -> AckState | None:
-    """The subscriber outcomes ack.log holds durably at this point."""
+def durable_acks(durable: Image, scratch: Path) -> AckState | None:
+    """The subscriber outcomes ack.log holds durably (in ``durable``, the no-cut image)."""
     raw = durable.files.get("shard-0/ack.log")
     if raw is None:
         return None
-    scratch = where / "durable-acks"
-    scratch.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
     (scratch / "ack.log").write_bytes(raw)
     report: Any = scan_ack_log(scratch / "ack.log", scratch / "q", log=logs.get("crashstates"))
     return report.state  # type: ignore[no-any-return]

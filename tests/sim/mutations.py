@@ -110,8 +110,8 @@ def apply(m: Mutation, tree: Path) -> None:
     path.write_text(text.replace(m.old, m.new))
 
 
-def run(m: Mutation, test: str, tree: Path) -> tuple[bool, str, float]:
-    """Run ``test`` on the mutated copy; (caught, last lines, seconds)."""
+def run(m: Mutation, test: str, tree: Path) -> tuple[int, str, float]:
+    """Run ``test`` on the copy; (pytest's exit code, last lines, seconds)."""
     env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'actors'}", **m.env}
     env.pop("PYTEST_XDIST_WORKER", None)
     started = time.monotonic()
@@ -119,7 +119,7 @@ def run(m: Mutation, test: str, tree: Path) -> tuple[bool, str, float]:
         [str(REPO / ".venv/bin/python"), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
          "-n", "0", test], cwd=tree, env=env, capture_output=True, text=True)
     tail = "\n".join(proc.stdout.splitlines()[-6:])
-    return proc.returncode == 1, tail, time.monotonic() - started
+    return proc.returncode, tail, time.monotonic() - started
 
 
 def check_isolated(tree: Path) -> None:
@@ -140,6 +140,14 @@ def main(names: list[str]) -> int:
     if unknown:
         print(f"unknown mutations {sorted(unknown)}; known: {[m.name for m in MUTATIONS]}")
         return 2
+    with tempfile.TemporaryDirectory(prefix="qmut") as scratch:
+        tree = Path(scratch)
+        copy_tree(tree)
+        for test in sorted({t for m in chosen for t in m.tests}):
+            code, tail, _ = run(Mutation("none", "", "", "", "", ()), test, tree)
+            if code != 0:  # a tool that fails on the product itself would "catch" anything
+                print(f"{test} fails without a mutation: fix it first\n{tail}")
+                return 2
     missed = 0
     for m in chosen:
         caught_by = 0
@@ -149,7 +157,8 @@ def main(names: list[str]) -> int:
             apply(m, tree)
             check_isolated(tree)
             for test in m.tests:
-                caught, tail, seconds = run(m, test, tree)
+                code, tail, seconds = run(m, test, tree)
+                caught = code == 1  # tests failed (not a collection or usage error)
                 verdict = "caught" if caught else "MISSED"
                 print(f"{m.name:40} {test:40} {verdict} in {seconds:.0f} s")
                 caught_by += caught

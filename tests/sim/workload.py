@@ -116,7 +116,6 @@ def consume(d: InProcessDaemon, model: ModelFS, facts: Facts, rng: random.Random
                     await b.ack()
                 else:
                     await b.nack()
-        # The dispatcher reads the answers in its next pass: let them reach ack.log.
 
     anyio.run(run)
     return got
