@@ -1,0 +1,57 @@
+"""Replay one seed: ``PYTHONHASHSEED=0 .venv/bin/python -m tests.sim.detsim SEED``.
+
+Options: ``--plant no_removals|expire_now`` (a planted bug), ``--no-faults``,
+``--bundles N``, ``--trace N`` (print the last N steps even on success), ``--json``
+(one line of counts, for the test that runs many seeds in one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tests.sim.detsim import PLANTS, SimFailed, Size, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.sim.detsim")
+    parser.add_argument("seeds", type=int, nargs="+")
+    parser.add_argument("--plant", choices=[p for p in PLANTS if p], default="")
+    parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--bundles", type=int, default=Size().bundles)
+    parser.add_argument("--trace", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        print("note: PYTHONHASHSEED is not 0: the trace may differ from the test's run",
+              file=sys.stderr)
+    failed = 0
+    for seed in args.seeds:
+        try:
+            result = run(seed, size=Size(bundles=args.bundles), faults=not args.no_faults,
+                         plant=args.plant)
+        except SimFailed as exc:
+            failed += 1
+            result = exc.result
+            if not args.json:
+                print(exc)
+        line = {"seed": seed, "ok": not result.error, "error": result.error,
+                "steps": result.steps, "virtual_s": result.virtual_s, "wall_s": result.wall_s,
+                "checks": result.checks, "commits": result.commits,
+                "bundles_acked": result.bundles_acked, "rows": result.rows,
+                "kills": result.kills, "incarnations": result.incarnations,
+                "faults": result.faults, "digest": result.digest(),
+                "tail": result.tail() if result.error else ""}
+        if args.json:
+            print(json.dumps(line), flush=True)
+        else:
+            print({k: v for k, v in line.items() if k != "tail"})
+            if args.trace:
+                print(result.tail(args.trace))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
