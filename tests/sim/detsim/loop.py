@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import random
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -53,6 +55,19 @@ class SimLoop(asyncio.SelectorEventLoop):
         self.vtime = 0.0
         self.steps = 0
         self.on_step: Callable[[str], None] | None = None
+        # Tasks numbered in creation order: the order in which their steps became ready
+        # can come from iterating a set of tasks (anyio's cancel delivery), whose order
+        # is their memory addresses'. Ready task steps are ranked by this number instead.
+        self.task_seq: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = \
+            weakref.WeakKeyDictionary()
+        self._seq = itertools.count()
+        self.set_task_factory(self._new_task)
+
+    def _new_task(self, loop: asyncio.AbstractEventLoop, coro: Any,
+                  context: Any = None) -> asyncio.Task[Any]:
+        task = asyncio.Task(coro, loop=loop, context=context)
+        self.task_seq[task] = next(self._seq)
+        return task
 
     def time(self) -> float:
         return self.vtime
@@ -80,7 +95,7 @@ class SimLoop(asyncio.SelectorEventLoop):
             if self._stopping:  # type: ignore[attr-defined]
                 return
             raise Deadlock(f"no callback ready and no timer at virtual t={self.vtime:.3f}")
-        pick = self.rng.randrange(len(ready))
+        pick = self._canonical(ready)[self.rng.randrange(len(ready))]
         ready.rotate(-pick)
         handle = ready.popleft()
         ready.rotate(pick)
@@ -91,6 +106,18 @@ class SimLoop(asyncio.SelectorEventLoop):
         handle._run()
         if self.on_step is not None:
             self.on_step(label)
+
+
+    def _canonical(self, ready: Any) -> list[int]:
+        """Indexes of ``ready`` in an order that is the same in every run: other callbacks
+        in their queue order, then task steps by task number."""
+        def rank(i: int) -> tuple[int, int]:
+            task = getattr(getattr(ready[i], "_callback", None), "__self__", None)
+            if isinstance(task, asyncio.Task):
+                return (1, self.task_seq.get(task, -1))
+            return (0, i)
+
+        return sorted(range(len(ready)), key=rank)
 
 
 def describe(handle: asyncio.Handle) -> str:
