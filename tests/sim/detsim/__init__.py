@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
 import anyio
 import ulid
 
@@ -54,10 +55,12 @@ class Result:
     commits: int = 0
     bundles_acked: int = 0
     rows: dict[str, int] = field(default_factory=dict)
+    settled_after_s: float = 0.0  # virtual seconds from the faults' end to the final state
     faults: dict[str, int] = field(default_factory=dict)
     kills: int = 0
     incarnations: list[int] = field(default_factory=list)
     events: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # lake restarts, by cause
     trace: list[tuple[float, str]] = field(default_factory=list)
     error: str = ""
 
@@ -93,7 +96,7 @@ def run(seed: int, *, size: Size | None = None, faults: bool = True, plant: str 
     def note(what: str) -> None:
         trace.append((loop.vtime, "! " + what))
 
-    plan = FaultPlan.draw_plan(seed, loop, size.faults_s, on=faults)
+    plan = FaultPlan.draw_plan(seed, loop, size.faults_s, on=faults, scale=size.fault_scale)
     plan.note = note
     world = World(root, loop, seed, plan, plant, note)
     world.size = size
@@ -108,7 +111,7 @@ def run(seed: int, *, size: Size | None = None, faults: bool = True, plant: str 
     saved_open_tier = runtime_lake.open_tier
     try:
         with simulated(seed, loop):
-            runtime_lake.open_tier = world.open_tier  # type: ignore[assignment]
+            runtime_lake.open_tier = world.open_tier
             try:
                 for d in world.daemons:
                     d.source_id = str(ulid.ULID())
@@ -118,7 +121,7 @@ def run(seed: int, *, size: Size | None = None, faults: bool = True, plant: str 
             finally:
                 _close(loop)  # still simulated: what unwinds calls to_thread too
     finally:
-        runtime_lake.open_tier = saved_open_tier  # type: ignore[assignment]
+        runtime_lake.open_tier = saved_open_tier
         world.checker.close()
         shutil.rmtree(root, ignore_errors=True)
     result.wall_s = round(time.perf_counter() - started, 2)
@@ -128,6 +131,7 @@ def run(seed: int, *, size: Size | None = None, faults: bool = True, plant: str 
     result.incarnations = [d.incarnations for d in world.daemons]
     result.bundles_acked = sum(len(d.dispatcher.acked) for d in world.daemons)
     result.events = dict(sorted(world.log.counts.items()))
+    result.restarts = dict(sorted(world.log.restarts.items()))
     if result.error:
         raise SimFailed(result)
     return result
@@ -149,6 +153,7 @@ async def _main(world: World, size: Size, result: Result) -> None:
                 raise NotSettled(f"not settled {size.settle_s:.0f} s after the faults "
                                  f"stopped: unacked bundles per daemon {unacked}")
             await anyio.sleep(5)
+        result.settled_after_s = round(world.loop.vtime - size.faults_s, 3)
         result.rows = world.checker.final_scan()
         tg.cancel_scope.cancel()
 

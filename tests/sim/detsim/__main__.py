@@ -1,6 +1,6 @@
 """Replay one seed: ``PYTHONHASHSEED=0 .venv/bin/python -m tests.sim.detsim SEED``.
 
-Options: ``--plant no_removals|expire_now`` (a planted bug), ``--no-faults``,
+Options: ``--plant no_removals|expire_now`` (a planted bug), ``--no-faults``, ``--harsh``,
 ``--bundles N``, ``--trace N`` (print the last N steps even on success), ``--json``
 (one line of counts, for the test that runs many seeds in one process).
 """
@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plant", choices=[p for p in PLANTS if p], default="")
     parser.add_argument("--no-faults", action="store_true")
     parser.add_argument("--bundles", type=int, default=Size().bundles)
+    parser.add_argument("--harsh", action="store_true",
+                        help="3x the fault rates, 6 kills per run")
     parser.add_argument("--trace", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -30,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for seed in args.seeds:
         try:
-            result = run(seed, size=Size(bundles=args.bundles), faults=not args.no_faults,
-                         plant=args.plant)
+            size = Size(bundles=args.bundles, kills=6 if args.harsh else Size().kills,
+                        fault_scale=3.0 if args.harsh else 1.0)
+            result = run(seed, size=size, faults=not args.no_faults, plant=args.plant)
         except SimFailed as exc:
             failed += 1
             result = exc.result
@@ -41,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": result.steps, "virtual_s": result.virtual_s, "wall_s": result.wall_s,
                 "checks": result.checks, "commits": result.commits,
                 "bundles_acked": result.bundles_acked, "rows": result.rows,
+                "settled_after_s": result.settled_after_s,
                 "kills": result.kills, "incarnations": result.incarnations,
-                "faults": result.faults, "digest": result.digest(),
+                "faults": result.faults, "restarts": result.restarts,
+                "events": result.events, "digest": result.digest(),
                 "tail": result.tail() if result.error else ""}
         if args.json:
             print(json.dumps(line), flush=True)

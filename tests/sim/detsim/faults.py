@@ -64,10 +64,13 @@ class FaultPlan:
     note: Callable[[str], None] = lambda _: None
 
     @classmethod
-    def draw_plan(cls, seed: int, loop: SimLoop, until: float, *, on: bool = True
-                  ) -> FaultPlan:
+    def draw_plan(cls, seed: int, loop: SimLoop, until: float, *, on: bool = True,
+                  scale: float = 1.0) -> FaultPlan:
         rng = random.Random(f"faults-{seed}")
-        plan = cls(rng=rng, loop=loop, until=until if on else 0.0)
+        base = Rates()
+        rates = Rates(store=base.store * scale, catalog=base.catalog * scale,
+                      iceberg=base.iceberg * scale, crash=base.crash * scale)
+        plan = cls(rng=rng, loop=loop, until=until if on else 0.0, rates=rates)
         for part in ("store", "catalog"):
             windows = []
             for _ in range(rng.randint(0, 2)):

@@ -37,7 +37,10 @@ import anyio.lowlevel
 import anyio.to_thread
 import ulid
 
-EPOCH_NS = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00Z: before any real mtime here
+# Virtual t=0 is 2026-01-01T00:57Z: the hour turns at t=180 s (files split by hour, and
+# compaction merges per hour). Before any real mtime here: staging files never look stale
+# to the janitor (a limit of the sim).
+EPOCH_NS = (1_767_225_600 + 57 * 60) * 1_000_000_000
 NS = 1_000_000_000
 
 
@@ -167,5 +170,5 @@ def simulated(seed: int, loop: SimLoop) -> Iterator[None]:
         yield
     finally:
         (time.time, time.time_ns, time.monotonic, uuid.uuid4, ulid.default_generator,
-         anyio.to_thread.run_sync) = saved  # type: ignore[assignment]
+         anyio.to_thread.run_sync) = saved
         random.setstate(saved_random)

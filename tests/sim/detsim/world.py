@@ -70,6 +70,7 @@ class Size:
     faults_s: float = 400.0  # virtual seconds of production with faults
     settle_s: float = 1800.0  # then at most this long for the lake to settle
     kills: int = 2  # lake kills (either daemon) while faults are on
+    fault_scale: float = 1.0  # every fault rate times this (exploration: --harsh)
 
 
 class SimLog:
@@ -77,9 +78,13 @@ class SimLog:
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}  # why the lake restarted: "part kind: error"
 
-    def info(self, event: str, **_kw: Any) -> None:
+    def info(self, event: str, **kw: Any) -> None:
         self.counts[event] = self.counts.get(event, 0) + 1
+        if event == "lake_unavailable":
+            why = f"{kw.get('part')} {kw.get('kind')}: {str(kw.get('error'))[:120]}"
+            self.restarts[why] = self.restarts.get(why, 0) + 1
 
     warning = error = debug = exception = info
 
