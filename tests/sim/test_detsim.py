@@ -60,11 +60,14 @@ def test_detsim_other_seed_other_trace() -> None:
     assert run(7, size=SMALL).digest() != run(8, size=SMALL).digest()
 
 
-@pytest.mark.parametrize("plant", ["no_removals", "expire_now"])
-def test_detsim_catches_a_planted_bug(plant: str) -> None:
+@pytest.mark.parametrize(("plant", "invariant"), [
+    ("no_removals", "I2"), ("expire_now", "I3"), ("ack_on_delivery", "I1")])
+def test_detsim_catches_a_planted_bug(plant: str, invariant: str) -> None:
     """``no_removals``: the projection never deletes a replaced file (a compaction's
     inputs stay next to its output); ``expire_now``: expiry ignores keep_snapshots_s,
-    so the janitor deletes objects a snapshot within the window still names."""
+    so the janitor deletes objects a snapshot within the window still names;
+    ``ack_on_delivery``: a bundle counts as acked when it is delivered, before any file
+    holding it is registered."""
     caught = []
     for seed in range(1, 6):
         try:
@@ -73,4 +76,4 @@ def test_detsim_catches_a_planted_bug(plant: str) -> None:
             caught.append(exc.result.error)
             break
     assert caught, f"no seed of 1..5 caught the planted bug {plant}"
-    assert ("I2" if plant == "no_removals" else "I3") in caught[0]
+    assert caught[0].startswith(f"InvariantViolated: {invariant}:"), caught[0]

@@ -37,7 +37,9 @@ from tests.sim.detsim.world import Size, World
 
 __all__ = ["PLANTS", "InvariantViolated", "Result", "Size", "SimFailed", "run"]
 
-PLANTS = ("", "no_removals", "expire_now")  # planted bugs (faults.FaultyProjection)
+# Planted bugs: the projection never deletes replaced files, expiry ignores the keep
+# window (faults.FaultyProjection), the core counts a delivered bundle as acked (world).
+PLANTS = ("", "no_removals", "expire_now", "ack_on_delivery")
 TRACE_TAIL = 40
 
 

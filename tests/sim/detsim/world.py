@@ -159,6 +159,9 @@ class SimDispatcher:
                     self.queue.appendleft(key)
                     break
                 self.inflight.add(key)
+                if self.world.plant == "ack_on_delivery":  # planted: acked before the lake
+                    self.acked[key] = self.bundles[key]
+                    self.world.changed("ack")
             await self.changed.wait()
             self.changed = anyio.Event()
 
