@@ -51,6 +51,7 @@ class Rates:
     lost: float = 0.4  # of the faults of calls that change something: done, reply lost
     timeout: float = 0.25  # of the store's faults: no answer
     crash: float = 0.004  # per catalog call: the caller dies
+    zombie: float = 0.02  # per Iceberg sync: the daemon dies while its worker holds it
 
 
 @dataclass
@@ -69,7 +70,8 @@ class FaultPlan:
         rng = random.Random(f"faults-{seed}")
         base = Rates()
         rates = Rates(store=base.store * scale, catalog=base.catalog * scale,
-                      iceberg=base.iceberg * scale, crash=base.crash * scale)
+                      iceberg=base.iceberg * scale, crash=base.crash * scale,
+                      zombie=base.zombie * scale)
         plan = cls(rng=rng, loop=loop, until=until if on else 0.0, rates=rates)
         for part in ("store", "catalog"):
             windows = []
@@ -289,9 +291,13 @@ class FaultyProjection:
     lives in the same database). ``plant`` names a planted bug (``tests.sim.detsim``)."""
 
     def __init__(self, projection: Any, plan: FaultPlan, changed: Callable[[str], None],
-                 plant: str = "") -> None:
+                 plant: str = "", zombie: Callable[[Callable[[], Any]], None] | None = None
+                 ) -> None:
         self.projection, self._plan, self._changed, self._plant = (projection, plan, changed,
                                                                    plant)
+        # ``zombie(call)``: kill this daemon's lake and land ``call`` later, as the worker
+        # process a killed daemon leaves behind would (the fence must make it harmless).
+        self._zombie = zombie
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.projection, name)
@@ -302,6 +308,13 @@ class FaultyProjection:
                 args = (args[0], args[1], (), *args[3:])
             if self._plant == "expire_now" and name == "expire":
                 kwargs["older_than_s"] = 0.0
+            if (name == "sync" and self._zombie is not None
+                    and self._plan.loop.vtime < self._plan.until
+                    and self._plan.rng.random() < self._plan.rates.zombie):
+                self._plan.counts["iceberg.zombie"] = self._plan.counts.get(
+                    "iceberg.zombie", 0) + 1
+                self._zombie(lambda: method(*args, **kwargs))
+                await anyio.sleep_forever()  # the kill cancels it
             fault = self._plan.draw("iceberg", name, mutating=mutating)
             if fault == "unavailable":
                 await anyio.lowlevel.checkpoint()

@@ -177,7 +177,8 @@ class SimLake(runtime_lake.Lake):
         projection = Projection(catalog_uri=w.iceberg_uri, warehouse=tier.store.location(""),
                                 io_properties={}, cfg=self.cfg.lake.iceberg)
         d.projections.append(projection)
-        faulty = FaultyProjection(projection, w.plan, w.changed, w.plant)
+        faulty = FaultyProjection(projection, w.plan, w.changed, w.plant,
+                                  zombie=lambda call: w.zombie(d, tier.source_id, call))
         reads = cast(FaultyCatalog, tier.catalog).with_reads_to(
             w.checker.projector_read(tier.source_id))
         ptier = dataclasses.replace(tier, catalog=cast(Any, reads))
@@ -271,6 +272,25 @@ class World:
 
     def changed(self, what: str) -> None:
         self.checker.changed(what)
+
+    def zombie(self, d: Daemon, source_id: str, call: Any) -> None:
+        """Daemon ``d`` dies while its projection worker holds ``call`` (a sync); the
+        worker lands it 0-60 s later, in a step of its own."""
+        self.note(f"kill lake of daemon {d.index} while its worker holds a sync")
+        d.kill()
+        # Its own Projection (the worker's connection): closed with d's others at exit.
+        self.loop.call_later(self.rng.uniform(0, 60), self._land, source_id, call)
+
+    def _land(self, source_id: str, call: Any) -> None:
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - the worker's outcome is only noted
+            self.note(f"zombie sync of {source_id} failed: {type(exc).__name__}: {exc}")
+            return
+        self.note(f"zombie sync of {source_id} landed: stale={result.stale} "
+                  f"added={len(result.added)} removed={len(result.removed)}")
+        self.checker.relaxed.add(source_id)
+        self.changed("iceberg.zombie")
 
     def daemon_of(self, cfg: Config) -> Daemon:
         return next(d for d in self.daemons if str(d.data_dir) == cfg.data_dir)
