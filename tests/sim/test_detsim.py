@@ -22,7 +22,7 @@ from tests.tiers import size
 
 SEEDS = size(4, 200, env="QUIVERD_SIM_SEEDS")
 REPO = Path(__file__).resolve().parents[2]
-SMALL = Size(bundles=12, faults_s=200.0, kills=1)  # in-process runs: a few seconds each
+SMALL = Size(bundles=8, faults_s=150.0, kills=1)  # in-process runs: 1-3 s each
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -54,10 +54,7 @@ def test_detsim_same_seed_same_trace() -> None:
     assert first.trace == second.trace
     assert first.digest() == second.digest()
     assert first.faults == second.faults and sum(first.faults.values()) > 0
-
-
-def test_detsim_other_seed_other_trace() -> None:
-    assert run(7, size=SMALL).digest() != run(8, size=SMALL).digest()
+    assert run(8, size=SMALL).digest() != first.digest()
 
 
 @pytest.mark.parametrize(("plant", "invariant"), [
