@@ -11,6 +11,8 @@ the same run, step for step: ``python -m tests.sim.detsim SEED`` replays one.
                                  │            dispatcher
                                  ├─ daemon 1: the same
                                  ├─ killer: one daemon's lake cancelled mid-operation
+                                 │  (and, drawn per Iceberg sync, a kill while the
+                                 │  projection worker holds a sync it lands later)
                                  └─ driver: faults stop, production ends, the lake settles,
                                             final scan; then everything is cancelled
 """
@@ -77,11 +79,11 @@ class Result:
 
 
 class SimFailed(AssertionError):
-    def __init__(self, result: Result) -> None:
+    def __init__(self, result: Result, replay: str = "") -> None:
         self.result = result
         super().__init__(f"seed {result.seed}: {result.error}\n"
                          f"replay: PYTHONHASHSEED=0 .venv/bin/python -m tests.sim.detsim "
-                         f"{result.seed}\nlast steps:\n{result.tail()}")
+                         f"{result.seed}{replay}\nlast steps:\n{result.tail()}")
 
 
 def run(seed: int, *, size: Size | None = None, faults: bool = True, plant: str = "",
@@ -135,7 +137,7 @@ def run(seed: int, *, size: Size | None = None, faults: bool = True, plant: str 
     result.events = dict(sorted(world.log.counts.items()))
     result.restarts = dict(sorted(world.log.restarts.items()))
     if result.error:
-        raise SimFailed(result)
+        raise SimFailed(result, f" --plant {plant}" if plant else "")
     return result
 
 

@@ -11,6 +11,8 @@ OpenDAL's operator), quiverd's catalog and the Iceberg projection.
                     doing the call), ObjectStore's own fail_after fires
       crash         catalog only: the calling actor dies there (SimCrash, an Exception no
                     actor expects: the lake's supervisor restarts every lake actor)
+      zombie        Iceberg sync only: the daemon's lake is killed while its worker
+                    holds the sync, which the worker lands 0-60 s later
     outages: windows in which every store (or catalog) call is unavailable
 
 The store's operator here is OpenDAL's blocking one, called inline: the async one

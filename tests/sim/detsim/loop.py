@@ -42,6 +42,7 @@ import ulid
 # to the janitor (a limit of the sim).
 EPOCH_NS = (1_767_225_600 + 57 * 60) * 1_000_000_000
 NS = 1_000_000_000
+PRODUCT = ("/quiverd/", "/quiverd_actors/")  # a step is labelled by its deepest frame here
 
 
 class Deadlock(RuntimeError):
@@ -130,12 +131,19 @@ def describe(handle: asyncio.Handle) -> str:
     task = getattr(callback, "__self__", None)
     if isinstance(task, asyncio.Task):
         coro: Any = task.get_coro()
-        where = ""
+        outer = product = harness = inner = ""
         while coro is not None and getattr(coro, "cr_frame", None) is not None:
             frame = coro.cr_frame
-            where = f"{frame.f_code.co_qualname}:{frame.f_lineno}"
+            inner = f"{frame.f_code.co_qualname}:{frame.f_lineno}"
+            if any(part in frame.f_code.co_filename for part in PRODUCT):
+                product = inner  # the deepest frame of quiverd's own code
+                outer = outer or frame.f_code.co_qualname  # the task's actor
+            elif "/tests/" in frame.f_code.co_filename:
+                harness = inner
             coro = getattr(coro, "cr_await", None)
-        return where or "task"
+        if product and not product.startswith(outer + ":"):
+            return f"{outer} > {product}"
+        return product or harness or inner or "task"
     return getattr(callback, "__qualname__", type(callback).__name__)
 
 
