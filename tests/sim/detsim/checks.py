@@ -5,7 +5,8 @@ again (quiverd's catalog through a read-only SQLite connection, the tables throu
 pyiceberg, the objects on disk).
 
   I1 acked rows:   every acked bundle is covered by exactly one registered file (the
-                   catalog's coverage rows of registered files), and no bundle by two.
+                   catalog's coverage rows of registered files), and no bundle by two;
+                   every registered file's object is in the store.
   I2 projection:   per table and source, with T = the source's files in the current
                    snapshot, R = its registered files:
                    - a commit of the source in this step: T == R as the projector's last
@@ -116,6 +117,8 @@ class Checker:
             self._read_tables()
         if parts & {"catalog", "iceberg"}:
             self._window()
+        if parts & {"store", "catalog"}:
+            self._registered_objects()
         if parts & {"store", "iceberg"}:
             self._keep_window()
         self.relaxed.clear()
@@ -168,6 +171,13 @@ class Checker:
                     raise InvariantViolated(
                         f"I1: acked bundle {d.source_id}/0/{seg}/{idx} is in "
                         f"{held[(d.source_id, seg, idx)]} registered files")
+
+    def _registered_objects(self) -> None:
+        objects = self.world.root / "objects"
+        for row in self.rows.values():
+            if row.state in REGISTERED_VALUES and not (objects / row.object_key).is_file():
+                raise InvariantViolated(f"I1: registered file {row.file_id} ({row.state}) "
+                                        f"has no object at {row.object_key}")
 
     def _read_tables(self) -> None:
         if self.reader is None:
