@@ -74,3 +74,23 @@ def test_detsim_catches_a_planted_bug(plant: str, invariant: str) -> None:
             break
     assert caught, f"no seed of 1..5 caught the planted bug {plant}"
     assert caught[0].startswith(f"InvariantViolated: {invariant}:"), caught[0]
+
+
+@pytest.mark.xfail(strict=True, reason="the janitor's orphan rule trusts lake.janitor.grace_s "
+                   "to exceed an upload's stall; grace_s is only checked >= 0, and a delete "
+                   "retried after a timeout lands on the key re-uploaded meanwhile: open")
+def test_detsim_short_janitor_grace_keeps_registered_objects() -> None:
+    """Found by the sim (seed 11, --harsh, lake.janitor.grace_s = 5): an upload's verify
+    stat timed out (t=24.3 s) while its row was still Rotated (no object key); the
+    janitor listed rows, then objects, judged the 8 s old object an orphan and deleted
+    it (t=32.3), its delete's reply timed out; the uploader deleted and uploaded the
+    object again and registered the file (t=34.3, its bundles acked); the janitor's
+    retried delete (t=42.4) removed the registered file's object. Acked rows lost their
+    only copy in the lake (I1: a registered file without its object)."""
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.sim.detsim", "11", "--harsh", "--janitor-grace-s", "5",
+         "--janitor-interval-s", "10", "--json"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert line["ok"], line["error"]

@@ -102,8 +102,7 @@ def run(seed: int, *, size: Size | None = None, faults: bool = True, plant: str 
 
     plan = FaultPlan.draw_plan(seed, loop, size.faults_s, on=faults, scale=size.fault_scale)
     plan.note = note
-    world = World(root, loop, seed, plan, plant, note)
-    world.size = size
+    world = World(root, loop, seed, plan, plant, note, size)
 
     def on_step(label: str) -> None:
         if keep_trace:

@@ -1,6 +1,7 @@
 """Replay one seed: ``PYTHONHASHSEED=0 .venv/bin/python -m tests.sim.detsim SEED``.
 
-Options: ``--plant no_removals|expire_now`` (a planted bug), ``--no-faults``, ``--harsh``,
+Options: ``--plant NAME`` (a planted bug), ``--no-faults``, ``--harsh``,
+``--janitor-grace-s S``, ``--janitor-interval-s S``,
 ``--bundles N``, ``--trace N`` (print the last N steps even on success), ``--json``
 (one line of counts, for the test that runs many seeds in one process).
 """
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundles", type=int, default=Size().bundles)
     parser.add_argument("--harsh", action="store_true",
                         help="3x the fault rates, 6 kills per run")
+    parser.add_argument("--janitor-grace-s", type=int, default=Size().janitor_grace_s)
+    parser.add_argument("--janitor-interval-s", type=int, default=Size().janitor_interval_s)
     parser.add_argument("--trace", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -33,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         try:
             size = Size(bundles=args.bundles, kills=6 if args.harsh else Size().kills,
-                        fault_scale=3.0 if args.harsh else 1.0)
+                        fault_scale=3.0 if args.harsh else 1.0,
+                        janitor_grace_s=args.janitor_grace_s,
+                        janitor_interval_s=args.janitor_interval_s)
             result = run(seed, size=size, faults=not args.no_faults, plant=args.plant)
         except SimFailed as exc:
             failed += 1

@@ -269,7 +269,7 @@ class FaultyCatalog:
                 raise CatalogUnavailable(f"sim: catalog {name}: unavailable")
             result = await attr(*args, **kwargs)
             if mutating:
-                self._changed(f"catalog.{name}")
+                self._changed(f"catalog.{name} {_subject(args)}")
             if fault == "lost":
                 raise CatalogUnavailable(f"sim: catalog {name}: done, reply lost")
             if name == "list_files" and self._on_list is not None:
@@ -277,6 +277,18 @@ class FaultyCatalog:
             return result
 
         return call
+
+
+def _subject(args: tuple[Any, ...]) -> str:
+    """What a catalog write is about, for the trace: a file id (or a row's)."""
+    if not args:
+        return ""
+    first = args[0]
+    if isinstance(first, str):
+        return first
+    if isinstance(first, list):
+        return ",".join(map(str, first[:4]))
+    return str(getattr(first, "file_id", ""))
 
 
 def _is_async(fn: Any) -> bool:

@@ -71,6 +71,8 @@ class Size:
     settle_s: float = 1800.0  # then at most this long for the lake to settle
     kills: int = 2  # lake kills (either daemon) while faults are on
     fault_scale: float = 1.0  # every fault rate times this (exploration: --harsh)
+    janitor_grace_s: int = 300  # lake.janitor.grace_s (orphans younger are kept)
+    janitor_interval_s: int = 45
 
 
 class SimLog:
@@ -197,7 +199,8 @@ class Daemon:
             store=StoreConfig(root=str(world.root / "objects"), max_attempts=3,
                               retry_base_ms=100, retry_max_ms=1000, timeout_ms=10_000,
                               max_concurrency=2),
-            janitor=JanitorConfig(interval_s=45, grace_s=300),
+            janitor=JanitorConfig(interval_s=world.size.janitor_interval_s,
+                                  grace_s=world.size.janitor_grace_s),
             compaction=CompactionConfig(interval_s=40, min_files=2, delete_grace_s=30),
             scrub=LakeScrubConfig(rate_mb_per_s=0),
             iceberg=IcebergConfig(keep_snapshots_s=KEEP_SNAPSHOTS_S, reconcile_interval_s=30,
@@ -255,7 +258,7 @@ async def _no_subscribe(_op: str, _name: str, _start: str) -> None:
 
 class World:
     def __init__(self, root: Path, loop: SimLoop, seed: int, plan: FaultPlan, plant: str,
-                 note: Any) -> None:
+                 note: Any, size: Size) -> None:
         from tests.sim.detsim.checks import Checker
 
         self.root, self.loop, self.seed, self.plan, self.plant = root, loop, seed, plan, plant
@@ -265,13 +268,17 @@ class World:
         self.catalog_db = DataDir(root).catalog_db
         self.iceberg_uri = catalog_uri(CatalogConfig(), root)
         self.born: dict[str, int] = {}  # object key -> virtual ns of its commit
+        self.size = size
         self.daemons = [Daemon(self, i) for i in range(2)]
         self.checker = Checker(self)
         self.store_seq = 0
-        self.size = Size()
 
     def changed(self, what: str) -> None:
+        """A step changed ``what`` (``part.op subject``): checked after the step, and
+        kept in the trace."""
         self.checker.changed(what)
+        if " " in what:
+            self.note(what)
 
     def zombie(self, d: Daemon, source_id: str, call: Any) -> None:
         """Daemon ``d`` dies while its projection worker holds ``call`` (a sync); the
