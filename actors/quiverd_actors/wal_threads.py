@@ -90,6 +90,8 @@ class WalPipeline:
         self.reserve_bytes = wal.reserve_bytes  # + 1/8 while the disk is full
         self._batch_left = 0  # entries of the batch being written not yet written
         self._idle_told = False  # the last write's message said "idle" already
+        # Commit records say how far syncs got (SPEC §3); under "never" none is claimed.
+        wal.commits = policy.syncs
         stats.last_sequence.set(next_sequence - 1)
 
     # ---- the loop's calls (never block) -----------------------------------------
@@ -292,6 +294,9 @@ class WalPipeline:
                 return
             self.stats.inflight.set(len(st.written))
             if st.done and not st.written:
+                # The last record, synced: damage to what was acked reads as loss.
+                if not self.aborted:
+                    self.wal.commit_idle(sync=True)
                 return
             st.timeout = None
             if not (st.written and st.credit):
@@ -310,6 +315,10 @@ class WalPipeline:
             self.stats.fdatasync_latency.observe(self.wal.last_sync_seconds)
             self.stats.inflight.set(0)
             self.post(self.sink.on_durable, covered)
+            if st.idle and self.to_syncer.empty():
+                # Nothing more is coming now: record the frontier (written, not synced;
+                # the next batch would carry it otherwise).
+                self.wal.commit_idle()
 
 
 class _SyncState:

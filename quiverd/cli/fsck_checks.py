@@ -45,6 +45,7 @@ from quiverd.segments.reader import SegmentReader, verify_segment
 from quiverd.segments.table import SegmentInfo
 from quiverd.wal import dump as waldump
 from quiverd.wal import format as wf
+from quiverd.wal.commits import split_unsynced
 from quiverd.wal.inventory import WalInventory, wal_inventory
 
 # Findings beyond this are counted, not listed: a shredded disk must not make fsck
@@ -100,6 +101,8 @@ class ShardFacts:
         self.segments: list[SegmentInfo] = []  # valid files
         self.bad_segments: list[int] = []  # startup (and --repair) quarantines them
         self.wal: list[int] = []  # sequences of the entries replay keeps
+        self.wal_damage: list[tuple[int, int]] = []  # sequences damage between entries held
+        self.commits: list[tuple[int, int]] = []  # (base, synced_through) of WAL commit records
         self.deleted = 0
         self.deleting: list[int] = []  # the DELETED marker's batch (runtime.recovery)
         self.acks: AckState | None = None
@@ -114,8 +117,9 @@ class ShardFacts:
         on_disk = {s.segment_seq: s.bundle_count for s in self.segments}
         gone = gone_segments(self.acks or AckState(), on_disk, self.bad_segments,
                              self.deleting)
+        _, never = split_unsynced(self.wal_damage, self.commits)  # as replay splits them
         return find_loss(segments=self.segments, deleted_sequence=self.deleted,
-                         wal_sequences=self.wal, gone=gone)
+                         wal_sequences=self.wal, gone=gone, never_acked=never)
 
     def new_and_known(self, loss: Loss, report: Report) -> tuple[ShardLoss, ShardLoss]:
         """``loss`` split as daemon recovery splits it: already reported (lost.json) or new."""
@@ -173,6 +177,7 @@ class _WalRows:
         self.last_seq: int | None = None
         self.skipped = 0  # damaged entries since the last sound one: each used a sequence
         self.previous = ""  # kind of the row before
+        self.damaged_after: int | None = None  # last sound sequence before damage
 
     def check_file(self, path: Path, gen: int, active_generation: int) -> None:
         size = file_size(path)
@@ -199,15 +204,21 @@ class _WalRows:
         elif kind == "hole":
             # Released entries punched out while the sidecar was lost: sequences jump here.
             report.checked["wal_hole_bytes"] += row["bytes"]
-            self.last_seq = None
+            self.last_seq = self.damaged_after = None
+        elif kind == "commit":
+            self.facts.commits.append((row["base"], row["synced_through"]))
         elif kind == "skipped" and previous == "hole":
             report.add(path, row["offset"], "wal_hole_edge", "tail of a released entry the "
                        "punched hole cut; replay skips it", note=True)
         elif kind == "skipped":
             self._damage(path, gen, row["offset"], row["bytes"], "wal_damage",
                          strip(row["message"], path))
+            self.facts.commits.extend(row.get("commits", []))
+            if self.damaged_after is None:
+                self.damaged_after = self.last_seq
             self.last_seq = None
         elif kind == "torn_tail":
+            self.facts.commits.extend(row.get("commits", []))
             report.add(path, offset, "wal_torn_tail", f"last {row['bytes']} bytes are no "
                        f"complete entry ({strip(row['message'], path)}); replay cuts them")
         elif kind == "entry":
@@ -219,12 +230,18 @@ class _WalRows:
             why = row["problem"] or "crc mismatch"
             self._damage(path, gen, row["offset"], row["bytes"], "wal_corrupt_entry",
                          f"entry of {row['bytes']} bytes: {why}")
-            self.skipped += 1
+            if not (row["entry_type"] == wf.ENTRY_COMMIT and row["bytes"] == wf.COMMIT_LEN):
+                self.skipped += 1  # a damaged commit record used no sequence
+            if self.damaged_after is None:
+                self.damaged_after = self.last_seq
             return
         if row["entry_type"] not in wf.KNOWN_ENTRY_TYPES:
             return
         seq = row["sequence"]
         self.facts.wal.append(seq)
+        if self.damaged_after is not None and seq > self.damaged_after + 1:
+            self.facts.wal_damage.append((self.damaged_after + 1, seq - 1))
+        self.damaged_after = None
         if self.last_seq is not None and seq != self.last_seq + 1 + self.skipped:
             expected = self.last_seq + 1 + self.skipped
             self.report.add(path, row["offset"], "wal_sequence_gap",

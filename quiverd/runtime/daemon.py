@@ -101,9 +101,26 @@ class Daemon:
                              verdict=self.staging.verdict) for i in range(count)]
         self.staging.wakers = [s.changes for s in self.shards]
         self.staging.views = lambda: [s.segments for s in self.shards]
+        try:
+            await self._serve(self.staging, task_status)
+        finally:
+            # The actors close what they own; a start that failed before they ran (a
+            # shard's recovery, the lake, a socket) must not leave a shard's files open.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._close_recovered)
+        self.log.info("quiverd_stopped")
+
+    def _close_recovered(self) -> None:
+        for shard in self.shards:
+            if shard.recovered is not None:
+                shard.recovered.wal.close()
+                shard.recovered.ack_file.close()
+
+    async def _serve(self, staging: Staging, task_status: anyio.abc.TaskStatus[None]) -> None:
+        cfg = self.cfg
         async with anyio.create_task_group() as root:
             await self._recover()
-            await root.start(self.staging.run)
+            await root.start(staging.run)
             if self.handle_signals:
                 root.start_soon(self._signals, root.cancel_scope)
             if self.stop is not None:
@@ -112,8 +129,8 @@ class Daemon:
                 for shard in self.shards:
                     await pipelines.start(shard.run)
                 await self._start_lake(pipelines)
-                self.staging.visibility = Visibility(  # the JOB op "visible" (SPEC §7)
-                    self.shards, self.staging, lake=lambda: self.lake,
+                staging.visibility = Visibility(  # the JOB op "visible" (SPEC §7)
+                    self.shards, staging, lake=lambda: self.lake,
                     enabled=cfg.lake.enabled, subscriber=LAKE_SUBSCRIBER,
                     log=logs.get("visibility"))
                 self.ingest = IngestServer(cfg.ingest, cfg.ingest_socket,
@@ -122,14 +139,14 @@ class Daemon:
                                            log=logs.get("ingest"),
                                            metrics=IngestMetrics(self.metrics),
                                            bound=self.bound.get(cfg.ingest_socket))
-                self.ingest.jobs = self.staging
+                self.ingest.jobs = staging
                 self.ingest.lake = lake_reply(cfg)
                 if cfg.lake.schema_mode == "strict":
                     self.ingest.established = EstablishedSchemas(Path(cfg.data_dir),
                                                                  log=logs.get("ingest"))
                 admin = AdminServer(cfg.admin_socket, self, cfg.admin, log=logs.get("admin"),
                                     bound=self.bound.get(cfg.admin_socket))
-                admin.jobs = self.staging  # quiverd jobs list|abort
+                admin.jobs = staging  # quiverd jobs list|abort
                 self.ingest.hub.dispatchers = [s.dispatcher for s in self.shards
                                                if s.dispatcher is not None]
                 await pipelines.start(self.ingest.serve)
@@ -139,15 +156,14 @@ class Daemon:
                                                         health=self.view.health)
                     await root.start(self.metrics_server.serve)
                 await root.start(admin.serve)
-                self.log.info("quiverd_ready", shards=count, data_dir=cfg.data_dir,
+                self.log.info("quiverd_ready", shards=len(self.shards), data_dir=cfg.data_dir,
                               ingest_socket=str(cfg.ingest_socket))
-                self.notifier.ready(f"{count} shards")
+                self.notifier.ready(f"{len(self.shards)} shards")
                 task_status.started()
                 if self.notifier.watchdog_interval_s():
                     root.start_soon(self._watchdog)
             # Every pipeline drained: end the admin server and signal watchers.
             root.cancel_scope.cancel()
-        self.log.info("quiverd_stopped")
 
     def shutdown(self) -> None:
         """Begin a graceful stop (idempotent)."""

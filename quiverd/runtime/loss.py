@@ -82,14 +82,17 @@ class Coverage:
 
 
 def find_loss(*, segments: Sequence[SegmentSpan], deleted_sequence: int,
-              wal_sequences: Iterable[int], gone: Mapping[int, int | None]) -> Loss:
+              wal_sequences: Iterable[int], gone: Mapping[int, int | None],
+              never_acked: Iterable[tuple[int, int]] = ()) -> Loss:
     """Lost sequences and the gone segments they belonged to.
 
     ``gone`` maps the segment_seq of every segment that should exist but does not
     (quarantined now, or recorded by ack.log and absent) to its bundle count.
+    ``never_acked``: WAL damage the commit records show was never synced (a torn
+    unsynced write, ``quiverd.wal.commits``): no acknowledged bundle, so no loss.
     """
     wal = _runs(sorted(set(wal_sequences)))
-    held = _merge([*Coverage(segments, deleted_sequence).ranges, *wal])
+    held = _merge([*Coverage(segments, deleted_sequence).ranges, *wal, *never_acked])
     newest = max(segments, key=lambda s: s.segment_seq, default=None)
     base = newest.last_sequence if newest is not None else deleted_sequence
     above = [n for q, n in gone.items() if newest is None or q > newest.segment_seq]

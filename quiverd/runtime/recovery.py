@@ -125,7 +125,8 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
     loss = find_loss(segments=segments, deleted_sequence=deleted.wal_sequence,
                      wal_sequences=(e.sequence for e in state.entries),
                      gone=gone_segments(ack_scan.state, on_disk, quarantined,
-                                          deleted.segment_seqs))
+                                          deleted.segment_seqs),
+                     never_acked=state.never_acked)
     # Logged before settle_acks makes ack.log forget the gone segments: a crash in
     # between reports the loss again rather than never. What an earlier start
     # reported (lost.json) is only listed.
@@ -141,19 +142,31 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
                         max_size_bytes=cfg.wal.max_size_bytes,
                         max_chunks=cfg.wal.max_chunks, log=log)
     wal.fault_hook = faults.get("wal")
-    acks = settle_acks(shard, ack_scan, on_disk, cfg.subscribers, log)
-    next_segment_seq = _next_segment_seq(shard, floor, segments, quarantined,
-                                         acks.state.segment_floor, log)
-    orphans = [by_seq.pop(seq) for seq in acks.orphans]
-    delete_segments(shard, orphans, mark=False)  # ack.log recorded them deleted
+    acks = None
+    # Never reuse a sequence the lost bundles had: producers hold acks naming them.
+    next_sequence = max(state.next_sequence, loss.highest_sequence + 1,
+                        known.highest_sequence + 1)
+    try:
+        acks = settle_acks(shard, ack_scan, on_disk, cfg.subscribers, log)
+        next_segment_seq = _next_segment_seq(shard, floor, segments, quarantined,
+                                             acks.state.segment_floor, log)
+        orphans = [by_seq.pop(seq) for seq in acks.orphans]
+        delete_segments(shard, orphans, mark=False)  # ack.log recorded them deleted
+        # What replay kept is synced now; this life's commit records say so, except for
+        # what it found torn and never acknowledged.
+        wal.begin(next_sequence - 1,
+                  vouch_above=max((hi for _, hi in state.never_acked), default=0))
+    except BaseException:
+        wal.close()  # a failed start leaves no file open (a test's daemon, a retry)
+        if acks is not None:
+            acks.file.close()
+        raise
     segments = sorted(by_seq.values(), key=lambda s: s.segment_seq)
     log.info("shard_recovered", segments=len(segments), open_bundles=len(open_bundles),
              wal_entries=len(state.entries), corrupt_entries=state.corrupt_entries,
              torn_tail_bytes=state.torn_tail_bytes, lost_bundles=loss.count)
     return Recovered(
-        # Never reuse a sequence the lost bundles had: producers hold acks naming them.
-        wal=wal, next_sequence=max(state.next_sequence, loss.highest_sequence + 1,
-                                   known.highest_sequence + 1),
+        wal=wal, next_sequence=next_sequence,
         next_segment_seq=next_segment_seq, open_bundles=open_bundles, segments=segments,
         acks=acks.state, ack_file=acks.file, ack_pending=acks.pending,
         unverified={s.segment_seq for s in segments} & scan.unverified,
@@ -163,6 +176,7 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
         replay={"entries": len(state.entries), "corrupt_entries": state.corrupt_entries,
                 "torn_tail_bytes": state.torn_tail_bytes,
                 "resynced_bytes": state.resynced_bytes, "bundles_lost": new.count,
+                "torn_unsynced_entries": sum(hi - lo + 1 for lo, hi in state.never_acked),
                 **{f"ack_log_{k}": v for k, v in acks.counters.items()}})
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from quiverd.kernel import layout
 from quiverd.kernel.bundle import MAX_SLOTS
 from quiverd.kernel.errors import CorruptRecord
+from quiverd.wal import commits as walcommits
 from quiverd.wal import format as wf
 from quiverd.wal.inventory import live_start
 from quiverd.wal.resync import NONZERO, next_step
@@ -47,6 +48,11 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
         whole = "whole file" if pos == len(raw) else "space reclaimed"
         yield {"kind": "released", "offset": wf.HEADER_LEN, "bytes": pos - wf.HEADER_LEN,
                "message": f"released to segments ({whole})"}
+        record = walcommits.decode_at(raw, pos - wf.COMMIT_LEN)
+        if record is not None:  # the commit record of the first live entry's batch
+            yield {"kind": "commit", "offset": pos - wf.COMMIT_LEN, "base": record[0],
+                   "synced_through": record[1], "bytes": wf.COMMIT_LEN,
+                   "message": "commit record before the first live entry"}
     # Walked by replay's own rule (``next_step``), so that fsck, which reads these rows,
     # predicts exactly the entries replay keeps and the sequences it loses.
     last: int | None = None  # sequence of the last sound entry: a successor's is higher
@@ -55,7 +61,8 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
         step = next_step(raw, pos, max_entry_bytes=len(raw), last_sequence=last,
                          skipped=skipped, after_sequence=last, path=str(path))
         if step.kind == "tail":
-            yield _tail_row(Path(path), pos, len(raw) - pos, step.reason)
+            yield _tail_row(Path(path), pos, len(raw) - pos, step.reason) | {
+                "commits": walcommits.found_in(raw, pos)}
             return
         if step.kind == "skip":
             yield from _skipped_rows(raw, pos, step.end, step.reason)
@@ -63,11 +70,15 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
             e = step.entry
             assert e is not None
             yield _entry_row(e)
-            if step.kind == "corrupt":
-                skipped += 1
+            if step.kind == "corrupt" and not _commit_shaped(e):
+                skipped += 1  # a damaged record used no sequence
             elif e.entry_type in wf.KNOWN_ENTRY_TYPES:
                 last, skipped = e.sequence, 0
         pos = step.end
+
+
+def _commit_shaped(e: wf.DecodedEntry) -> bool:
+    return e.entry_type == wf.ENTRY_COMMIT and e.total_len == wf.COMMIT_LEN
 
 
 def _tail_row(path: Path, pos: int, nbytes: int, reason: str) -> dict[str, Any]:
@@ -80,6 +91,10 @@ def _tail_row(path: Path, pos: int, nbytes: int, reason: str) -> dict[str, Any]:
 
 def _entry_row(e: wf.DecodedEntry) -> dict[str, Any]:
     parsed = e.sound and e.entry_type in wf.KNOWN_ENTRY_TYPES
+    if e.entry_type == wf.ENTRY_COMMIT and e.sound:  # sequence: synced through; bitmap: base
+        return {"kind": "commit", "offset": e.offset, "base": e.slot_bitmap,
+                "synced_through": e.sequence, "ts_ns": e.ts_ns, "bytes": e.total_len,
+                "message": f"commit record: ({e.slot_bitmap}, {e.sequence}] synced"}
     return {
         "kind": "entry", "offset": e.offset, "sequence": e.sequence, "ts_ns": e.ts_ns,
         "entry_type": e.entry_type,
@@ -100,4 +115,5 @@ def _skipped_rows(raw: bytes, pos: int, resync: int, reason: str) -> Iterator[di
                "message": f"zeroed bytes (a punched hole), sound entry at {resync}"}
     if data_at < resync:
         yield {"kind": "skipped", "offset": data_at, "bytes": resync - data_at,
-               "message": f"damaged bytes, sound entry at {resync}: {reason}"}
+               "message": f"damaged bytes, sound entry at {resync}: {reason}",
+               "commits": walcommits.found_in(raw, data_at, resync)}

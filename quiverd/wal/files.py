@@ -84,6 +84,14 @@ class WalFiles:
     reserve_bytes: int = 0  # free space an append must leave on the filesystem
     fault_hook: Hook | None = None  # tests: raises at a step to simulate an I/O error
     last_sync_seconds: float = 0.0
+    # Commit records (SPEC §3, ``quiverd.wal.commits``): written unless the flush
+    # policy never syncs. ``synced_through``: the highest sequence an fdatasync that
+    # returned covered; ``base``: the last sequence when this writer began.
+    commits: bool = True
+    synced_through: int = 0
+    base: int = 0
+    _written_through: int = 0  # the highest sequence whose write returned
+    _committed: int | None = None  # synced_through of the active file's last record
     _fd: int = -1
     _rotated: list[_Rotated] = field(default_factory=list)
     # (sequence, generation, offset) of every entry not yet released: bounded by
@@ -120,6 +128,20 @@ class WalFiles:
         os.lseek(self._fd, self.end_offset, os.SEEK_SET)
         self.punch_supported = probe_punch_hole(wal_dir)
         return self
+
+    def begin(self, last_sequence: int, *, vouch_above: int = 0) -> None:
+        """A writer's life starts after ``last_sequence`` (recovery's next_sequence - 1).
+
+        What replay kept is made durable first (a kill -9 leaves it in the page cache
+        only), so this life's records vouch for it as synced: for every sequence above
+        ``vouch_above`` (the highest one replay found torn and never acknowledged), never
+        for what replay skipped as such.
+        """
+        if self.end_offset > walformat.HEADER_LEN:
+            self._fdatasync("begin_fdatasync")
+        self.synced_through = self._written_through = last_sequence
+        self.base = min(vouch_above, last_sequence)
+        self._committed = None
 
     def close(self) -> None:
         with self._lock:
@@ -158,15 +180,18 @@ class WalFiles:
         """How many of these entries, from the first, fit in one ``append`` call now."""
         live, end, files = self.live_bytes, self.end_offset, self.file_count
         has_entries = self._has_entries()
+        record = walformat.COMMIT_LEN if self.commits else 0  # at most one per file part
         for i, nbytes in enumerate(sizes):
-            if live + nbytes > self.max_size_bytes and has_entries:
+            first = record if i == 0 else 0
+            if live + nbytes + first > self.max_size_bytes and has_entries:
                 return i
-            if end > walformat.HEADER_LEN and end + nbytes > self.chunk_bytes:
+            if end > walformat.HEADER_LEN and end + nbytes + first > self.chunk_bytes:
                 if files >= self.max_chunks:
                     return i
                 files, end = files + 1, walformat.HEADER_LEN
                 live += walformat.HEADER_LEN
-            live, end, has_entries = live + nbytes, end + nbytes, True
+                first = record
+            live, end, has_entries = live + nbytes + first, end + nbytes + first, True
         return len(sizes)
 
     def _has_entries(self) -> bool:
@@ -175,6 +200,17 @@ class WalFiles:
     def _needs_rotation(self, nbytes: int) -> bool:
         active_has_data = self.end_offset > walformat.HEADER_LEN
         return active_has_data and self.end_offset + nbytes > self.chunk_bytes
+
+    def _record_due(self) -> bool:
+        """Does the active file need a commit record before its next entry?"""
+        return self.commits and (self._committed is None
+                                 or self.synced_through > self._committed)
+
+    def _record(self) -> bytes:
+        synced = self.synced_through
+        self._committed = synced
+        return walformat.encode_commit(base=self.base, synced_through=synced,
+                                       ts_ns=time.time_ns())
 
     # ---- append and sync -------------------------------------------------------------
     def append(self, entries: list[EntryToWrite], *, sync: bool) -> None:
@@ -190,10 +226,43 @@ class WalFiles:
                 self._create_header()
             if self._deferred_cut is not None:
                 self._cut_deferred_tail(self._deferred_cut)
-            self._check_space(sum(e[2] for e in entries))
+            self._check_space(sum(e[2] for e in entries) + walformat.COMMIT_LEN)
             self._append(entries)
         if sync:
             self.sync()
+
+    def commit_idle(self, *, sync: bool = False) -> bool:
+        """The writer is idle (or stopping): record the frontier if it moved since the
+        active file's last record, so that damage to what was synced is never taken for
+        a torn unsynced write. Skipped (False) while an append holds the file, when the
+        record would need a new file or the disk is full; ``sync``: make it durable.
+        """
+        if not self._mutex.acquire(blocking=False):
+            return False
+        try:
+            last = self._committed if self._committed is not None else self.base
+            if (not self.commits or self._fd < 0 or self.end_offset == 0
+                    or self._deferred_cut is not None or self.synced_through <= last
+                    or self.end_offset + walformat.COMMIT_LEN > self.chunk_bytes
+                    or self.live_bytes + walformat.COMMIT_LEN > self.max_size_bytes):
+                return False
+            start, committed = self.end_offset, self._committed
+            record = self._record()
+            try:
+                self._write([record], "commit_write")
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise self._lost("write to", exc) from with_path(
+                        exc, layout.active_wal(self.wal_dir))
+                self._cut_back(start, 0, exc)
+                self._committed = committed
+                return False
+            self.end_offset = start + walformat.COMMIT_LEN
+        finally:
+            self._mutex.release()
+        if sync:
+            self.sync()
+        return True
 
     def _create_header(self) -> None:
         """Replay left the active file empty (no space for its header): write it now,
@@ -212,6 +281,7 @@ class WalFiles:
         with self._lock:
             self._fs.close(self._fd)
             self._fd = fd
+            self._committed = None  # a new file: its first batch gets a record
         self.end_offset = walformat.HEADER_LEN
         self.log.info("wal_created", path=str(path), generation=self.generation, deferred=True)
 
@@ -261,27 +331,51 @@ class WalFiles:
     def _append(self, entries: list[EntryToWrite]) -> None:
         pieces: list[Buffer] = []
         part_start, part_first = self.end_offset, 0  # this file's part of the batch
+        committed = self._committed
         for i, (sequence, (ts_ns, slots), size) in enumerate(entries):
             entry_pieces = walformat.encode_entry(ts_ns=ts_ns, sequence=sequence, slots=slots)
-            if self._needs_rotation(size):
-                self._write_part(pieces, part_start, i - part_first, done=part_first)
+            due = walformat.COMMIT_LEN if self._record_due() else 0
+            if self._needs_rotation(size + due):
+                self._write_part(pieces, part_start, i - part_first, done=part_first,
+                                 committed=committed)
                 pieces = []
+                if i > part_first:
+                    self._written_through = entries[i - 1][0]
                 self._rotate(done=i)
-                part_start, part_first = self.end_offset, i
+                part_start, part_first, committed = self.end_offset, i, self._committed
+            if self._committed is None and self.commits:
+                # The first record of a life or of a file is synced on its own: a crash
+                # that tears the batch after it must not take the evidence that this
+                # writer records commits (replay then calls its damage never acked).
+                at = self.end_offset
+                self._write_part([self._record()], at, 0, done=i, committed=None,
+                                 step="commit_write")
+                self.end_offset = part_start = at + walformat.COMMIT_LEN
+                self._fdatasync("record_fdatasync")
+            elif self._record_due():  # the batch's first bytes in this file
+                pieces.append(self._record())
+                self.end_offset += walformat.COMMIT_LEN
             self._index.append((sequence, self.generation, self.end_offset))
             self.end_offset += size
             pieces.extend(entry_pieces)
-        self._write_part(pieces, part_start, len(entries) - part_first, done=part_first)
+        self._write_part(pieces, part_start, len(entries) - part_first, done=part_first,
+                         committed=committed)
+        if entries:
+            self._written_through = entries[-1][0]
 
-    def _write_part(self, pieces: list[Buffer], start: int, count: int, *, done: int) -> None:
-        """Write ``count`` entries from ``start``; ``done`` earlier ones of the batch made it."""
+    def _write_part(self, pieces: list[Buffer], start: int, count: int, *, done: int,
+                    committed: int | None, step: str = "write") -> None:
+        """Write ``count`` entries from ``start``; ``done`` earlier ones of the batch made it.
+        ``committed``: the file's last commit record before this part (a part cut back
+        takes its own record with it)."""
         try:
-            self._write(pieces)
+            self._write(pieces, step)
         except OSError as exc:
             if exc.errno not in NO_SPACE:
                 raise self._lost("write to", exc) from with_path(
                     exc, layout.active_wal(self.wal_dir))
             self._cut_back(start, count, exc)
+            self._committed = committed
             raise WalNoSpace(f"no space left writing {layout.active_wal(self.wal_dir)} at "
                              f"offset {start}: {exc.strerror or exc}", written=done,
                              reason=reason_of(exc)) from exc
@@ -303,10 +397,10 @@ class WalFiles:
             self._index.pop()
         self.end_offset = start
 
-    def _write(self, pieces: list[Buffer]) -> None:
+    def _write(self, pieces: list[Buffer], step: str = "write") -> None:
         if not pieces:
             return
-        self._fault("write")
+        self._fault(step)
         for start in range(0, len(pieces), IOV_MAX):
             chunk = pieces[start:start + IOV_MAX]
             want = sum(len(p) for p in chunk)
@@ -315,16 +409,22 @@ class WalFiles:
                 fs.write_all(self._fd, [_tail(chunk, done)], self._fs)
 
     def sync(self) -> None:
+        """fdatasync the active file (see ``_fdatasync``)."""
+        self._fdatasync("fdatasync")
+
+    def _fdatasync(self, step: str) -> None:
         """fdatasync the active file. A failure is fatal: the caller must not ack.
 
         ``last_sync_seconds`` holds how long the fdatasync itself took.
         """
         with self._lock:
             try:
-                self._fault("fdatasync")
+                self._fault(step)  # tests: a fault hook fails this step
+                covers = self._written_through  # every write that returned before it
                 started = time.perf_counter()
                 self._fs.fdatasync(self._fd)
                 self.last_sync_seconds = time.perf_counter() - started
+                self.synced_through = max(self.synced_through, covers)
             except OSError as exc:
                 raise DurabilityLost(
                     f"fdatasync of {layout.active_wal(self.wal_dir)} failed: "
@@ -367,6 +467,7 @@ class WalFiles:
             self._fs.close(self._fd)
             self.generation += 1
             self._fd = fd
+            self._committed = None  # a new file: its first batch gets a record
             self.end_offset = walformat.HEADER_LEN
             self._released_offset = 0
         self.log.info("wal_rotated", generation=self.generation, files=self.file_count)
@@ -495,7 +596,8 @@ class WalFiles:
         start = walformat.HEADER_LEN
         if self.punch_supported:
             begin = -(-start // BLOCK) * BLOCK  # rounded up
-            end = offset // BLOCK * BLOCK
+            # Not the commit record right before the first live entry: replay reads it.
+            end = max(offset - walformat.COMMIT_LEN, 0) // BLOCK * BLOCK
             try:
                 if end > begin:
                     self._fs.punch_hole(self._fd, begin, end - begin)
@@ -544,6 +646,7 @@ class WalFiles:
                     exc, layout.active_wal(self.wal_dir))
             self._fs.close(self._fd)
             self._fd = fd
+            self._committed = None  # a new file: its first batch gets a record
             shift = offset - start
             self._index = deque((s, g, o - shift if g == self.generation else o)
                                 for s, g, o in self._index)

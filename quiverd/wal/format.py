@@ -52,8 +52,11 @@ HEADER_LEN = len(MAGIC) + 2 + 2 + CFG_HASH_LEN
 assert _HEADER.size == HEADER_LEN == 30
 
 ENTRY_RECORD_BUNDLE = 0
-ENTRY_CHECKPOINT = 1
-KNOWN_ENTRY_TYPES = frozenset({ENTRY_RECORD_BUNDLE})
+ENTRY_CHECKPOINT = 1  # reserved
+# A commit record: its sequence field is the highest sequence an fdatasync had covered
+# when it was written (the synced frontier); no slots, no sequence of its own. SPEC §3.
+ENTRY_COMMIT = 2
+KNOWN_ENTRY_TYPES = frozenset({ENTRY_RECORD_BUNDLE})  # the types that carry a bundle
 
 LEN_PREFIX_LEN = 4
 CRC_LEN = 4
@@ -183,6 +186,18 @@ def encode_entry(
         pieces.append(s.ipc)
     pieces.append(_LEN.pack(crc))
     return pieces
+
+
+def encode_commit(*, base: int, synced_through: int, ts_ns: int) -> bytes:
+    """A commit record (``ENTRY_COMMIT``, ``wal.commits``): every entry in
+    ``(base, synced_through]`` was covered by an fdatasync that returned before this
+    record was written. ``base`` (in the slot_bitmap field: a commit has no slots) is
+    the last sequence when the writer started."""
+    body = _FIXED.pack(ENTRY_COMMIT, ts_ns, synced_through, base)
+    return _LEN.pack(ENTRY_FIXED_LEN) + body + _LEN.pack(crc32c(body))
+
+
+COMMIT_LEN = ENTRY_OVERHEAD_LEN  # 33 bytes: a commit record has no slots
 
 
 def _check_slots(slots: Sequence[Slot]) -> int:

@@ -67,6 +67,9 @@ class WalState(msgspec.Struct, kw_only=True):
     quarantined: list[Path] = msgspec.field(default_factory=list)
     # Sequences skipped damage held and no segment holds: acknowledged entries now lost.
     lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # Damage between sound entries no commit record vouches for as synced: a torn
+    # unsynced write, never acknowledged (``quiverd.wal.commits``); not loss.
+    never_acked: list[tuple[int, int]] = msgspec.field(default_factory=list)
     # A torn tail whose copy found no space stays in the active file past
     # active_end_offset: the first append cuts it (copy to this target first).
     deferred_cut_target: Path | None = None
@@ -137,7 +140,8 @@ def replay_wal(
         start_generation=start_gen, start_offset=start_off,
         corrupt_entries=scan.corrupt, torn_tail_bytes=scan.torn_bytes,
         sequence_gaps=scan.gaps, resynced_bytes=scan.resynced_bytes, quarantined=scan.quarantined,
-        lost_sequences=scan.lost, deferred_cut_target=scan.deferred_cut_target,
+        lost_sequences=scan.lost, never_acked=scan.never_acked,
+        deferred_cut_target=scan.deferred_cut_target,
     )
     log.info(
         "wal_replayed", entries=len(state.entries), next_sequence=state.next_sequence,

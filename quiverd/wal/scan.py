@@ -25,6 +25,7 @@ from quiverd.kernel import fs, layout
 from quiverd.kernel.bundle import META_SLOT, Slot, stream_facts
 from quiverd.kernel.durable import with_path
 from quiverd.kernel.quarantine import keep_bytes
+from quiverd.wal import commits as walcommits
 from quiverd.wal import format as wf
 from quiverd.wal.disk import NO_SPACE, holes
 from quiverd.wal.resync import NONZERO, next_step
@@ -82,6 +83,10 @@ class Scan:
         self.resynced_bytes = 0
         self.quarantined: list[Path] = []
         self.lost: list[tuple[int, int]] = []
+        # Damage between sound entries that commit records show was never synced.
+        self.never_acked: list[tuple[int, int]] = []
+        self.commits: list[tuple[int, int]] = []  # (base, synced_through) of every record
+        self._settled: list[tuple[list[tuple[int, int]], int, int]] = []  # (ranges, gen, at)
         self.deferred_cut_target: Path | None = None
 
     def replay_file(self, path: Path, gen: int, start: int, *, active: bool) -> int:
@@ -92,6 +97,16 @@ class Scan:
         """
         data, found = _map_from(path, start)
         pos = 0
+        if start >= wf.HEADER_LEN + wf.COMMIT_LEN:
+            # Records a release left before the start still speak (SPEC §3): the one
+            # before the first live entry (its batch's) and the file's first (a life's
+            # or a file's first record, synced; block 0 is never punched).
+            with open(path, "rb") as f:
+                for at in {wf.HEADER_LEN, start - wf.COMMIT_LEN}:
+                    f.seek(at)
+                    record = walcommits.decode_at(f.read(wf.COMMIT_LEN), 0)
+                    if record is not None:
+                        self.commits.append(record)
         if found:
             data, pos = self._step_over_holes(path, start, data, found)
         while pos < len(data):
@@ -143,7 +158,9 @@ class Scan:
         return self.covered.high if self.covered is not None else None
 
     def _take(self, path: Path, gen: int, start: int, entry: wf.DecodedEntry) -> None:
-        if entry.entry_type in wf.KNOWN_ENTRY_TYPES:
+        if entry.entry_type == wf.ENTRY_COMMIT and entry.total_len == wf.COMMIT_LEN:
+            self.commits.append((entry.slot_bitmap, entry.sequence))
+        elif entry.entry_type in wf.KNOWN_ENTRY_TYPES:
             self._accept(entry, gen, start)
         else:
             self.log.info(
@@ -190,17 +207,36 @@ class Scan:
         lost = [(first, last)] if self.covered is None else self.covered.unheld(first, last)
         if not lost:
             return
-        count = sum(hi - lo + 1 for lo, hi in lost)
-        self.corrupt += count
-        self.lost.extend(lost)
-        self.log.error("wal_entries_lost", generation=gen, resumed_at=offset, entries=count,
-                       first_sequence=lost[0][0], last_sequence=lost[-1][1])
+        self._settled.append((lost, gen, offset))
 
     def finish(self) -> None:
-        """Damage after the last good entry: only the bad entries seen can be counted."""
+        """Damage after the last good entry: only the bad entries seen can be counted.
+
+        Damage between sound entries is settled here, once every commit record has
+        been read: what none vouches for as synced was a torn unsynced write
+        (``quiverd.wal.commits``), never acknowledged; the rest is lost.
+        """
         if self.damaged:
             self.corrupt += self.skipped
             self.damaged = False
+        for ranges, gen, offset in self._settled:
+            lost, never = walcommits.split_unsynced(ranges, self.commits)
+            if lost:
+                count = sum(hi - lo + 1 for lo, hi in lost)
+                self.corrupt += count
+                self.lost.extend(lost)
+                self.log.error("wal_entries_lost", generation=gen, resumed_at=offset,
+                               entries=count, first_sequence=lost[0][0],
+                               last_sequence=lost[-1][1])
+            if never:
+                self.never_acked.extend(never)
+                self.log.warning(
+                    "wal_unsynced_entries_torn", generation=gen, resumed_at=offset,
+                    entries=sum(hi - lo + 1 for lo, hi in never), first_sequence=never[0][0],
+                    last_sequence=never[-1][1], hint="written but never synced, so never "
+                    "acknowledged: the crash tore them (copied to quarantine/); producers "
+                    "resend what was not acknowledged")
+        self._settled = []
 
     def _skip(self, path: Path, gen: int, start: int, data: memoryview, pos: int,
               resync: int) -> None:
@@ -213,6 +249,7 @@ class Scan:
         skipped = memoryview(data)[pos:resync]
         if NONZERO.search(skipped) is not None:
             self._quarantine(gen, start + pos, "skipped", skipped)
+            self.commits.extend(walcommits.found_in(data, pos, resync))
         # Zeros too: a punched hole's entries are held by segments (``covered`` says
         # so); zeroed blocks in the live part are not, and those entries are lost.
         self.damaged = True
@@ -228,6 +265,7 @@ class Scan:
         next file's first entry tells which sequences they held.
         """
         target = self._quarantine(gen, start + pos, "skipped", memoryview(data)[pos:])
+        self.commits.extend(walcommits.found_in(data, pos))
         self.damaged = True
         self.resynced_bytes += len(data) - pos
         self.log.error("wal_damage_skipped", path=str(path), offset=start + pos,
@@ -240,7 +278,8 @@ class Scan:
         pos = entry.offset
         chunk = memoryview(data)[pos : pos + entry.total_len]
         target = self._quarantine(gen, offset, "corrupt", chunk)
-        self.skipped += 1
+        if not (entry.entry_type == wf.ENTRY_COMMIT and entry.total_len == wf.COMMIT_LEN):
+            self.skipped += 1  # a damaged commit record used no sequence
         self.damaged = True
         self.log.error(
             "wal_corrupt_entry_skipped", path=str(path), offset=offset, bytes=entry.total_len,
@@ -258,6 +297,7 @@ class Scan:
         """
         offset = start + pos
         cut = len(data) - pos
+        self.commits.extend(walcommits.found_in(data, pos))
         name = layout.wal_quarantine_name(gen, offset, "torn")
         try:
             target = keep_bytes(memoryview(data)[pos:], self.quarantine_dir, name)

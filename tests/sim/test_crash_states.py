@@ -27,7 +27,7 @@ FIRST_SEED = int(os.environ.get("QUIVERD_CRASH_FIRST_SEED", "0"))
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_crash_states_of_seeded_workloads_keep_every_acked_bundle_once(chunk: int) -> None:
-    points = images = recovered = false_loss = 0
+    points = images = recovered = false_loss = torn = 0
     for seed in range(FIRST_SEED + chunk, FIRST_SEED + WORKLOADS, CHUNKS):
         ops, facts = run_workload(seed, rounds=6)
         report = check_crash_states(ops, facts, seed=seed)
@@ -35,6 +35,7 @@ def test_crash_states_of_seeded_workloads_keep_every_acked_bundle_once(chunk: in
         images += report.images
         recovered += report.recovered
         false_loss += report.false_loss
+        torn += report.torn_unsynced
         if report.violations:
             saved = Path(tempfile.mkdtemp(prefix="qcrash-fail")) / f"seed-{seed}.pkl"
             saved.write_bytes(pickle.dumps((ops, facts, seed)))
@@ -43,5 +44,6 @@ def test_crash_states_of_seeded_workloads_keep_every_acked_bundle_once(chunk: in
                         "check it again with tests.sim.crashstates.replay_saved)")
     print(f"crash states: {len(range(FIRST_SEED + chunk, FIRST_SEED + WORKLOADS, CHUNKS))} "
           f"workloads, {points} crash points, {images} states, {recovered} distinct recovered, "
+          f"{torn} with torn unsynced entries found (never acked, not loss), "
           f"{false_loss} with never-acked sequences reported lost")
     assert recovered > 0
