@@ -127,7 +127,11 @@ async def sweep(tier: Tier, *, dry_run: bool = False, now_ns: int | None = None,
                          "judged; compaction lowers the file count")
     else:
         handled = {r.object_key for r in (*compacted, *abandoned)}
-        await _orphans(tier, objects.values(), live | handled, now, grace_ns, report, dry_run)
+        # An object named after a file still being uploaded is its upload (whatever its
+        # age: a stalled upload, or one whose verify failed and is being redone).
+        uploading = {r.file_id for r in rows if r.state in UNFINISHED}
+        await _orphans(tier, objects.values(), live | handled, uploading, now, grace_ns,
+                       report, dry_run)
     await _staging(tier, min(lake.janitor.grace_s, STAGING_GRACE_MAX_S) * NS_PER_S, now,
                    report, dry_run)
     # A crash mid-upload leaves the fs store's temp file (uploads are temp + rename).
@@ -200,23 +204,42 @@ async def _check_registered(tier: Tier, rows: list[FileRow], objects: dict[str, 
 
 
 async def _orphans(tier: Tier, objects: Iterable[ObjectInfo], referenced: set[str],
-                   now_ns: int, grace_ns: int, report: JanitorReport, dry_run: bool) -> None:
+                   uploading: set[str], now_ns: int, grace_ns: int, report: JanitorReport,
+                   dry_run: bool) -> None:
     for obj in objects:
         if obj.key in referenced:
             continue
         born = _born_ns(obj)
-        if born is None or now_ns - born < grace_ns:
+        name = parse_file_name(obj.key.rsplit("/", 1)[-1])
+        if born is None or now_ns - born < grace_ns or (name and name.ulid in uploading):
             report.young_objects.append(obj.key)
             continue
         try:
             if not dry_run:
-                await tier.store.delete(obj.key)
+                # Judged an orphan from the listing: each attempt (a timed-out delete is
+                # retried) first asks the catalog again, for the upload may have been
+                # redone and registered at this key since (tests/sim/detsim, seed 11).
+                await tier.store.delete(obj.key, still=_still_orphan(tier, obj.key, name))
         except LakeError as exc:
             _failed(tier, report, f"orphan {obj.key}", exc)
             continue
         report.orphan_objects.append(obj.key)
         tier.log.warning("lake_orphan_deleted" if not dry_run else "lake_orphan_found",
                          key=obj.key, bytes=obj.size, age_s=(now_ns - born) // NS_PER_S)
+
+
+def _still_orphan(tier: Tier, key: str, name: object) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        file_id = getattr(name, "ulid", None)
+        if file_id is None:
+            return True
+        try:
+            row = await tier.catalog.get(file_id)
+        except Exception:  # noqa: BLE001 - unsure: keep it, the next sweep judges again
+            return False
+        return row is None or (row.state is FileState.ABANDONED) or (
+            row.object_key not in ("", None, key))
+    return check
 
 
 def _born_ns(obj: ObjectInfo) -> int | None:

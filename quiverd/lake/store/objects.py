@@ -194,10 +194,17 @@ class ObjectStore(StoreNames):
         return ObjectInfo(key=key, size=meta.content_length,
                           last_modified_ns=_ns(meta.last_modified))
 
-    async def delete(self, key: str) -> None:
-        """Delete ``key``; an absent key is fine."""
+    async def delete(self, key: str, *,
+                     still: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Delete ``key``; an absent key is fine. ``still``: asked before each attempt,
+        False ends the delete without deleting (the reason for it is gone)."""
         _check_key(key)
-        await self._retrying("delete", key, lambda _: self._op.delete(key))
+
+        async def attempt(_: int) -> None:
+            if still is None or await still():
+                await self._op.delete(key)
+
+        await self._retrying("delete", key, attempt)
 
     async def list(self, prefix: str = "", *, limit: int = LIST_LIMIT) -> builtins.list[ObjectInfo]:
         """Objects whose key starts with ``prefix`` (recursive), at most ``limit`` of them."""
