@@ -50,10 +50,11 @@ MUTATIONS = (
         (CRASH_STATES, CORE_MODEL)),
     Mutation(
         "segment_rename_without_dir_fsync",
-        "a finalized segment is renamed into place and its directory never fsynced",
+        "a finalized segment is renamed into place and its directory never fsynced (nor the "
+        "floor marker's beside it: its fsync would make the segment's rename durable too)",
         "quiverd/kernel/durable.py",
         "    fsync_dir(target.parent)\n    _step(hook, \"dir_fsynced\")\n",
-        "    if target.suffix != \".qseg\":\n        fsync_dir(target.parent)\n"
+        "    if target.parent.name != \"segments\":\n        fsync_dir(target.parent)\n"
         "    _step(hook, \"dir_fsynced\")\n",
         (CRASH_STATES, CORE_MODEL)),
     Mutation(
