@@ -27,6 +27,9 @@ from typing import Protocol
 
 import msgspec
 
+from quiverd.kernel.ranges import complement as _complement
+from quiverd.kernel.ranges import merge as _merge
+
 Ranges = list[tuple[int, int]]
 _MAX = 1 << 64  # above any u64 sequence
 
@@ -172,34 +175,6 @@ def _runs(sorted_values: list[int]) -> Ranges:
         else:
             runs.append((v, v))
     return runs
-
-
-def _merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
-    """Overlapping or adjacent inclusive ranges joined, ascending."""
-    merged: Ranges = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return merged
-
-
-def _complement(merged: Ranges, first: int, last: int) -> Ranges:
-    """The parts of ``first..last`` no range of ``merged`` (ascending, disjoint) covers."""
-    out: Ranges = []
-    at = first
-    for lo, hi in merged:
-        if hi < at:
-            continue
-        if lo > last:
-            break
-        if lo > at:
-            out.append((at, lo - 1))
-        at = max(at, hi + 1)
-    if at <= last:
-        out.append((at, last))
-    return out
 
 
 def _intersect(ranges: Ranges, first: int, last: int) -> Ranges:

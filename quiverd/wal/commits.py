@@ -32,6 +32,8 @@ import re
 import struct
 from collections.abc import Iterable
 
+from quiverd.kernel.ranges import complement as _complement
+from quiverd.kernel.ranges import merge as _merge
 from quiverd.wal import format as wf
 
 Buffer = bytes | bytearray | memoryview
@@ -84,29 +86,3 @@ def split_unsynced(damaged: Iterable[tuple[int, int]],
         never.extend(unsynced)
         lost.extend(_complement(unsynced, lo, hi))
     return _merge(lost), _merge(never)
-
-
-def _merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
-    merged: Ranges = []
-    for lo, hi in sorted(ranges):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return merged
-
-
-def _complement(merged: Ranges, first: int, last: int) -> Ranges:
-    out: Ranges = []
-    at = first
-    for lo, hi in merged:
-        if hi < at:
-            continue
-        if lo > last:
-            break
-        if lo > at:
-            out.append((at, lo - 1))
-        at = max(at, hi + 1)
-    if at <= last:
-        out.append((at, last))
-    return out
