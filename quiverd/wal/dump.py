@@ -94,7 +94,9 @@ def _entry_row(e: wf.DecodedEntry) -> dict[str, Any]:
     if e.entry_type == wf.ENTRY_COMMIT and e.sound:  # sequence: synced through; bitmap: base
         return {"kind": "commit", "offset": e.offset, "base": e.slot_bitmap,
                 "synced_through": e.sequence, "ts_ns": e.ts_ns, "bytes": e.total_len,
-                "message": f"commit record: ({e.slot_bitmap}, {e.sequence}] synced"}
+                "message": (f"commit record: {e.slot_bitmap + 1}..{e.sequence} synced"
+                            if e.sequence > e.slot_bitmap else
+                            f"commit record: a writer began after sequence {e.slot_bitmap}")}
     return {
         "kind": "entry", "offset": e.offset, "sequence": e.sequence, "ts_ns": e.ts_ns,
         "entry_type": e.entry_type,
