@@ -164,8 +164,8 @@ class InProcessDaemon(DaemonProcess):
         root = str(self.root)
         bound = _unix_socket_paths()
         with open("/proc/self/maps") as f:
-            mapped = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5
-                      and len(line.split(None, 5)) == 6}
+            mapped = {fields[5].strip() for fields in (line.split(None, 5) for line in f)
+                      if len(fields) == 6}
         left = []
         for fd, (target, identity) in _open_fds().items():
             if self._fds_at_start.get(fd) == identity:

@@ -45,7 +45,7 @@ import anyio
 import msgspec
 from ulid import ULID
 
-from quiverd.kernel.errors import LakeError
+from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.lake.model import (
     REGISTERED,
     RESTORABLE,
@@ -54,7 +54,7 @@ from quiverd.lake.model import (
     FileState,
     ObjectInfo,
 )
-from quiverd.lake.parquet import parse_file_name
+from quiverd.lake.parquet import FileName, parse_file_name
 from quiverd.lake.partitions import is_node_key
 from quiverd.lake.tier import Tier
 
@@ -228,14 +228,13 @@ async def _orphans(tier: Tier, objects: Iterable[ObjectInfo], referenced: set[st
                          key=obj.key, bytes=obj.size, age_s=(now_ns - born) // NS_PER_S)
 
 
-def _still_orphan(tier: Tier, key: str, name: object) -> Callable[[], Awaitable[bool]]:
+def _still_orphan(tier: Tier, key: str, name: FileName | None) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
-        file_id = getattr(name, "ulid", None)
-        if file_id is None:
+        if name is None:
             return True
         try:
-            row = await tier.catalog.get(file_id)
-        except Exception:  # noqa: BLE001 - unsure: keep it, the next sweep judges again
+            row = await tier.catalog.get(name.ulid)
+        except CatalogUnavailable:  # unsure: keep it, the next sweep judges again
             return False
         return row is None or (row.state is FileState.ABANDONED) or (
             row.object_key not in ("", None, key))

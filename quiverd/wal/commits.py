@@ -32,12 +32,13 @@ import re
 import struct
 from collections.abc import Iterable
 
+from quiverd.kernel.errors import CorruptRecord
+from quiverd.kernel.ranges import Ranges
 from quiverd.kernel.ranges import complement as _complement
 from quiverd.kernel.ranges import merge as _merge
 from quiverd.wal import format as wf
 
 Buffer = bytes | bytearray | memoryview
-Ranges = list[tuple[int, int]]
 
 # entry_len = 25 (no slots) then entry_type 2: a commit record's first five bytes.
 _COMMIT_START = re.compile(re.escape(struct.pack("<IB", wf.ENTRY_FIXED_LEN, wf.ENTRY_COMMIT)))
@@ -49,7 +50,7 @@ def decode_at(data: Buffer, pos: int) -> tuple[int, int] | None:
         return None
     try:
         e = wf.decode_entry(data, pos, max_entry_bytes=wf.ENTRY_FIXED_LEN)
-    except Exception:  # noqa: BLE001 - any undecodable bytes are simply no record
+    except CorruptRecord:  # undecodable bytes are simply no record
         return None
     if not e.sound or e.entry_type != wf.ENTRY_COMMIT or e.total_len != wf.COMMIT_LEN:
         return None

@@ -48,11 +48,12 @@ def dump_wal(path: Path) -> Iterator[dict[str, Any]]:
         whole = "whole file" if pos == len(raw) else "space reclaimed"
         yield {"kind": "released", "offset": wf.HEADER_LEN, "bytes": pos - wf.HEADER_LEN,
                "message": f"released to segments ({whole})"}
-        record = walcommits.decode_at(raw, pos - wf.COMMIT_LEN)
-        if record is not None:  # the commit record of the first live entry's batch
-            yield {"kind": "commit", "offset": pos - wf.COMMIT_LEN, "base": record[0],
-                   "synced_through": record[1], "bytes": wf.COMMIT_LEN,
-                   "message": "commit record before the first live entry"}
+        # As replay: the file's first record and the one of the first live entry's batch.
+        for at in sorted({wf.HEADER_LEN, pos - wf.COMMIT_LEN}):
+            if (record := walcommits.decode_at(raw, at)) is not None:
+                yield {"kind": "commit", "offset": at, "base": record[0],
+                       "synced_through": record[1], "bytes": wf.COMMIT_LEN,
+                       "message": "commit record in the released prefix"}
     # Walked by replay's own rule (``next_step``), so that fsck, which reads these rows,
     # predicts exactly the entries replay keeps and the sequences it loses.
     last: int | None = None  # sequence of the last sound entry: a successor's is higher
