@@ -261,7 +261,7 @@ class WalFiles:
         finally:
             self._mutex.release()
         if sync:
-            self.sync()
+            self._fdatasync("commit_fdatasync")  # not a sync of entries: not counted as one
         return True
 
     def _create_header(self) -> None:
