@@ -21,6 +21,7 @@ from pathlib import Path
 
 import anyio
 
+from quiverd.kernel import fs
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
@@ -139,10 +140,7 @@ class Indexer:
 
 
 def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+    fs.active().unlink(path, missing_ok=True)
 
 
 __all__ = ["Indexer"]

@@ -6,6 +6,11 @@
                                                        └──────────▶ a recording model
                                                                     (tests/sim/modelfs.py)
 
+The lake's local steps (Active and Stable Parquet files in staging/, their eviction and
+sweeping) go through it too: ``create_binary`` gives pyarrow's writer a buffered file whose
+writes are the seam's. What does not: the object store's files (OpenDAL writes them) and
+the embedded catalog's (SQLite's); the crash-state tools treat both as services.
+
 What goes through it: every call that changes a file or a directory, or makes a
 change durable (open for writing, write, writev, ftruncate, punch, copy_file_range,
 fsync, fdatasync, rename, unlink, mkdir, fsync of a directory). Reads do not: they
@@ -25,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import io
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -119,3 +125,49 @@ def write_all(fd: int, chunks: Iterable[Buffer], seam: FileSystem | None = None)
             view = view[n:]
             total += n
     return total
+
+
+class _SeamRaw(io.RawIOBase):
+    """An fd opened through the seam, written through it (``create_binary``)."""
+
+    def __init__(self, fd: int, seam: FileSystem) -> None:
+        super().__init__()
+        self._fd, self._seam = fd, seam
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True  # position queries only: BufferedWriter.tell asks the raw file
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return os.lseek(self._fd, offset, whence)
+
+    def write(self, b: Any, /) -> int:  # any buffer (3.12's collections.abc.Buffer)
+        return self._seam.write(self._fd, memoryview(b))
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._seam.close(self._fd)
+            finally:
+                super().close()
+
+
+def create_binary(path: StrPath, *, buffer_size: int = 1 << 20) -> io.BufferedWriter:
+    """A new file at ``path`` (FileExistsError if one exists: ``open(path, "xb")``), for
+    writing through the seam; ``fsync_file`` makes it durable."""
+    seam = _active
+    fd = seam.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    return io.BufferedWriter(_SeamRaw(fd, seam), buffer_size=buffer_size)
+
+
+def fsync_file(file: io.BufferedWriter) -> None:
+    """Flush ``file`` (from ``create_binary``) and fsync it through the seam."""
+    file.flush()
+    raw = file.raw
+    seam = raw._seam if isinstance(raw, _SeamRaw) else _active
+    seam.fsync(file.fileno())

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from quiverd.kernel import fs
 from quiverd.kernel.durable import fsync_dir
 from quiverd.lake.model import (
     BUNDLE_COLUMN,
@@ -162,7 +163,7 @@ class CoverageCache:
 def close_to_stable(active: ActiveFile, active_path: Path, stable: Path) -> FileFacts:
     """Footer, fsync, rename Active -> Stable, fsync the directories (worker thread)."""
     facts = active.close()
-    active_path.rename(stable)
+    fs.active().rename(active_path, stable)
     fsync_dir(stable.parent)
     fsync_dir(active_path.parent)
     return facts

@@ -45,6 +45,7 @@ import anyio
 import msgspec
 from ulid import ULID
 
+from quiverd.kernel import fs
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
 from quiverd.lake.model import (
     REGISTERED,
@@ -301,10 +302,7 @@ def _failed(tier: Tier, report: JanitorReport, what: str, exc: Exception) -> Non
 
 
 def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+    fs.active().unlink(path, missing_ok=True)
 
 
 __all__ = ["JanitorReport", "sweep"]

@@ -40,20 +40,21 @@ is the caller's job.
 
 from __future__ import annotations
 
-import os
+import io
 import re
 import struct
 import weakref
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import BinaryIO, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from quiverd.kernel import fs
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.names import CLIENT_NAME_RULE, NODE_ID, node_id_problem
 from quiverd.lake.drift import schema_hash
@@ -109,8 +110,8 @@ class ActiveFile:
     """One Parquet file being written: ``create``, ``append``..., then ``close`` or
     ``abort``. Not thread-safe: one worker thread at a time."""
 
-    def __init__(self, path: Path, file: BinaryIO, writer: pq.ParquetWriter, schema: pa.Schema,
-                 settings: ParquetSettings, time_column: str) -> None:
+    def __init__(self, path: Path, file: io.BufferedWriter, writer: pq.ParquetWriter,
+                 schema: pa.Schema, settings: ParquetSettings, time_column: str) -> None:
         self.path = path
         self._file = file
         self._writer = writer
@@ -141,7 +142,7 @@ class ActiveFile:
         blooms = bloom_columns(schema, settings.bloom_filter_columns)
         ndv = min(settings.row_group_rows, BLOOM_NDV_MAX)
         # "xb": two writers racing for one name must not clobber each other's file.
-        file = open(path, "xb")  # the ActiveFile owns the handle until close/abort
+        file = fs.create_binary(path)  # the ActiveFile owns the handle until close/abort
         try:
             writer = pq.ParquetWriter(
                 file, schema.with_metadata(metadata), compression="zstd",
@@ -151,7 +152,7 @@ class ActiveFile:
                                       for c in blooms} or None)
         except BaseException:
             file.close()
-            path.unlink(missing_ok=True)
+            fs.active().unlink(path, missing_ok=True)
             raise
         return cls(path, file, writer, schema, settings, time_column)
 
@@ -200,8 +201,7 @@ class ActiveFile:
         self._closed = True
         try:
             self._writer.close()
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            fs.fsync_file(self._file)
         finally:
             self._file.close()
         self._final_size = self.path.stat().st_size
@@ -227,10 +227,10 @@ class ActiveFile:
                 self._file.close()  # flushes buffered bytes: may find the disk full
             except OSError:
                 pass  # the file is being thrown away; its bytes do not matter
-        self.path.unlink(missing_ok=True)
+        fs.active().unlink(self.path, missing_ok=True)
 
 
-def _discard(file: BinaryIO, writer: pq.ParquetWriter) -> None:
+def _discard(file: io.BufferedWriter, writer: pq.ParquetWriter) -> None:
     """Release an unclosed Active file's handle without a footer (collection or exit).
     The handle goes first: the C++ writer's destructor then writes into a closed file."""
     try:

@@ -36,8 +36,9 @@ from pathlib import Path
 import anyio
 from ulid import ULID
 
+from quiverd.kernel import fs
 from quiverd.kernel.config import Config
-from quiverd.kernel.durable import atomic_write
+from quiverd.kernel.durable import atomic_write, make_dirs
 from quiverd.kernel.errors import CatalogUnavailable, ConfigError, LakeError
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.logs import Logger
@@ -189,7 +190,7 @@ def load_source_id(data: DataDir) -> str:
                               hint="restore the file from a backup; deleting it makes "
                               "redelivered bundles look new to the catalog") from exc
     value = str(ULID())
-    os.makedirs(data.root, exist_ok=True)
+    make_dirs(data.root)
     atomic_write(data.lake_id, (value + "\n").encode(), mode=0o644)
     return value
 
@@ -198,7 +199,7 @@ def _clear_staging(data: DataDir, keep: set[str]) -> int:
     """Delete every Active file and every Stable file not in ``keep``; make the dirs."""
     removed = 0
     for directory, keep_names in ((data.staging_active, set()), (data.staging_stable, keep)):
-        directory.mkdir(parents=True, exist_ok=True)
+        make_dirs(directory)
         for path in directory.iterdir():
             if path.name not in keep_names:
                 _unlink(path)
@@ -207,7 +208,4 @@ def _clear_staging(data: DataDir, keep: set[str]) -> int:
 
 
 def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+    fs.active().unlink(path, missing_ok=True)

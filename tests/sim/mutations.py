@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 CRASH_STATES = "tests/sim/test_crash_states.py"
 CORE_MODEL = "tests/sim/test_core_model.py"
+LAKE_CRASH_STATES = "tests/sim/test_lake_crash_states.py"
 ICEBERG_MODEL = "tests/lake/test_iceberg_model.py::test_iceberg_projection_model_sqlite"
 DETSIM = "tests/sim/test_detsim.py::test_detsim_seeds_hold_every_invariant"
 
@@ -36,6 +37,7 @@ class Mutation:
     new: str
     tests: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
+    more: tuple[tuple[str, str], ...] = ()  # further (old, new) replacements in ``path``
 
 
 MUTATIONS = (
@@ -88,6 +90,26 @@ MUTATIONS = (
         "if s.snapshot_id not in protected and ended.get(s.snapshot_id, cutoff_ms) < cutoff_ms]",
         "if ended.get(s.snapshot_id, 0) < cutoff_ms]",
         (ICEBERG_MODEL, DETSIM)),
+    Mutation(
+        "lake_ack_before_register",
+        "the uploader acks a file's bundles once it is sealed, before upload and registration",
+        "actors/quiverd_actors/uploader/actor.py",
+        "                row = await self.publisher.publish(sealed)\n",
+        "                await self._settle(sealed.file, ackfmt.ACK)\n"
+        "                row = await self.publisher.publish(sealed)\n",
+        (LAKE_CRASH_STATES, DETSIM)),
+    Mutation(
+        "janitor_deletes_registered_objects",
+        "the janitor counts registered files' objects as orphans and its catalog recheck "
+        "before each delete says yes (either guard alone keeps them: as first planted, "
+        "without the recheck's half, no tool caught it and none could)",
+        "quiverd/lake/janitor.py",
+        "    if row.state in UNFINISHED or row.state in REGISTERED or row.state in RESTORABLE:\n",
+        "    if row.state in UNFINISHED or row.state in RESTORABLE:\n",
+        (LAKE_CRASH_STATES,),  # the simulation's janitor grace is a day: no sweep deletes
+        more=(("        return row is None or (row.state is FileState.ABANDONED) or (\n",
+               "        return True or row is None or (\n"
+               "            row.state is FileState.ABANDONED) or (\n"),)),
 )
 
 
@@ -105,11 +127,13 @@ def copy_tree(dest: Path) -> None:
 def apply(m: Mutation, tree: Path) -> None:
     path = tree / m.path
     text = path.read_text()
-    if text.count(m.old) != 1:
-        raise SystemExit(f"mutation {m.name}: the snippet occurs {text.count(m.old)} times "
-                         f"in {m.path} (must be once): the code moved; update tests/sim/"
-                         "mutations.py")
-    path.write_text(text.replace(m.old, m.new))
+    for old, new in ((m.old, m.new), *m.more):
+        if text.count(old) != 1:
+            raise SystemExit(f"mutation {m.name}: the snippet occurs {text.count(old)} times "
+                             f"in {m.path} (must be once): the code moved; update tests/sim/"
+                             "mutations.py")
+        text = text.replace(old, new)
+    path.write_text(text)
 
 
 def run(m: Mutation, test: str, tree: Path) -> tuple[int, str, float]:
