@@ -162,11 +162,9 @@ def _check(data_dir: Path, durable_acks: AckState | None, known: _Known, facts: 
     if rec.replay.get("torn_unsynced_entries"):
         false_loss.append("torn")  # counted apart: recovery called them never acked
     try:
-        acked_lost = sorted(s for a, b in rec.lost_sequences for s in range(a, b + 1)
-                            if s in known.acked)
-        if acked_lost or rec.lost_bundles:
-            problems.append(f"recovery reports loss: sequences {rec.lost_sequences} "
-                            f"(acked among them: {acked_lost}), bundles {rec.lost_bundles}")
+        loss = reported_loss(rec, known.acked)
+        if loss:
+            problems.append(loss)
         elif rec.lost_sequences and FALSE_LOSS_REPORTS_KNOWN:
             # Known defect (test_wal_torn_unsynced.py, xfail): unsynced entries that
             # reached the disk out of order are reported lost though never acked.
@@ -214,6 +212,16 @@ def _check(data_dir: Path, durable_acks: AckState | None, known: _Known, facts: 
         rec.wal.close()
         rec.ack_file.close()
     return problems
+
+
+def reported_loss(rec: Any, acked: set[int] | frozenset[int]) -> str:
+    """What a recovery reports lost of acked data ("" when nothing)."""
+    acked_lost = sorted(s for a, b in rec.lost_sequences for s in range(a, b + 1)
+                        if s in acked)
+    if not acked_lost and not rec.lost_bundles:
+        return ""
+    return (f"recovery reports loss: sequences {rec.lost_sequences} "
+            f"(acked among them: {acked_lost}), bundles {rec.lost_bundles}")
 
 
 def _done(acks: AckState | None, seg: int, idx: int) -> bool:

@@ -64,7 +64,7 @@ from quiverd.lake.store.objects import ObjectStore
 from quiverd.runtime.recovery import recover_shard
 from quiverd.segments.reader import SegmentReader
 from tests.inprocess import InProcessDaemon
-from tests.sim.crashstates import _digest, durable_acks
+from tests.sim.crashstates import _digest, durable_acks, reported_loss
 from tests.sim.modelfs import BARRIERS, Cut, Image, ModelFS, Op, State
 from tests.sim.workload import SETTINGS, short_root, tagged
 
@@ -473,11 +473,9 @@ def _check_static(run: LakeRun, image: Image, durable: Image, services: Services
     except Exception as exc:  # noqa: BLE001 - a failed recovery is the finding
         return [*problems, f"recovery failed: {type(exc).__name__}: {exc}"]
     try:
-        acked_lost = sorted(s for a, b in rec.lost_sequences for s in range(a, b + 1)
-                            if s in told.acked)
-        if acked_lost or rec.lost_bundles:
-            problems.append(f"recovery reports loss: sequences {rec.lost_sequences} "
-                            f"(acked among them: {acked_lost}), bundles {rec.lost_bundles}")
+        loss = reported_loss(rec, told.acked)
+        if loss:
+            problems.append(loss)
         held: set[int] = set()
         for seg in rec.segments:
             with SegmentReader.open(seg.path) as reader:
