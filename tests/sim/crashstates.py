@@ -12,9 +12,12 @@ against what clients were told before the crash point:
 - recovery succeeds and reports no loss (a crash alone loses nothing acknowledged);
 - every bundle whose ACK was about to leave (the daemon's "acked" mark) is held exactly
   once, in a segment or in the WAL, with its own rows; or it was deleted, and then the
-  subscriber had acked it (a "sub_ack" mark);
+  subscriber had acked it (a "sub_ack" mark) or, where retention may drop (``drops``),
+  the durable ack.log holds its ``dropped`` outcome; under ``backpressure`` nothing
+  acked is dropped (bundle ids from ModelFS's "segment" marks);
 - no bundle is held twice, and none that the durable ack.log says the subscriber acked
-  comes back to it (resurrected: pending again, or in the WAL as a new bundle);
+  (or had dropped) comes back to it (resurrected: pending again, or in the WAL as a new
+  bundle);
 - the next sequence and the next segment number are past every one already used.
 """
 
@@ -40,7 +43,7 @@ from quiverd.kernel.layout import DataDir
 from quiverd.runtime.recovery import recover_shard
 from quiverd.segments.reader import SegmentReader
 from tests.sim.modelfs import BARRIERS, Cut, Image, Op, State
-from tests.sim.workload import SETTINGS, SUBSCRIBER, Facts
+from tests.sim.workload import SETTINGS, SUBSCRIBER, Facts, drops_in
 
 # A WAL without commit records (an older build's) cannot tell a torn unsynced write from
 # damage to acked entries: True counts such reports (Report.false_loss) instead of failing
@@ -65,18 +68,22 @@ class _Known:
     acked: set[int] = field(default_factory=set)  # WAL sequences whose ACK left
     sub_acked: set[int] = field(default_factory=set)  # tags the subscriber acked
     segments: set[int] = field(default_factory=set)  # segment numbers delivered so far
+    id_of_seq: dict[int, tuple[int, int]] = field(default_factory=dict)  # finalized bundles
 
     def note(self, op: Op) -> None:
         event, facts = op[1], op[2]
         if event == "acked":
             self.acked.update(facts["sequences"])
+        elif event == "segment":  # ModelFS: a segment renamed into place
+            for index, seq in facts["bundles"]:
+                self.id_of_seq[seq] = (facts["seg"], index)
         elif event == "sub_ack":
             self.sub_acked.add(facts["tag"])
             self.segments.add(facts["id"][0])
 
 
 def check_crash_states(ops: list[Op], facts: Facts, *, seed: int, random_cuts: int = 2,
-                       stop_at_first: bool = True) -> Report:
+                       stop_at_first: bool = True, drops: bool = False) -> Report:
     """Recover every distinct crash state of ``ops``; violations in the report."""
     rng = random.Random(seed)
     state, known, report = State(), _Known(), Report()
@@ -99,7 +106,8 @@ def check_crash_states(ops: list[Op], facts: Facts, *, seed: int, random_cuts: i
                         durable = durable_acks(state.image(Cut(0, "none")), work / "acks")
                     false_loss: list[Any] = []
                     problems = check_image(image, durable, known, facts,
-                                           work / str(report.recovered), false_loss)
+                                           work / str(report.recovered), false_loss,
+                                           drops=drops)
                     report.false_loss += sum(1 for f in false_loss if f != "torn")
                     report.torn_unsynced += false_loss.count("torn")
                     for p in problems:
@@ -126,14 +134,18 @@ def _digest(image: Image) -> bytes:
 
 
 def check_image(image: Image, durable: AckState | None, known: _Known, facts: Facts,
-                where: Path,
-                false_loss: list[Any] | None = None) -> list[str]:
-    """Recover ``image`` as a data directory at ``where``; what it breaks."""
+                where: Path, false_loss: list[Any] | None = None, *,
+                drops: bool = False) -> list[str]:
+    """Recover ``image`` as a data directory at ``where``; what it breaks.
+
+    ``drops``: retention may delete what the subscriber has not acked (``drop_oldest``,
+    ``max_age``), once its ``dropped`` outcomes are durable; False (no retention, or
+    ``backpressure``): an acked bundle leaves only when the subscriber acked it."""
     data_dir = where / "data"
     image.materialize(data_dir)
     try:
         return _check(data_dir, durable, known, facts, where,
-                      false_loss if false_loss is not None else [])
+                      false_loss if false_loss is not None else [], drops)
     finally:
         shutil.rmtree(where, ignore_errors=True)
 
@@ -152,7 +164,7 @@ def _config(data_dir: Path) -> config_mod.Config:
 
 
 def _check(data_dir: Path, durable_acks: AckState | None, known: _Known, facts: Facts,
-           where: Path, false_loss: list[Any]) -> list[str]:
+           where: Path, false_loss: list[Any], drops: bool) -> list[str]:
     problems: list[str] = []
     layout = DataDir(data_dir).shard(0)
     try:
@@ -188,23 +200,34 @@ def _check(data_dir: Path, durable_acks: AckState | None, known: _Known, facts: 
                 problems.append(f"sequence {seq} held twice: {places}")
         for seq in sorted(known.acked):
             tag = tag_of_seq.get(seq)
-            if seq not in held and tag not in known.sub_acked:
-                problems.append(f"acked sequence {seq} (tag {tag}) is lost")
+            if tag in known.sub_acked:
+                continue
+            bid = known.id_of_seq.get(seq)
+            dropped = bid is not None and _done(durable_acks, *bid)
+            if dropped and not drops:
+                problems.append(f"acked bundle {bid} (sequence {seq}, tag {tag}) was dropped "
+                                "though retention keeps what is acked (backpressure)")
+            elif seq not in held and not dropped:
+                problems.append(f"acked sequence {seq} (tag {tag}) is lost"
+                                + (" (no durable dropped outcome)" if drops else ""))
         present = {s.segment_seq for s in rec.segments}
-        for (seg, idx), tag in facts.tag_of_id.items():
+        seq_of_id = {bid: facts.seq_of_tag[tag] for bid, tag in facts.tag_of_id.items()}
+        seq_of_id.update((bid, seq) for seq, bid in known.id_of_seq.items())
+        for (seg, idx), seq in seq_of_id.items():
             if not _done(durable_acks, seg, idx):
                 continue
-            seq = facts.seq_of_tag[tag]
+            tag = tag_of_seq.get(seq)
             if "wal" in held.get(seq, []):
-                problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked durably and is "
-                                "back in the WAL's open segment")
+                problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked or dropped "
+                                "durably and is back in the WAL's open segment")
             if seg in present and not _done(rec.acks, seg, idx):
-                problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked durably and is "
-                                "pending again")
+                problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked or dropped "
+                                "durably and is pending again")
         if known.acked and rec.next_sequence <= max(known.acked):
             problems.append(f"next sequence {rec.next_sequence} reuses an acked one "
                             f"(max {max(known.acked)})")
-        used = known.segments | present
+        used = known.segments | present  # a number renamed but never durable nor seen may
+        # be used again
         if used and rec.next_segment_seq <= max(used):
             problems.append(f"next segment number {rec.next_segment_seq} was used "
                             f"(max {max(used)})")
@@ -245,8 +268,11 @@ def _check_rows(seq: int, slots: dict[int, pa.Table], tag_of_seq: dict[int, int]
 def durable_acks(durable: Image, scratch: Path) -> AckState | None:
     """The subscriber outcomes ack.log holds durably (in ``durable``, the no-cut image)."""
     raw = durable.files.get("shard-0/ack.log")
-    if raw is None:
-        return None
+    return None if raw is None else acks_of(raw, scratch)
+
+
+def acks_of(raw: bytes, scratch: Path) -> AckState:
+    """The subscriber outcomes an ack.log's bytes hold (its torn tail cut as replay does)."""
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     (scratch / "ack.log").write_bytes(raw)
@@ -259,4 +285,5 @@ def replay_saved(path: str | Path) -> Report:
     import pickle
 
     ops, facts, seed = pickle.loads(Path(path).read_bytes())
-    return check_crash_states(ops, facts, seed=seed, stop_at_first=False)
+    return check_crash_states(ops, facts, seed=seed, stop_at_first=False,
+                              drops=drops_in(seed))

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from quiverd.kernel.fs import Buffer, FileSystem, StrPath
+from quiverd.kernel.layout import segment_seq_of
+from quiverd.segments.reader import SegmentReader
 
 SECTOR = 512
 
@@ -445,9 +447,22 @@ class ModelFS(FileSystem):
             os.rename(src, dst)
             if a is not None and b is not None and a in self.state.names:
                 self._do(("rename", a, b))
+                if self.record and not self.dead:
+                    self._note_segment(dst, b)
             elif a is not None or b is not None:
                 raise SeamLeak(f"rename {src} -> {dst} crosses the model's root or names "
                                "a file it does not know")
+
+    def _note_segment(self, path: StrPath, rel: str) -> None:
+        """A segment renamed into place: which bundle (index) holds which sequence, as a
+        mark (what a crash-state check needs to map an acked sequence to its bundle id
+        once retention has deleted the file)."""
+        seq = segment_seq_of(os.path.basename(rel))
+        if seq is None:
+            return
+        with SegmentReader.open(path) as reader:
+            bundles = [(b.index, b.sequence) for b in reader.bundles()]
+        self.ops.append(("mark", "segment", {"seg": seq, "bundles": bundles}))
 
     def unlink(self, path: StrPath, *, missing_ok: bool = False) -> None:
         with self._lock:

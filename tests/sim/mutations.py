@@ -24,6 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 CRASH_STATES = "tests/sim/test_crash_states.py"
 CORE_MODEL = "tests/sim/test_core_model.py"
 LAKE_CRASH_STATES = "tests/sim/test_lake_crash_states.py"
+RETENTION_DROP_OLDEST = CORE_MODEL + "::test_retention_drop_oldest_model"
+RETENTION_MAX_AGE = CORE_MODEL + "::test_retention_max_age_model"
+RETENTION_BACKPRESSURE = CORE_MODEL + "::test_retention_backpressure_model"
 ICEBERG_MODEL = "tests/lake/test_iceberg_model.py::test_iceberg_projection_model_sqlite"
 DETSIM = "tests/sim/test_detsim.py::test_detsim_seeds_hold_every_invariant"
 
@@ -75,6 +78,21 @@ MUTATIONS = (
         "    file.append(encoded)\n    file.sync()\n",
         "    file.append(encoded)\n",
         (CRASH_STATES, CORE_MODEL)),
+    Mutation(
+        "retention_drops_without_outcomes",
+        "retention deletes segments the subscriber has not acked without writing their "
+        "dropped outcomes first",
+        "actors/quiverd_actors/ack_logger.py",
+        "                records += plan.records\n",
+        "                records += ()\n",
+        (CRASH_STATES, RETENTION_DROP_OLDEST, RETENTION_MAX_AGE)),
+    Mutation(
+        "retention_drops_under_backpressure",
+        "the size cap deletes the oldest segments under the backpressure policy too",
+        "actors/quiverd_actors/gc_sweeper.py",
+        "        if self.cfg.size_cap_policy == \"drop_oldest\":\n",
+        "        if self.cfg.size_cap_bytes:\n",
+        (RETENTION_BACKPRESSURE,)),
     Mutation(
         "compaction_inputs_readded",
         "a sync never deletes the files a compaction replaced: the table holds both",

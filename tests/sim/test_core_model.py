@@ -6,7 +6,8 @@
                drawn Cut, becomes the next start's data) and restart
     model      what clients were told: the tags whose ACK left (the daemon's "acked"
                marks), the tags the subscriber acked
-    invariants at every cut (tests/sim/crashstates.py's, on the cut's own image): every
+    invariants at every cut and at the end (tests/sim/crashstates.py's, on the cut's own
+               image; at the end a cut that keeps everything written): every
                acked bundle held exactly once unless the subscriber acked it, none held
                twice, nothing acked durably pending again, no sequence or segment number
                reused, no loss reported; after the restart, every acked bundle not yet
@@ -15,8 +16,23 @@
 A real daemon (in process, tests/sim/workload.py) on a ModelFS: WAL rotation and release,
 finalize, ack.log, gc and recovery all run as in production. Sizes: 6 examples in the
 default tier, 30 in the full tier, ``QUIVERD_MODEL_EXAMPLES`` for ``scripts/prove``.
-Subscriber REJECT and retention are not rules yet (REJECT does not exist; retention
-loses acked data by design and needs its own model).
+
+Retention, the same machine under a size cap or a maximum age (2 examples each in the
+default tier, 10 in the full tier, ``QUIVERD_RETENTION_EXAMPLES``):
+
+    drop_oldest  (cap 192 KiB) the oldest segments go once over the cap; max_age (1 s,
+                 rule: let segments age) segments go once old. Either may delete what
+                 the subscriber has not acked, but only once its ``dropped`` outcome is
+                 durable in ack.log: an acked bundle missing after a cut must be
+                 subscriber-acked or durably dropped; a dropped one never comes back
+                 (pending again, or in the WAL); one the restarted daemon does not
+                 deliver must have been dropped (its ack.log says).
+    backpressure (cap 192 KiB, wal.at_capacity = "reject") nothing acked is ever dropped
+                 (no bundle done that the subscriber did not ack); sends past the cap are
+                 refused, and once the subscriber acks everything the gate reopens
+                 (rule: ack all, then a send must be accepted).
+
+Subscriber REJECT is not a rule yet (REJECT does not exist: issue 29).
 """
 
 from __future__ import annotations
@@ -26,21 +42,34 @@ import time
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from quiverd.kernel import fs
+from quiverd.net.admin import request
 from tests.inprocess import InProcessDaemon
-from tests.sim.crashstates import _Known, check_image, durable_acks
+from tests.sim.crashstates import _done, _Known, acks_of, check_image, durable_acks
 from tests.sim.modelfs import Cut, ModelFS
 from tests.sim.workload import SETTINGS, Facts, add_subscriber, consume, produce, short_root
 from tests.tiers import size
 
 EXAMPLES = size(6, 30, "QUIVERD_MODEL_EXAMPLES")
+RETENTION_EXAMPLES = size(2, 10, "QUIVERD_RETENTION_EXAMPLES")
+CAP = 192 * 1024
 
 
 class DurableCore(RuleBasedStateMachine):
+    daemon_settings: dict[str, Any] = {}  # over workload.SETTINGS
+    drops = False  # retention may delete what the subscriber has not acked
+    refusable = False  # sends may be refused AT_CAPACITY
+
     def __init__(self) -> None:
         super().__init__()
         self.facts = Facts()
@@ -54,7 +83,7 @@ class DurableCore(RuleBasedStateMachine):
 
     # ---- the daemon --------------------------------------------------------------
     def _start(self, root: Any, *, fresh: bool) -> None:
-        self.d = InProcessDaemon(root, dict(SETTINGS))
+        self.d = InProcessDaemon(root, {**SETTINGS, **self.daemon_settings})
         self.d.data_dir.mkdir(exist_ok=True)
         self.model = ModelFS(self.d.data_dir, record=True)
         fs.install(self.model)
@@ -64,7 +93,8 @@ class DurableCore(RuleBasedStateMachine):
 
     def _known(self) -> _Known:
         known = _Known(acked=set(self.earlier.acked), sub_acked=set(self.earlier.sub_acked),
-                       segments=set(self.earlier.segments))
+                       segments=set(self.earlier.segments),
+                       id_of_seq=dict(self.earlier.id_of_seq))
         assert self.model is not None
         for op in self.model.ops:
             if op[0] == "mark":
@@ -77,7 +107,9 @@ class DurableCore(RuleBasedStateMachine):
         assert self.d is not None
         tags = list(range(self.next_tag, self.next_tag + n))
         self.next_tag += n
-        produce(self.d, self.facts, tags, rows)
+        acked = produce(self.d, self.facts, tags, rows, refusable=self.refusable)
+        if acked < n:
+            event("a send was refused (at capacity)")
 
     @rule()
     def finalize(self) -> None:
@@ -102,7 +134,8 @@ class DurableCore(RuleBasedStateMachine):
         fs.install(self.previous_fs)  # recovery of the image below runs on the real disk
         root = short_root()
         durable = durable_acks(state.image(Cut(0, "none")), root / "acks")
-        problems = check_image(image, durable, known, self.facts, root / "check")
+        problems = check_image(image, durable, known, self.facts, root / "check",
+                               drops=self.drops)
         assert not problems, f"after a power cut ({cut}): {problems}"
         image.materialize(root / "data")
         self._start(root, fresh=False)
@@ -118,10 +151,45 @@ class DurableCore(RuleBasedStateMachine):
         delivered = set(drained.tag_of_id.values())
         self.facts.tag_of_id.update(drained.tag_of_id)
         tag_of_seq = {seq: tag for tag, seq in self.facts.seq_of_tag.items()}
-        missing = sorted(tag for seq in known.acked
+        missing = sorted(seq for seq in known.acked
                          if (tag := tag_of_seq.get(seq)) is not None
                          and tag not in known.sub_acked and tag not in delivered)
-        assert not missing, f"acked bundles never delivered after the restart: {missing}"
+        if missing and self.drops:  # retention may have dropped them since: ack.log says
+            ids = self._known().id_of_seq
+            live = acks_of((self.d.data_dir / "shard-0" / "ack.log").read_bytes(),
+                           short_root())
+            missing = [seq for seq in missing if seq not in ids or not _done(live, *ids[seq])]
+        assert not missing, ("acked bundles never delivered after the restart: "
+                             f"{[tag_of_seq[seq] for seq in missing]}")
+
+    def _last_cut(self) -> None:
+        """The invariants once more at the end, on a cut that keeps everything written
+        (an example without a power cut is checked too)."""
+        assert self.d is not None and self.model is not None
+        state = self.model.crash()
+        known = self._known()
+        self.d.stop()
+        fs.install(self.previous_fs)
+        root = short_root()
+        durable = durable_acks(state.image(Cut(0, "none")), root / "acks")
+        image = state.image(Cut(len(state.pending_meta), "all"))
+        problems = check_image(image, durable, known, self.facts, root / "check",
+                               drops=self.drops)
+        assert not problems, f"at the end (a cut keeping everything written): {problems}"
+
+    def _count_drops(self) -> None:
+        """Statistics (--hypothesis-show-statistics): did retention drop acked bundles?"""
+        assert self.d is not None
+        path = self.d.data_dir / "shard-0" / "ack.log"
+        if not path.exists() or not self.d.running:
+            return
+        live = acks_of(path.read_bytes(), short_root())
+        ids = self._known().id_of_seq
+        tag_of_seq = {seq: tag for tag, seq in self.facts.seq_of_tag.items()}
+        sub_acked = self._known().sub_acked
+        dropped = sum(1 for seq, bid in ids.items() if _done(live, *bid)
+                      and tag_of_seq.get(seq) not in sub_acked)
+        event(f"bundles dropped by retention: {'none' if not dropped else '1+'}")
 
     @invariant()
     def daemon_runs(self) -> None:
@@ -130,6 +198,9 @@ class DurableCore(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             if self.d is not None:
+                self._count_drops()
+                if self.d.running:
+                    self._last_cut()
                 self.d.end()
             if self.model is not None:
                 problems = self.model.check_mirror(
@@ -147,3 +218,64 @@ DurableCore.TestCase.settings = settings(
 # Filtered for this test only, so that the model's findings are not masked by it.
 test_durable_core_model = pytest.mark.filterwarnings(
     "ignore::pytest.PytestUnraisableExceptionWarning")(DurableCore.TestCase)
+
+
+class _Retained(DurableCore):
+    @initialize(n=st.integers(6, 12))
+    def fill(self, n: int) -> None:
+        """Every example starts past its cap (n bundles of ~24 KiB, then finalized)."""
+        self.send(n, 1500)
+        self.finalize()
+
+
+class DropOldest(_Retained):
+    daemon_settings = {"retention.size_cap_bytes": CAP,
+                       "retention.size_cap_policy": "drop_oldest"}
+    drops = True
+
+
+class MaxAge(_Retained):
+    daemon_settings = {"retention.max_age_s": 1}
+    drops = True
+
+    @initialize()
+    def aged(self) -> None:
+        self.age()
+
+    @precondition(lambda self: self.crashes < 3)
+    @rule()
+    def age(self) -> None:
+        time.sleep(2.1)  # past max_age_s and a sweep (once a second)
+
+
+class Backpressure(_Retained):
+    daemon_settings = {"retention.size_cap_bytes": CAP, "wal.at_capacity": "reject"}
+    refusable = True
+
+    @rule()
+    def ack_all_then_send(self) -> None:
+        """Once the subscriber has acked everything, the gate must open again."""
+        assert self.d is not None and self.model is not None
+        deadline = time.monotonic() + 15
+        while True:
+            time.sleep(0.06)  # the open segment finalizes
+            consume(self.d, self.model, self.facts, random.Random(0), ack_p=1.0, idle_s=0.2)
+            tag = self.next_tag
+            self.next_tag += 1
+            if produce(self.d, self.facts, [tag], 10, refusable=True):
+                return
+            assert time.monotonic() < deadline, (
+                "the gate stays closed after the subscriber acked everything: "
+                f"{request(self.d.admin_socket, 'status')}")
+
+
+for machine in (DropOldest, MaxAge, Backpressure):
+    machine.TestCase.settings = settings(
+        max_examples=RETENTION_EXAMPLES, stateful_step_count=8, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_retention_drop_oldest_model = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")(DropOldest.TestCase)
+test_retention_max_age_model = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")(MaxAge.TestCase)
+test_retention_backpressure_model = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")(Backpressure.TestCase)

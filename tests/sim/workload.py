@@ -8,7 +8,8 @@
                             the test's ("sub_ack": an ACK_BUNDLE sent for a bundle)
 
 One shard, no lake, small segments and a small WAL (rotation and release every few
-bundles): the steps whose crash states matter come often. ``run_workload`` returns the
+bundles): the steps whose crash states matter come often. One seed in five (``drops_in``)
+runs under drop_oldest retention capped at one segment's size. ``run_workload`` returns the
 ops log and what the producer and the subscriber were told (``Facts``).
 """
 
@@ -28,6 +29,7 @@ import pyarrow as pa
 
 from quiverd.client import Client, subscribe
 from quiverd.kernel import fs
+from quiverd.kernel.errors import AtCapacity
 from quiverd.net.admin import request
 from tests.inprocess import InProcessDaemon
 from tests.sim.modelfs import ModelFS, Op
@@ -88,11 +90,22 @@ def add_subscriber(d: InProcessDaemon, name: str = SUBSCRIBER) -> None:
     request(d.admin_socket, "subscribers.add", {"name": name, "start": "earliest"})
 
 
-def produce(d: InProcessDaemon, facts: Facts, tags: list[int], rows: int) -> None:
+def produce(d: InProcessDaemon, facts: Facts, tags: list[int], rows: int, *,
+            refusable: bool = False) -> int:
+    """Send the tagged bundles; how many were acked. ``refusable``: an AT_CAPACITY
+    refusal (retention's backpressure under ``wal.at_capacity = "reject"``) ends the
+    send early instead of failing."""
+    acked = 0
     with Client.connect(d.socket) as c:
-        acks = c.send_many([tagged(t, rows) for t in tags], client="p")
-    for tag, ack in zip(tags, acks, strict=True):
-        facts.seq_of_tag[tag] = ack.sequence
+        try:
+            for tag, ack in zip(tags, c.iter_send([tagged(t, rows) for t in tags],
+                                                  client="p"), strict=True):
+                facts.seq_of_tag[tag] = ack.sequence
+                acked += 1
+        except AtCapacity:
+            if not refusable:
+                raise
+    return acked
 
 
 def consume(d: InProcessDaemon, model: ModelFS, facts: Facts, rng: random.Random, *,
@@ -121,13 +134,24 @@ def consume(d: InProcessDaemon, model: ModelFS, facts: Facts, rng: random.Random
     return got
 
 
+# One seed in five runs under drop_oldest retention with a cap of one segment: the
+# oldest segments are deleted whether acked or not (their ``dropped`` outcomes first).
+RETAINED: dict[str, Any] = {"retention.size_cap_bytes": 64 * 1024,
+                            "retention.size_cap_policy": "drop_oldest"}
+
+
+def drops_in(seed: int) -> bool:
+    """Does workload ``seed`` run under drop_oldest retention?"""
+    return seed % 5 == 3
+
+
 def run_workload(seed: int, *, rounds: int = 3,
                  between: Callable[[int], None] | None = None) -> tuple[list[Op], Facts]:
     """The seeded workload on a fresh daemon; returns its ops log and facts."""
     rng = random.Random(seed)
     facts = Facts()
     root = short_root()
-    with model_daemon(root) as (d, model):
+    with model_daemon(root, settings=RETAINED if drops_in(seed) else None) as (d, model):
         d.start()
         add_subscriber(d)
         tag = 0
