@@ -164,7 +164,7 @@ class Dispatcher:
             return
         items: list[Outcome] = []
         freed: dict[int, Session] = {}
-        counts: Counter[tuple[str, bool]] = Counter()
+        counts: Counter[tuple[str, int]] = Counter()
         for fb in batch:
             session = fb.session
             for seg, idx, outcome in fb.outcomes:
@@ -172,10 +172,11 @@ class Dispatcher:
                 if self.inflight.get(key) is session:
                     session.unacked -= 1  # the bundle stays in flight until settled
                     freed[id(session)] = session
-                counts[(session.name, outcome == fmt.ACK)] += 1
+                counts[(session.name, outcome)] += 1
                 items.append(Outcome(key=key, session=session, outcome=outcome))
-        for (name, ack), n in counts.items():
-            (self.stats.acks if ack else self.stats.nacks)(name).inc(n)
+        for (name, outcome), n in counts.items():
+            {fmt.NACK: self.stats.nacks, fmt.REJECTED: self.stats.rejects}.get(
+                outcome, self.stats.acks)(name).inc(n)
         for session in freed.values():
             session.room_freed()  # every shard of a shared window may refill now
         pending, request = OutcomeBatch.of(items)

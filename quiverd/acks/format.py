@@ -18,7 +18,7 @@ Record, repeated to EOF (framed like a WAL entry)::
 Bodies by record_type::
 
     1 OUTCOME          u64 segment_seq | u32 bundle_index | u32 subscriber_id
-                       | u8 outcome (1 ack, 2 nack, 3 dropped)                  17 bytes
+                       | u8 outcome (1 ack, 2 nack, 3 dropped, 4 rejected)      17 bytes
     2 SEGMENT          u64 segment_seq | u32 bundle_count                        12 bytes
     3 SEGMENT_DELETED  u64 segment_seq                                            8 bytes
     4 SUBSCRIBER       u32 subscriber_id | u8 op (1 add, 2 remove)
@@ -64,7 +64,8 @@ _U32 = struct.Struct("<I")
 DEFAULT_MAX_RECORD_LEN = 64 * 1024 * 1024
 
 OUTCOME, SEGMENT, SEGMENT_DELETED, SUBSCRIBER, CHECKPOINT = 1, 2, 3, 4, 5
-ACK, NACK, DROPPED = 1, 2, 3
+ACK, NACK, DROPPED, REJECTED = 1, 2, 3, 4
+OUTCOMES = (ACK, NACK, DROPPED, REJECTED)
 OP_ADD, OP_REMOVE = 1, 2
 MAX_NAME_LEN = 64
 
@@ -84,7 +85,7 @@ class Outcome(msgspec.Struct, frozen=True, kw_only=True):
     segment_seq: int
     bundle_index: int
     subscriber_id: int
-    outcome: int  # ACK | NACK | DROPPED
+    outcome: int  # ACK | NACK | DROPPED | REJECTED
 
 
 class SegmentFinalized(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,7 +165,7 @@ def decode_header(buf: Buffer, *, path: str) -> int:
 def encode(record: Record) -> bytes:
     """The framed bytes of one record, ready to append."""
     if isinstance(record, Outcome):
-        if record.outcome not in (ACK, NACK, DROPPED):
+        if record.outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {record.outcome}")
         rtype, body = OUTCOME, _OUTCOME.pack(
             record.segment_seq, record.bundle_index, record.subscriber_id, record.outcome
@@ -267,7 +268,7 @@ def decode_record(record_type: int, body: bytes) -> Record | None:
         if record_type == OUTCOME:
             _exact(body, _OUTCOME.size)
             seq, idx, sub, outcome = _OUTCOME.unpack(body)
-            if outcome not in (ACK, NACK, DROPPED):
+            if outcome not in OUTCOMES:
                 raise MalformedRecord(f"unknown outcome {outcome}")
             return Outcome(segment_seq=seq, bundle_index=idx, subscriber_id=sub, outcome=outcome)
         if record_type == SEGMENT:

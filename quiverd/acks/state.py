@@ -34,6 +34,8 @@ from quiverd.acks.format import (
     DROPPED,
     NACK,
     OP_ADD,
+    OUTCOMES,
+    REJECTED,
     Checkpoint,
     Outcome,
     Record,
@@ -208,10 +210,12 @@ class AckState:
 
     def record_outcome(self, sub: str, segment_seq: int, bundle_index: int,
                        outcome: int) -> Outcome | None:
-        """The record for a consumer's ack or nack, or the dispatcher's ``dropped`` for a
-        staged bundle its job discarded (SPEC §7); None when it would change nothing."""
-        if outcome not in (ACK, NACK, DROPPED):
-            raise ValueError(f"outcome must be ack, nack or dropped, not {outcome}")
+        """The record for a consumer's ack, nack or reject, or the dispatcher's ``dropped``
+        for a staged bundle its job discarded (SPEC §7); None when it would change nothing.
+        A reject is final like an ack (the bundle is done for this subscriber, never
+        delivered to it again); the first final outcome wins."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be ack, nack, dropped or rejected, not {outcome}")
         subscriber = self.registry.get(sub)
         cursor = self._cursors[subscriber.subscriber_id]
         count = self._segments.get(segment_seq)
@@ -222,7 +226,7 @@ class AckState:
         done = cursor.done.get(segment_seq)
         if segment_seq < cursor.covered_below or (done is not None and bundle_index in done):
             return None
-        if (outcome == ACK and cursor.gap_len >= self._max_gap
+        if (outcome in (ACK, REJECTED) and cursor.gap_len >= self._max_gap
                 and segment_seq != self._frontier(cursor)):
             raise AtCapacity(f"subscriber {sub!r} has {cursor.gap_len} acks waiting behind an "
                              "unacked bundle; ack the oldest pending bundle first")

@@ -4,6 +4,7 @@
         async for d in deliveries:
             handle(d.id, d.client, d.tables)     # {slot: pyarrow.Table}
             await d.ack()                        # or: await d.nack() → redelivered later
+                                                 # or: await d.reject() → never again
 
 Delivery is at least once: ``d.id == (shard, segment_seq, bundle_index)`` lets a
 consumer deduplicate. At most ``window`` deliveries are unanswered at a time;
@@ -39,13 +40,16 @@ from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
 from quiverd.protocol.codec import (
     Delivery,
     Error,
+    ErrorCode,
     FrameDecoder,
+    HelloOk,
     Role,
     StreamReply,
     Subscribed,
     encode_ack_bundle,
     encode_hello,
     encode_nack_bundle,
+    encode_reject_bundle,
     encode_stream_request,
     encode_subscribe,
     exception_for,
@@ -57,7 +61,9 @@ DEFAULT_MAX_BUNDLE_BYTES = 64 * 1024 * 1024
 
 
 class ReceivedBundle:
-    """One delivered bundle; answer it exactly once with ``ack()`` or ``nack()``."""
+    """One delivered bundle; answer it exactly once: ``ack()`` (done), ``nack()``
+    (deliver again later) or ``reject()`` (done, and never delivered to this subscriber
+    again: for a bundle it can never handle; the caller keeps what it needs of it)."""
 
     def __init__(self, frame: Delivery, conn: _Conn) -> None:
         self._frame, self._conn = frame, conn
@@ -90,9 +96,17 @@ class ReceivedBundle:
     async def nack(self) -> None:
         await self._answer(encode_nack_bundle)
 
+    async def reject(self) -> None:
+        if self._conn.version < 2:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"this quiverd speaks protocol version {self._conn.version}, which has no "
+                "REJECT_BUNDLE", hint="upgrade the daemon, or nack the bundle")
+        await self._answer(encode_reject_bundle)
+
     async def _answer(self, encode: Any) -> None:
         if self.answered:
-            raise RuntimeError(f"bundle {self.id} was already acked or nacked")
+            raise RuntimeError(f"bundle {self.id} was already answered (ack, nack or reject)")
         self.answered = True
         await self._conn.send(encode(*self.id))
 
@@ -101,6 +115,7 @@ class _Conn:
     def __init__(self, stream: anyio.abc.SocketStream, decoder: FrameDecoder) -> None:
         self.stream, self.decoder = stream, decoder
         self.lock = anyio.Lock()
+        self.version = 1  # agreed in the handshake (HELLO_OK)
 
     async def send(self, data: bytes) -> None:
         async with self.lock:
@@ -130,7 +145,7 @@ async def subscribe(path: StrPath, name: str, *, window: int = 64,
         conn = _Conn(stream, FrameDecoder(max_frame_bytes(max_bundle_bytes), from_client=False))
         await conn.send(encode_hello(Role.SUBSCRIBER))
         frames = conn.frames()
-        await _expect_handshake(frames)
+        conn.version = await _expect_handshake(frames)
         await conn.send(encode_subscribe(name, window))
         first = await anext(frames, None)
         if isinstance(first, Error):
@@ -140,12 +155,17 @@ async def subscribe(path: StrPath, name: str, *, window: int = 64,
         yield _deliveries(frames, conn)
 
 
-async def _expect_handshake(frames: AsyncIterator[Any]) -> None:
+async def _expect_handshake(frames: AsyncIterator[Any]) -> int:
+    """The protocol version HELLO_OK agreed."""
     msg = await anext(frames, None)
     if isinstance(msg, Error):
         raise exception_for(msg)
     if msg is None:
         raise ConnectionError("quiverd closed the connection during the handshake")
+    if not isinstance(msg, HelloOk):
+        raise ProtocolError(ErrorCode.MALFORMED,
+                            f"expected HELLO_OK from quiverd, got {type(msg).__name__}")
+    return msg.version
 
 
 async def _deliveries(frames: AsyncIterator[Any], conn: _Conn) -> AsyncIterator[ReceivedBundle]:

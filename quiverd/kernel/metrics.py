@@ -148,6 +148,9 @@ class Metrics:
                                  ("shard", "subscriber"))
         self.subscriber_nacks = c("quiver_subscriber_nacks_total", "nacks from subscribers",
                                   ("shard", "subscriber"))
+        self.subscriber_rejects = c("quiver_subscriber_rejects_total",
+                                    "rejects from subscribers (never delivered to them again)",
+                                    ("shard", "subscriber"))
         self.sessions = g("quiver_subscriber_sessions", "attached subscriber connections", sh)
         # gc sweeper (names from the design document)
         self.gc_evictions = c("quiver_gc_evictions_total", "segments deleted, by reason",
@@ -366,6 +369,9 @@ class DispatchMetrics:
 
     def nacks(self, subscriber: str) -> Value:
         return self._m.subscriber_nacks.labels(self._shard, subscriber)
+
+    def rejects(self, subscriber: str) -> Value:
+        return self._m.subscriber_rejects.labels(self._shard, subscriber)
 
     def discarded(self, subscriber: str) -> Value:
         return self._m.staged_discarded.labels(subscriber)

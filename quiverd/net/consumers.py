@@ -1,4 +1,4 @@
-"""A subscriber connection: SUBSCRIBE, then DELIVERY frames out, ACK/NACK_BUNDLE in;
+"""A subscriber connection: SUBSCRIBE, then DELIVERY frames out, ACK/NACK/REJECT_BUNDLE in;
 or STREAM requests, each answered in turn (ranged reads, ``serve_stream``).
 
 Runs on the ingest socket after a HELLO with role SUBSCRIBER (docs/protocol.md).
@@ -125,25 +125,30 @@ async def _read_feedback(hub: SubscriberHub, reader: FrameReader, session: Sessi
         frames = got
 
 
+_OUTCOME_OF: dict[type, int] = {protocol.AckBundle: fmt.ACK, protocol.NackBundle: fmt.NACK,
+                                protocol.RejectBundle: fmt.REJECTED}
+
+
 async def _send_feedback(hub: SubscriberHub, session: Session,
                          frames: list[protocol.Message]) -> None:
-    """One read batch of ACK_BUNDLE / NACK_BUNDLE frames as one Feedback per shard.
+    """One read batch of ACK_BUNDLE / NACK_BUNDLE / REJECT_BUNDLE frames as one Feedback
+    per shard.
 
-    A frame that is neither, or names no shard, ends the connection (ProtocolError)
+    Any other frame, or one naming no shard, ends the connection (ProtocolError)
     after the outcomes before it are sent: the subscriber did send those."""
     by_shard: dict[int, list[tuple[int, int, int]]] = {}
     error: ProtocolError | None = None
     for frame in frames:
-        if not isinstance(frame, protocol.AckBundle | protocol.NackBundle):
-            error = ProtocolError(ErrorCode.MALFORMED,
-                                  "only ACK_BUNDLE / NACK_BUNDLE may follow SUBSCRIBE")
+        if not isinstance(frame, protocol.AckBundle | protocol.NackBundle
+                          | protocol.RejectBundle):
+            error = ProtocolError(ErrorCode.MALFORMED, "only ACK_BUNDLE / NACK_BUNDLE / "
+                                  "REJECT_BUNDLE may follow SUBSCRIBE")
             break
         if not 0 <= frame.shard < len(hub.dispatchers):
             error = ProtocolError(ErrorCode.MALFORMED, f"no shard {frame.shard}")
             break
-        outcome = fmt.ACK if isinstance(frame, protocol.AckBundle) else fmt.NACK
         by_shard.setdefault(frame.shard, []).append(
-            (frame.segment_seq, frame.bundle_index, outcome))
+            (frame.segment_seq, frame.bundle_index, _OUTCOME_OF[type(frame)]))
     for shard, outcomes in by_shard.items():
         await hub.dispatchers[shard].post(Feedback(session=session, outcomes=tuple(outcomes)))
     if error is not None:

@@ -1,4 +1,5 @@
-"""Socket protocol v1, sans-IO: frames in, messages out (no sockets here).
+"""Socket protocol v2 (v1: the same without REJECT_BUNDLE), sans-IO: frames in, messages
+out (no sockets here).
 
 All integers little-endian. Every frame::
 
@@ -22,6 +23,7 @@ All integers little-endian. Every frame::
     NACK_BUNDLE 0x14  c->s  u16 shard | u64 segment_seq | u32 bundle_index
     STREAM      0x15  c->s  u32 request_id (>0) | u32 len | utf8 JSON object (the request)
     STREAM_OK   0x16  s->c  u32 request_id | u32 len | utf8 JSON object (the reply)
+    REJECT_BUNDLE 0x17 c->s u16 shard | u64 segment_seq | u32 bundle_index (version 2)
 
     client     u8 len | ascii [A-Za-z0-9._-]{1,255}
     txn        u8 flag (0 none, 1 tag) [| u16 len | utf8 job_id | u32 partition
@@ -74,6 +76,7 @@ from quiverd.protocol.frames import (
     MAX_FRAME_OVERHEAD,
     MAX_JOB_BODY_BYTES,
     MAX_MESSAGE_LEN,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     U32,
     Ack,
@@ -89,6 +92,7 @@ from quiverd.protocol.frames import (
     JobRequest,
     Message,
     NackBundle,
+    RejectBundle,
     Role,
     StreamReply,
     StreamRequest,
@@ -104,6 +108,7 @@ from quiverd.protocol.frames import (
     encode_job_reply,
     encode_job_request,
     encode_nack_bundle,
+    encode_reject_bundle,
     encode_stream_reply,
     encode_stream_request,
     encode_subscribe,
@@ -117,11 +122,12 @@ __all__ = [
     "CLOSES_CONNECTION", "JOB_FRAME_MAX", "MAX_FRAME_OVERHEAD", "MAX_JOB_BODY_BYTES",
     "PROTOCOL_VERSION", "REPLY_FRAME_MAX", "SMALL_FRAME_MAX", "Ack", "AckBundle",
     "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameDecoder", "FrameType", "Hello",
-    "HelloOk", "JobReply", "JobRequest", "Message", "NackBundle", "Role", "StreamReply",
+    "HelloOk", "JobReply", "JobRequest", "MIN_PROTOCOL_VERSION", "Message", "NackBundle",
+    "RejectBundle", "Role", "StreamReply",
     "StreamRequest", "Subscribe",
     "Subscribed", "decode_body", "encode_ack", "encode_ack_bundle", "encode_bundle",
     "encode_delivery", "encode_error", "encode_hello", "encode_hello_ok", "encode_job_reply",
-    "encode_job_request", "encode_nack_bundle", "encode_stream_reply",
+    "encode_job_request", "encode_nack_bundle", "encode_reject_bundle", "encode_stream_reply",
     "encode_stream_request", "encode_subscribe", "encode_subscribed",
     "error_code_for", "exception_for", "hello_reply", "max_frame_bytes", "negotiate",
     "validate_bundle",
@@ -149,10 +155,12 @@ ROLE_FRAMES = MappingProxyType(
         Role.PRODUCER: frozenset({FrameType.BUNDLE, FrameType.JOB}),
         Role.SUBSCRIBER: frozenset(
             {FrameType.SUBSCRIBE, FrameType.ACK_BUNDLE, FrameType.NACK_BUNDLE,
-             FrameType.STREAM}
+             FrameType.REJECT_BUNDLE, FrameType.STREAM}
         ),
     }
 )
+# Frames a later protocol version added: refused on a connection that agreed an earlier one.
+FRAME_SINCE = MappingProxyType({FrameType.REJECT_BUNDLE: 2})
 # recv_into straight into a frame buffer only pays off for big remainders; smaller
 # reads go through the scratch buffer so one recv can hold many small frames.
 SCRATCH_BYTES = 256 * 1024
@@ -194,6 +202,7 @@ class FrameDecoder:
         # False pauses the decoder until ``resume()`` (the server's pending-bytes budget).
         self._reserve = reserve
         self.role: Role | None = None  # set by the client's HELLO (server side)
+        self.version = 0  # the version the client's HELLO agrees with this build (0: none)
         self._head = bytearray(FRAME_HEADER.size)
         self._head_filled = 0
         self._frame_type = FrameType.HELLO
@@ -375,6 +384,12 @@ class FrameDecoder:
                 ErrorCode.MALFORMED,
                 f"{frame_type.name} frame not allowed on a {self.role.name.lower()} connection",
             )
+        elif self.version < (since := FRAME_SINCE.get(frame_type, 1)):
+            raise ProtocolError(
+                ErrorCode.MALFORMED,
+                f"{frame_type.name} needs protocol version {since}; this connection agreed "
+                f"version {self.version} (upgrade the client library)",
+            )
         return frame_type
 
     def _finish_frame(self) -> Message:
@@ -388,6 +403,10 @@ class FrameDecoder:
         msg = decode_body(self._frame_type, body)
         if isinstance(msg, Hello) and self._from_client:
             self.role = msg.role
+            try:
+                self.version = negotiate(msg)  # the server answers the same (HELLO_OK)
+            except ProtocolError:
+                self.version = 0  # the server refuses it (UNSUPPORTED_VERSION)
         return msg
 
 
@@ -405,7 +424,8 @@ def _frame_buffer(nbytes: int) -> memoryview:
     return memoryview(pa.allocate_buffer(nbytes)).cast("B")
 
 
-def negotiate(hello: Hello, *, min_version: int = 1, max_version: int = PROTOCOL_VERSION) -> int:
+def negotiate(hello: Hello, *, min_version: int = MIN_PROTOCOL_VERSION,
+              max_version: int = PROTOCOL_VERSION) -> int:
     """Highest version both sides speak, or ProtocolError(UNSUPPORTED_VERSION)."""
     lo, hi = max(hello.min_version, min_version), min(hello.max_version, max_version)
     if lo > hi:

@@ -59,6 +59,7 @@ from quiverd.protocol.frames import (
     JobRequest,
     Message,
     NackBundle,
+    RejectBundle,
     Role,
     StreamReply,
     StreamRequest,
@@ -108,10 +109,14 @@ def decode_body(frame_type: FrameType, body: memoryview) -> Message:
             if ok > 1:
                 raise ProtocolError(ErrorCode.MALFORMED, f"SUBSCRIBED: ok flag {ok} not 0 or 1")
             msg = Subscribed(ok=bool(ok))
-        case FrameType.ACK_BUNDLE | FrameType.NACK_BUNDLE:
+        case FrameType.ACK_BUNDLE | FrameType.NACK_BUNDLE | FrameType.REJECT_BUNDLE:
             shard, seq, index = r.unpack(BUNDLE_ID)
-            cls = AckBundle if frame_type is FrameType.ACK_BUNDLE else NackBundle
-            msg = cls(shard=shard, segment_seq=seq, bundle_index=index)
+            if frame_type is FrameType.ACK_BUNDLE:
+                msg = AckBundle(shard=shard, segment_seq=seq, bundle_index=index)
+            elif frame_type is FrameType.NACK_BUNDLE:
+                msg = NackBundle(shard=shard, segment_seq=seq, bundle_index=index)
+            else:
+                msg = RejectBundle(shard=shard, segment_seq=seq, bundle_index=index)
         case _:  # pragma: no cover - FrameType is exhaustive above
             raise AssertionError(frame_type)
     r.finish()

@@ -24,18 +24,21 @@ __all__ = [
     "CLOSES_CONNECTION", "MAX_FRAME_OVERHEAD", "PROTOCOL_VERSION", "Ack", "AckBundle",
     "BundleFrame", "Delivery", "Error", "ErrorCode", "FrameType", "Hello", "HelloOk",
     "JOB_FRAME_MAX", "JobReply", "JobRequest", "MAX_JOB_BODY_BYTES",
-    "Message", "NackBundle", "Role", "StreamReply", "StreamRequest", "Subscribe",
+    "MIN_PROTOCOL_VERSION", "Message", "NackBundle", "RejectBundle", "Role", "StreamReply",
+    "StreamRequest", "Subscribe",
     "Subscribed", "encode_ack",
     "encode_ack_bundle", "encode_bundle", "encode_delivery", "encode_delivery_parts",
     "encode_error", "encode_hello",
     "encode_hello_ok", "encode_job_reply", "encode_job_request", "encode_nack_bundle",
+    "encode_reject_bundle",
     "encode_stream_reply", "encode_stream_request", "encode_subscribe", "encode_subscribed",
     "max_frame_bytes", "nbytes",
 ]
 
 Buffer = bytes | bytearray | memoryview
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: REJECT_BUNDLE (a subscriber's permanent outcome)
+MIN_PROTOCOL_VERSION = 1  # what servers and clients of this build still speak
 MAGIC = b"QVR"
 
 FRAME_HEADER = struct.Struct("<IB")  # frame_len (bytes after this field), frame_type
@@ -94,6 +97,7 @@ class FrameType(IntEnum):
     NACK_BUNDLE = 0x14  # subscriber -> server
     STREAM = 0x15  # subscriber -> server: a ranged-read request (JSON), docs/protocol.md
     STREAM_OK = 0x16  # server -> subscriber: its reply (JSON), after any DELIVERY it asked for
+    REJECT_BUNDLE = 0x17  # subscriber -> server (version 2): never deliver this bundle again
 
 
 class Role(IntEnum):
@@ -231,14 +235,21 @@ class NackBundle(msgspec.Struct, frozen=True, kw_only=True):
     bundle_index: int
 
 
+class RejectBundle(msgspec.Struct, frozen=True, kw_only=True):
+    shard: int
+    segment_seq: int
+    bundle_index: int
+
+
 Message = (
     Hello | HelloOk | BundleFrame | Ack | Error | JobRequest | JobReply | Subscribe
-    | Subscribed | Delivery | AckBundle | NackBundle | StreamRequest | StreamReply
+    | Subscribed | Delivery | AckBundle | NackBundle | RejectBundle | StreamRequest | StreamReply
 )
 
 
 def encode_hello(
-    role: Role, *, min_version: int = PROTOCOL_VERSION, max_version: int = PROTOCOL_VERSION
+    role: Role, *, min_version: int = MIN_PROTOCOL_VERSION,
+    max_version: int = PROTOCOL_VERSION
 ) -> bytes:
     return _frame(FrameType.HELLO, HELLO_BODY.pack(MAGIC, min_version, max_version, role))
 
@@ -307,6 +318,10 @@ def encode_ack_bundle(shard: int, segment_seq: int, bundle_index: int) -> bytes:
 
 def encode_nack_bundle(shard: int, segment_seq: int, bundle_index: int) -> bytes:
     return _frame(FrameType.NACK_BUNDLE, BUNDLE_ID.pack(shard, segment_seq, bundle_index))
+
+
+def encode_reject_bundle(shard: int, segment_seq: int, bundle_index: int) -> bytes:
+    return _frame(FrameType.REJECT_BUNDLE, BUNDLE_ID.pack(shard, segment_seq, bundle_index))
 
 
 def encode_bundle(

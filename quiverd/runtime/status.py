@@ -92,6 +92,8 @@ class StatusView:
             "quiver_ingest_throttle_total": int(m.ingest_throttle.total()),
             "quiver_subscriber_dropped_bundles_total":
                 _ints(m.subscriber_dropped.by_label("subscriber")),
+            "quiver_subscriber_rejects_total":
+                _ints(m.subscriber_rejects.by_label("subscriber")),
             "quiver_segment_dropped_total": int(m.segments_dropped.total()),
             "quiver_wal_corrupt_entries_total": int(m.wal_corrupt_entries.total()),
             "quiver_bundles_lost_total": int(m.bundles_lost.total()),

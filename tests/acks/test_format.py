@@ -160,6 +160,6 @@ def test_decode_malformed_body_rejected(rtype: int, body: bytes) -> None:
 
 def test_encode_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="outcome"):
-        fmt.encode(fmt.Outcome(segment_seq=1, bundle_index=0, subscriber_id=1, outcome=4))
+        fmt.encode(fmt.Outcome(segment_seq=1, bundle_index=0, subscriber_id=1, outcome=5))
     with pytest.raises(ValueError, match="name"):
         fmt.encode(fmt.SubscriberChange(subscriber_id=1, op=1, name="x" * 65, start_segment=0))

@@ -110,6 +110,23 @@ def test_dropped_advances_mark_and_counts_per_subscriber(h: Harness) -> None:
     assert h.replayed().checkpoint_record() == h.state.checkpoint_record()
 
 
+def test_reject_is_final_advances_the_mark_and_survives_compaction(h: Harness) -> None:
+    h.commit(h.state.add_subscriber("a"))
+    h.segment(1, 3)
+    h.ack("a", 1, 1, outcome=fmt.REJECTED)
+    assert h.state.is_done("a", 1, 1) and list(h.state.pending_for("a")) == [(1, 0), (1, 2)]
+    # The first final outcome wins: an ack or a nack after the reject changes nothing.
+    assert h.state.record_outcome("a", 1, 1, fmt.ACK) is None
+    assert h.state.record_outcome("a", 1, 1, fmt.NACK) is None
+    replayed = h.replayed()
+    assert replayed.checkpoint_record() == h.state.checkpoint_record()
+    assert (1, 1, fmt.REJECTED, 0) in replayed.checkpoint_record().subscribers[0].entries
+    h.file.compact(h.state)  # the checkpoint keeps the rejected outcome
+    assert h.replayed().checkpoint_record() == h.state.checkpoint_record()
+    h.ack("a", 1, 0, 2)
+    assert h.state.high_water_mark("a") == 1 and h.state.deletable_segments() == [1]
+
+
 def test_from_latest_ignores_old_segments(h: Harness) -> None:
     h.commit(h.state.add_subscriber("a"))
     h.segment(1, 2)
@@ -220,7 +237,7 @@ SUBS = ("a", "b", "c")
 KINDS = ["outcome"] * 10 + ["segment"] * 3 + ["add"] * 2 + [
     "drop", "delete", "vanish", "remove", "compact"]
 op = st.tuples(st.sampled_from(KINDS), st.sampled_from(SUBS), st.integers(0, 3),
-               st.integers(0, 2), st.sampled_from([fmt.ACK, fmt.ACK, fmt.NACK]),
+               st.integers(0, 2), st.sampled_from([fmt.ACK, fmt.ACK, fmt.NACK, fmt.REJECTED]),
                st.sampled_from(["earliest", "latest"]))
 
 
@@ -248,7 +265,7 @@ def run_op(h: Harness, o: tuple, finals: dict[str, set[tuple[int, int]]]) -> Non
         count = s.live_segments()[seq]
         rec = s.record_outcome(sub, seq, idx % count, outcome) if count else None
         h.commit(rec)
-        if rec is not None and outcome == fmt.ACK:
+        if rec is not None and outcome in (fmt.ACK, fmt.REJECTED):  # final outcomes
             finals[sub].add((seq, idx % count))
     elif kind == "drop" and seq is not None:
         plan = s.drop_segment(seq)

@@ -328,3 +328,73 @@ def test_config_subscribers_are_registered_at_startup(daemon_factory):
     d.start()  # registered once, not again on every start
     assert [s["name"] for s in request(d.admin_socket, "subscribers.list")] == ["from-config"]
     assert d.stop() == 0
+
+
+def test_reject_is_final_survives_kill_9_and_lets_the_segment_go(daemon_factory):
+    """REJECT_BUNDLE: the bundle is done for that subscriber (never delivered to it
+    again, also after a kill -9), other subscribers still get it, and the segment is
+    deleted once every subscriber is done with it."""
+    d = daemon_factory(FAST).start()
+    add(d, "r")
+    add(d, "other")
+    produce(d, [1, 2, 3])
+    wait_for(lambda: announced(d) == 1)
+    seen: list[int] = []
+
+    async def run() -> None:
+        async with subscribe(d.socket, "r", window=8) as deliveries:
+            async for b in deliveries:
+                tag = b.tables[0]["tag"][0].as_py()
+                seen.append(tag)
+                await (b.reject() if tag == 2 else b.ack())
+                if len(seen) == 3:
+                    await anyio.sleep(0.3)  # let the answers reach the daemon
+                    return
+
+    anyio.run(run)
+    assert sorted(seen) == [1, 2, 3]
+    assert d.status()["metrics"]["quiver_subscriber_rejects_total"] == {"r": 1}
+    d.kill()
+    d.start()
+    assert consume(d, "r", want=3, idle_s=1.0) == []  # neither the acked nor the rejected
+    segs = segment_files(d)
+    assert len(segs) == 1  # "other" holds it
+    other = consume(d, "other", want=3)
+    assert sorted(b.tables[0]["tag"][0].as_py() for b in other) == [1, 2, 3]
+    wait_for(lambda: segment_files(d) == [])
+    assert d.stop() == 0
+
+
+def test_a_version_1_subscriber_keeps_working_and_cannot_send_reject(daemon_factory):
+    import socket
+
+    from quiverd.protocol import codec as p
+
+    d = daemon_factory(FAST, in_process=True).start()
+    add(d, "v1")
+    produce(d, [5, 6])
+    wait_for(lambda: announced(d) == 1)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(d.socket))
+        s.sendall(p.encode_hello(p.Role.SUBSCRIBER, min_version=1, max_version=1)
+                  + p.encode_subscribe("v1", 4))
+        dec = p.FrameDecoder(1 << 24, from_client=False)
+        got: list[Any] = []
+        while sum(isinstance(m, p.Delivery) for m in got) < 2:
+            got += dec.feed(s.recv(1 << 20))
+        assert isinstance(got[0], p.HelloOk) and got[0].version == 1
+        first = next(m for m in got if isinstance(m, p.Delivery))
+        s.sendall(p.encode_ack_bundle(first.shard, first.segment_seq, first.bundle_index))
+        time.sleep(0.3)  # its own read batch (a batch with a bad frame is dropped whole)
+        s.sendall(p.encode_reject_bundle(0, first.segment_seq, 1))
+        errors: list[Any] = []
+        while not errors:
+            data = s.recv(1 << 20)
+            assert data, "closed without an ERROR"
+            errors = [m for m in dec.feed(data) if isinstance(m, p.Error)]
+    assert errors[0].code == p.ErrorCode.MALFORMED
+    assert "REJECT_BUNDLE needs protocol version 2" in errors[0].message
+    again = consume(d, "v1", want=2, idle_s=1.0)  # the ack before it was kept
+    assert [b.tables[0]["tag"][0].as_py() for b in again] == [6]
+    assert d.stop() == 0

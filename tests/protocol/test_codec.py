@@ -50,7 +50,7 @@ def decode_one(wire: bytes, decoder: p.FrameDecoder) -> p.Message:
 
 
 def test_encode_hello_matches_vector() -> None:
-    assert p.encode_hello(p.Role.SUBSCRIBER) == struct.pack("<IB3sHHB", 9, 1, b"QVR", 1, 1, 2)
+    assert p.encode_hello(p.Role.SUBSCRIBER) == struct.pack("<IB3sHHB", 9, 1, b"QVR", 1, 2, 2)
     assert p.encode_hello(p.Role.PRODUCER, min_version=1, max_version=3) == bytes.fromhex(
         "09000000" "01" "515652" "0100" "0300" "01"
     )
@@ -352,15 +352,42 @@ def test_end_check_total_rows_mismatch_rejected() -> None:
 
 
 def test_negotiate_rejects_unsupported_version() -> None:
-    hello = p.Hello(min_version=2, max_version=3, role=p.Role.PRODUCER)
-    with pytest.raises(ProtocolError, match="versions 2..3, this server 1..1") as info:
+    hello = p.Hello(min_version=3, max_version=4, role=p.Role.PRODUCER)
+    with pytest.raises(ProtocolError, match="versions 3..4, this server 1..2") as info:
         p.hello_reply(hello, max_bundle_bytes=1, max_inflight=1)
     assert info.value.code == p.ErrorCode.UNSUPPORTED_VERSION
     ok = p.Hello(min_version=1, max_version=9, role=p.Role.PRODUCER)
-    assert p.negotiate(ok) == 1
+    assert p.negotiate(ok) == 2
     assert p.hello_reply(ok, max_bundle_bytes=10, max_inflight=2) == p.encode_hello_ok(
-        version=1, max_bundle_bytes=10, max_inflight=2
+        version=2, max_bundle_bytes=10, max_inflight=2
     )
+    old_client = p.Hello(min_version=1, max_version=1, role=p.Role.SUBSCRIBER)
+    assert p.negotiate(old_client) == 1  # a version-1 client keeps working
+
+
+def test_reject_bundle_round_trips_and_matches_vector() -> None:
+    wire = p.encode_reject_bundle(1, 2, 3)
+    assert wire == struct.pack("<IBHQI", 15, 0x17, 1, 2, 3)
+    dec = p.FrameDecoder(1 << 20)
+    msgs = dec.feed(p.encode_hello(p.Role.SUBSCRIBER) + p.encode_subscribe("s", 4) + wire)
+    assert msgs[-1] == p.RejectBundle(shard=1, segment_seq=2, bundle_index=3)
+    assert dec.version == 2
+
+
+def test_reject_bundle_on_a_version_1_connection_is_malformed() -> None:
+    dec = p.FrameDecoder(1 << 20)
+    hello = p.encode_hello(p.Role.SUBSCRIBER, min_version=1, max_version=1)
+    with pytest.raises(ProtocolError, match="REJECT_BUNDLE needs protocol version 2; this "
+                       "connection agreed version 1") as info:
+        dec.feed(hello + p.encode_subscribe("s", 4) + p.encode_ack_bundle(0, 0, 0)
+                 + p.encode_reject_bundle(0, 0, 1))
+    assert info.value.code == p.ErrorCode.MALFORMED
+
+
+def test_reject_bundle_is_not_a_producer_frame() -> None:
+    dec = p.FrameDecoder(1 << 20)
+    with pytest.raises(ProtocolError, match="REJECT_BUNDLE frame not allowed on a producer"):
+        dec.feed(p.encode_hello(p.Role.PRODUCER) + p.encode_reject_bundle(0, 0, 1))
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The durable core against a model: Hypothesis picks the steps, a power cut may come at any.
 
     rules      send 1..5 bundles · let segments finalize · a subscriber takes what is
-               delivered and acks or nacks each · power cut (ModelFS.crash: from that
+               delivered and acks, rejects or nacks each · power cut (ModelFS.crash: from that
                instant no write reaches the disk; the directory a cut may leave, by a
                drawn Cut, becomes the next start's data) and restart
     model      what clients were told: the tags whose ACK left (the daemon's "acked"
@@ -32,7 +32,8 @@ default tier, 10 in the full tier, ``QUIVERD_RETENTION_EXAMPLES``):
                  refused, and once the subscriber acks everything the gate reopens
                  (rule: ack all, then a send must be accepted).
 
-Subscriber REJECT is not a rule yet (REJECT does not exist: issue 29).
+The subscriber's answers include REJECT (final like an ack: the model counts it as the
+subscriber being done with the bundle).
 """
 
 from __future__ import annotations
@@ -115,10 +116,12 @@ class DurableCore(RuleBasedStateMachine):
     def finalize(self) -> None:
         time.sleep(0.06)  # past segment.max_open_duration_ms
 
-    @rule(ack_p=st.sampled_from((0.0, 0.5, 1.0)), seed=st.integers(0, 2**16))
-    def deliver(self, ack_p: float, seed: int) -> None:
+    @rule(ack_p=st.sampled_from((0.0, 0.5, 1.0)), reject_p=st.sampled_from((0.0, 0.3)),
+          seed=st.integers(0, 2**16))
+    def deliver(self, ack_p: float, reject_p: float, seed: int) -> None:
         assert self.d is not None and self.model is not None
-        consume(self.d, self.model, self.facts, random.Random(seed), ack_p=ack_p, idle_s=0.1)
+        consume(self.d, self.model, self.facts, random.Random(seed), ack_p=ack_p,
+                reject_p=reject_p, idle_s=0.1)
 
     @precondition(lambda self: self.crashes < 3)
     @rule(meta=st.floats(0, 1), data=st.sampled_from(("none", "all", "random")),

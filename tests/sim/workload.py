@@ -109,8 +109,9 @@ def produce(d: InProcessDaemon, facts: Facts, tags: list[int], rows: int, *,
 
 
 def consume(d: InProcessDaemon, model: ModelFS, facts: Facts, rng: random.Random, *,
-            idle_s: float = 0.15, ack_p: float = 0.7) -> int:
-    """Take what is delivered until idle; ack (noted as a mark) or nack each."""
+            idle_s: float = 0.15, ack_p: float = 0.7, reject_p: float = 0.0) -> int:
+    """Take what is delivered until idle; ack (noted as a mark) or nack each; with
+    ``reject_p``, reject some of those it would ack (a final answer, noted the same)."""
     got = 0
 
     async def run() -> None:
@@ -126,7 +127,10 @@ def consume(d: InProcessDaemon, model: ModelFS, facts: Facts, rng: random.Random
                 facts.tag_of_id[b.id[1:]] = tag
                 if rng.random() < ack_p:
                     model.mark("sub_ack", id=b.id[1:], tag=tag)
-                    await b.ack()
+                    if reject_p and rng.random() < reject_p:
+                        await b.reject()
+                    else:
+                        await b.ack()
                 else:
                     await b.nack()
 
