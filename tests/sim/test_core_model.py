@@ -224,9 +224,10 @@ test_durable_core_model = pytest.mark.filterwarnings(
 
 
 class _Retained(DurableCore):
-    @initialize(n=st.integers(6, 12))
+    @initialize(n=st.integers(10, 14))
     def fill(self, n: int) -> None:
-        """Every example starts past its cap (n bundles of ~24 KiB, then finalized)."""
+        """Every example starts past its cap (n bundles of ~24 KiB: over 192 KiB, then
+        finalized)."""
         self.send(n, 1500)
         self.finalize()
 
