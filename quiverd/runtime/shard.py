@@ -126,33 +126,38 @@ class Shard:
         gc = anyio.CapacityLimiter(1)  # segment deletion
         reads = anyio.CapacityLimiter(1)  # dispatcher's segment reads
         scrub = anyio.CapacityLimiter(1)  # scrubber's reads and quarantine moves
-        async with anyio.create_task_group() as tg:
-            await tg.start(lambda task_status: ack_logger.run(
-                self._ack_rx, state=rec.acks, file=rec.ack_file, segments=self._table,
-                pending=rec.ack_pending,
-                changes=self.changes, limiter=acklog, stats=self.ack_stats, log=self.log,
-                task_status=task_status))
-            async with anyio.create_task_group() as services:
-                self.dispatcher = Dispatcher(self.index, rec.acks, self.segments,
-                                             self.ack_tx.clone(), self.changes, reads, self.log,
-                                             self.dispatch_stats, verdict=self.verdict,
-                                             checks=self.checks)
-                await services.start(self.dispatcher.run)
-                await services.start(lambda task_status: scrubber.run(
-                    self.ack_tx.clone(), shard=self.index, layout=self.layout,
-                    segments=self.segments, checks=self.checks,
-                    rate_bytes_per_s=self.cfg.scrub.rate_mb_per_s * 1e6 / self.shard_count,
-                    pass_interval_s=self.cfg.scrub.pass_interval_s, limiter=scrub,
-                    stats=self.scrub_stats, log=self.log, task_status=task_status))
-                await services.start(lambda task_status: gc_sweeper.run(
-                    self.ack_tx.clone(), state=rec.acks, segments=self.segments,
-                    shard=self.layout, cfg=self.cfg.retention, gate=self.gate,
-                    over_cap=self.over_cap, changes=self.changes, limiter=gc,
-                    stats=self.gc_stats, log=self.log, hook=self.faults.get("gc"),
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(lambda task_status: ack_logger.run(
+                    self._ack_rx, state=rec.acks, file=rec.ack_file, segments=self._table,
+                    pending=rec.ack_pending,
+                    changes=self.changes, limiter=acklog, stats=self.ack_stats, log=self.log,
                     task_status=task_status))
-                await self._run_ingest_chain(rec, task_status)
-                services.cancel_scope.cancel()
-            await self.ack_tx.aclose()
+                async with anyio.create_task_group() as services:
+                    self.dispatcher = Dispatcher(
+                        self.index, rec.acks, self.segments, self.ack_tx.clone(), self.changes,
+                        reads, self.log, self.dispatch_stats, verdict=self.verdict,
+                        checks=self.checks)
+                    await services.start(self.dispatcher.run)
+                    await services.start(lambda task_status: scrubber.run(
+                        self.ack_tx.clone(), shard=self.index, layout=self.layout,
+                        segments=self.segments, checks=self.checks,
+                        rate_bytes_per_s=self.cfg.scrub.rate_mb_per_s * 1e6 / self.shard_count,
+                        pass_interval_s=self.cfg.scrub.pass_interval_s, limiter=scrub,
+                        stats=self.scrub_stats, log=self.log, task_status=task_status))
+                    await services.start(lambda task_status: gc_sweeper.run(
+                        self.ack_tx.clone(), state=rec.acks, segments=self.segments,
+                        shard=self.layout, cfg=self.cfg.retention, gate=self.gate,
+                        over_cap=self.over_cap, changes=self.changes, limiter=gc,
+                        stats=self.gc_stats, log=self.log, hook=self.faults.get("gc"),
+                        task_status=task_status))
+                    await self._run_ingest_chain(rec, task_status)
+                    services.cancel_scope.cancel()
+                await self.ack_tx.aclose()
+        finally:
+            # Also when the shard stopped on an error (its actors close their clones): an
+            # open stream would be left for the garbage collector to warn of.
+            self.ack_tx.close()
         self.unfinished = False
 
     async def _run_ingest_chain(self, rec: Recovered,

@@ -42,7 +42,6 @@ import random
 import time
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -216,11 +215,7 @@ class DurableCore(RuleBasedStateMachine):
 DurableCore.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=8, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-# Known, not mended: a daemon whose disk vanished (every call EIO) stops with one anyio
-# MemoryObjectSendStream not closed (its __del__ warns); a subprocess's exit hides it.
-# Filtered for this test only, so that the model's findings are not masked by it.
-test_durable_core_model = pytest.mark.filterwarnings(
-    "ignore::pytest.PytestUnraisableExceptionWarning")(DurableCore.TestCase)
+test_durable_core_model = DurableCore.TestCase
 
 
 class _Retained(DurableCore):
@@ -277,9 +272,6 @@ for machine in (DropOldest, MaxAge, Backpressure):
     machine.TestCase.settings = settings(
         max_examples=RETENTION_EXAMPLES, stateful_step_count=8, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-test_retention_drop_oldest_model = pytest.mark.filterwarnings(
-    "ignore::pytest.PytestUnraisableExceptionWarning")(DropOldest.TestCase)
-test_retention_max_age_model = pytest.mark.filterwarnings(
-    "ignore::pytest.PytestUnraisableExceptionWarning")(MaxAge.TestCase)
-test_retention_backpressure_model = pytest.mark.filterwarnings(
-    "ignore::pytest.PytestUnraisableExceptionWarning")(Backpressure.TestCase)
+test_retention_drop_oldest_model = DropOldest.TestCase
+test_retention_max_age_model = MaxAge.TestCase
+test_retention_backpressure_model = Backpressure.TestCase
