@@ -35,7 +35,8 @@ def test_detsim_core_seeds_hold_every_invariant() -> None:
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in results:
         print(f"seed {r['seed']}: {'ok' if r['ok'] else 'FAILED'} steps={r['steps']} "
-              f"virtual_s={r['virtual_s']} wall_s={r['wall_s']} cuts={r['cuts']} "
+              f"virtual_s={r['virtual_s']} wall_s={r['wall_s']} power_cuts={r['power_cuts']} "
+              f"images={r['cuts']} "
               f"sent={r['sent']} acked={r['acked']} deliveries={r['deliveries']} "
               f"sub_acks={r['sub_acks']} checks={r['checks']}")
     failed = [r for r in results if not r["ok"]]
@@ -44,7 +45,8 @@ def test_detsim_core_seeds_hold_every_invariant() -> None:
         f"tests.sim.detsim.core {r['seed']}\n{r['tail']}" for r in failed)
     assert len(results) == SEEDS, proc.stderr[-3000:]
     for r in results:  # every seed reached what it checks
-        assert r["acked"] > 0 and r["sub_acks"] > 0 and len(r["cuts"]) >= 3, r
+        assert r["acked"] > 0 and r["sub_acks"] > 0 and r["power_cuts"] >= 1, r
+        assert len(r["cuts"]) == r["power_cuts"] + 2, r  # and two images at the end
         assert all(r["checks"].get(c, 0) > 0 for c in (
             "C1 ack after fdatasync", "C3 delivery not durably acked",
             "crash images checked")), r["checks"]

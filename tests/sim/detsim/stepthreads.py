@@ -11,6 +11,9 @@ actors' and a replay is exact.
     SimEvent.wait           the event is set, or the timeout ran out
     time.sleep(s)           s virtual seconds later (ModelFS's fdatasync latency: the
                             window in which a real fdatasync has not yet returned)
+    SimLock.acquire         the holder released it (WalFiles' _lock and _mutex, swapped
+                            in after recovery; the loop's thread cannot wait: it runs
+                            the holder on, its sleep cut short, until the lock is free)
 
 One thread runs at a time (the loop or one step thread), so nothing races: the loop's
 callbacks a thread posts (``call_soon_threadsafe``) are plain ready callbacks. ``patched``
@@ -37,6 +40,8 @@ import anyio.to_thread
 
 from quiverd_actors import wal_threads, wal_writer
 
+STEP_TIMEOUT_S = 5.0  # real seconds: a step that takes longer is stuck in a real wait
+MIN_WAIT_S = 0.0001  # virtual: the shortest timed wait of a step thread
 _current = threading.local()  # .thread: the StepThread running on this OS thread
 
 
@@ -54,6 +59,7 @@ class StepThread:
         self.back = threading.Semaphore(0)  # the loop may go on
         self.done: asyncio.Future[Any] = loop.create_future()
         self.finished = self.abandoned = False
+        self.stuck = ""  # why a step never came back (a harness failure)
         self.outcome: tuple[bool, Any] = (True, None)
         self.scheduled = False  # a step callback is queued
         self.ready = False  # its wait is over: the next step may run
@@ -82,7 +88,11 @@ class StepThread:
             return  # already run on (by a lock the loop needed)
         self.ready = False
         self.turn.release()
-        self.back.acquire()  # until it blocks again or ends
+        if not self.back.acquire(timeout=STEP_TIMEOUT_S):  # until it blocks again or ends
+            # Raised here, asyncio would only log it: the harness fails the run instead.
+            self.stuck = (f"{self.name} did not give the loop back within "
+                          f"{STEP_TIMEOUT_S} s (a real wait in a step thread)")
+            return
         if self.finished and not self.done.done():
             ok, value = self.outcome
             if ok:
@@ -122,7 +132,10 @@ class StepThread:
         self.token += 1
         self.waiting_on, self.timed_out = on, False
         if timeout_s is not None:
-            self.loop.call_later(max(0.0, timeout_s), self._timer, self.token)
+            # At least MIN_WAIT_S: a wait of ~0 (the syncer's policy can ask for one
+            # again and again while the writer's rotation fdatasync runs) spins a real
+            # thread while real time passes; here virtual time must pass too.
+            self.loop.call_later(max(MIN_WAIT_S, timeout_s), self._timer, self.token)
         self.note(f"{self.name} waits: {what}")
         self.back.release()
         self.turn.acquire()
@@ -235,13 +248,24 @@ class SimLock:
         return True
 
     def _run_holder(self) -> None:
+        """One step of the holder (or of what it waits for) on the loop's thread."""
         holder = self.owner
-        if not isinstance(holder, StepThread) or not isinstance(holder.waiting_on,
-                                                                 _SleepToken):
-            raise RuntimeError(f"the loop needs a lock held by {holder!r}, which is not "
-                               "in a sleep it could cut short")
-        holder.timed_out = holder.ready = True
+        if not isinstance(holder, StepThread):
+            raise RuntimeError(f"the loop needs a lock held by {holder!r}")
+        waits = holder.waiting_on
+        if isinstance(waits, SimLock) and waits.owner is not None and not holder.ready:
+            waits._run_holder()  # a chain: the holder waits for a lock a sleeper holds
+            return
+        if isinstance(waits, _SleepToken):
+            holder.timed_out = True
+            holder.ready = True
+        if not holder.ready:
+            raise RuntimeError(f"the loop needs a lock held by {holder.name}, which "
+                               f"waits for {waits!r}: nothing the loop could cut short")
         holder._run_step()  # a step of its already queued finds nothing to do
+        if holder.stuck:
+            raise RuntimeError(f"harness: {holder.stuck}, while the loop waited for a lock "
+                               "it holds")
 
     def release(self) -> None:
         assert self.owner is not None, "release of a lock not held"
