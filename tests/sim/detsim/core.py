@@ -155,7 +155,7 @@ class CoreLoop(SimLoop):
         sched: list[Any] = self._scheduled  # type: ignore[attr-defined]
         ready: Any = self._ready  # type: ignore[attr-defined]
         if ready and sched and all(_is_retry(h) for h in ready):
-            live = [h for h in sched if not h._cancelled]
+            live = [h for h in sched if not h._cancelled and h._when != float("inf")]
             if live:
                 self.vtime = max(self.vtime, min(h._when for h in live))
         super()._run_once()
