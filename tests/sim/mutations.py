@@ -29,6 +29,7 @@ RETENTION_MAX_AGE = CORE_MODEL + "::test_retention_max_age_model"
 RETENTION_BACKPRESSURE = CORE_MODEL + "::test_retention_backpressure_model"
 ICEBERG_MODEL = "tests/lake/test_iceberg_model.py::test_iceberg_projection_model_sqlite"
 DETSIM = "tests/sim/test_detsim.py::test_detsim_seeds_hold_every_invariant"
+CORE_SIM = "tests/sim/test_detsim_core.py::test_detsim_core_seeds_hold_every_invariant"
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ MUTATIONS = (
         "            self.post(self.sink.on_durable, covered)\n"
         "            covered = []\n"
         "            self.wal.sync()  # DurabilityLost ends the thread: nothing covered is acked\n",
-        (CRASH_STATES, CORE_MODEL)),
+        (CRASH_STATES, CORE_MODEL, CORE_SIM)),
     Mutation(
         "segment_rename_without_dir_fsync",
         "a finalized segment is renamed into place and its directory never fsynced (nor the "
@@ -61,7 +62,7 @@ MUTATIONS = (
         "    fsync_dir(target.parent)\n    _step(hook, \"dir_fsynced\")\n",
         "    if target.parent.name != \"segments\":\n        fsync_dir(target.parent)\n"
         "    _step(hook, \"dir_fsynced\")\n",
-        (CRASH_STATES, CORE_MODEL)),
+        (CRASH_STATES, CORE_MODEL, CORE_SIM)),
     Mutation(
         "wal_release_before_segment_durable",
         "the finalizer releases the WAL before the segment holding its bundles is written",
@@ -70,14 +71,14 @@ MUTATIONS = (
         "            assert segment.last_sequence is not None\n"
         "            await releases.send(WalReleased(upto_sequence=segment.last_sequence))\n"
         "            size = await _until_written(job, limiter, retry, stats)\n",
-        (CRASH_STATES, CORE_MODEL)),
+        (CRASH_STATES, CORE_MODEL, CORE_SIM)),
     Mutation(
         "acklog_append_not_synced",
         "ack.log records are appended and relied on (gc, replies) without their fdatasync",
         "actors/quiverd_actors/ack_logger.py",
         "    file.append(encoded)\n    file.sync()\n",
         "    file.append(encoded)\n",
-        (CRASH_STATES, CORE_MODEL)),
+        (CRASH_STATES, CORE_MODEL, CORE_SIM)),
     Mutation(
         "retention_drops_without_outcomes",
         "retention deletes segments the subscriber has not acked without writing their "

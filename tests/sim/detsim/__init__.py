@@ -19,8 +19,6 @@ the same run, step for step: ``python -m tests.sim.detsim SEED`` replays one.
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import random
 import shutil
 import tempfile
@@ -34,7 +32,7 @@ import ulid
 import quiverd.runtime.lake as runtime_lake
 from tests.sim.detsim.checks import InvariantViolated
 from tests.sim.detsim.faults import FaultPlan
-from tests.sim.detsim.loop import SimLoop, simulated
+from tests.sim.detsim.loop import SimLoop, Traced, close_loop, simulated
 from tests.sim.detsim.world import Size, World
 
 __all__ = ["PLANTS", "InvariantViolated", "Result", "Size", "SimFailed", "run"]
@@ -42,7 +40,6 @@ __all__ = ["PLANTS", "InvariantViolated", "Result", "Size", "SimFailed", "run"]
 # Planted bugs: the projection never deletes replaced files, expiry ignores the keep
 # window (faults.FaultyProjection), the core counts a delivered bundle as acked (world).
 PLANTS = ("", "no_removals", "expire_now", "ack_on_delivery")
-TRACE_TAIL = 40
 
 
 class NotSettled(InvariantViolated):
@@ -50,7 +47,7 @@ class NotSettled(InvariantViolated):
 
 
 @dataclass
-class Result:
+class Result(Traced):
     seed: int
     steps: int = 0
     virtual_s: float = 0.0
@@ -67,15 +64,6 @@ class Result:
     restarts: dict[str, int] = field(default_factory=dict)  # lake restarts, by cause
     trace: list[tuple[float, str]] = field(default_factory=list)
     error: str = ""
-
-    def digest(self) -> str:
-        h = hashlib.sha256()
-        for t, label in self.trace:
-            h.update(f"{t:.6f} {label}\n".encode())
-        return h.hexdigest()[:16]
-
-    def tail(self, n: int = TRACE_TAIL) -> str:
-        return "\n".join(f"  t={t:10.3f}  {label}" for t, label in self.trace[-n:])
 
 
 class SimFailed(AssertionError):
@@ -122,7 +110,7 @@ def run(seed: int, *, size: Size | None = None, faults: bool = True, plant: str 
             except Exception as exc:  # noqa: BLE001 - any crash of the run is a finding too
                 result.error = f"{type(exc).__name__}: {exc}"
             finally:
-                _close(loop)  # still simulated: what unwinds calls to_thread too
+                close_loop(loop)  # still simulated: what unwinds calls to_thread too
     finally:
         runtime_lake.open_tier = saved_open_tier
         world.checker.close()
@@ -172,16 +160,3 @@ async def _killer(world: World, size: Size, result: Result) -> None:
         d.kill()
 
 
-def _close(loop: SimLoop) -> None:
-    """Cancel what a failed run left and let it unwind (checks off), then close."""
-    loop.on_step = None
-    try:
-        tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-    except Exception:  # noqa: BLE001, S110 - best effort after a failed run
-        pass
-    loop.close()

@@ -38,8 +38,6 @@ bundles never delivered again: NotSettled).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hashlib
 import json
 import os
 import random
@@ -72,7 +70,7 @@ from quiverd_actors.sessions import Session
 from tests.sim.crashstates import _config, _done, _Known, acks_of, check_image, durable_acks
 from tests.sim.detsim import stepthreads
 from tests.sim.detsim.checks import InvariantViolated
-from tests.sim.detsim.loop import SimLoop, simulated
+from tests.sim.detsim.loop import SimLoop, Traced, close_loop, simulated
 from tests.sim.modelfs import Cut, Image, ModelFS, Op, State
 from tests.sim.workload import SUBSCRIBER, Facts, tagged
 
@@ -81,7 +79,6 @@ WAL_PREFIX = "shard-0/wal/quiver.wal"
 PRODUCER_WINDOW = 16  # requests in flight (a connection's window)
 SUBSCRIBER_WINDOW = 16
 SYNC_LATENCY_S = 0.002  # virtual: how long an fdatasync is in flight
-TRACE_TAIL = 40
 
 
 @dataclass(frozen=True)
@@ -103,7 +100,7 @@ class NotSettled(InvariantViolated):
 
 
 @dataclass
-class CoreResult:
+class CoreResult(Traced):
     seed: int
     steps: int = 0
     virtual_s: float = 0.0
@@ -117,15 +114,6 @@ class CoreResult:
     checks: dict[str, int] = field(default_factory=dict)
     trace: list[tuple[float, str]] = field(default_factory=list)
     error: str = ""
-
-    def digest(self) -> str:
-        h = hashlib.sha256()
-        for t, label in self.trace:
-            h.update(f"{t:.6f} {label}\n".encode())
-        return h.hexdigest()[:16]
-
-    def tail(self, n: int = TRACE_TAIL) -> str:
-        return "\n".join(f"  t={t:10.4f}  {label}" for t, label in self.trace[-n:])
 
     def counts(self) -> dict[str, Any]:
         return {"seed": self.seed, "ok": not self.error, "error": self.error,
@@ -297,7 +285,7 @@ def run_core(seed: int, *, size: CoreSize = CoreSize(), keep_trace: bool = True,
             except Exception as exc:  # noqa: BLE001 - any crash of the run is a finding too
                 result.error = _describe(exc)
             finally:
-                _close(loop)
+                close_loop(loop)
     finally:
         fs.install(previous)
         shutil.rmtree(root, ignore_errors=True)
@@ -536,21 +524,6 @@ async def _add_subscriber(shard: Shard) -> None:
     await shard.ack_tx.send(ChangeSubscriber(op="add", name=SUBSCRIBER, start="earliest",
                                              reply=reply))
     await reply.wait()
-
-
-def _close(loop: SimLoop) -> None:
-    """Cancel what a failed run left and let it unwind (checks off), then close."""
-    loop.on_step = None
-    try:
-        tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        loop.run_until_complete(loop.shutdown_asyncgens())
-    except Exception:  # noqa: BLE001, S110 - best effort after a failed run
-        pass
-    loop.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ tests.sim.detsim`` use 0).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import heapq
 import itertools
 import random
@@ -180,3 +181,34 @@ def simulated(seed: int, loop: SimLoop) -> Iterator[None]:
         (time.time, time.time_ns, time.monotonic, uuid.uuid4, ulid.default_generator,
          anyio.to_thread.run_sync) = saved
         random.setstate(saved_random)
+
+
+def close_loop(loop: SimLoop) -> None:
+    """Cancel what a failed run left and let it unwind (checks off), then close."""
+    loop.on_step = None
+    try:
+        tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    except Exception:  # noqa: BLE001, S110 - best effort after a failed run
+        pass
+    loop.close()
+
+
+class Traced:
+    """A run's trace (virtual time, step label): its digest (same seed, same digest) and
+    its last steps for a failure's message."""
+
+    trace: list[tuple[float, str]]
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for t, label in self.trace:
+            h.update(f"{t:.6f} {label}\n".encode())
+        return h.hexdigest()[:16]
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(f"  t={t:10.4f}  {label}" for t, label in self.trace[-n:])
