@@ -305,6 +305,11 @@ class Staging:
             raise CatalogUnavailable(f"job {job_id!r}: the catalog is unreachable ({exc}), "
                                      "so its decision cannot be read",
                                      hint=STATUS_RETRY_HINT) from exc
+        if job_id not in found and self.visibility is not None:
+            # Local state counts finalized segments only: seal the job's acked bundles
+            # still in an open segment first (at most MARKER_WAIT_S), or a job whose end
+            # markers were acked would read "unknown" until its segments finalize.
+            await self.visibility.sealed(job_id, MARKER_WAIT_S)
         out = self.job_status(job_id)
         if job_id in found:
             d = found[job_id]

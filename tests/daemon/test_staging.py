@@ -101,6 +101,25 @@ def test_end_marker_is_refused_for_an_incomplete_attempt(daemon_factory):
     assert d.stop() == 0
 
 
+def test_status_of_a_written_job_is_staged_before_its_segments_finalize(daemon_factory):
+    """Its end markers were acked: "staged" at once, not "unknown" until the open
+    segments holding them finalize (5 s here), also after a kill -9."""
+    d = daemon_factory({**FAST, "segment.max_open_duration_ms": 60_000}).start()
+    with Client.connect(d.socket) as c:
+        for p in range(2):
+            write_attempt(c, "job9", p, 1, [p])
+        started = time.monotonic()
+        assert c.job_status("job9")["state"] == "staged"
+        assert time.monotonic() - started < 5
+    d.kill()
+    d.start()
+    with Client.connect(d.socket) as c:
+        status = c.job_status("job9")
+        assert c.job_status("never-written")["state"] == "unknown"
+    assert status["state"] == "staged" and status["ended_attempts"] == 2, status
+    assert d.stop() == 0
+
+
 def test_kill_9_between_write_and_commit_then_commit_publishes_once(daemon_factory):
     d = daemon_factory(FAST).start()
     add(d, "x")
