@@ -118,6 +118,10 @@ class ShardFacts:
         gone = gone_segments(self.acks or AckState(), on_disk, self.bad_segments,
                              self.deleting)
         _, never = split_unsynced(self.wal_damage, self.commits)  # as replay splits them
+        try:  # and what earlier starts found torn and never acked (lost.json), as it does
+            never = [*never, *read_lost(self.shard.lost_record).never_acked]
+        except CorruptRecord:
+            pass  # new_and_known reports the damaged record
         return find_loss(segments=self.segments, deleted_sequence=self.deleted,
                          wal_sequences=self.wal, gone=gone, never_acked=never)
 

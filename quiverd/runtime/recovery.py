@@ -49,6 +49,7 @@ from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.ranges import merge as merge_ranges
 from quiverd.runtime.loss import (
     Coverage,
     Loss,
@@ -122,22 +123,27 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
     by_seq = {s.segment_seq: s for s in segments}
     on_disk = {seq: s.bundle_count for seq, s in by_seq.items()}
     ack_scan = replay_acks(shard, log)
+    known = _read_known(shard, log)
+    # Torn unsynced entries this start or an earlier one found (lost.json keeps them:
+    # once the WAL that showed the damage is released, its gap would read as lost).
+    never_acked = [(lo, hi) for lo, hi in merge_ranges([*state.never_acked,
+                                                        *known.never_acked])
+                   if hi > deleted.wal_sequence]
     loss = find_loss(segments=segments, deleted_sequence=deleted.wal_sequence,
                      wal_sequences=(e.sequence for e in state.entries),
                      gone=gone_segments(ack_scan.state, on_disk, quarantined,
                                           deleted.segment_seqs),
-                     never_acked=state.never_acked)
+                     never_acked=never_acked)
     # Logged before settle_acks makes ack.log forget the gone segments: a crash in
     # between reports the loss again rather than never. What an earlier start
     # reported (lost.json) is only listed.
-    known = _read_known(shard, log)
     new, old = split_known(loss, known.sequences, (q for q, _ in known.segments))
     _report_loss(index, new, log)
     if old:
         log.info("bundles_lost_known", shard=index, bundles=old.count,
                  ranges=len(old.sequences), path=str(shard.lost_record),
                  hint="reported at an earlier start; listed in status as known")
-    known_segments = _remember(shard, loss, known, log)
+    known_segments = _remember(shard, loss, known, never_acked, log)
     wal = WalFiles.open(shard.wal_dir, state, cfg_hash=walformat.DEFAULT_CFG_HASH,
                         max_size_bytes=cfg.wal.max_size_bytes,
                         max_chunks=cfg.wal.max_chunks, log=log)
@@ -246,14 +252,17 @@ def _read_known(shard: ShardLayout, log: Logger) -> LostRecord:
 
 
 def _remember(shard: ShardLayout, loss: Loss, known: LostRecord,
-              log: Logger) -> list[tuple[int, int | None]]:
-    """Rewrite lost.json with what is still lost; returns the known gone segments.
+              never_acked: list[tuple[int, int]], log: Logger) -> list[tuple[int, int | None]]:
+    """Rewrite lost.json with what is still lost (and the torn unsynced ranges past the
+    DELETED marker); returns the known gone segments. It is written before the shard
+    runs, so before the WAL that showed a torn range can be released.
 
     A record that cannot be written (a full disk at start) is not fatal: the loss is
     then reported once more at the next start."""
     sequences, segments = remembered(loss, known.segments, MAX_LOST_SEGMENTS)
     highest = max([known.highest_sequence, *(hi for _, hi in loss.sequences)])
-    record = LostRecord(sequences=sequences, segments=segments, highest_sequence=highest)
+    record = LostRecord(sequences=sequences, segments=segments, highest_sequence=highest,
+                        never_acked=never_acked)
     if record != known:
         try:
             write_lost(shard.lost_record, record)

@@ -4,10 +4,15 @@
      "sequences": [[first, last], ...],          WAL sequence ranges reported lost
      "segments": [[segment_seq, bundle_count], ...],  gone segments reported lost
                                                  (bundle_count null: never recorded)
-     "highest_sequence": N}                      the highest sequence ever reported lost:
+     "highest_sequence": N,                      the highest sequence ever reported lost:
                                                  never handed out again, even once gc
                                                  passed it (a refused bundle's sequence
                                                  is in no segment and no WAL entry)
+     "never_acked": [[first, last], ...]}        WAL sequences a start found torn and
+                                                 never acknowledged (a torn unsynced
+                                                 write): never loss, also once the WAL
+                                                 that showed it is released (optional;
+                                                 dropped once gc's DELETED marker passes)
 
 Written crash-safely (tmp → fsync → rename → fsync dir) after the loss was logged:
 a crash in between reports it again, never not at all. Recovery rewrites it from what
@@ -35,6 +40,7 @@ class LostRecord(msgspec.Struct, frozen=True, kw_only=True):
     sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
     segments: list[tuple[int, int | None]] = msgspec.field(default_factory=list)
     highest_sequence: int = 0
+    never_acked: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 def read_lost(path: Path) -> LostRecord:
