@@ -22,9 +22,9 @@ from tests.tiers import size
 
 SEEDS = size(3, 20, env="QUIVERD_CORE_SIM_SEEDS")
 # Seeds that found a defect, run in every tier (with PYTHONHASHSEED=0 they replay exactly):
-# 611: a torn unsynced WAL entry (never acked) whose WAL was released after the restart
-# read as lost at the next one (lost.json now keeps the never-acked ranges).
-REGRESSION_SEEDS = (611,)
+# 611, 865: a torn unsynced WAL entry (never acked) whose WAL was released after the
+# restart read as lost at the next one (lost.json now keeps the never-acked ranges).
+REGRESSION_SEEDS = (611, 865)
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(max(300, 15 * SEEDS))
