@@ -348,7 +348,8 @@ class _Sim:
         self.model = model = CoreFS(data, self.checks)
         fs.install(model)
         self.crashed, self.cut_at = None, None
-        shard = Shard(0, _config(data), shard_count=1, faults=Hooks(), metrics=Metrics())
+        shard = self.shard = Shard(0, _config(data), shard_count=1, faults=Hooks(),
+                                   metrics=Metrics())
         self.note(f"life {life} starts")
         try:
             await shard.recover()
