@@ -44,7 +44,7 @@ from quiverd.acks.recovery import gone_segments, replay_acks, settle_acks
 from quiverd.acks.state import AckState
 from quiverd.kernel.bundle import Bundle, split_meta
 from quiverd.kernel.config import Config
-from quiverd.kernel.durable import make_dirs
+from quiverd.kernel.durable import fsync_dir, make_dirs
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import ShardLayout
@@ -83,6 +83,9 @@ MAX_LOSS_EVENTS = 1000
 class Recovered(msgspec.Struct, kw_only=True):
     wal: WalFiles
     next_sequence: int
+    # WAL entries up to here are held by segments or DELETED (their names fsynced): the
+    # shard's WAL writer releases them first thing (0: nothing to release).
+    covered_through: int = 0
     next_segment_seq: int
     open_bundles: list[Bundle]
     segments: list[SegmentInfo]
@@ -162,6 +165,7 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
         # what it found torn and never acknowledged.
         wal.begin(next_sequence - 1,
                   vouch_above=max((hi for _, hi in state.never_acked), default=0))
+        covered_through = _covered_through(shard, open_bundles, next_sequence)
     except BaseException:
         wal.close()  # a failed start leaves no file open (a test's daemon, a retry)
         if acks is not None:
@@ -172,7 +176,7 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
              wal_entries=len(state.entries), corrupt_entries=state.corrupt_entries,
              torn_tail_bytes=state.torn_tail_bytes, lost_bundles=loss.count)
     return Recovered(
-        wal=wal, next_sequence=next_sequence,
+        wal=wal, next_sequence=next_sequence, covered_through=covered_through,
         next_segment_seq=next_segment_seq, open_bundles=open_bundles, segments=segments,
         acks=acks.state, ack_file=acks.file, ack_pending=acks.pending,
         unverified={s.segment_seq for s in segments} & scan.unverified,
@@ -239,6 +243,22 @@ def _next_segment_seq(shard: ShardLayout, floor: Floor, segments: list[SegmentIn
                  to_segment_seq=highest, reason="a crash fell between a segment's rename "
                  "and its FLOOR write")
     return highest + 1
+
+
+def _covered_through(shard: ShardLayout, open_bundles: list[Bundle], next_sequence: int
+                     ) -> int:
+    """The WAL prefix the segments (and DELETED) already hold, for the writer to release.
+
+    Normally the finalizer releases after each segment. A crash can fall before such a
+    release was durable: then the WAL comes back full of entries every segment covers,
+    and with the WAL full no new segment can finalize to release it (ingest would wait
+    for room for ever). Their names are fsynced first (after a kill -9 a segment's
+    rename or DELETED may still be only in the page cache; its bytes were synced before
+    the rename)."""
+    upto = min((b.sequence for b in open_bundles), default=next_sequence) - 1
+    if upto > 0:
+        fsync_dir(shard.segments_dir)
+    return max(upto, 0)
 
 
 def _read_known(shard: ShardLayout, log: Logger) -> LostRecord:

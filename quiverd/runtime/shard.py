@@ -167,6 +167,8 @@ class Shard:
         durable_tx, durable_rx = anyio.create_memory_object_stream[DurableBatch](64)
         sealed_tx, sealed_rx = anyio.create_memory_object_stream[SealedSegment](1)
         release_tx, release_rx = anyio.create_memory_object_stream[WalReleased](16)
+        if rec.covered_through:  # what segments held at start: the WAL may be full of it
+            release_tx.send_nowait(WalReleased(upto_sequence=rec.covered_through))
         io = anyio.CapacityLimiter(1)  # WAL releases (writes and syncs have their own threads)
         fin = anyio.CapacityLimiter(1)  # finalizer
         build = anyio.CapacityLimiter(1)  # builder's decode of durable bundles
