@@ -36,7 +36,8 @@ def test_detsim_core_seeds_hold_every_invariant() -> None:
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.sim.detsim.core",
-         *map(str, [*range(1, SEEDS + 1), *REGRESSION_SEEDS]), "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+         *map(str, [*range(1, SEEDS + 1), *REGRESSION_SEEDS]), "--json"],
+        cwd=REPO, env=env, capture_output=True, text=True,
         timeout=max(280, 14 * SEEDS), check=False)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in results:
