@@ -175,8 +175,9 @@ class Dispatcher:
                 counts[(session.name, outcome)] += 1
                 items.append(Outcome(key=key, session=session, outcome=outcome))
         for (name, outcome), n in counts.items():
-            {fmt.NACK: self.stats.nacks, fmt.REJECTED: self.stats.rejects}.get(
-                outcome, self.stats.acks)(name).inc(n)
+            counter = (self.stats.nacks if outcome == fmt.NACK else
+                       self.stats.rejects if outcome == fmt.REJECTED else self.stats.acks)
+            counter(name).inc(n)
         for session in freed.values():
             session.room_freed()  # every shard of a shared window may refill now
         pending, request = OutcomeBatch.of(items)

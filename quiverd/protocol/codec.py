@@ -203,6 +203,7 @@ class FrameDecoder:
         self._reserve = reserve
         self.role: Role | None = None  # set by the client's HELLO (server side)
         self.version = 0  # the version the client's HELLO agrees with this build (0: none)
+        self._allowed: frozenset[FrameType] = frozenset()  # the role's frames at that version
         self._head = bytearray(FRAME_HEADER.size)
         self._head_filled = 0
         self._frame_type = FrameType.HELLO
@@ -379,16 +380,16 @@ class FrameDecoder:
                 raise ProtocolError(
                     ErrorCode.MALFORMED, f"expected HELLO as the first frame, got {frame_type.name}"
                 )
-        elif frame_type not in ROLE_FRAMES[self.role]:
+        elif frame_type not in self._allowed:  # one set lookup per frame, as before
+            if frame_type in ROLE_FRAMES[self.role]:
+                raise ProtocolError(
+                    ErrorCode.MALFORMED,
+                    f"{frame_type.name} needs protocol version {FRAME_SINCE[frame_type]}; this "
+                    f"connection agreed version {self.version} (upgrade the client library)",
+                )
             raise ProtocolError(
                 ErrorCode.MALFORMED,
                 f"{frame_type.name} frame not allowed on a {self.role.name.lower()} connection",
-            )
-        elif self.version < (since := FRAME_SINCE.get(frame_type, 1)):
-            raise ProtocolError(
-                ErrorCode.MALFORMED,
-                f"{frame_type.name} needs protocol version {since}; this connection agreed "
-                f"version {self.version} (upgrade the client library)",
             )
         return frame_type
 
@@ -407,6 +408,8 @@ class FrameDecoder:
                 self.version = negotiate(msg)  # the server answers the same (HELLO_OK)
             except ProtocolError:
                 self.version = 0  # the server refuses it (UNSUPPORTED_VERSION)
+            self._allowed = frozenset(f for f in ROLE_FRAMES[msg.role]
+                                      if FRAME_SINCE.get(f, 1) <= self.version)
         return msg
 
 
