@@ -213,3 +213,31 @@ async def test_uploader_time_column_falls_back_when_not_a_time(tmp_path: Path) -
         await acks.until(lambda o: len(o) == 1)
         [f] = await registered(tier)
         assert f.start_ts == f.end_ts == 1_700_000_000_000_000_000  # the ingestion time
+
+
+@pytest.mark.asyncio
+async def test_uploader_redelivery_skips_slots_a_file_in_flight_holds(tmp_path: Path) -> None:
+    """A bundle of two slots whose slot-0 file fails is nacked while its slot-1 piece
+    is still in an open file; the redelivery must not add that piece again (that file
+    registered it twice: one coverage row, two copies of its rows; the catalog's
+    duplicate check cannot see it). Found as "more rows than sent" under a full staging
+    disk (tests/daemon/test_lake_disk_full.py)."""
+    far = pa.array([253_402_300_000], pa.timestamp("s"))  # year 9999: overflows ns
+    near = pa.array([1], pa.timestamp("ns"))
+    note = pa.table({"note": ["x"]})
+    async with open_test_tier(tmp_path, **ROTATE_AT_TWO) as tier, \
+            running(tier) as (acks, uploader, tx):
+        await tx.send(delivery(1, 0, {0: pa.table({"t": far})}))
+        # Two slots: window pressure (3 held) rotates the oldest file, slot 0's, whose
+        # row group cannot be written (the far value as ns): both bundles are nacked;
+        # slot 1's file stays open with bundle (1, 1) in it.
+        await tx.send(delivery(1, 1, {0: pa.table({"t": near}), 1: note}))
+        await acks.until(lambda o: len(o) == 2)
+        assert sorted(acks.outcomes) == [(1, 0, ackfmt.NACK), (1, 1, ackfmt.NACK)]
+        await tx.send(delivery(1, 1, {0: pa.table({"t": near}), 1: note}))  # redelivered
+        await tx.send(delivery(1, 2, {0: pa.table({"t": near})}))
+        await acks.until(lambda o: len(o) == 4)
+        assert sorted(acks.outcomes[2:]) == [(1, 1, ackfmt.ACK), (1, 2, ackfmt.ACK)]
+        files = await registered(tier)
+        assert [(f.slot, f.row_count) for f in files if f.slot == 1] == [(1, 1)]
+        assert sum(f.row_count for f in files if f.slot == 0) == 2

@@ -113,6 +113,10 @@ class Uploader:
         self.files: dict[FileKey, OpenFile] = {}
         self.live: set[OpenFile] = set()  # files with a writer open (aborted at exit)
         self.outstanding: dict[BundleKey, int] = {}  # slot files not yet registered
+        # The pieces of each bundle that files not yet settled hold, (slot, hour) -> how
+        # many: a bundle nacked through one slot's failed file comes back while another
+        # slot's file still holds it, and that piece must not be added again.
+        self.held: dict[BundleKey, dict[tuple[int, Hour], int]] = {}
         self.covered = PartsCache(COVERAGE_CACHE)
         self.rushes: dict[str, set[BundleKey]] = {}  # job_id -> its bundles not taken yet
         self.intake: BundleKey | None = None  # the bundle ``_take`` is adding
@@ -196,12 +200,22 @@ class Uploader:
             self._refused(d, None, exc)
             await self._feedback(key, ackfmt.NACK)
             return True
+        held = self.held.get(key)
+        in_flight = 0
+        if held:  # redelivered while files in flight hold some of its pieces
+            kept = [p for p in pieces if (p[0], p[2]) not in held]
+            in_flight = sum(held.values())
+            pieces = kept
         if not pieces or len({p[0] for p in pieces}) < len(d.tables):
             self.m.lake_bundles_skipped.labels().inc()
-        if not pieces:
+        if not pieces and not in_flight:
             await self._feedback(key, ackfmt.ACK)
             return False
-        self.outstanding[key] = len(pieces)  # acked once every piece's file is registered
+        # Acked once every piece's file is registered, the ones in flight included.
+        self.outstanding[key] = len(pieces) + in_flight
+        if not pieces:
+            self.m.lake_unacked.labels().set(len(self.outstanding))
+            return False
         self.m.lake_unacked.labels().set(len(self.outstanding))
         for slot, column, hour, table in pieces:
             try:
@@ -236,6 +250,8 @@ class Uploader:
         f.parts.append(Part(table=table, segment_seq=d.segment_seq,
                             bundle_index=d.bundle_index, ingestion_ts_ns=d.ingestion_ts_ns))
         f.bundles.append((d.segment_seq, d.bundle_index))
+        pieces = self.held.setdefault((d.shard, d.segment_seq, d.bundle_index), {})
+        pieces[(f.slot, f.hour)] = pieces.get((f.slot, f.hour), 0) + 1
         if d.txn is not None:
             f.jobs.add(d.txn.job_id)
         f.buffered_bytes += nbytes
@@ -454,8 +470,20 @@ class Uploader:
     async def _settle(self, f: OpenFile, outcome: int) -> None:
         """The file's bundles: ack those whose every slot file is registered; nack all
         of them when the file was abandoned (redelivery finds the registered slots)."""
+        if f.settled:
+            return
+        f.settled = True
+        piece = (f.slot, f.hour)
         for seg, idx in f.bundles:
             key = (f.shard, seg, idx)
+            held = self.held.get(key)
+            if held is not None and piece in held:
+                if held[piece] > 1:
+                    held[piece] -= 1
+                else:
+                    del held[piece]
+                    if not held:
+                        del self.held[key]
             left = self.outstanding.get(key)
             if left is None:
                 continue  # already nacked through another slot's file

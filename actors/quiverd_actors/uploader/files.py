@@ -75,6 +75,7 @@ class OpenFile:
     active: ActiveFile | None = None
     frozen: bool = False  # schema fixed: the first row group is being written
     failed: bool = False  # abandoned: its bundles were nacked
+    settled: bool = False  # its bundles were acked or nacked (registered, or abandoned)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     def must_wait(self, nbytes: int, row_group_bytes: int, file_size_bytes: int) -> bool:
