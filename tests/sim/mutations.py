@@ -30,6 +30,7 @@ RETENTION_BACKPRESSURE = CORE_MODEL + "::test_retention_backpressure_model"
 ICEBERG_MODEL = "tests/lake/test_iceberg_model.py::test_iceberg_projection_model_sqlite"
 DETSIM = "tests/sim/test_detsim.py::test_detsim_seeds_hold_every_invariant"
 CORE_SIM = "tests/sim/test_detsim_core.py::test_detsim_core_seeds_hold_every_invariant"
+UPLOADER_SIM = "tests/sim/test_uploader_sim.py::test_uploader_sim_seeds_hold_every_row_once"
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,15 @@ MUTATIONS = (
         "                row = await self.publisher.publish(sealed)\n",
         "                await self._settle(sealed.file, ackfmt.ACK)\n"
         "                row = await self.publisher.publish(sealed)\n",
-        (LAKE_CRASH_STATES, DETSIM)),
+        (LAKE_CRASH_STATES, DETSIM, UPLOADER_SIM)),
+    Mutation(
+        "uploader_readds_pieces_in_flight",
+        "a bundle delivered again while a file in flight holds one of its slots adds that "
+        "slot again (the defect found as more rows than sent under a full staging disk)",
+        "actors/quiverd_actors/uploader/actor.py",
+        "        if held:  # redelivered while files in flight hold some of its pieces\n",
+        "        if False:  # redelivered while files in flight hold some of its pieces\n",
+        (UPLOADER_SIM,)),
     Mutation(
         "janitor_deletes_registered_objects",
         "the janitor counts registered files' objects as orphans and its catalog recheck "

@@ -74,7 +74,8 @@ class Publisher:
             await self.steps.catalog(self.tier.catalog.register, row, coverage(f.bundles))
         except DuplicateCoverage as exc:
             self.m.lake_errors.labels("duplicate").inc()
-            await self.tier.abandon(row, reason=f"duplicate coverage: {exc}")
+            await self.steps.catalog(self.tier.abandon, row,
+                                     reason=f"duplicate coverage: {exc}")
             return None
         self.steps.event(f, FileState.META_REGISTERED, anyio.current_time() - started,
                          uri=uri, rows=facts.rows, bytes=facts.compressed_size)
@@ -118,7 +119,7 @@ class Publisher:
                 self.log.error("lake_upload_refused", file_id=f.file_id, key=key,
                                error=str(exc), local_path=str(path))
                 row = file_row(self.tier, f, facts, uri="", key="", local=path, uploaded_at=0)
-                await self.tier.abandon(row, reason=f"{kind}: {exc}")
+                await self.steps.catalog(self.tier.abandon, row, reason=f"{kind}: {exc}")
                 return None
             took = anyio.current_time() - started
             self.health.ok("store")
