@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -127,8 +128,13 @@ class InProcessDaemon(DaemonProcess):
         assert self.thread is not None, "never started"
         self.thread.join(timeout)
         if self.thread.is_alive():
+            # Where it is stuck (a task that ignores its cancellation at asyncio.run's end,
+            # the default executor's join, a blocking call): seen once, not reproduced.
+            frame = sys._current_frames().get(self.thread.ident or -1)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
             raise AssertionError(f"in-process daemon still running after {timeout} s "
-                                 f"(a thread cannot be killed):\n{self.log()[-3000:]}")
+                                 f"(a thread cannot be killed):\n{self.log()[-3000:]}\n"
+                                 f"its thread's stack:\n{stack[-4000:]}")
         return self._finish()
 
     def kill(self) -> None:
