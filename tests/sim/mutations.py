@@ -31,6 +31,7 @@ ICEBERG_MODEL = "tests/lake/test_iceberg_model.py::test_iceberg_projection_model
 DETSIM = "tests/sim/test_detsim.py::test_detsim_seeds_hold_every_invariant"
 CORE_SIM = "tests/sim/test_detsim_core.py::test_detsim_core_seeds_hold_every_invariant"
 UPLOADER_SIM = "tests/sim/test_uploader_sim.py::test_uploader_sim_seeds_hold_every_row_once"
+DAEMON_SIM = "tests/sim/test_detsim_daemon.py::test_detsim_daemon_seeds_hold_every_invariant"
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ MUTATIONS = (
         "                row = await self.publisher.publish(sealed)\n",
         "                await self._settle(sealed.file, ackfmt.ACK)\n"
         "                row = await self.publisher.publish(sealed)\n",
-        (LAKE_CRASH_STATES, DETSIM, UPLOADER_SIM)),
+        (LAKE_CRASH_STATES, DETSIM, UPLOADER_SIM, DAEMON_SIM)),
     Mutation(
         "uploader_readds_pieces_in_flight",
         "a bundle delivered again while a file in flight holds one of its slots adds that "

@@ -194,17 +194,8 @@ class Daemon:
         self.node_id = f"n{index}"
         self.source_id = ""
         self.data_dir = world.root / f"d{index}"
-        self.cfg = Config(data_dir=str(self.data_dir), catalog=CatalogConfig(), lake=LakeConfig(
-            node_id=self.node_id, file_duration_ms=15_000, window_bundles=32,
-            store=StoreConfig(root=str(world.root / "objects"), max_attempts=3,
-                              retry_base_ms=100, retry_max_ms=1000, timeout_ms=10_000,
-                              max_concurrency=2),
-            janitor=JanitorConfig(interval_s=world.size.janitor_interval_s,
-                                  grace_s=world.size.janitor_grace_s),
-            compaction=CompactionConfig(interval_s=40, min_files=2, delete_grace_s=30),
-            scrub=LakeScrubConfig(rate_mb_per_s=0),
-            iceberg=IcebergConfig(keep_snapshots_s=KEEP_SNAPSHOTS_S, reconcile_interval_s=30,
-                                  linger_ms=200)))
+        self.cfg = Config(data_dir=str(self.data_dir), catalog=CatalogConfig(),
+                          lake=lake_config(world.root, self.node_id, world.size))
         self.dispatcher = SimDispatcher(world, window=self.cfg.lake.window_bundles)
         self.shard = SimpleNamespace(dispatcher=self.dispatcher,
                                      acks=SimpleNamespace(registry={SUBSCRIBER}))
@@ -250,6 +241,20 @@ class Daemon:
                 tables={0: pa.table({"id": ids, "daemon": pa.array([self.index] * rows,
                                                                     pa.int32())})}))
             self.produced += 1
+
+
+def lake_config(root: Path, node_id: str, size: Size) -> LakeConfig:
+    """The lake's settings in the sim: short timers, the store under ``root/objects``."""
+    return LakeConfig(
+        node_id=node_id, file_duration_ms=15_000, window_bundles=32,
+        store=StoreConfig(root=str(root / "objects"), max_attempts=3,
+                          retry_base_ms=100, retry_max_ms=1000, timeout_ms=10_000,
+                          max_concurrency=2),
+        janitor=JanitorConfig(interval_s=size.janitor_interval_s, grace_s=size.janitor_grace_s),
+        compaction=CompactionConfig(interval_s=40, min_files=2, delete_grace_s=30),
+        scrub=LakeScrubConfig(rate_mb_per_s=0),
+        iceberg=IcebergConfig(keep_snapshots_s=KEEP_SNAPSHOTS_S, reconcile_interval_s=30,
+                              linger_ms=200))
 
 
 async def _no_subscribe(_op: str, _name: str, _start: str) -> None:

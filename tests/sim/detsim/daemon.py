@@ -1,0 +1,645 @@
+"""Deterministic simulation of a whole daemon (issue 28, item 4): the real shard (as in
+``core``: WAL writer with its lock-step threads, segment builder, finalizer, dispatcher,
+ack logger, gc) feeds the real lake (as in the package: uploader, indexer, janitor with
+compaction, projector with Iceberg in-process), on a ModelFS, one catalog database and
+one store with the lake's faults, under one seeded SimLoop; the daemon loses power at
+seeded times (or is killed, when its projection worker lands a sync after it died).
+
+    run_daemon(seed) ─▶ CoreLoop ─ life 0: Shard.recover, run; subscribers "s" and "uploader"
+                                 │   producer ─AppendRequests─▶ WAL ─▶ segment ─▶ dispatcher
+                                 │   dispatcher ─▶ "s" (acks or nacks by seed)
+                                 │              └▶ Lake: uploader ─▶ staging/ (the ModelFS)
+                                 │                   ─▶ FaultyOperator ─▶ <root>/objects
+                                 │                   ─▶ FaultyCatalog ─▶ <root>/catalog.sqlite
+                                 │                   ─▶ ack ─▶ ack.log ─▶ gc; projector ─▶ Iceberg
+                                 │   power cut at a seeded time: ModelFS.crash(), the daemon's
+                                 │   task group cancelled, its catalog and store calls refused
+                                 │   from that instant; a drawn Cut checked (crashstates) and
+                                 │   put back at the same data directory (the catalog names its
+                                 │   paths); the catalog and the store keep what they hold
+                                 ├─ life 1..k: a new ModelFS, Shard and Lake recover it
+                                 └─ last life: production ends, "s" acks every acked bundle,
+                                    the lake settles (every bundle acked by the uploader, T == R
+                                    for each table), the final scan, a last cut, checked
+
+Checked after every step: the core's C1-C3 (``core.CoreFS``; C2 asks both subscribers) and
+the lake's I1-I3 (``checks.Checker``; "acked" is the uploader's ack of a bundle, recorded
+as it is handed to the dispatcher). At each cut, the crash-state check of the image. At the
+end: every row of every producer-acked bundle is in the Iceberg scan exactly once, and
+nothing else is there but whole bundles that were sent (a bundle whose ACK a cut lost may
+still be in the lake, once). The same seed gives the same trace (``DaemonResult.digest``).
+
+    PYTHONHASHSEED=0 .venv/bin/python -m tests.sim.detsim.daemon SEED [SEED ...] [--json]
+        [--bundles N] [--smoke] [--trace N] [--plant NAME] [--no-faults]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import anyio
+import msgspec
+import opendal
+import opendal.exceptions as oe
+
+import quiverd.runtime.lake as runtime_lake
+from quiverd.acks import format as ackfmt
+from quiverd.acks.registry import UnknownSubscriber
+from quiverd.acks.state import AckState
+from quiverd.kernel import fs
+from quiverd.kernel.bundle import Bundle, make_slot
+from quiverd.kernel.config import CatalogConfig, Config
+from quiverd.kernel.errors import CatalogUnavailable
+from quiverd.kernel.faults import Hooks
+from quiverd.kernel.layout import DataDir
+from quiverd.kernel.metrics import Metrics
+from quiverd.kernel.reply import Reply
+from quiverd.lake.catalog.sqlite import SqliteCatalog
+from quiverd.lake.iceberg import catalog_uri
+from quiverd.lake.store import LocalStore
+from quiverd.lake.tier import Tier, load_source_id
+from quiverd.runtime.shard import Shard
+from quiverd.segments.reader import SegmentReader
+from quiverd_actors.inbox import Batches
+from quiverd_actors.messages import AppendRequest, ChangeSubscriber, ProducerReply
+from quiverd_actors.uploader import SUBSCRIBER as UPLOADER
+from tests.sim.crashstates import _config, check_image, durable_acks
+from tests.sim.detsim import stepthreads
+from tests.sim.detsim.checks import Checker, InvariantViolated
+from tests.sim.detsim.core import (
+    PRODUCER_WINDOW,
+    CoreFS,
+    CoreLoop,
+    CoreResult,
+    CoreSize,
+    _describe,
+    _Sim,
+)
+from tests.sim.detsim.faults import FaultPlan, FaultyCatalog, FaultyOperator
+from tests.sim.detsim.loop import close_loop, simulated
+from tests.sim.detsim.world import SimLake, SimLog, World, lake_config
+from tests.sim.modelfs import Cut, Image, State
+from tests.sim.workload import SUBSCRIBER, tagged
+
+CLIENT = "p"  # the producer's client: the lake's table quiver.p
+# Planted bugs of the projection (faults.FaultyProjection); the lake's uploader acking
+# before registration is planted in product code (tests/sim/mutations.py).
+PLANTS = ("", "no_removals", "expire_now")
+
+
+@dataclass(frozen=True)
+class DaemonSize(CoreSize):
+    bundles: int = 40
+    span_s: float = 200.0  # production, virtual seconds (the lake's timers are seconds)
+    faults_s: float = 260.0  # store, catalog and Iceberg faults until then; cuts before
+    settle_s: float = 1800.0
+    max_steps: int = 1_500_000
+    fault_scale: float = 1.0
+    janitor_grace_s: int = 300
+    janitor_interval_s: int = 45
+    restart_max_s: float = 10.0  # a restarted daemon comes back 0.5 s .. this later
+    # The last life runs on at least this long after the faults stop: compaction, expiry
+    # and the janitor's deletes of replaced files (what I3 guards) come minutes later.
+    linger_s: float = 200.0
+
+
+SMOKE = DaemonSize(bundles=16, span_s=80.0, faults_s=110.0, max_cuts=2)
+
+
+@dataclass
+class DaemonResult(CoreResult):
+    kills: int = 0  # lives ended by a kill (the projection worker outlived the daemon)
+    lake_checks: int = 0
+    commits: int = 0
+    uploader_acks: int = 0
+    rows: int = 0  # in the final scan
+    lake_faults: dict[str, int] = field(default_factory=dict)
+    events: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, Any]:
+        return {**super().counts(), "kills": self.kills, "lake_checks": self.lake_checks,
+                "commits": self.commits, "uploader_acks": self.uploader_acks,
+                "rows": self.rows, "faults": self.lake_faults, "events": self.events,
+                "restarts": self.restarts}
+
+
+class DaemonSimFailed(AssertionError):
+    def __init__(self, result: DaemonResult, replay: str = "") -> None:
+        self.result = result
+        super().__init__(f"seed {result.seed}: {result.error}\nreplay: PYTHONHASHSEED=0 "
+                         f".venv/bin/python -m tests.sim.detsim.daemon {result.seed}{replay}\n"
+                         f"last steps:\n{result.tail()}")
+
+
+def run_daemon(seed: int, *, size: DaemonSize = DaemonSize(), faults: bool = True,
+               plant: str = "", keep_trace: bool = True) -> DaemonResult:
+    """One simulated run; raises DaemonSimFailed (seed, error, the trace's tail) when an
+    invariant breaks or the run crashes, else returns what it did."""
+    assert plant in PLANTS, plant
+    result = DaemonResult(seed=seed)
+    root = Path(tempfile.mkdtemp(prefix=f"daemonsim-{seed}-", dir="/tmp"))
+    loop = CoreLoop(random.Random(f"schedule-{seed}"))
+
+    def note(what: str) -> None:
+        if keep_trace:
+            result.trace.append((loop.vtime, "! " + what))
+
+    plan = FaultPlan.draw_plan(seed, loop, size.faults_s, on=faults, scale=size.fault_scale)
+    plan.note = note
+    sim = _DaemonSim(seed, size, loop, root, result, plan, plant)
+    sim.note = note
+
+    def on_step(label: str) -> None:
+        if keep_trace:
+            result.trace.append((loop.vtime, label))
+        sim.after_step()
+        sim.world.checker.after_step(label)
+
+    loop.on_step = on_step
+    started = time.perf_counter()
+    previous = fs.active()
+    saved_open_tier = runtime_lake.open_tier
+    try:
+        with simulated(seed, loop), stepthreads.patched(note):
+            runtime_lake.open_tier = sim.world.open_tier
+            try:
+                loop.run_until_complete(sim.main())
+            except Exception as exc:  # noqa: BLE001 - any crash of the run is a finding too
+                result.error = _describe(exc)
+            finally:
+                close_loop(loop)
+    finally:
+        runtime_lake.open_tier = saved_open_tier
+        fs.install(previous)
+        sim.world.checker.close()
+        shutil.rmtree(root, ignore_errors=True)
+    w = sim.world
+    result.wall_s = round(time.perf_counter() - started, 2)
+    result.steps, result.virtual_s = loop.steps, round(loop.vtime, 3)
+    result.checks = dict(sorted(sim.checks.counts.items()))
+    result.lake_checks, result.commits = w.checker.checks, w.checker.commits_seen
+    result.uploader_acks = len(w.node.dispatcher.acked)
+    result.lake_faults = dict(sorted(plan.counts.items()))
+    result.events = dict(sorted(w.log.counts.items()))
+    result.restarts = dict(sorted(w.log.restarts.items()))
+    if result.error:
+        raise DaemonSimFailed(result, f" --plant {plant}" if plant else "")
+    return result
+
+
+class DaemonFS(CoreFS):
+    """CoreFS whose C2 asks both subscribers: a segment goes only once the durable
+    ack.log has "s" and the uploader ack each of its bundles."""
+
+    def _check_deletable(self, path: Any, seg: int) -> None:
+        self.checks.count("C2 delete after durable acks")
+        with SegmentReader.open(path) as reader:
+            indexes = [b.index for b in reader.bundles()]
+        acks = self.durable_acks()
+        for sub in (SUBSCRIBER, UPLOADER):
+            undone = [i for i in indexes if not _done(acks, sub, seg, i)]
+            if undone:
+                self.checks.fail(f"C2: segment {seg} deleted while the durable ack.log lacks "
+                                 f"{sub}'s acks of bundles {undone}")
+
+
+def _done(acks: AckState | None, sub: str, seg: int, idx: int) -> bool:
+    try:
+        return acks is not None and acks.is_done(sub, seg, idx)
+    except UnknownSubscriber:
+        return False
+
+
+class Node:
+    """The daemon as the lake's Checker and SimLake see one (``world.Daemon``'s part)."""
+
+    def __init__(self, world: DaemonWorld, data_dir: Path, kill: Callable[[], None]) -> None:
+        self.world, self.index = world, 0
+        self.node_id = "n0"
+        self.source_id = ""  # lake.id, read at each start of the lake
+        self.data_dir = data_dir
+        self.cfg = msgspec.structs.replace(
+            _config(data_dir), catalog=CatalogConfig(),
+            lake=lake_config(world.root, self.node_id, world.size))
+        # The uploader's acks, as the Checker reads them: (segment_seq, bundle_index).
+        self.dispatcher = SimpleNamespace(acked=set(), bundles={})
+        self.projections: list[Any] = []
+        self.kill = kill
+
+
+class DaemonWorld(World):
+    """World's catalog, store and Iceberg glue for one daemon with a real shard: the
+    source id is the data directory's (lake.id); a daemon without power calls nothing."""
+
+    def __init__(self, root: Path, sim: _DaemonSim, plan: FaultPlan, plant: str) -> None:
+        self.root, self.loop, self.seed, self.plan, self.plant = (root, sim.loop, sim.seed,
+                                                                  plan, plant)
+        self.sim = sim
+        self.rng = random.Random(f"world-{sim.seed}")
+        self.log = SimLog()
+        self.catalog_db = DataDir(root).catalog_db
+        self.iceberg_uri = catalog_uri(CatalogConfig(), root)
+        self.born: dict[str, int] = {}
+        self.size = sim.size  # type: ignore[assignment]
+        self.store_seq = 0
+        self.node = Node(self, sim.data, lambda: sim.power_cut("kill"))
+        self.daemons = [self.node]  # type: ignore[list-item]
+        self.checker = Checker(self, clients=(CLIENT,))
+
+    def note(self, what: str) -> None:
+        self.sim.note(what)
+
+    def changed(self, what: str) -> None:
+        model = self.sim.model
+        if model is not None and model.dead and what != "iceberg.zombie":
+            self.sim.checks.fail(f"harness: {what} after the daemon lost power")
+        super().changed(what)
+
+    @asynccontextmanager
+    async def open_tier(self, cfg: Config, log: Any) -> AsyncIterator[Tier]:
+        """``open_tier`` for the sim: the real source id (lake.id, through the ModelFS);
+        the shared database and store, faulty, and silent once this life's power is cut."""
+        d, model = self.node, self.sim.model
+        assert model is not None
+        data = DataDir(Path(cfg.data_dir))
+        source_id = await anyio.to_thread.run_sync(load_source_id, data)
+        if d.source_id and source_id != d.source_id:
+            self.sim.checks.fail(f"lake.id changed across a restart: {d.source_id} -> "
+                                 f"{source_id} (the catalog's coverage is keyed by it)")
+        d.source_id = source_id
+
+        def alive() -> bool:
+            return not model.dead
+
+        store = LocalStore(cfg.lake.store, data_dir=data.root, log=log)
+        self.store_seq += 1
+        store._rng = random.Random(f"store-{self.seed}-{self.store_seq}")
+        store._op = cast(Any, _PoweredOperator(
+            opendal.Operator("fs", **dict(store._options)), self.plan,
+            cfg.lake.store.timeout_ms / 1000, self.born, self.changed, alive))
+        inner = SqliteCatalog(self.catalog_db, log=log)
+        catalog = FaultyCatalog(_Powered(inner, alive), self.plan, self.changed)
+        try:
+            await inner.start()
+            yield Tier(cfg=cfg, data=data, store=store, catalog=cast(Any, catalog),
+                       node_id=d.node_id, source_id=source_id, log=log)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await inner.close()
+                await store.close()
+
+
+class _PoweredOperator(FaultyOperator):
+    """The store as a daemon without power sees it: nothing it asks for gets done."""
+
+    def __init__(self, op: opendal.Operator, plan: FaultPlan, timeout_s: float,
+                 born: dict[str, int], changed: Callable[[str], None],
+                 alive: Callable[[], bool]) -> None:
+        super().__init__(op, plan, timeout_s, born, changed)
+        self._alive = alive
+
+    async def _call(self, name: str, mutating: bool, fn: Callable[[], Any],
+                    key: str = "") -> Any:
+        def powered() -> Any:
+            if not self._alive():  # checked when the call would be done, not before
+                raise oe.Unexpected(f"Unexpected (temporary) at send http request => sim: "
+                                    f"{name} {key}: the daemon lost power")
+            return fn()
+
+        return await super()._call(name, mutating, powered, key)
+
+
+class _Powered:
+    """The catalog's async calls refused once the calling daemon lost power."""
+
+    def __init__(self, inner: Any, alive: Callable[[], bool]) -> None:
+        self._inner, self._alive = inner, alive
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name in ("start", "close"):
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if not self._alive():
+                await anyio.lowlevel.checkpoint()
+                raise CatalogUnavailable(f"sim: catalog {name}: the daemon lost power")
+            return await attr(*args, **kwargs)
+
+        return call if _is_async(attr) else attr
+
+
+def _is_async(fn: Any) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)
+
+
+class NotSettled(InvariantViolated):
+    """The last life did not get every bundle into the lake (and to "s") in time."""
+
+
+class _DaemonSim(_Sim):
+    """core._Sim's producer, subscriber "s" and crash-state checks, with the daemon's
+    lake in every life, and lives that end at seeded virtual times."""
+
+    size: DaemonSize
+    result: DaemonResult
+
+    def __init__(self, seed: int, size: DaemonSize, loop: CoreLoop, root: Path,
+                 result: DaemonResult, plan: FaultPlan, plant: str) -> None:
+        super().__init__(seed, size, loop, root, result)
+        self.data = root / "data"  # the same path in every life: the catalog names it
+        self.rows_of: dict[int, int] = {}  # tag -> rows sent
+        self.cut_time: float | None = None  # virtual time of this life's power cut
+        self.ending = ""  # how this life ended: "power", "kill" or "final"
+        self.world = DaemonWorld(root, self, plan, plant)
+
+    # ---- after every step --------------------------------------------------------
+    def after_step(self) -> None:
+        if (self.cut_time is not None and self.cut_at is None
+                and self.loop.vtime >= self.cut_time):
+            # The first step at or past the cut's time, then up to 200 more: a cut lands
+            # inside a burst of work, not only on the timer that ended a quiet spell.
+            self.cut_at = self.loop.steps + self.rng.randint(0, 200)
+        super().after_step()
+
+    def power_cut(self, kind: str = "power") -> None:
+        """The daemon's host loses power (``kill``: the daemon alone dies, its page
+        cache kept: every write and name it made survives)."""
+        if self.crashed is not None or self.model is None or self.scope is None:
+            return  # already down, or not yet running: the cut waits for the next step
+        self.ending = kind
+        self.note(f"{'kill' if kind == 'kill' else 'power cut'} at step {self.loop.steps}")
+        self.crashed = self.model.crash()
+        self.scope.cancel()
+
+    # ---- lives ---------------------------------------------------------------------
+    async def main(self) -> None:
+        self.data.mkdir()
+        times = sorted(self.rng.uniform(5, self.size.faults_s)
+                       for _ in range(self.rng.randint(1, self.size.max_cuts)))
+        life = 0
+        while True:
+            self.cut_time = times.pop(0) if times else None
+            image = await self.life(life)
+            if self.ending == "final":
+                return
+            if self.ending == "kill" and self.cut_time is not None:
+                times.insert(0, self.cut_time)  # a kill came first: the cut is still due
+            shutil.rmtree(self.data)
+            image.materialize(self.data)
+            await anyio.sleep(self.rng.uniform(0.5, self.size.restart_max_s))
+            life += 1
+
+    async def life(self, life: int) -> Image:  # type: ignore[override]
+        node = self.world.node
+        self.model = model = DaemonFS(self.data, self.checks)
+        fs.install(model)
+        self.crashed, self.cut_at, self.ending = None, None, ""
+        shard = self.shard = Shard(0, node.cfg, shard_count=1, faults=Hooks(),
+                                   metrics=Metrics())
+        self.note(f"life {life} starts")
+        try:
+            await shard.recover()
+            assert shard.recovered is not None
+            wal = shard.recovered.wal  # its locks are shared with the lock-step threads
+            wal._lock, wal._mutex = stepthreads.SimLock(), stepthreads.SimLock()  # type: ignore[assignment]
+            async with anyio.create_task_group() as tg:
+                self.scope = tg.cancel_scope
+                await tg.start(shard.run)
+                self._watch_uploader(shard)
+                if life == 0:
+                    await _change(shard, SUBSCRIBER)
+                tg.start_soon(self._lake(shard).run)
+                tg.start_soon(self.produce, shard)
+                tg.start_soon(self.subscribe, shard, model)
+                if self.cut_time is None:
+                    await self.settle_all(shard)
+                    self.final_scan()
+                    self.power_cut("final")
+                await anyio.sleep_forever()
+        except Exception as exc:  # noqa: BLE001 - a dying daemon fails in many ways
+            if self.crashed is None:
+                raise
+            self.note(f"daemon ended by the cut: {_describe(exc)[:200]}")
+        finally:
+            self.scope = None
+            shard.ack_tx.close()
+            shard._ack_rx.close()
+            for p in node.projections:
+                p.close()
+            node.projections.clear()
+            fs.install(self.real_fs)  # recovery of the crash images runs on the real disk
+        assert self.crashed is not None
+        if self.ending == "kill":
+            return self.check_kill(self.crashed, model)
+        return self.check_cut(self.crashed, model, last=self.ending == "final")
+
+    def check_kill(self, state: State, model: CoreFS) -> Image:
+        """A kill keeps every write and name (the page cache outlives the process)."""
+        self.result.kills += 1
+        self.earlier = known = self.known(model)
+        durable = durable_acks(state.image(Cut(0, "none")), self.checks.scratch / "durable")
+        cut = Cut(len(state.pending_meta), "all")
+        self.result.cuts.append(f"{cut.meta_prefix}/{cut.meta_prefix} kill")
+        image = state.image(cut)
+        problems = check_image(image, durable, known, self.facts, self.checks.scratch / "check")
+        self.checks.count("crash images checked")
+        if problems:
+            raise InvariantViolated(f"after the kill: {problems}")
+        return image
+
+    def _watch_uploader(self, shard: Shard) -> None:
+        """Record the uploader's acks as it hands them to the dispatcher (I1's "acked")."""
+        d = shard.dispatcher
+        assert d is not None
+        feedback, acked = d.feedback, self.world.node.dispatcher.acked
+
+        async def watched(session: Any, segment_seq: int, bundle_index: int,
+                          outcome: int) -> None:
+            if session.name == UPLOADER and outcome == ackfmt.ACK:
+                acked.add((segment_seq, bundle_index))
+                self.world.changed("ack")
+            await feedback(session, segment_seq, bundle_index, outcome)
+
+        d.feedback = watched  # type: ignore[method-assign]
+
+    def _lake(self, shard: Shard) -> SimLake:
+        w = self.world
+
+        async def subscribe(op: str, name: str, start: str) -> None:
+            await _change(shard, name, op=op, start=start)
+
+        lake = SimLake(w.node.cfg, [shard], subscribe=subscribe, metrics=Metrics(),
+                       faults={})
+        lake.world, lake.daemon = w, cast(Any, w.node)
+        lake.log = cast(Any, w.log)
+        lake.health.log = cast(Any, w.log)
+        return lake
+
+    # ---- the end -------------------------------------------------------------------
+    async def settle_all(self, shard: Shard) -> None:
+        """Wait until every bundle is sent and answered, "s" has acked every acked one,
+        and the lake holds them all: no bundle the uploader has not acked, none left in
+        the WAL only, and each table's current snapshot == its registered files (and
+        ``linger_s`` has passed since the faults stopped)."""
+        deadline = self.loop.vtime + self.size.settle_s
+        while True:
+            waiting = self._not_sub_acked()
+            lake = "" if waiting or self.outstanding else self._lake_waits(shard)
+            if (self.result.sent >= self.size.bundles and not self.outstanding
+                    and not waiting and not lake
+                    and self.loop.vtime >= self.size.faults_s + self.size.linger_s):
+                return
+            if self.loop.vtime > deadline:
+                raise NotSettled(f"{self.size.settle_s:.0f} s into the last life: acked "
+                                 f"bundles never acked by {SUBSCRIBER}: tags {waiting[:20]} "
+                                 f"({len(waiting)}); unanswered sends {len(self.outstanding)};"
+                                 f" lake: {lake or 'not asked'}")
+            await anyio.sleep(1.0)
+
+    def _not_sub_acked(self) -> list[int]:
+        known = self.known(self.model) if self.model else self.earlier
+        tags = {t for t, s in self.facts.seq_of_tag.items() if s in known.acked}
+        return sorted(tags - known.sub_acked)
+
+    def _lake_waits(self, shard: Shard) -> str:
+        """What the lake still waits for ("" when nothing)."""
+        try:
+            pending = list(shard.acks.pending_for(UPLOADER))
+        except UnknownSubscriber:
+            return "the uploader is not subscribed"
+        if pending:
+            return f"{len(pending)} bundles not acked by the uploader, first {pending[:5]}"
+        assert shard.recovered is not None
+        if shard.recovered.wal.unreleased_entries:
+            return f"{shard.recovered.wal.unreleased_entries} WAL entries in no segment"
+        if not self.world.checker.projected():
+            return "a table's snapshot differs from its registered files"
+        return ""
+
+    def final_scan(self) -> None:
+        """quiver.p by a real pyiceberg scan: each producer-acked bundle's rows exactly
+        once; nothing but whole bundles that were sent."""
+        reader = self.world.checker.reader
+        assert reader is not None
+        arrow = reader.load_table(("quiver", CLIENT)).scan(
+            selected_fields=("tag", "i")).to_arrow()
+        got = Counter(zip(arrow.column("tag").to_pylist(), arrow.column("i").to_pylist(),
+                          strict=True))
+        twice = sorted(k for k, n in got.items() if n > 1)
+        if twice:
+            raise InvariantViolated(f"final: rows (tag, i) twice in the scan: {twice[:10]}")
+        by_tag: dict[int, set[int]] = {}
+        for tag, i in got:
+            by_tag.setdefault(tag, set()).add(i)
+        for tag in sorted(self.facts.seq_of_tag):
+            have = by_tag.get(tag, set())
+            if have != set(range(self.rows_of[tag])):
+                raise InvariantViolated(f"final: acked bundle of tag {tag}: {len(have)} of "
+                                        f"its {self.rows_of[tag]} rows in the scan")
+        for tag, have in sorted(by_tag.items()):
+            if have != set(range(self.rows_of.get(tag, -1))):
+                raise InvariantViolated(f"final: tag {tag} in the scan is not a whole "
+                                        "bundle that was sent")
+        self.result.rows = sum(got.values())
+        self.checks.count("final scan rows", self.result.rows)
+
+    # ---- producer ------------------------------------------------------------------
+    async def produce(self, shard: Shard) -> None:
+        """core._Sim.produce, the rows of each tag kept for the final scan."""
+        replies: Batches[ProducerReply] = Batches()
+        self.outstanding = {}
+        rate = self.size.bundles / self.size.span_s
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.answers, replies)
+            while self.result.sent < self.size.bundles:
+                await anyio.sleep(self.rng.expovariate(rate))
+                while len(self.outstanding) >= PRODUCER_WINDOW:
+                    self.room = anyio.Event()
+                    await self.room.wait()
+                n = min(self.rng.randint(1, 3), self.size.bundles - self.result.sent)
+                reqs = []
+                for _ in range(n):
+                    tag = self.result.sent
+                    self.result.sent += 1
+                    rows = self.rows_of[tag] = self.rng.choice((10, 200, 1500))
+                    self.outstanding[tag] = tag
+                    reqs.append(AppendRequest(request_id=tag, reply=replies, bundle=Bundle(
+                        client=CLIENT, slots=(make_slot(0, tagged(tag, rows)),))))
+                await shard.inbox.put(reqs)
+            while self.outstanding:
+                self.room = anyio.Event()
+                await self.room.wait()
+            tg.cancel_scope.cancel()
+
+
+async def _change(shard: Shard, name: str, *, op: str = "add", start: str = "earliest"
+                  ) -> None:
+    """What ``subscribers.add`` (or remove) does for one shard."""
+    reply: Reply[None] = Reply()
+    await shard.ack_tx.send(ChangeSubscriber(op=cast(Any, op), name=name,
+                                             start=cast(Any, start), reply=reply))
+    await reply.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.sim.detsim.daemon")
+    parser.add_argument("seeds", type=int, nargs="+")
+    parser.add_argument("--bundles", type=int, default=0, help="bundles in all (per run)")
+    parser.add_argument("--smoke", action="store_true", help="the test's smaller size")
+    parser.add_argument("--harsh", action="store_true", help="3x the fault rates")
+    parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--plant", choices=[p for p in PLANTS if p], default="")
+    parser.add_argument("--trace", type=int, default=0, help="print the last N steps")
+    parser.add_argument("--json", action="store_true", help="one line of counts per seed")
+    args = parser.parse_args(argv)
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        print("note: PYTHONHASHSEED is not 0: the trace may differ from the test's run",
+              file=sys.stderr)
+    from quiverd.kernel import logs
+
+    logs.configure(level="error")
+    size = SMOKE if args.smoke else DaemonSize()
+    if args.bundles:
+        size = DaemonSize(**{**size.__dict__, "bundles": args.bundles})
+    if args.harsh:
+        size = DaemonSize(**{**size.__dict__, "fault_scale": 3.0})
+    failed = 0
+    for seed in args.seeds:
+        try:
+            result = run_daemon(seed, size=size, faults=not args.no_faults, plant=args.plant)
+        except DaemonSimFailed as exc:
+            failed += 1
+            result = exc.result
+            if not args.json:
+                print(exc)
+        line = result.counts()
+        if args.json:
+            line["tail"] = result.tail() if result.error else ""
+            print(json.dumps(line), flush=True)
+        else:
+            print(line)
+            if args.trace:
+                print(result.tail(args.trace))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
