@@ -6,14 +6,15 @@
                                                        └──────────▶ a recording model
                                                                     (tests/sim/modelfs.py)
 
-The lake's local steps (Active and Stable Parquet files in staging/, their eviction and
-sweeping) go through it too: ``create_binary`` gives pyarrow's writer a buffered file whose
-writes are the seam's. What does not: the object store's files (OpenDAL writes them) and
-the embedded catalog's (SQLite's); the crash-state tools treat both as services.
+The lake's local steps (Active and Stable Parquet files in staging/, compaction's task
+copies and downloads, their eviction and sweeping) go through it too: ``create_binary``
+gives pyarrow's writer a buffered file whose writes are the seam's. What does not: the
+object store's files (OpenDAL writes them) and the embedded catalog's (SQLite's); the
+crash-state tools treat both as services.
 
 What goes through it: every call that changes a file or a directory, or makes a
 change durable (open for writing, write, writev, ftruncate, punch, copy_file_range,
-fsync, fdatasync, rename, unlink, mkdir, fsync of a directory). Reads do not: they
+fsync, fdatasync, rename, link, unlink, mkdir, fsync of a directory). Reads do not: they
 go straight to the kernel (mmap, read, stat, listdir). The model in the tests
 performs every call on a real directory as well, so reads see what was written,
 and keeps apart what is durable from what is only written; a crash then builds
@@ -54,6 +55,7 @@ class FileSystem:
     fsync = staticmethod(os.fsync)
     fdatasync = staticmethod(os.fdatasync)
     rename = staticmethod(os.rename)
+    link = staticmethod(os.link)
     chmod = staticmethod(os.chmod)
 
     def unlink(self, path: StrPath, *, missing_ok: bool = False) -> None:

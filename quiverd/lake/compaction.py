@@ -35,7 +35,6 @@ mid-task without harm, the janitor keeps a staging file whose id is registered, 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from ulid import ULID
 
+from quiverd.kernel import fs
 from quiverd.kernel.config import LakeConfig
 from quiverd.kernel.durable import fsync_dir
 from quiverd.kernel.errors import CatalogUnavailable, LakeError, LakeFileCorrupt
@@ -298,17 +298,18 @@ def _ms_since(started: float) -> float:
 
 def _link_all(sources: list[Path | None], paths: list[Path]) -> list[bool]:
     """Hard-link each existing local copy to its task path; False where there is none."""
-    paths[0].parent.mkdir(parents=True, exist_ok=True)
+    seam = fs.active()
+    seam.mkdir(paths[0].parent)
     out = []
     for src, dst in zip(sources, paths, strict=True):
         try:
             if src is None:
                 raise FileNotFoundError
-            os.link(src, dst)
+            seam.link(src, dst)
             out.append(True)
         except (FileNotFoundError, OSError):
             # Evicted (or another filesystem, or a link left by a crashed task): download.
-            dst.unlink(missing_ok=True)
+            seam.unlink(dst, missing_ok=True)
             out.append(False)
     return out
 
@@ -334,7 +335,7 @@ def _write(paths: list[Path], schema: pa.Schema, active: Path, stable: Path,
            settings: ParquetSettings, metadata: dict[str, str], time_column: str,
            row_group_bytes: int) -> FileFacts:
     """Read, conform and append the inputs in order; close; rename Active -> Stable."""
-    stable.parent.mkdir(parents=True, exist_ok=True)
+    fs.active().mkdir(stable.parent)
     out = ActiveFile.create(active, schema, settings, metadata=metadata,
                             time_column=time_column)
     try:
@@ -353,15 +354,16 @@ def _write(paths: list[Path], schema: pa.Schema, active: Path, stable: Path,
     except BaseException:
         out.abort()
         raise
-    active.rename(stable)
+    fs.active().rename(active, stable)
     fsync_dir(stable.parent)
     fsync_dir(active.parent)
     return facts
 
 
 def _unlink_all(paths: list[Path]) -> None:
+    seam = fs.active()
     for path in paths:
-        path.unlink(missing_ok=True)
+        seam.unlink(path, missing_ok=True)
 
 
 __all__ = ["CompactionResult", "compact", "plan"]

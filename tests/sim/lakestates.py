@@ -1,19 +1,28 @@
-"""Crash states of the lake's local steps: staging files, catalog registration, janitor.
+"""Crash states of the lake's local steps: staging files, catalog registration, janitor;
+on odd seeds also compaction and the Iceberg projection (tests/sim/lakeiceberg.py).
 
-    seed ─▶ a real in-process daemon with its lake (uploader, indexer, janitor; no
-            Iceberg, no compaction) on a LakeModelFS: rounds of tagged bundles, each
+    seed ─▶ a real in-process daemon with its lake (uploader, indexer, janitor; odd
+            seeds: compaction every second and the projection, its worker process
+            included) on a LakeModelFS: rounds of tagged bundles, each
             round waited for until the lake registered it (Parquet written in staging/,
             closed and renamed Stable, uploaded, registered, the bundles acked by the
             "uploader" subscriber, the segment deleted, the local copy evicted), with the
-            janitor sweeping every second
+            janitor sweeping every second; odd seeds then wait for a compaction's whole
+            cycle (replace, the replace's Iceberg commit, expiry, the replaced objects
+            deleted)
     LakeModelFS ─▶ the ModelFS ops log (WAL, segments, ack.log and the staging files all
             go through the seam) plus a snapshot of the two services the seam does not
-            see, taken after each of their changes and before each local barrier:
+            see, taken after each of their changes and before each local barrier (and,
+            while the projection's worker commits, every few ms):
               catalog   catalog.sqlite as of its last commit (SQLite's own durability:
-                        WAL journal, synchronous=FULL, so a commit that returned is kept)
+                        WAL journal, synchronous=FULL, so a commit that returned is kept);
+                        Iceberg's SQL catalog is in it (iceberg_tables)
               store     the objects visible under the store's root (OpenDAL's fs backend
                         writes a temp file, fsyncs and renames it; quiverd fsyncs the
-                        parent directories; visible counts as kept, as on S3)
+                        parent directories; visible counts as kept, as on S3); Iceberg's
+                        metadata, manifest lists and manifests are in it (_iceberg/)
+              a capture reads the catalog, walks the store, and starts again if the
+              catalog changed meanwhile (the worker is another process)
     crash points ─▶ before each local barrier and after each service change: every cut
             the ModelFS allows, with the services as of that instant
 
@@ -26,9 +35,14 @@ recover_shard:
 - every bundle the durable ack.log says the uploader acked is covered by a registered
   file (the lake acked only what it holds: GC may delete the segment);
 - every bundle whose ACK left the daemon is held in the core (segment or WAL) or covered
-  by a registered file.
+  by a registered file;
+- with Iceberg, lakeiceberg's checks of the tables (current snapshots' files in the
+  store, docs/iceberg.md's window, no bundle twice in a snapshot or among the registered
+  files, no compaction's input registered next to its output).
 A seeded sample is also restarted for real (a daemon on the restored state, lake on)
-and run until the lake holds every acknowledged row: each exactly once, nothing twice.
+and run until the lake holds every acknowledged row: each exactly once, nothing twice;
+with Iceberg, until the table holds exactly the registered files, and then its scan
+holds every acknowledged row exactly once.
 """
 
 from __future__ import annotations
@@ -65,20 +79,33 @@ from quiverd.runtime.recovery import recover_shard
 from quiverd.segments.reader import SegmentReader
 from tests.inprocess import InProcessDaemon
 from tests.sim.crashstates import _digest, durable_acks, reported_loss
+from tests.sim.lakeiceberg import (
+    ICEBERG_SETTINGS,
+    BundleCache,
+    iceberg_of,
+    iceberg_problems,
+    projection_watched,
+    scan_counts,
+    table_settled,
+)
 from tests.sim.modelfs import BARRIERS, Cut, Image, ModelFS, Op, State
 from tests.sim.workload import SETTINGS, short_root, tagged
 
 UPLOADER = "uploader"  # quiverd_actors.uploader.SUBSCRIBER
 CLIENT = "p"
 REGISTERED_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(REGISTERED)) + ")"
+CAPTURE_ATTEMPTS = 50
+CYCLE_WAIT_S = 20.0  # for a compaction's cycle (_cycled), after the last round
 
 
-def lake_settings(store_root: Path) -> dict[str, Any]:
-    """The core workload's settings with the lake on: files rotate within tens of ms."""
+def lake_settings(store_root: Path, *, iceberg: bool = False) -> dict[str, Any]:
+    """The core workload's settings with the lake on: files rotate within tens of ms;
+    with ``iceberg``, the projection and compaction on (tests/sim/lakeiceberg.py)."""
     return {**SETTINGS, "lake.enabled": True, "lake.iceberg.enabled": False,
             "lake.store.root": str(store_root), "lake.file_duration_ms": 40,
             "lake.compaction.interval_s": 0, "lake.janitor.interval_s": 1,
-            "lake.janitor.grace_s": 0, "lake.scrub.rate_mb_per_s": 0.0}
+            "lake.janitor.grace_s": 0, "lake.scrub.rate_mb_per_s": 0.0,
+            **(ICEBERG_SETTINGS if iceberg else {})}
 
 
 # ---- the services' snapshots ----------------------------------------------------------
@@ -106,8 +133,20 @@ class ServiceRecorder:
         self._lock = threading.Lock()
 
     def capture(self) -> Services:
+        """The catalog, then the store; again if the catalog changed meanwhile (the
+        projection's worker commits from another process: a store walked after an expiry
+        deleted the manifests the catalog as read still points at is no crash state)."""
         with self._lock:
-            return Services(self._capture_catalog(), self._capture_store())
+            for _ in range(CAPTURE_ATTEMPTS):
+                now = Services(self._capture_catalog(), self._capture_store())
+                if self._conn is None or self._data_version() == self._version:
+                    return now
+            raise AssertionError(f"the catalog kept changing: no consistent snapshot in "
+                                 f"{CAPTURE_ATTEMPTS} attempts")
+
+    def _data_version(self) -> int:
+        assert self._conn is not None
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
 
     def _capture_catalog(self) -> int:
         if self._conn is None:
@@ -115,7 +154,7 @@ class ServiceRecorder:
                 return -1
             self._conn = sqlite3.connect(self.db, check_same_thread=False,
                                          isolation_level=None)
-        version = self._conn.execute("PRAGMA data_version").fetchone()[0]
+        version = self._data_version()
         if version != self._version or not self.catalogs:
             self._version = version
             path = self.scratch / f"catalog-{len(self.catalogs)}.sqlite"
@@ -228,6 +267,8 @@ class LakeRun:
     root: Path
     ops: list[Op]
     services: ServiceRecorder
+    iceberg: bool = False  # the projection and compaction on
+    cycled: bool = False  # ... and a compaction's whole cycle happened (_cycled)
     rows_of_tag: dict[int, int] = field(default_factory=dict)  # what was sent
     seq_of_tag: dict[int, int] = field(default_factory=dict)  # the producer's ACKs
     tag_of_id: dict[tuple[int, int], int] = field(default_factory=dict)  # (seg, idx)
@@ -263,14 +304,15 @@ def run_lake_workload(seed: int, *, rounds: int = 3) -> LakeRun:
     rng = random.Random(seed)
     root = short_root()
     store_root = root / "objects"
-    d = InProcessDaemon(root, lake_settings(store_root))
+    iceberg = iceberg_of(seed)
+    d = InProcessDaemon(root, lake_settings(store_root, iceberg=iceberg))
     d.data_dir.mkdir()
     services = ServiceRecorder(DataDir(d.data_dir).catalog_db, store_root, root / "snaps")
     model = LakeModelFS(d.data_dir, services)
-    run = LakeRun(root=root, ops=model.ops, services=services)
+    run = LakeRun(root=root, ops=model.ops, services=services, iceberg=iceberg)
     previous = fs.install(model)
     try:
-        with services_watched(model):
+        with services_watched(model), projection_watched(model.note_services):
             d.start()
             tag = 0
             sweep_after = rng.randrange(rounds)  # the round after which the janitor runs
@@ -293,6 +335,11 @@ def run_lake_workload(seed: int, *, rounds: int = 3) -> LakeRun:
                     swept = d.log().count("lake_janitor_swept")
                     wait_until(lambda n=swept: d.log().count("lake_janitor_swept") > n,  # type: ignore[misc]
                                5, lambda: f"seed {seed}: no janitor pass:\n{d.log()[-3000:]}")
+            if iceberg:  # not reached: reported after the checks (a bug may stop it)
+                deadline = time.monotonic() + CYCLE_WAIT_S
+                while not _cycled(d, store_root) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                run.cycled = _cycled(d, store_root)
             model.note_services()
             assert d.stop() == 0, d.log()[-3000:]
         problems = model.check_mirror(ignore=("LOCK", "catalog.sqlite"))
@@ -302,6 +349,17 @@ def run_lake_workload(seed: int, *, rounds: int = 3) -> LakeRun:
         d.end()
     run.tag_of_id = _ids_of_tags(store_root)
     return run
+
+
+def _cycled(d: InProcessDaemon, store_root: Path) -> bool:
+    """The lake compacted, Iceberg committed the replace and expired snapshots (fewer
+    manifest lists in the store than commits), and the janitor deleted replaced objects."""
+    commits = d.events("iceberg_committed")
+    if not d.events("lake_compacted") or not any(e["kind"] == "replace" for e in commits):
+        return False
+    if not any(e.get("compacted_removed") for e in d.events("lake_janitor_swept")):
+        return False
+    return sum(1 for _ in (store_root / "_iceberg").rglob("snap-*.avro")) < len(commits)
 
 
 def _ids_of_tags(store_root: Path) -> dict[tuple[int, int], int]:
@@ -324,6 +382,7 @@ class LakeReport:
     points: int = 0
     images: int = 0
     checked: int = 0  # distinct states checked statically
+    iceberg_pairs: int = 0  # distinct (catalog, store) pairs with Iceberg data files checked
     restarted: int = 0  # of them, restarted and run to the end
     violations: list[str] = field(default_factory=list)
 
@@ -345,6 +404,7 @@ def check_lake_crash_states(run: LakeRun, *, seed: int, restarts: int = 2,
     state, told, report = State(), _Told(), LakeReport()
     services = Services(-1, -1)
     seen: set[bytes] = set()
+    tables = _TableChecks(run)
     candidates: list[tuple[int, Cut, Image, Services, frozenset[int]]] = []
     for i, op in enumerate([*run.ops, ("end",)]):
         point = op[0] in BARRIERS or op[0] == "end" or (op[0] == "mark"
@@ -364,7 +424,7 @@ def check_lake_crash_states(run: LakeRun, *, seed: int, restarts: int = 2,
                 report.checked += 1
                 if durable is None:
                     durable = state.image(Cut(0, "none"))
-                problems = _check_static(run, image, durable, services, told)
+                problems = _check_static(run, image, durable, services, told, tables)
                 for p in problems:
                     report.violations.append(f"op {i} ({op[0]}), cut {cut}: {p}")
                 if problems and stop_at_first:
@@ -375,6 +435,7 @@ def check_lake_crash_states(run: LakeRun, *, seed: int, restarts: int = 2,
         state.apply(op)
         if op[0] == "mark":
             told.note(op)
+    report.iceberg_pairs = tables.with_files
     # The restarts: the last state (everything done) and a seeded sample of the others.
     picks = [candidates[-1], *rng.sample(candidates[:-1], min(restarts - 1,
                                                               len(candidates) - 1))]
@@ -425,10 +486,10 @@ def _catalog_facts(db: Path) -> tuple[dict[str, tuple[str, int]], list[tuple[str
     return files, cover
 
 
-def _config(data_dir: Path, store_root: Path) -> config_mod.Config:
+def _config(data_dir: Path, store_root: Path, *, iceberg: bool) -> config_mod.Config:
     lines = [f'data_dir = "{data_dir}"']
     sections: dict[str, list[str]] = {}
-    for key, value in lake_settings(store_root).items():
+    for key, value in lake_settings(store_root, iceberg=iceberg).items():
         if "." not in key:
             lines.append(f"{key} = {value!r}")
             continue
@@ -441,12 +502,32 @@ def _config(data_dir: Path, store_root: Path) -> config_mod.Config:
     return config_mod.loads("\n".join(lines) + "\n")
 
 
+class _TableChecks:
+    """The Iceberg checks (tests/sim/lakeiceberg.py) of each distinct (catalog, store)
+    pair: they read only the services, so once per pair."""
+
+    def __init__(self, run: LakeRun) -> None:
+        self.run = run
+        self.done: dict[tuple[int, int], list[str]] = {}
+        self.cache = BundleCache()
+        self.with_files = 0  # pairs whose tables' current snapshots hold data files
+
+    def problems(self, services: Services, db: Path) -> list[str]:
+        key = (services.catalog, services.store)
+        if key not in self.done:
+            self.done[key], files = iceberg_problems(db, self.run.root / "objects", self.cache)
+            self.with_files += files > 0
+        return self.done[key]
+
+
 def _check_static(run: LakeRun, image: Image, durable: Image, services: Services,
-                  told: _Told) -> list[str]:
+                  told: _Told, tables: _TableChecks) -> list[str]:
     problems: list[str] = []
     data_dir = _restore(run, image, services)
     store_root = run.root / "objects"
     files, cover = _catalog_facts(DataDir(data_dir).catalog_db)
+    if run.iceberg:
+        problems += tables.problems(services, DataDir(data_dir).catalog_db)
     for fid, (key, size) in files.items():
         path = store_root / key
         if not path.exists():
@@ -468,7 +549,8 @@ def _check_static(run: LakeRun, image: Image, durable: Image, services: Services
                                 "acked by the uploader in the durable ack.log but no "
                                 "registered file covers it")
     try:
-        rec = recover_shard(0, DataDir(data_dir).shard(0), _config(data_dir, store_root),
+        rec = recover_shard(0, DataDir(data_dir).shard(0),
+                            _config(data_dir, store_root, iceberg=run.iceberg),
                             Hooks(), logs.get("lakestates"))
     except Exception as exc:  # noqa: BLE001 - a failed recovery is the finding
         return [*problems, f"recovery failed: {type(exc).__name__}: {exc}"]
@@ -519,14 +601,16 @@ def _check_restart(run: LakeRun, image: Image, services: Services,
     db = DataDir(data_dir).catalog_db
     tag_of_seq = {seq: tag for tag, seq in run.seq_of_tag.items()}
     want = {tag_of_seq[s] for s in acked if s in tag_of_seq}
-    d = InProcessDaemon(run.root, lake_settings(run.root / "objects"))
+    store_root = run.root / "objects"
+    d = InProcessDaemon(run.root, lake_settings(store_root, iceberg=run.iceberg))
     counts: dict[tuple[int, int], int] = {}
 
     def complete() -> bool:
         nonlocal counts
-        counts = _row_counts(run.root / "objects", db)
+        counts = _row_counts(store_root, db)
         return all(counts.get((t, i), 0) >= 1 for t in want
-                   for i in range(run.rows_of_tag[t]))
+                   for i in range(run.rows_of_tag[t])) and (
+            not run.iceberg or table_settled(db, store_root, CLIENT))
 
     d.start()
     try:
@@ -548,6 +632,15 @@ def _check_restart(run: LakeRun, image: Image, services: Services,
         d.end()
     problems = [f"row {key} is in the lake {n} times" for key, n in sorted(counts.items())
                 if n > 1][:5]
+    if run.iceberg:
+        # Every acked row in the table's scan exactly once (T == R held a moment before
+        # the stop; a compaction since leaves the replaced files there: the same rows).
+        scanned = scan_counts(db, store_root, CLIENT)
+        rows = [(t, i) for t in sorted(want) for i in range(run.rows_of_tag[t])]
+        problems += [f"acked row {key} is in the Iceberg scan {scanned[key]} times"
+                     for key in rows if scanned[key] != 1][:5]
+        problems += [f"row {key} is in the Iceberg scan {n} times"
+                     for key, n in sorted(scanned.items()) if n > 1][:5]
     if code != 0:
         problems.append(f"the restarted daemon exited {code}")
     return problems

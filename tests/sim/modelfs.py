@@ -453,6 +453,18 @@ class ModelFS(FileSystem):
                 raise SeamLeak(f"rename {src} -> {dst} crosses the model's root or names "
                                "a file it does not know")
 
+    def link(self, src: StrPath, dst: StrPath) -> None:  # type: ignore[override]
+        """A hard link: a new name of ``src``'s inode (compaction's task copies)."""
+        with self._lock:
+            self._alive()
+            a, b = self._rel(src), self._rel(dst)
+            os.link(src, dst)
+            if a is not None and b is not None and a in self.state.names:
+                self._do(("link", b, self.state.names[a]))
+            elif b is not None:
+                raise SeamLeak(f"link {src} -> {dst}: a name under the model's root for a "
+                               "file it does not know")
+
     def _note_segment(self, path: StrPath, rel: str) -> None:
         """A segment renamed into place: which bundle (index) holds which sequence, as a
         mark (what a crash-state check needs to map an acked sequence to its bundle id

@@ -103,7 +103,7 @@ MUTATIONS = (
         "                deleted = (cat.data_files_in(tbl, set(doomed.values()), set(doomed))\n",
         "                deleted = [] and (cat.data_files_in(tbl, set(doomed.values()), "
         "set(doomed))\n",
-        (ICEBERG_MODEL, DETSIM)),
+        (ICEBERG_MODEL, DETSIM, LAKE_CRASH_STATES)),
     Mutation(
         "expiry_of_the_current_snapshot",
         "expiry no longer protects the snapshot main points at",

@@ -1,7 +1,9 @@
 """Crash states of the lake's local steps (staging files, catalog registration, the
-janitor): seeded lake workloads on an in-process daemon, every crash state their local
-barriers and the services' changes allow, checked statically, and a seeded sample
-restarted and run until the lake holds every acknowledged row (tests/sim/lakestates.py).
+janitor; on odd seeds compaction and the Iceberg projection too): seeded lake workloads
+on an in-process daemon, every crash state their local barriers and the services'
+changes allow, checked statically, and a seeded sample restarted and run until the lake
+(and its Iceberg table) holds every acknowledged row (tests/sim/lakestates.py,
+tests/sim/lakeiceberg.py).
 
 Sizes: 2 workloads in the default tier, 10 in the full tier, ``QUIVERD_LAKE_WORKLOADS``
 from ``scripts/prove``.
@@ -14,7 +16,8 @@ import shutil
 
 import pytest
 
-from tests.sim.lakestates import check_lake_crash_states, run_lake_workload
+from tests.sim.lakeiceberg import iceberg_of
+from tests.sim.lakestates import CYCLE_WAIT_S, check_lake_crash_states, run_lake_workload
 from tests.tiers import size
 
 WORKLOADS = size(2, 10, "QUIVERD_LAKE_WORKLOADS")
@@ -24,7 +27,7 @@ FIRST_SEED = int(os.environ.get("QUIVERD_CRASH_FIRST_SEED", "0"))
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_lake_crash_states_keep_every_acked_row_once(chunk: int) -> None:
-    points = images = checked = restarted = 0
+    points = images = checked = restarted = pairs = 0
     seeds = range(FIRST_SEED + chunk, FIRST_SEED + WORKLOADS, CHUNKS)
     for seed in seeds:
         run = run_lake_workload(seed)
@@ -36,10 +39,16 @@ def test_lake_crash_states_keep_every_acked_row_once(chunk: int) -> None:
         images += report.images
         checked += report.checked
         restarted += report.restarted
+        pairs += report.iceberg_pairs
         if report.violations:
             pytest.fail(f"lake workload seed {seed}: {report.violations[0]} "
                         f"({len(report.violations)} in all; the run is kept at {run.root})")
+        assert run.cycled or not run.iceberg, (
+            f"lake workload seed {seed}: no compaction, replace commit, expiry and deletion "
+            f"of the replaced objects within {CYCLE_WAIT_S} s (the run is kept at {run.root})")
         shutil.rmtree(run.root, ignore_errors=True)
     print(f"lake crash states: {len(seeds)} workloads, {points} crash points, {images} "
-          f"states, {checked} distinct checked, {restarted} restarted to the end")
+          f"states, {checked} distinct checked, {restarted} restarted to the end; "
+          f"{pairs} distinct (catalog, store) pairs with Iceberg data files checked")
     assert checked > 0
+    assert pairs > 0 or not any(iceberg_of(s) for s in seeds), "no Iceberg state checked"

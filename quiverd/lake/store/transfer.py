@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import opendal
 
+from quiverd.kernel import fs
 from quiverd.kernel.config import MiB
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.durable import fsync_dir, write_all
@@ -90,8 +91,8 @@ async def receive(op: opendal.AsyncOperator, key: str, path: Path, *, size: int,
         # Inline, not in a thread: this must run even when we are being cancelled,
         # and close + unlink of one local file do not wait on anything.
         if owned:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
+            fs.active().close(fd)
+        fs.active().unlink(tmp, missing_ok=True)
         raise
 
 
@@ -114,8 +115,9 @@ def _read_chunk(fd: int, offset: int, n: int, crc: int) -> tuple[bytes, int]:
 
 
 def _create(path: Path) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)  # FileNotFoundError means: no object
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    seam = fs.active()  # a download lands in staging/: the lake's local steps are the seam's
+    seam.mkdir(path.parent)  # FileNotFoundError means: no object
+    return seam.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
 
 def _write_chunk(fd: int, chunk: bytes, crc: int) -> int:
@@ -124,9 +126,10 @@ def _write_chunk(fd: int, chunk: bytes, crc: int) -> int:
 
 
 def _commit_download(fd: int, tmp: Path, path: Path) -> None:
+    seam = fs.active()
     try:
-        os.fsync(fd)
+        seam.fsync(fd)
     finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        seam.close(fd)
+    seam.rename(tmp, path)
     fsync_dir(path.parent)
