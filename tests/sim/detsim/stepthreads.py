@@ -27,6 +27,7 @@ callback cannot wait: virtual time does not pass inside one).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue
 import threading
 import time
@@ -67,6 +68,9 @@ class StepThread:
         self.waiting_on: object | None = None
         self.timed_out = False
         self.step = _Step(self, f"{name}.step")
+        # The starting task's context variables, as a real thread pool hop would carry
+        # them (tests.sim.detsim.daemon routes each daemon's file system calls by one).
+        self.context = contextvars.copy_context()
 
     def start(self) -> None:
         threading.Thread(target=self._main, name=f"sim-{self.name}", daemon=True).start()
@@ -118,7 +122,7 @@ class StepThread:
         try:
             if self.abandoned:
                 raise Abandoned
-            self.outcome = (True, self.fn())
+            self.outcome = (True, self.context.run(self.fn))
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             self.outcome = (False, exc if isinstance(exc, Exception) else RuntimeError(
                 f"{self.name} ended by {type(exc).__name__}"))
