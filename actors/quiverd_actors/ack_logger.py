@@ -204,18 +204,22 @@ class _Committer:
         """``dropped`` outcomes first for a retention reason; the rows leave the table after."""
         records: list[fmt.Record] = []
         dropped: dict[str, int] = {}
-        with_drops = 0
+        with_drops = dropped_bytes = 0
         if msg.reason not in ("acked", "corrupt"):  # a quarantined segment: ack.log forgets it
             for seq in msg.segment_seqs:
                 plan = self.state.drop_segment(seq)
                 records += plan.records
                 for sub, n in plan.dropped_by_subscriber.items():
                     dropped[sub] = dropped.get(sub, 0) + n
-                with_drops += bool(plan.dropped_by_subscriber)
+                if plan.dropped_by_subscriber:
+                    with_drops += 1
+                    info = self.segments.get(seq)
+                    dropped_bytes += info.size_bytes if info is not None else 0
         retiring = tuple(info for seq in msg.segment_seqs
                          if (info := self.segments.get(seq)) is not None)
         return records, _Answer(msg.reply, value=Retired(
-            segments=retiring, dropped_by_subscriber=dropped, segments_with_drops=with_drops))
+            segments=retiring, dropped_by_subscriber=dropped, segments_with_drops=with_drops,
+            dropped_bytes=dropped_bytes))
 
     def _update_table(self, msg: AckLogRequest) -> None:
         """Keep the segment table in step with what ack.log now says."""

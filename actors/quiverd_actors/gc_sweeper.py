@@ -170,6 +170,8 @@ class _Sweeper:
         for sub, count in retired.dropped_by_subscriber.items():
             self.stats.dropped_bundles(sub).inc(count)
         self.stats.segments_dropped.inc(retired.segments_with_drops)
+        if reason in self.stats.lost_bytes:  # max_age, size_cap (quiver_lost_bytes_total)
+            self.stats.lost_bytes[reason].inc(retired.dropped_bytes)
         if retired.dropped_by_subscriber:
             self.log.warning("segments_dropped", reason=reason,
                              segments=retired.segments_with_drops,

@@ -132,6 +132,7 @@ class Retired(msgspec.Struct, frozen=True, kw_only=True):
     segments: tuple[SegmentInfo, ...]
     dropped_by_subscriber: dict[str, int]  # bundles each subscriber never got
     segments_with_drops: int
+    dropped_bytes: int = 0  # file bytes of those segments (quiver_lost_bytes_total)
 
 
 class RetireSegments(msgspec.Struct, frozen=True, kw_only=True):

@@ -160,6 +160,7 @@ class _Scrubber:
         n = info.bundle_count
         self.stats.corrupt(found_by).inc()
         self.stats.bundles_lost.inc(n)
+        self.stats.lost_bytes.inc(info.size_bytes)
         self.log.error("bundles_lost", shard=self.shard, segment_seq=seq, bundle_count=n,
                        bundle_ids=f"({self.shard}, {seq}, 0..{n - 1})" if n else None,
                        first_sequence=info.first_sequence, last_sequence=info.last_sequence,

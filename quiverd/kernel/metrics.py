@@ -15,11 +15,15 @@ table being changed under it.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib import metadata
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from quiverd import __version__
 
 # Seconds: group commit is 25 ms by default, an fdatasync 0.1-1 ms on a good disk.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
@@ -174,6 +178,14 @@ class Metrics:
                                   "after startup and quarantined, by the check that found "
                                   "them (read: before first delivery; scrub)",
                                   ("shard", "found_by"))
+        # Bytes some subscriber will never get, by why: the gc's ``size_cap`` (under
+        # drop_oldest) and ``max_age`` deletions, the scrubber's quarantine. Whole segment
+        # files, the unit both work in: one a subscriber had partly acked counts whole.
+        self.lost_bytes = c("quiver_lost_bytes_total", "bytes deleted before every "
+                            "subscriber had them, by reason: drop_oldest (size cap), expired "
+                            "(max_age), corrupt (a segment quarantined after startup, its "
+                            "bundles lost); counted as whole segment file sizes",
+                            ("shard", "reason"))
         # recovery
         self.wal_corrupt_entries = c("quiver_wal_corrupt_entries_total",
                                      "WAL entries found corrupt at replay", sh)
@@ -274,6 +286,9 @@ class Metrics:
             "quiver_lake_iceberg_commit_seconds", "one Iceberg commit (one snapshot, "
             "compare-and-swap retries included)", (),
             buckets=LATENCY_BUCKETS + (30.0, 60.0), registry=self.registry)
+        self.build_info = g("quiver_build_info", "1, labelled with the versions this daemon "
+                            "runs", ("version", "python", "pyarrow"))
+        self.build_info.labels(*build_versions().values()).set(1)
         self.registry.register(self)
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...]) -> Series:
@@ -300,6 +315,15 @@ class Metrics:
             for key, value in sorted(d.read().items()):
                 fam.add_metric(list(key), value)
             yield fam
+
+
+def build_versions() -> dict[str, str]:
+    """quiverd's, Python's and pyarrow's versions (``quiver_build_info``, ``/livez``)."""
+    try:
+        pyarrow = metadata.version("pyarrow")
+    except metadata.PackageNotFoundError:
+        pyarrow = "none"
+    return {"version": __version__, "python": platform.python_version(), "pyarrow": pyarrow}
 
 
 class WalMetrics:
@@ -393,6 +417,8 @@ class GcMetrics:
         self.delete_batches = m.gc_delete_batches.labels(shard)
         for reason in ("acked", "max_age", "size_cap"):
             self.evictions(reason)  # exported as 0 from the start, not only once it happens
+        self.lost_bytes = {"max_age": m.lost_bytes.labels(shard, "expired"),
+                           "size_cap": m.lost_bytes.labels(shard, "drop_oldest")}
 
     def evictions(self, reason: str) -> Value:
         return self._m.gc_evictions.labels(self._shard, reason)
@@ -410,6 +436,7 @@ class ScrubMetrics:
         self.segments = m.scrub_segments.labels(shard)
         self.passes = m.scrub_passes.labels(shard)
         self.bundles_lost = m.bundles_lost.labels(shard)
+        self.lost_bytes = m.lost_bytes.labels(shard, "corrupt")
         for found_by in ("read", "scrub"):
             self.corrupt(found_by)  # exported as 0 from the start
 

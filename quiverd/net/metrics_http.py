@@ -1,13 +1,20 @@
-"""``GET /metrics``: the Prometheus text exposition of the daemon's one registry;
-``GET /healthz``: 200 ``{"status": "ok", ...}`` while nothing is degraded, else 503
-``{"status": "degraded", "degraded": {"lake.store": {"kind", "error", "hint",
-"since_ns", "last_ns", "attempts"}, ...}}`` (JSON; parts as in ``quiverd.lake.health``).
+"""The daemon's HTTP endpoints for operators (JSON bodies but for /metrics):
+
+- ``GET /metrics``: the Prometheus text exposition of the daemon's one registry;
+- ``GET /livez``: 200 ``{"status": "alive", "uptime_s", "version", "pid"}`` whenever the
+  event loop answers (the liveness probe: never 503, a degraded lake included);
+- ``GET /readyz``: 200 ``{"status": "ready", "reasons": []}`` while appends are taken,
+  else 503 ``{"status": "not_ready", "reasons": [...]}`` (starting, stopping, a shard
+  at its size cap under backpressure, a WAL without disk space: ``runtime.status``);
+- ``GET /healthz``: 200 ``{"status": "ok", ...}`` while nothing is degraded, else 503
+  ``{"status": "degraded", "degraded": {"lake.store": {"kind", "error", "hint",
+  "since_ns", "last_ns", "attempts"}, ...}}`` (parts as in ``quiverd.lake.health``).
 
 A minimal HTTP/1.0 responder on the event loop (``[metrics] listen``, off by
 default; loopback is the sensible address): one request per connection, a
 bounded request head, a read timeout. Collecting runs on the event loop, where
 every value changes, so a scrape never reads a table mid-update. Anything else
-gets 404 (``GET /`` a pointer to /metrics and /healthz).
+gets 404 (``GET /`` a pointer to the four).
 """
 
 from __future__ import annotations
@@ -31,10 +38,17 @@ READ_TIMEOUT_S = 5.0
 
 class MetricsServer:
     def __init__(self, listen: str, metrics: Metrics, *, log: Logger,
-                 health: Callable[[], dict[str, Any]] | None = None) -> None:
+                 health: Callable[[], dict[str, Any]] | None = None,
+                 live: Callable[[], dict[str, Any]] | None = None,
+                 ready: Callable[[], dict[str, Any]] | None = None) -> None:
         self.host, self.port = parse_listen(listen)
         self.metrics, self.log = metrics, log
-        self.health = health or (lambda: {"status": "ok", "degraded": {}})
+        # path -> (its report, the report's status that answers 200; any other: 503)
+        self.probes: dict[bytes, tuple[Callable[[], dict[str, Any]], str]] = {
+            b"/healthz": (health or (lambda: {"status": "ok", "degraded": {}}), "ok"),
+            b"/livez": (live or (lambda: {"status": "alive"}), "alive"),
+            b"/readyz": (ready or (lambda: {"status": "ready", "reasons": []}), "ready"),
+        }
         self.address = ""
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -66,14 +80,16 @@ class MetricsServer:
             if method == b"GET" and path == b"/metrics":
                 body = generate_latest(self.metrics.registry)
                 await _respond(stream, b"200 OK", CONTENT_TYPE_LATEST.encode(), body)
-            elif method == b"GET" and path == b"/healthz":
-                health = self.health()
-                status = b"200 OK" if health.get("status") == "ok" else b"503 Service Unavailable"
+            elif method == b"GET" and path in self.probes:
+                report, good = self.probes[path]
+                answer = report()
+                status = (b"200 OK" if answer.get("status") == good
+                          else b"503 Service Unavailable")
                 await _respond(stream, status, b"application/json",
-                               msgspec.json.encode(health) + b"\n")
+                               msgspec.json.encode(answer) + b"\n")
             elif method == b"GET" and path == b"/":
                 await _respond(stream, b"200 OK", b"text/plain",
-                               b"quiverd: see /metrics and /healthz\n")
+                               b"quiverd: see /metrics, /livez, /readyz and /healthz\n")
             else:
                 await _respond(stream, b"404 Not Found", b"text/plain", b"not found\n")
 

@@ -3,7 +3,8 @@
     ingest listener ─▶ wal_writer[n] ─▶ segment_builder[n] ─▶ finalizer[n] ─▶ ack_logger[n]
                             ▲                                    │               │ (Changes)
                             └────────── WalReleased ─────────────┘    dispatcher[n], gc_sweeper[n]
-    admin socket (status, subscribers), /metrics, /healthz: runtime.status.StatusView
+    admin socket (status, subscribers), /metrics, /livez, /readyz, /healthz:
+    runtime.status.StatusView
 
 (each shard's wiring: ``quiverd.runtime.shard``)
 
@@ -153,7 +154,9 @@ class Daemon:
                 if cfg.metrics.listen:  # before the admin socket: ready means scrapeable
                     self.metrics_server = MetricsServer(cfg.metrics.listen, self.metrics,
                                                         log=logs.get("metrics"),
-                                                        health=self.view.health)
+                                                        health=self.view.health,
+                                                        live=self.view.liveness,
+                                                        ready=self.view.readiness)
                     await root.start(self.metrics_server.serve)
                 await root.start(admin.serve)
                 self.log.info("quiverd_ready", shards=len(self.shards), data_dir=cfg.data_dir,

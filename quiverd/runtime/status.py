@@ -1,23 +1,34 @@
 """What the daemon reports about itself: ``status``, subscribers and their lag, segment
-listings, the metrics summary, the gauges read at scrape time, and ``/healthz``.
+listings, the metrics summary, the gauges read at scrape time, and the probes.
 
     admin socket  status, segments, subscribers.list ─┐
-    GET /metrics  derived gauges (lag, usage, lake)  ─┼─▶ StatusView ─▶ shards, ingest,
-    GET /healthz  health()                           ─┘                 lake, staging
+    GET /metrics  derived gauges (lag, usage, lake)  ─┤
+    GET /healthz  health()    (nothing degraded)     ─┼─▶ StatusView ─▶ shards, ingest,
+    GET /livez    liveness()  (the loop answers)     ─┤                 lake, staging
+    GET /readyz   readiness() (appends are taken)    ─┘
 
 Read-only and on the event loop: every value is read where it changes, so no
 report ever sees a table mid-update. The view reads the daemon's parts through
 ``Parts`` (a Protocol), not the daemon itself.
+
+The three probes answer different questions. ``/livez`` is answered by the event loop
+itself, so answering is the proof it runs: a liveness probe restarts only a daemon
+that no longer answers, never one whose lake is degraded. ``/readyz`` says whether an
+append sent now is taken: no while the daemon starts or stops, while a shard's
+pipeline has ended, while a shard is at its retention size cap under
+``backpressure`` (appends wait or get AT_CAPACITY), or while a shard's WAL finds no
+disk space. ``/healthz`` says whether anything is degraded (the lake).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from quiverd.kernel.config import Config
-from quiverd.kernel.metrics import Metrics
+from quiverd.kernel.metrics import Metrics, build_versions
 
 if TYPE_CHECKING:
     from quiverd.net.ingest import IngestServer
@@ -40,6 +51,8 @@ class Parts(Protocol):
 class StatusView:
     def __init__(self, parts: Parts, metrics: Metrics) -> None:
         self.parts, self.metrics = parts, metrics
+        self.started = time.monotonic()
+        self.versions = build_versions()
         self._derive_gauges()
 
     def status(self) -> dict[str, Any]:
@@ -54,8 +67,54 @@ class StatusView:
             "shards": [s.status() for s in p.shards],
             "lake": p.lake.status() if p.lake else {"enabled": False},
             "staging": p.staging.status() if p.staging else {},
+            "ready": self.readiness(),
+            "storage": self.storage(),
+            "build": self.versions,
             "metrics": self.metrics_summary(),
         }
+
+    def liveness(self) -> dict[str, Any]:
+        """``/livez``: always ``alive`` (the loop is running this); never reads the disk."""
+        return {"status": "alive", "uptime_s": round(time.monotonic() - self.started, 3),
+                "version": self.versions["version"], "pid": os.getpid()}
+
+    def readiness(self) -> dict[str, Any]:
+        """``/readyz``: ``ready``, or ``not_ready`` with each reason (module doc)."""
+        p = self.parts
+        reasons: list[str] = []
+        if p.stopping:
+            reasons.append("stopping: appends are refused with SHUTTING_DOWN")
+        if p.ingest is None:
+            reasons.append("starting: the ingest socket is not served yet")
+        backpressure = p.cfg.retention.size_cap_policy == "backpressure"
+        for s in p.shards:
+            if s.recovered is None:
+                reasons.append(f"shard {s.index}: recovering")
+            elif not s.unfinished:
+                reasons.append(f"shard {s.index}: its pipeline has ended")
+            elif backpressure and s.gate.over():
+                reasons.append(f"shard {s.index}: at its retention size cap "
+                               f"({s.usage_bytes()} of {s.gate.cap_bytes} bytes): appends "
+                               "wait for subscribers' acks (or get AT_CAPACITY)")
+            if s.wal_stats.disk_full.value:
+                reasons.append(f"shard {s.index}: the WAL finds no disk space")
+        return {"status": "not_ready" if reasons else "ready", "reasons": reasons}
+
+    def storage(self) -> dict[str, Any]:
+        """Bytes the shards hold (WAL + segments + ack.log, the size cap's measure) over the
+        size cap, or over the data directory's filesystem when there is no cap."""
+        shards = self.parts.shards
+        used = sum(s.usage_bytes() for s in shards)
+        cap = sum(s.gate.cap_bytes for s in shards) if self.parts.cfg.retention.size_cap_bytes \
+            else 0
+        try:
+            st = os.statvfs(self.parts.cfg.data_dir)
+            fs_bytes, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        except OSError:
+            fs_bytes = free = 0
+        over = cap or fs_bytes
+        return {"used_bytes": used, "cap_bytes": cap, "filesystem_bytes": fs_bytes,
+                "free_bytes": free, "utilisation_ratio": used / over if over else 0.0}
 
     def health(self) -> dict[str, Any]:
         """``/healthz``: ``ok``, or ``degraded`` with each degraded part by name
@@ -99,6 +158,7 @@ class StatusView:
             "quiver_bundles_lost_total": int(m.bundles_lost.total()),
             "quiver_bundles_acked_total": int(m.bundles_acked.total()),
             "quiver_acked_bytes_total": int(m.bytes_acked.total()),
+            "quiver_lost_bytes_total": _ints(m.lost_bytes.by_label("reason")),
             "quiver_core_bytes": {str(s.index): s.usage_bytes() for s in self.parts.shards},
             "quiver_subscriber_lag": {sub["name"]: {k: v for k, v in sub.items() if k != "name"}
                                       for sub in self.subscribers()},
@@ -150,6 +210,15 @@ class StatusView:
         m.derive("quiver_delivery_held_seconds", "age of the undecided job at which a "
                  "shard's deliveries and streams wait (absent: none waits)", ("shard", "job_id"),
                  self._held_gauge)
+        m.derive("quiver_storage_utilisation_ratio", "bytes the shards hold (WAL + segments "
+                 "+ ack.log) over retention.size_cap_bytes, or over the data directory's "
+                 "filesystem size when there is no cap", (),
+                 lambda: {(): self.storage()["utilisation_ratio"]})
+        m.derive("quiver_storage_free_bytes", "bytes free for quiverd on the data "
+                 "directory's filesystem (statvfs f_bavail)", (),
+                 lambda: {(): self.storage()["free_bytes"]})
+        m.derive("quiver_ready", "1 while the daemon takes appends (GET /readyz 200), else 0",
+                 (), lambda: {(): float(self.readiness()["status"] == "ready")})
         m.derive("quiver_lake_degraded", "1 while a part of the lake (store, catalog, "
                  "staging) is degraded, with the kind of fault; 0 per part otherwise",
                  ("part", "kind"), self._lake_gauge)

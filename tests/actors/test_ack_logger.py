@@ -280,7 +280,8 @@ async def test_ack_logger_retire_for_retention_drops_durable_first(
         retired = await retire.reply.wait()
         assert len(rig.table) == 0
     assert retired == Retired(segments=infos, dropped_by_subscriber={"a": 2, "b": 3},
-                              segments_with_drops=2)
+                              segments_with_drops=2,
+                              dropped_bytes=sum(i.size_bytes for i in infos))
     a, b = rig.sub_id("a"), rig.sub_id("b")
     assert records_in(rig.shard.ack_log)[2:] == [
         fmt.Outcome(segment_seq=seq, bundle_index=idx, subscriber_id=sub, outcome=DROPPED)
