@@ -179,12 +179,14 @@ class Metrics:
                                   "them (read: before first delivery; scrub)",
                                   ("shard", "found_by"))
         # Bytes some subscriber will never get, by why: the gc's ``size_cap`` (under
-        # drop_oldest) and ``max_age`` deletions, the scrubber's quarantine. Whole segment
-        # files, the unit both work in: one a subscriber had partly acked counts whole.
+        # drop_oldest) and ``max_age`` deletions, the scrubber's quarantine and the one at
+        # startup (runtime.shard). Whole segment files, the unit all of them work in: one
+        # a subscriber had partly acked counts whole.
         self.lost_bytes = c("quiver_lost_bytes_total", "bytes deleted before every "
                             "subscriber had them, by reason: drop_oldest (size cap), expired "
-                            "(max_age), corrupt (a segment quarantined after startup, its "
-                            "bundles lost); counted as whole segment file sizes",
+                            "(max_age), corrupt (a segment quarantined at startup or after, "
+                            "its bundles lost); counted as whole segment file sizes (WAL "
+                            "entries skipped as damage: quiver_wal_corrupt_entries_total)",
                             ("shard", "reason"))
         # recovery
         self.wal_corrupt_entries = c("quiver_wal_corrupt_entries_total",

@@ -32,7 +32,7 @@ from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import Config
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.jobs import Verdict
-from quiverd.kernel.layout import DataDir
+from quiverd.kernel.layout import DataDir, ShardLayout, segment_path
 from quiverd.kernel.metrics import (
     AckLogMetrics,
     DispatchMetrics,
@@ -109,6 +109,8 @@ class Shard:
         fs_bytes = await anyio.to_thread.run_sync(_filesystem_bytes, self.layout.dir)
         self.disk_reserve_bytes = wal_disk_reserve_bytes(self.cfg, self.shard_count, fs_bytes)
         self.bundles_lost.inc(self.recovered.replay.get("bundles_lost", 0))
+        self.scrub_stats.lost_bytes.inc(await anyio.to_thread.run_sync(
+            _quarantined_bytes, self.layout, self.recovered))
 
     @property
     def acks(self) -> AckState:
@@ -296,6 +298,23 @@ def wal_disk_reserve_bytes(cfg: Config, shard_count: int, fs_bytes: int | None =
     if fs_bytes is not None:
         reserve = min(reserve, max(fs_bytes // 10, 2 * finalizer.METADATA_RESERVE_BYTES))
     return reserve
+
+
+def _quarantined_bytes(layout: ShardLayout, rec: Recovered) -> int:
+    """File bytes of the segments this start quarantined whose bundles are lost (the WAL
+    no longer held them): ``quiver_lost_bytes_total{reason="corrupt"}``. A segment named
+    lost without its file in quarantine/ (ack.log lists it, the file is gone) counts 0."""
+    quarantined = set(rec.quarantined_segments)
+    total = 0
+    for lost in rec.lost_bundles:
+        if str(lost.segment_seq) not in quarantined:
+            continue
+        name = segment_path(layout.segments_dir, lost.segment_seq).name
+        try:
+            total += (layout.quarantine_dir / name).stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def _filesystem_bytes(path: Path) -> int:

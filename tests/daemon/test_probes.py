@@ -18,6 +18,7 @@ import pytest
 import quiverd
 from quiverd.client import Client
 from quiverd.net.admin import request
+from quiverd.segments.reader import SegmentReader
 from tests.daemon.helpers import flip, tagged_table
 from tests.daemon.lake_helpers import FAST_LAKE, send_logs, wait_degraded
 from tests.daemon.test_lake_degraded import s3_settings
@@ -201,4 +202,26 @@ def test_lost_bytes_corrupt_counts_a_segment_the_scrubber_quarantined(
     wait_for(lambda: lost_bytes(address)["corrupt"] > 0)
     assert lost_bytes(address) == {"drop_oldest": 0, "expired": 0, "corrupt": size}
     assert d.status()["metrics"]["quiver_lost_bytes_total"] == {"corrupt": size}
+    assert d.stop() == 0
+
+
+def test_lost_bytes_corrupt_counts_a_segment_quarantined_at_startup(daemon_factory: Any) -> None:
+    # A flip in the manifest: the metadata CRC catches it at startup; the WAL released
+    # the segment's bundles, so they are lost, and the file's bytes with them.
+    d = daemon_factory({"shards": 1, "segment.max_open_duration_ms": 50,
+                        "metrics.listen": "127.0.0.1:0"}, in_process=True).start()
+    request(d.admin_socket, "subscribers.add", {"name": "s", "start": "earliest"})
+    newest, _ = two_segments_released(d)
+    size = newest.stat().st_size
+    with SegmentReader.open(newest) as reader:
+        footer = reader.footer
+    flip(newest, footer.manifest_offset + footer.manifest_length // 2)
+    d.start()
+    assert d.status()["shards"][0]["quarantined_segments"]
+    [event] = d.events("metrics_listening")[-1:]
+    assert lost_bytes(event["address"]) == {"drop_oldest": 0, "expired": 0, "corrupt": size}
+    d.stop()
+    d.start()  # reported once: the next start finds nothing more to count
+    [event] = d.events("metrics_listening")[-1:]
+    assert lost_bytes(event["address"])["corrupt"] == 0
     assert d.stop() == 0
