@@ -309,6 +309,7 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"quiverd pid {result['pid']}  data_dir {result['data_dir']}  "
           f"connections {result['connections']}  stopping {result['stopping']}")
+    _print_ready(result)
     cols = ["shard", "wal_bytes", "wal_files", "last_sequence", "fsyncs", "acks", "in_flight",
             "open_bundles", "segments"]
     table(cols, result["shards"])
@@ -348,6 +349,22 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  shard {shard} delivery waits for undecided job {held['job_id']} "
                   f"(age {held['age_s']} s; `quiverd jobs list`, `quiverd jobs abort`)")
     return 0
+
+
+def _print_ready(result: dict[str, Any]) -> None:
+    """Whether appends are taken (GET /readyz), storage held, and bytes lost by reason."""
+    ready, storage = result.get("ready") or {}, result.get("storage") or {}
+    if not ready:
+        return  # a daemon from before these fields
+    over = (f"cap {storage['cap_bytes']}" if storage["cap_bytes"]
+            else f"filesystem {storage['filesystem_bytes']}")
+    lost = result.get("metrics", {}).get("quiver_lost_bytes_total") or {}
+    print(f"ready {'yes' if ready['status'] == 'ready' else 'NO'}  storage {storage['used_bytes']}"
+          f" of {over} bytes ({storage['utilisation_ratio']:.1%})  free {storage['free_bytes']}"
+          + ("  lost_bytes " + " ".join(f"{k} {v}" for k, v in sorted(lost.items()))
+             if lost else ""))
+    for reason in ready["reasons"]:
+        print(f"  NOT READY {reason}")
 
 
 def _print_degraded(degraded: dict[str, dict[str, Any]]) -> None:

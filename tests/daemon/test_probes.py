@@ -20,7 +20,7 @@ from quiverd.client import Client
 from quiverd.net.admin import request
 from quiverd.segments.reader import SegmentReader
 from tests.daemon.helpers import flip, tagged_table
-from tests.daemon.lake_helpers import FAST_LAKE, send_logs, wait_degraded
+from tests.daemon.lake_helpers import FAST_LAKE, quiverd_cli, send_logs, wait_degraded
 from tests.daemon.test_lake_degraded import s3_settings
 from tests.daemon.test_metrics import scrape
 from tests.daemon.test_recovery_loss import two_segments_released
@@ -128,6 +128,9 @@ def test_probes_readyz_503_at_the_size_cap_then_200_after_acks(daemon_factory: A
     assert status["ready"]["reasons"] == [reason]
     assert status["storage"]["cap_bytes"] == SMALL["retention.size_cap_bytes"]
     assert status["storage"]["utilisation_ratio"] >= 1
+    cli = quiverd_cli("status", "--socket", str(d.admin_socket))
+    assert cli.returncode == 0, cli.stderr
+    assert "ready NO" in cli.stdout and f"NOT READY {reason}" in cli.stdout, cli.stdout
     consume(d, "stalled", want=blocked_at, idle_s=1.0)  # the subscriber catches up
     wait_for(lambda: producer.acks > blocked_at + 3, timeout=20)
     producer.stop.set()
