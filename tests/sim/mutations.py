@@ -55,7 +55,7 @@ MUTATIONS = (
         "            self.post(self.sink.on_durable, covered)\n"
         "            covered = []\n"
         "            self.wal.sync()  # DurabilityLost ends the thread: nothing covered is acked\n",
-        (CRASH_STATES, CORE_MODEL, CORE_SIM)),
+        (CRASH_STATES, CORE_MODEL, CORE_SIM, DAEMON_SIM)),
     Mutation(
         "segment_rename_without_dir_fsync",
         "a finalized segment is renamed into place and its directory never fsynced (nor the "
@@ -64,7 +64,7 @@ MUTATIONS = (
         "    fsync_dir(target.parent)\n    _step(hook, \"dir_fsynced\")\n",
         "    if target.parent.name != \"segments\":\n        fsync_dir(target.parent)\n"
         "    _step(hook, \"dir_fsynced\")\n",
-        (CRASH_STATES, CORE_MODEL, CORE_SIM)),
+        (CRASH_STATES, CORE_MODEL, CORE_SIM, DAEMON_SIM)),
     Mutation(
         "wal_release_before_segment_durable",
         "the finalizer releases the WAL before the segment holding its bundles is written",
@@ -80,7 +80,7 @@ MUTATIONS = (
         "actors/quiverd_actors/ack_logger.py",
         "    file.append(encoded)\n    file.sync()\n",
         "    file.append(encoded)\n",
-        (CRASH_STATES, CORE_MODEL, CORE_SIM)),
+        (CRASH_STATES, CORE_MODEL, CORE_SIM, DAEMON_SIM)),
     Mutation(
         "retention_drops_without_outcomes",
         "retention deletes segments the subscriber has not acked without writing their "

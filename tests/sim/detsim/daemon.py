@@ -1,11 +1,13 @@
-"""Deterministic simulation of a whole daemon (issue 28, item 4): the real shard (as in
-``core``: WAL writer with its lock-step threads, segment builder, finalizer, dispatcher,
-ack logger, gc) feeds the real lake (as in the package: uploader, indexer, janitor with
-compaction, projector with Iceberg in-process), on a ModelFS, one catalog database and
-one store with the lake's faults, under one seeded SimLoop; the daemon loses power at
-seeded times (or is killed, when its projection worker lands a sync after it died).
+"""Deterministic simulation of whole daemons (issue 28, item 4): each daemon's real shard
+(as in ``core``: WAL writer with its lock-step threads, segment builder, finalizer,
+dispatcher, ack logger, gc) feeds its real lake (as in the package: uploader, indexer,
+janitor with compaction, projector with Iceberg in-process), on a ModelFS; one or two
+daemons share one catalog database and one store with the lake's faults, under one
+seeded SimLoop; each daemon loses power at seeded times (or is killed, when its
+projection worker is to land a sync after the daemon died).
 
-    run_daemon(seed) ─▶ CoreLoop ─ life 0: Shard.recover, run; subscribers "s" and "uploader"
+    run_daemon(seed) ─▶ CoreLoop ─ per daemon, life 0: Shard.recover, run; subscribers "s"
+                                 │   and "uploader"
                                  │   producer ─AppendRequests─▶ WAL ─▶ segment ─▶ dispatcher
                                  │   dispatcher ─▶ "s" (acks or nacks by seed)
                                  │              └▶ Lake: uploader ─▶ staging/ (the ModelFS)
@@ -20,17 +22,30 @@ seeded times (or is killed, when its projection worker lands a sync after it die
                                  ├─ life 1..k: a new ModelFS, Shard and Lake recover it
                                  └─ last life: production ends, "s" acks every acked bundle,
                                     the lake settles (every bundle acked by the uploader, T == R
-                                    for each table), the final scan, a last cut, checked
+                                    for each table, and 200 s more); once every daemon has, the
+                                    final scan; then each daemon's last cut, checked
 
-Checked after every step: the core's C1-C3 (``core.CoreFS``; C2 asks both subscribers) and
-the lake's I1-I3 (``checks.Checker``; "acked" is the uploader's ack of a bundle, recorded
-as it is handed to the dispatcher). At each cut, the crash-state check of the image. At the
-end: every row of every producer-acked bundle is in the Iceberg scan exactly once, and
-nothing else is there but whole bundles that were sent (a bundle whose ACK a cut lost may
-still be in the lake, once). The same seed gives the same trace (``DaemonResult.digest``).
+One seam serves the process (``fs.active()``): ``RoutingFS`` sends each call to the
+ModelFS of the daemon whose task or WAL thread makes it (``CURRENT``, a context variable
+each daemon's tasks and threads inherit). At each cut the data directory must mirror its
+model (nothing bypassed the seam).
+
+Checked after every step: the core's C1-C3 (``core.CoreFS``; C2 and C3 for both
+subscribers) and the lake's I1-I3 (``checks.Checker``; "acked" is the uploader's ack of a
+bundle, recorded as it is handed to the dispatcher). At each cut, the crash-state check
+of the image. At the end: every row of every producer-acked bundle is in the Iceberg scan
+exactly once, and nothing else is there but whole bundles that were sent (a bundle whose
+ACK a cut lost may still be in the lake, once). The same seed gives the same trace
+(``DaemonResult.digest``).
 
     PYTHONHASHSEED=0 .venv/bin/python -m tests.sim.detsim.daemon SEED [SEED ...] [--json]
-        [--bundles N] [--smoke] [--trace N] [--plant NAME] [--no-faults]
+        [--daemons N] [--bundles N] [--smoke] [--harsh] [--trace N] [--plant NAME]
+        [--no-faults]
+
+Planted bugs (tests/sim/mutations.py) it catches: lake_ack_before_register (I1 at the
+first ack), ack_before_fdatasync (C1), acklog_append_not_synced (C2),
+segment_rename_without_dir_fsync (a cut's image, seed 1); ``--plant`` no_removals (I2),
+expire_now (I3).
 """
 
 from __future__ import annotations
@@ -77,7 +92,12 @@ from quiverd.lake.tier import Tier, load_source_id
 from quiverd.runtime.shard import Shard
 from quiverd.segments.reader import SegmentReader
 from quiverd_actors.inbox import Batches
-from quiverd_actors.messages import AppendRequest, ChangeSubscriber, ProducerReply
+from quiverd_actors.messages import (
+    AppendRequest,
+    ChangeSubscriber,
+    LocalDelivery,
+    ProducerReply,
+)
 from quiverd_actors.uploader import SUBSCRIBER as UPLOADER
 from tests.sim.crashstates import _config, check_image, durable_acks
 from tests.sim.detsim import stepthreads
@@ -460,6 +480,20 @@ class DaemonWorld(World):
                 await store.close()
 
 
+class _Delivered:
+    """A session's delivery stream that shows each delivery to ``check`` first."""
+
+    def __init__(self, inner: Any, check: Callable[[LocalDelivery], None]) -> None:
+        self._inner, self._check = inner, check
+
+    def send_nowait(self, item: LocalDelivery) -> None:
+        self._check(item)
+        self._inner.send_nowait(item)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class _PoweredOperator(FaultyOperator):
     """The store as a daemon without power sees it: nothing it asks for gets done."""
 
@@ -646,6 +680,22 @@ class _DaemonSim(_Sim):
             await feedback(session, segment_seq, bundle_index, outcome)
 
         d.feedback = watched  # type: ignore[method-assign]
+        attach = d.attach
+
+        def attached(session: Any) -> None:
+            if session.name == UPLOADER:
+                session.deliveries = _Delivered(session.deliveries, self.delivered_to_lake)
+            attach(session)
+
+        d.attach = attached  # type: ignore[method-assign]
+
+    def delivered_to_lake(self, b: LocalDelivery) -> None:
+        """C3 for the uploader: nothing the durable ack.log says it acked is delivered."""
+        self.checks.count("C3 delivery not durably acked")
+        assert self.model is not None
+        if _done(self.model.durable_acks(), UPLOADER, b.segment_seq, b.bundle_index):
+            self.checks.fail(f"C3: bundle {(b.segment_seq, b.bundle_index)} delivered to the "
+                             "uploader, though the durable ack.log says it acked it")
 
     def _lake(self, shard: Shard) -> SimLake:
         w = self.world
