@@ -21,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The core and the lake's local steps (staging files, their eviction and sweeping): what
+# The core and the lake's local steps (staging files, compaction's task copies and
+# downloads, their eviction and sweeping): what
 # the seam's model must see whole. Not the object store's own files (OpenDAL writes them;
 # the crash-state tools treat the store as a service), the catalog's (SQLite's), the CLI,
 # spark, the lockfile.
@@ -37,7 +38,9 @@ MODULE_GLOBS = (
         "finalizer", "gc_sweeper", "ack_logger", "scrubber", "wal_threads", "wal_writer",
         "segment_builder", "indexer", "janitor")),
     "actors/quiverd_actors/uploader/*.py",
-    *(f"quiverd/lake/{name}.py" for name in ("parquet", "bundles", "tier", "janitor")),
+    *(f"quiverd/lake/{name}.py" for name in ("parquet", "bundles", "tier", "janitor",
+                                             "compaction")),
+    "quiverd/lake/store/transfer.py",  # downloads land in staging/
 )
 EXCLUDED = frozenset({"quiverd/kernel/fs.py"})  # the seam itself
 

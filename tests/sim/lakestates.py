@@ -1,13 +1,14 @@
 """Crash states of the lake's local steps: staging files, catalog registration, janitor;
-on odd seeds also compaction and the Iceberg projection (tests/sim/lakeiceberg.py).
+on half the seeds also compaction and the Iceberg projection (tests/sim/lakeiceberg.py),
+on a few of those with the catalog in PostgreSQL (tests/sim/lakedb.py).
 
-    seed ─▶ a real in-process daemon with its lake (uploader, indexer, janitor; odd
+    seed ─▶ a real in-process daemon with its lake (uploader, indexer, janitor; half the
             seeds: compaction every second and the projection, its worker process
             included) on a LakeModelFS: rounds of tagged bundles, each
             round waited for until the lake registered it (Parquet written in staging/,
             closed and renamed Stable, uploaded, registered, the bundles acked by the
             "uploader" subscriber, the segment deleted, the local copy evicted), with the
-            janitor sweeping every second; odd seeds then wait for a compaction's whole
+            janitor sweeping every second; those seeds then wait for a compaction's whole
             cycle (replace, the replace's Iceberg commit, expiry, the replaced objects
             deleted)
     LakeModelFS ─▶ the ModelFS ops log (WAL, segments, ack.log and the staging files all
@@ -53,7 +54,6 @@ import inspect
 import os
 import random
 import shutil
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -71,6 +71,7 @@ from quiverd.kernel import config as config_mod
 from quiverd.kernel import fs, logs
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import DataDir
+from quiverd.lake.catalog.pg import PostgresCatalog
 from quiverd.lake.catalog.sqlite import SqliteCatalog
 from quiverd.lake.model import REGISTERED, decode_indexes
 from quiverd.lake.store.names import FS_TMP_DIR
@@ -79,6 +80,7 @@ from quiverd.runtime.recovery import recover_shard
 from quiverd.segments.reader import SegmentReader
 from tests.inprocess import InProcessDaemon
 from tests.sim.crashstates import _digest, durable_acks, reported_loss
+from tests.sim.lakedb import CatalogDb, PgDb, PgSnapshots, SqliteDb, SqliteSnapshots
 from tests.sim.lakeiceberg import (
     ICEBERG_SETTINGS,
     BundleCache,
@@ -96,16 +98,18 @@ CLIENT = "p"
 REGISTERED_SQL = "(" + ", ".join(f"'{s.value}'" for s in sorted(REGISTERED)) + ")"
 CAPTURE_ATTEMPTS = 50
 CYCLE_WAIT_S = 20.0  # for a compaction's cycle (_cycled), after the last round
+NUDGE_S = 3.0  # with no cycle yet, another bundle this often
 
 
-def lake_settings(store_root: Path, *, iceberg: bool = False) -> dict[str, Any]:
+def lake_settings(store_root: Path, *, iceberg: bool = False, dsn: str = "") -> dict[str, Any]:
     """The core workload's settings with the lake on: files rotate within tens of ms;
-    with ``iceberg``, the projection and compaction on (tests/sim/lakeiceberg.py)."""
+    with ``iceberg``, the projection and compaction on (tests/sim/lakeiceberg.py); with
+    ``dsn``, the catalog in that PostgreSQL database."""
     return {**SETTINGS, "lake.enabled": True, "lake.iceberg.enabled": False,
             "lake.store.root": str(store_root), "lake.file_duration_ms": 40,
             "lake.compaction.interval_s": 0, "lake.janitor.interval_s": 1,
             "lake.janitor.grace_s": 0, "lake.scrub.rate_mb_per_s": 0.0,
-            **(ICEBERG_SETTINGS if iceberg else {})}
+            **(ICEBERG_SETTINGS if iceberg else {}), **({"catalog.dsn": dsn} if dsn else {})}
 
 
 # ---- the services' snapshots ----------------------------------------------------------
@@ -118,15 +122,14 @@ class Services:
 
 
 class ServiceRecorder:
-    """Snapshots of catalog.sqlite and the store's objects, taken on demand, kept once
-    per distinct state: ``capture`` returns the ids of the state now."""
+    """Snapshots of the catalog database (tests/sim/lakedb.py) and the store's objects,
+    taken on demand, kept once per distinct state: ``capture`` returns the ids of the
+    state now."""
 
-    def __init__(self, db: Path, store_root: Path, scratch: Path) -> None:
-        self.db, self.store_root, self.scratch = db, store_root, scratch
-        (scratch / "objects").mkdir(parents=True)
-        self._conn: sqlite3.Connection | None = None
-        self._version: int | None = None
-        self.catalogs: list[Path] = []
+    def __init__(self, catalog: SqliteSnapshots | PgSnapshots, store_root: Path,
+                 scratch: Path) -> None:
+        self.catalog, self.store_root, self.scratch = catalog, store_root, scratch
+        (scratch / "objects").mkdir(parents=True, exist_ok=True)
         self.stores: list[dict[str, Path]] = []  # key -> a hard link to the object
         self._store_sig: frozenset[tuple[str, int, int]] | None = None
         self._links: dict[tuple[str, int, int], Path] = {}
@@ -138,33 +141,11 @@ class ServiceRecorder:
         deleted the manifests the catalog as read still points at is no crash state)."""
         with self._lock:
             for _ in range(CAPTURE_ATTEMPTS):
-                now = Services(self._capture_catalog(), self._capture_store())
-                if self._conn is None or self._data_version() == self._version:
+                now = Services(self.catalog.capture(), self._capture_store())
+                if not self.catalog.changed_since(now.catalog):
                     return now
             raise AssertionError(f"the catalog kept changing: no consistent snapshot in "
                                  f"{CAPTURE_ATTEMPTS} attempts")
-
-    def _data_version(self) -> int:
-        assert self._conn is not None
-        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
-
-    def _capture_catalog(self) -> int:
-        if self._conn is None:
-            if not self.db.exists():
-                return -1
-            self._conn = sqlite3.connect(self.db, check_same_thread=False,
-                                         isolation_level=None)
-        version = self._data_version()
-        if version != self._version or not self.catalogs:
-            self._version = version
-            path = self.scratch / f"catalog-{len(self.catalogs)}.sqlite"
-            dst = sqlite3.connect(path)
-            try:
-                self._conn.backup(dst)
-            finally:
-                dst.close()
-            self.catalogs.append(path)
-        return len(self.catalogs) - 1
 
     def _capture_store(self) -> int:
         found: dict[str, tuple[int, int]] = {}
@@ -197,8 +178,7 @@ class ServiceRecorder:
         return len(self.stores) - 1
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        self.catalog.close()
 
 
 class LakeModelFS(ModelFS):
@@ -250,8 +230,9 @@ def services_watched(model: LakeModelFS) -> Iterator[None]:
 
     for name in ("insert_file", "set_state", "set_state_if", "register", "record_index",
                  "replace", "restore", "forget", "delete_rows", "decide_job"):
-        if inspect.iscoroutinefunction(getattr(SqliteCatalog, name, None)):
-            wrap(SqliteCatalog, name)
+        for catalog in (SqliteCatalog, PostgresCatalog):
+            if inspect.iscoroutinefunction(getattr(catalog, name, None)):
+                wrap(catalog, name)
     for name in ("put_file", "copy", "delete"):
         wrap(ObjectStore, name)
     try:
@@ -268,25 +249,23 @@ class LakeRun:
     ops: list[Op]
     services: ServiceRecorder
     iceberg: bool = False  # the projection and compaction on
+    dsn: str = ""  # the catalog's PostgreSQL database ("": catalog.sqlite)
     cycled: bool = False  # ... and a compaction's whole cycle happened (_cycled)
     rows_of_tag: dict[int, int] = field(default_factory=dict)  # what was sent
     seq_of_tag: dict[int, int] = field(default_factory=dict)  # the producer's ACKs
     tag_of_id: dict[tuple[int, int], int] = field(default_factory=dict)  # (seg, idx)
 
+    @property
+    def db(self) -> CatalogDb:
+        """The catalog database at the run's own paths (where crash states go back)."""
+        return PgDb(self.dsn) if self.dsn else SqliteDb(DataDir(self.root / "data").catalog_db)
 
-def lake_rows(db: Path) -> int:
+
+def lake_rows(db: CatalogDb) -> int:
     """Rows the registered files hold (0 before the catalog exists)."""
-    if not db.exists():
-        return 0
-    conn = sqlite3.connect(db)
-    try:
-        got = conn.execute(f"SELECT COALESCE(SUM(row_count), 0) FROM files "
-                           f"WHERE state IN {REGISTERED_SQL}").fetchone()[0]
-    except sqlite3.OperationalError:
-        return 0  # not migrated yet
-    finally:
-        conn.close()
-    return int(got)
+    got = db.rows(f"SELECT COALESCE(SUM(row_count), 0) AS n FROM files "
+                  f"WHERE state IN {REGISTERED_SQL}")
+    return int(got[0]["n"]) if got else 0
 
 
 def wait_until(what: Callable[[], bool], timeout: float, message: Callable[[], str]) -> None:
@@ -297,47 +276,58 @@ def wait_until(what: Callable[[], bool], timeout: float, message: Callable[[], s
         time.sleep(0.02)
 
 
-def run_lake_workload(seed: int, *, rounds: int = 3) -> LakeRun:
-    """The seeded lake workload; its ops log, service snapshots and what was told."""
+def run_lake_workload(seed: int, *, rounds: int = 3, dsn: str = "") -> LakeRun:
+    """The seeded lake workload; its ops log, service snapshots and what was told. With
+    ``dsn``, the catalog is that (empty) PostgreSQL database."""
     from quiverd.client import Client
 
     rng = random.Random(seed)
     root = short_root()
     store_root = root / "objects"
     iceberg = iceberg_of(seed)
-    d = InProcessDaemon(root, lake_settings(store_root, iceberg=iceberg))
+    d = InProcessDaemon(root, lake_settings(store_root, iceberg=iceberg, dsn=dsn))
     d.data_dir.mkdir()
-    services = ServiceRecorder(DataDir(d.data_dir).catalog_db, store_root, root / "snaps")
+    snaps = PgSnapshots(dsn) if dsn else SqliteSnapshots(DataDir(d.data_dir).catalog_db,
+                                                          root / "snaps")
+    services = ServiceRecorder(snaps, store_root, root / "snaps")
     model = LakeModelFS(d.data_dir, services)
-    run = LakeRun(root=root, ops=model.ops, services=services, iceberg=iceberg)
+    run = LakeRun(root=root, ops=model.ops, services=services, iceberg=iceberg, dsn=dsn)
+    assert d.data_dir == root / "data"
+    db = run.db
     previous = fs.install(model)
     try:
         with services_watched(model), projection_watched(model.note_services):
             d.start()
-            tag = 0
-            sweep_after = rng.randrange(rounds)  # the round after which the janitor runs
-            for r in range(rounds):
-                n = rng.randint(1, 4)
-                rows = rng.choice((10, 200, 1500))
-                tags = list(range(tag, tag + n))
-                tag += n
+
+            def send(n: int, rows: int) -> None:
+                """n bundles of ``rows`` rows, acked, then waited for until registered."""
+                tags = list(range(len(run.rows_of_tag), len(run.rows_of_tag) + n))
                 with Client.connect(d.socket) as c:
                     acks = c.send_many([tagged(t, rows) for t in tags], client=CLIENT)
                 for t, ack in zip(tags, acks, strict=True):
                     run.seq_of_tag[t], run.rows_of_tag[t] = ack.sequence, rows
                 want = sum(run.rows_of_tag.values())
-                db = DataDir(d.data_dir).catalog_db
-                wait_until(lambda db=db, want=want: lake_rows(db) >= want, 30,  # type: ignore[misc]
+                wait_until(lambda: lake_rows(db) >= want, 30,
                            lambda: f"seed {seed}: the lake did not take the rows:\n"
                                    f"{d.log()[-3000:]}")
+
+            sweep_after = rng.randrange(rounds)  # the round after which the janitor runs
+            for r in range(rounds):
+                send(rng.randint(1, 4), rng.choice((10, 200, 1500)))
                 time.sleep(rng.choice((0.0, 0.05, 0.3)))  # eviction, gc
                 if r == sweep_after:  # a janitor pass (every lake.janitor.interval_s)
                     swept = d.log().count("lake_janitor_swept")
                     wait_until(lambda n=swept: d.log().count("lake_janitor_swept") > n,  # type: ignore[misc]
                                5, lambda: f"seed {seed}: no janitor pass:\n{d.log()[-3000:]}")
             if iceberg:  # not reached: reported after the checks (a bug may stop it)
+                # A compaction before the projection's first commit replaces files Iceberg
+                # never held: one more small bundle every NUDGE_S makes another.
                 deadline = time.monotonic() + CYCLE_WAIT_S
+                nudge = time.monotonic() + NUDGE_S
                 while not _cycled(d, store_root) and time.monotonic() < deadline:
+                    if time.monotonic() > nudge:
+                        send(1, 10)
+                        nudge = time.monotonic() + NUDGE_S
                     time.sleep(0.05)
                 run.cycled = _cycled(d, store_root)
             model.note_services()
@@ -455,9 +445,7 @@ def _restore(run: LakeRun, image: Image, services: Services) -> Path:
     shutil.rmtree(data_dir, ignore_errors=True)
     shutil.rmtree(store_root, ignore_errors=True)
     image.materialize(data_dir)
-    if services.catalog >= 0:
-        shutil.copyfile(run.services.catalogs[services.catalog],
-                        DataDir(data_dir).catalog_db)
+    run.services.catalog.restore(services.catalog, DataDir(data_dir).catalog_db)
     store_root.mkdir()
     for key, link in (run.services.stores[services.store] if services.store >= 0
                       else {}).items():
@@ -466,30 +454,23 @@ def _restore(run: LakeRun, image: Image, services: Services) -> Path:
     return data_dir
 
 
-def _catalog_facts(db: Path) -> tuple[dict[str, tuple[str, int]], list[tuple[str, int, int]]]:
+def _catalog_facts(db: CatalogDb) -> tuple[dict[str, tuple[str, int]],
+                                           list[tuple[str, int, int]]]:
     """Registered files (file_id -> (object_key, compressed_size)) and their coverage
-    ((file_id, segment, bundle) for slot 0)."""
-    if not db.exists():
-        return {}, []
-    conn = sqlite3.connect(db)
-    try:
-        files = {fid: (key, size) for fid, key, size in conn.execute(
-            f"SELECT file_id, object_key, compressed_size FROM files "
-            f"WHERE state IN {REGISTERED_SQL}")}
-        cover = [(fid, seg, idx) for fid, seg, text in conn.execute(
-            "SELECT file_id, segment_seq, bundle_indexes FROM coverage WHERE slot = 0")
-            if fid in files for idx in decode_indexes(text)]
-    except sqlite3.OperationalError:
-        return {}, []  # not migrated yet: nothing registered
-    finally:
-        conn.close()
+    ((file_id, segment, bundle) for slot 0); nothing before the catalog exists."""
+    files = {r["file_id"]: (r["object_key"], r["compressed_size"]) for r in db.rows(
+        f"SELECT file_id, object_key, compressed_size FROM files "
+        f"WHERE state IN {REGISTERED_SQL}")}
+    cover = [(r["file_id"], r["segment_seq"], idx) for r in db.rows(
+        "SELECT file_id, segment_seq, bundle_indexes FROM coverage WHERE slot = 0")
+        if r["file_id"] in files for idx in decode_indexes(r["bundle_indexes"])]
     return files, cover
 
 
-def _config(data_dir: Path, store_root: Path, *, iceberg: bool) -> config_mod.Config:
+def _config(data_dir: Path, store_root: Path, *, iceberg: bool, dsn: str) -> config_mod.Config:
     lines = [f'data_dir = "{data_dir}"']
     sections: dict[str, list[str]] = {}
-    for key, value in lake_settings(store_root, iceberg=iceberg).items():
+    for key, value in lake_settings(store_root, iceberg=iceberg, dsn=dsn).items():
         if "." not in key:
             lines.append(f"{key} = {value!r}")
             continue
@@ -512,7 +493,7 @@ class _TableChecks:
         self.cache = BundleCache()
         self.with_files = 0  # pairs whose tables' current snapshots hold data files
 
-    def problems(self, services: Services, db: Path) -> list[str]:
+    def problems(self, services: Services, db: CatalogDb) -> list[str]:
         key = (services.catalog, services.store)
         if key not in self.done:
             self.done[key], files = iceberg_problems(db, self.run.root / "objects", self.cache)
@@ -525,9 +506,9 @@ def _check_static(run: LakeRun, image: Image, durable: Image, services: Services
     problems: list[str] = []
     data_dir = _restore(run, image, services)
     store_root = run.root / "objects"
-    files, cover = _catalog_facts(DataDir(data_dir).catalog_db)
+    files, cover = _catalog_facts(run.db)
     if run.iceberg:
-        problems += tables.problems(services, DataDir(data_dir).catalog_db)
+        problems += tables.problems(services, run.db)
     for fid, (key, size) in files.items():
         path = store_root / key
         if not path.exists():
@@ -550,7 +531,7 @@ def _check_static(run: LakeRun, image: Image, durable: Image, services: Services
                                 "registered file covers it")
     try:
         rec = recover_shard(0, DataDir(data_dir).shard(0),
-                            _config(data_dir, store_root, iceberg=run.iceberg),
+                            _config(data_dir, store_root, iceberg=run.iceberg, dsn=run.dsn),
                             Hooks(), logs.get("lakestates"))
     except Exception as exc:  # noqa: BLE001 - a failed recovery is the finding
         return [*problems, f"recovery failed: {type(exc).__name__}: {exc}"]
@@ -597,12 +578,12 @@ def _check_restart(run: LakeRun, image: Image, services: Services,
                    acked: frozenset[int]) -> list[str]:
     """Restart a daemon on the crash state; the lake must end holding every acked row
     exactly once (and nothing twice)."""
-    data_dir = _restore(run, image, services)
-    db = DataDir(data_dir).catalog_db
+    _restore(run, image, services)
+    db = run.db
     tag_of_seq = {seq: tag for tag, seq in run.seq_of_tag.items()}
     want = {tag_of_seq[s] for s in acked if s in tag_of_seq}
     store_root = run.root / "objects"
-    d = InProcessDaemon(run.root, lake_settings(store_root, iceberg=run.iceberg))
+    d = InProcessDaemon(run.root, lake_settings(store_root, iceberg=run.iceberg, dsn=run.dsn))
     counts: dict[tuple[int, int], int] = {}
 
     def complete() -> bool:
@@ -630,6 +611,7 @@ def _check_restart(run: LakeRun, image: Image, services: Services,
         code = d.stop()
     finally:
         d.end()
+        run.services.catalog.restored = None  # the daemon changed it
     problems = [f"row {key} is in the lake {n} times" for key, n in sorted(counts.items())
                 if n > 1][:5]
     if run.iceberg:
@@ -646,7 +628,7 @@ def _check_restart(run: LakeRun, image: Image, services: Services,
     return problems
 
 
-def _row_counts(store_root: Path, db: Path) -> dict[tuple[int, int], int]:
+def _row_counts(store_root: Path, db: CatalogDb) -> dict[tuple[int, int], int]:
     """(tag, i) -> how many registered files hold that row."""
     files, _ = _catalog_facts(db)
     counts: dict[tuple[int, int], int] = {}

@@ -1,5 +1,6 @@
 """Crash states of the lake's local steps (staging files, catalog registration, the
-janitor; on odd seeds compaction and the Iceberg projection too): seeded lake workloads
+janitor; on half the seeds compaction and the Iceberg projection too, on a few of those
+with the catalog in PostgreSQL): seeded lake workloads
 on an in-process daemon, every crash state their local barriers and the services'
 changes allow, checked statically, and a seeded sample restarted and run until the lake
 (and its Iceberg table) holds every acknowledged row (tests/sim/lakestates.py,
@@ -16,21 +17,28 @@ import shutil
 
 import pytest
 
-from tests.sim.lakeiceberg import iceberg_of
+from tests.sim.lakeiceberg import iceberg_of, on_postgresql
 from tests.sim.lakestates import CYCLE_WAIT_S, check_lake_crash_states, run_lake_workload
 from tests.tiers import size
 
 WORKLOADS = size(2, 10, "QUIVERD_LAKE_WORKLOADS")
 CHUNKS = 2
 FIRST_SEED = int(os.environ.get("QUIVERD_CRASH_FIRST_SEED", "0"))
+# A chunk's seeds one after another: ~5 s a plain workload, ~20 s with Iceberg, ~45 s
+# with PostgreSQL too, under load.
+pytestmark = pytest.mark.timeout(max(120, 30 * WORKLOADS))
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
-def test_lake_crash_states_keep_every_acked_row_once(chunk: int) -> None:
+def test_lake_crash_states_keep_every_acked_row_once(chunk: int,
+                                                    request: pytest.FixtureRequest) -> None:
     points = images = checked = restarted = pairs = 0
     seeds = range(FIRST_SEED + chunk, FIRST_SEED + WORKLOADS, CHUNKS)
     for seed in seeds:
-        run = run_lake_workload(seed)
+        # The PostgreSQL server only when a seed needs it (not in the default tier).
+        dsn = request.getfixturevalue("postgres_dsn").create_database("lake") \
+            if on_postgresql(seed) else ""
+        run = run_lake_workload(seed, dsn=dsn)
         try:
             report = check_lake_crash_states(run, seed=seed)
         finally:
@@ -47,7 +55,8 @@ def test_lake_crash_states_keep_every_acked_row_once(chunk: int) -> None:
             f"lake workload seed {seed}: no compaction, replace commit, expiry and deletion "
             f"of the replaced objects within {CYCLE_WAIT_S} s (the run is kept at {run.root})")
         shutil.rmtree(run.root, ignore_errors=True)
-    print(f"lake crash states: {len(seeds)} workloads, {points} crash points, {images} "
+    print(f"lake crash states: {len(seeds)} workloads ({sum(map(on_postgresql, seeds))} on "
+          f"PostgreSQL), {points} crash points, {images} "
           f"states, {checked} distinct checked, {restarted} restarted to the end; "
           f"{pairs} distinct (catalog, store) pairs with Iceberg data files checked")
     assert checked > 0
