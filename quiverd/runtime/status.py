@@ -16,8 +16,9 @@ itself, so answering is the proof it runs: a liveness probe restarts only a daem
 that no longer answers, never one whose lake is degraded. ``/readyz`` says whether an
 append sent now is taken: no while the daemon starts or stops, while a shard's
 pipeline has ended, while a shard is at its retention size cap under
-``backpressure`` (appends wait or get AT_CAPACITY), or while a shard's WAL finds no
-disk space. ``/healthz`` says whether anything is degraded (the lake).
+``backpressure`` (appends wait or get AT_CAPACITY), while a shard's WAL is at its own
+bound (no segment has released it yet), or while a shard's WAL finds no disk space.
+``/healthz`` says whether anything is degraded (the lake).
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from quiverd.kernel.config import Config
 from quiverd.kernel.metrics import Metrics, build_versions
+from quiverd.wal import format as walformat
 
 if TYPE_CHECKING:
     from quiverd.net.ingest import IngestServer
     from quiverd.runtime.lake import Lake
     from quiverd.runtime.shard import Shard
     from quiverd.runtime.staging import Staging
+
+
+# /readyz calls a WAL full when an entry of the shard's mean size (4 KiB of payload at
+# least) does not fit in it: the writer then waits for a release (or refuses).
+MIN_PROBE_ENTRY_BYTES = walformat.ENTRY_OVERHEAD_LEN + walformat.SLOT_META_LEN + 4096
 
 
 class Parts(Protocol):
@@ -96,6 +103,11 @@ class StatusView:
                 reasons.append(f"shard {s.index}: at its retention size cap "
                                f"({s.usage_bytes()} of {s.gate.cap_bytes} bytes): appends "
                                "wait for subscribers' acks (or get AT_CAPACITY)")
+            elif not s.recovered.wal.fits(_typical_entry_bytes(s)):
+                wal = s.recovered.wal
+                reasons.append(f"shard {s.index}: its WAL is full ({wal.live_bytes} bytes in "
+                               f"{wal.file_count} files): appends wait until a segment is "
+                               "written and releases it (or get AT_CAPACITY)")
             if s.wal_stats.disk_full.value:
                 reasons.append(f"shard {s.index}: the WAL finds no disk space")
         return {"status": "not_ready" if reasons else "ready", "reasons": reasons}
@@ -236,6 +248,13 @@ class StatusView:
     def _lake_gauge(self) -> dict[tuple[str, ...], float]:
         lake = self.parts.lake
         return lake.health.gauge() if lake is not None else {}
+
+
+def _typical_entry_bytes(shard: Shard) -> int:
+    """The mean WAL entry this shard has written (``MIN_PROBE_ENTRY_BYTES`` at least)."""
+    w = shard.wal_stats
+    mean = w.bytes_written.value / w.appends.value if w.appends.value else 0
+    return max(MIN_PROBE_ENTRY_BYTES, int(mean))
 
 
 def _ints(values: dict[str, float]) -> dict[str, int]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import platform
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from quiverd.net.admin import request
 from quiverd.segments.reader import SegmentReader
 from tests.daemon.helpers import flip, tagged_table
 from tests.daemon.lake_helpers import FAST_LAKE, quiverd_cli, send_logs, wait_degraded
+from tests.daemon.test_io_errors import SMALL_WAL
 from tests.daemon.test_lake_degraded import s3_settings
 from tests.daemon.test_metrics import scrape
 from tests.daemon.test_recovery_loss import two_segments_released
@@ -135,6 +138,8 @@ def test_probes_readyz_503_at_the_size_cap_then_200_after_acks(daemon_factory: A
     wait_for(lambda: producer.acks > blocked_at + 3, timeout=20)
     producer.stop.set()
     producer.join(20)
+    # The producer went on until the cap again: drain everything, then it is ready.
+    consume(d, "stalled", want=producer.acks, idle_s=1.0)
     wait_for(lambda: get(address, "/readyz")[0] == 200, timeout=20)
     assert lost_bytes(address) == {"drop_oldest": 0, "expired": 0, "corrupt": 0}
     assert d.stop() == 0
@@ -142,6 +147,20 @@ def test_probes_readyz_503_at_the_size_cap_then_200_after_acks(daemon_factory: A
 
 def deleted_bytes(d: Any, reason: str) -> int:
     return sum(e["bytes"] for e in d.events("segments_deleted") if e["reason"] == reason)
+
+
+def settled(address: str, d: Any, reason: str, gc_reason: str) -> dict[str, float]:
+    """Lost bytes once the gc's last batch is logged and nothing moved for 0.3 s (a batch
+    is counted before its unlink and logged after it)."""
+    last: Any = None
+    deadline = time.monotonic() + 20
+    while True:
+        now = (lost_bytes(address), deleted_bytes(d, gc_reason))
+        if now == last and now[0][reason] == now[1]:
+            return now[0]
+        assert time.monotonic() < deadline, now
+        last = now
+        time.sleep(0.3)
 
 
 def test_lost_bytes_drop_oldest_counts_the_segments_dropped(daemon_factory: Any) -> None:
@@ -152,7 +171,7 @@ def test_lost_bytes_drop_oldest_counts_the_segments_dropped(daemon_factory: Any)
             c.send(BUNDLE, client="p")
     wait_for(lambda: d.status()["metrics"]["quiver_gc_evictions_total"].get("size_cap", 0)
              >= 2)
-    lost = lost_bytes(address)
+    lost = settled(address, d, "drop_oldest", "size_cap")
     # "stalled" acked nothing: every segment the cap deleted was lost to it, whole.
     assert lost["drop_oldest"] == deleted_bytes(d, "size_cap") > 2 * 1_000_000
     assert lost["expired"] == lost["corrupt"] == 0
@@ -169,7 +188,7 @@ def test_lost_bytes_expired_counts_what_max_age_deleted_unread(daemon_factory: A
     produce(d, [1, 2, 3])
     wait_for(lambda: d.status()["metrics"]["quiver_gc_evictions_total"].get("max_age", 0) >= 1,
              timeout=15)
-    lost = lost_bytes(address)
+    lost = settled(address, d, "expired", "max_age")
     assert lost["expired"] == deleted_bytes(d, "max_age") > 0
     assert lost["drop_oldest"] == lost["corrupt"] == 0
     assert d.stop() == 0
@@ -227,4 +246,86 @@ def test_lost_bytes_corrupt_counts_a_segment_quarantined_at_startup(daemon_facto
     d.start()  # reported once: the next start finds nothing more to count
     [event] = d.events("metrics_listening")[-1:]
     assert lost_bytes(event["address"])["corrupt"] == 0
+    assert d.stop() == 0
+
+
+class Sender(threading.Thread):
+    """Sends small bundles until told to stop (or refused)."""
+
+    def __init__(self, d: Any) -> None:
+        super().__init__(daemon=True)
+        self.d, self.acks, self.stop, self.error = d, 0, threading.Event(), None
+        self.last_ack = time.monotonic()
+
+    def run(self) -> None:
+        try:
+            with Client.connect(self.d.socket) as c:
+                while not self.stop.is_set():
+                    c.send(tagged_table(self.acks, rows=200), client="p")
+                    self.acks += 1
+                    self.last_ack = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 (reported by the test)
+            self.error = exc  # type: ignore[assignment]
+
+
+def wait_not_ready(address: str, starts: str, timeout: float = 20) -> list[str]:
+    """Poll /readyz until one of its reasons starts with ``starts``; returns them all."""
+    deadline = time.monotonic() + timeout
+    while True:
+        code, ready = get(address, "/readyz")
+        if code == 503 and any(r.startswith(starts) for r in ready["reasons"]):
+            assert ready["status"] == "not_ready"
+            return list(ready["reasons"])
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.02)
+
+
+def test_probes_readyz_503_while_the_wal_is_full_then_200(daemon_factory: Any,
+                                                          tmp_path: Path) -> None:
+    # No segment can be written while the gate file exists, so nothing releases the WAL
+    # (two 32 KiB files) and appends wait for room: the daemon is alive, not ready.
+    gate = tmp_path / "finalize.gate"
+    gate.touch()
+    d = daemon_factory({**SMALL_WAL, "metrics.listen": "127.0.0.1:0"}, in_process=True
+                       ).start(faults=f"finalize.tmp_written=gate:{gate}")
+    [event] = d.events("metrics_listening")
+    address = event["address"]
+    sender = Sender(d)
+    sender.start()
+    try:
+        reasons = wait_not_ready(address, "shard 0: its WAL is full")
+        assert get(address, "/livez")[0] == 200
+        held = sender.acks
+        time.sleep(0.5)
+        assert sender.acks <= held + 1  # the producer does wait (one may have been in flight)
+        assert wait_not_ready(address, "shard 0: its WAL is full", timeout=1)
+        assert reasons == [r for r in reasons if r.startswith("shard 0: its WAL is full")]
+    finally:
+        gate.unlink()
+    wait_for(lambda: get(address, "/readyz")[0] == 200, timeout=20)
+    acked = sender.acks
+    wait_for(lambda: sender.acks > acked + 5, timeout=20)  # appends taken again
+    sender.stop.set()
+    sender.join(20)
+    assert sender.error is None, sender.error
+    assert d.stop() == 0
+
+
+def test_probes_readyz_503_while_the_wal_finds_no_space_then_200(daemon_factory: Any) -> None:
+    # The 3rd to 8th WAL writes find no space (ENOSPC): retried with backoff (about 3 s
+    # in all), appends held meanwhile, then written.
+    d = daemon_factory({**SMALL_WAL, "metrics.listen": "127.0.0.1:0"}, in_process=True
+                       ).start(faults="wal.write=enospc@3-8")
+    [event] = d.events("metrics_listening")
+    address = event["address"]
+    sender = Sender(d)
+    sender.start()
+    wait_not_ready(address, "shard 0: the WAL finds no disk space", timeout=10)
+    assert get(address, "/livez")[0] == 200
+    wait_for(lambda: get(address, "/readyz")[0] == 200, timeout=20)
+    acked = sender.acks
+    wait_for(lambda: sender.acks > acked + 5, timeout=20)
+    sender.stop.set()
+    sender.join(20)
+    assert sender.error is None, sender.error
     assert d.stop() == 0

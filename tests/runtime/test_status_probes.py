@@ -16,13 +16,24 @@ from quiverd_actors.retention_gate import RetentionGate
 
 
 @dataclass
+class FakeWal:
+    full: bool = False
+    live_bytes: int = 65536
+    file_count: int = 2
+
+    def fits(self, nbytes: int) -> bool:
+        return not self.full
+
+
+@dataclass
 class FakeShard:
     index: int
     used: int = 0
     cap: int = 0
-    recovered: Any = True
+    recovered: Any = field(default_factory=lambda: SimpleNamespace(wal=FakeWal()))
     unfinished: bool = True
-    wal_stats: Any = field(default_factory=lambda: SimpleNamespace(disk_full=Value()))
+    wal_stats: Any = field(default_factory=lambda: SimpleNamespace(
+        disk_full=Value(), appends=Value(), bytes_written=Value()))
 
     def __post_init__(self) -> None:
         self.gate = RetentionGate(cap_bytes=self.cap, usage=lambda: self.used)
@@ -62,6 +73,7 @@ def test_status_readiness_ready_when_every_shard_takes_appends(tmp_path: Any) ->
     ("recovering", "shard 1: recovering"),
     ("ended", "shard 1: its pipeline has ended"),
     ("at_cap", "shard 1: at its retention size cap (100 of 100 bytes)"),
+    ("wal_full", "shard 1: its WAL is full (65536 bytes in 2 files)"),
     ("disk_full", "shard 1: the WAL finds no disk space"),
 ])
 def test_status_readiness_not_ready_names_the_reason(tmp_path: Any, change: str,
@@ -78,6 +90,8 @@ def test_status_readiness_not_ready_names_the_reason(tmp_path: Any, change: str,
         shard.unfinished = False
     elif change == "at_cap":
         shard.used = 100
+    elif change == "wal_full":
+        shard.recovered.wal.full = True
     else:
         shard.wal_stats.disk_full.set(1)
     ready = v.readiness()
