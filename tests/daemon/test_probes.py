@@ -329,3 +329,29 @@ def test_probes_readyz_503_while_the_wal_finds_no_space_then_200(daemon_factory:
     sender.join(20)
     assert sender.error is None, sender.error
     assert d.stop() == 0
+
+
+def test_probes_readyz_503_while_stopping_livez_200(daemon_factory: Any, tmp_path: Path) -> None:
+    # The open segment cannot be written while the gate file exists, so the stop's drain
+    # (final segment) waits: the daemon is stopping, alive, and not ready.
+    gate = tmp_path / "finalize.gate"
+    d = daemon_factory({**SMALL_WAL, "metrics.listen": "127.0.0.1:0",
+                        "segment.max_open_duration_ms": 600_000}, in_process=True
+                       ).start(faults=f"finalize.tmp_written=gate:{gate}")
+    [event] = d.events("metrics_listening")
+    address = event["address"]
+    with Client.connect(d.socket) as c:
+        c.send_many([tagged_table(i) for i in range(3)], client="p")
+    gate.touch()
+    codes: list[int] = []
+    stopper = threading.Thread(target=lambda: codes.append(d.stop()), daemon=True)
+    stopper.start()
+    try:
+        reasons = wait_not_ready(address, "stopping", timeout=10)
+        assert reasons == ["stopping: appends are refused with SHUTTING_DOWN"]
+        code, live = get(address, "/livez")
+        assert code == 200 and live["status"] == "alive", live
+    finally:
+        gate.unlink()
+    stopper.join(30)
+    assert codes == [0]
