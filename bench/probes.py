@@ -5,9 +5,9 @@
 Starts ``python -m quiverd serve`` on a fresh data directory (one shard, the metrics
 listener on a free loopback port), then times ``GET /livez``, ``/readyz`` and
 ``/metrics`` (a fifth as many: a scrape walks every series) one after the other from
-this process: first with the daemon idle, then while a producer thread sends bundles
-of 16 x ~190 KB (8,000 rows) as fast as they are acked. Prints p50/p99 per endpoint and the
-producer's bundles/s during the timed part. The probes run on the event loop that
+this process: first with the daemon idle, then while a producer thread sends batches
+of 16 bundles of ~190 KB (8,000 rows) as fast as they are acked. Prints p50/p99 per
+endpoint and the producer's bundles/s during the timed part. The probes run on the event loop that
 also serves ingest, so their p99 under load is the loop's scheduling delay.
 """
 
