@@ -40,7 +40,7 @@ ACK a cut lost may still be in the lake, once). The same seed gives the same tra
 
     PYTHONHASHSEED=0 .venv/bin/python -m tests.sim.detsim.daemon SEED [SEED ...] [--json]
         [--daemons N] [--bundles N] [--smoke] [--harsh] [--trace N] [--plant NAME]
-        [--no-faults]
+        [--no-faults] [--janitor-grace-s S] [--janitor-interval-s S]
 
 Planted bugs (tests/sim/mutations.py) it catches: lake_ack_before_register (I1 at the
 first ack), ack_before_fdatasync (C1), acklog_append_not_synced (C2),
@@ -804,6 +804,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the test's smaller size")
     parser.add_argument("--harsh", action="store_true", help="3x the fault rates")
     parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--janitor-grace-s", type=int, default=0,
+                        help="lake.janitor.grace_s (orphans younger are kept)")
+    parser.add_argument("--janitor-interval-s", type=int, default=0)
     parser.add_argument("--plant", choices=[p for p in PLANTS if p], default="")
     parser.add_argument("--trace", type=int, default=0, help="print the last N steps")
     parser.add_argument("--json", action="store_true", help="one line of counts per seed")
@@ -819,6 +822,9 @@ def main(argv: list[str] | None = None) -> int:
         size = DaemonSize(**{**size.__dict__, "bundles": args.bundles})
     if args.harsh:
         size = DaemonSize(**{**size.__dict__, "fault_scale": 3.0})
+    for knob in ("janitor_grace_s", "janitor_interval_s"):
+        if getattr(args, knob):
+            size = DaemonSize(**{**size.__dict__, knob: getattr(args, knob)})
     failed = 0
     for seed in args.seeds:
         try:
