@@ -105,6 +105,15 @@ MUTATIONS = (
         "set(doomed))\n",
         (ICEBERG_MODEL, DETSIM, LAKE_CRASH_STATES)),
     Mutation(
+        "compaction_leaves_inputs_registered",
+        "a compaction's replace names the output in its inputs' rows but leaves them "
+        "registered: the inputs and the output both count, the rows twice",
+        "quiverd/lake/catalog/sql.py",
+        "    return (f\"UPDATE files SET state = '{FileState.COMPACTED.value}', "
+        "compacted_into = ?, \"\n",
+        "    return (f\"UPDATE files SET compacted_into = ?, \"\n",
+        (LAKE_CRASH_STATES, DETSIM)),
+    Mutation(
         "expiry_of_the_current_snapshot",
         "expiry no longer protects the snapshot main points at",
         "quiverd/lake/iceberg/catalog.py",
