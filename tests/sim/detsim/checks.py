@@ -4,8 +4,9 @@ changes are flagged by the faulty wrappers, and only the parts a step changed ar
 again (quiverd's catalog through a read-only SQLite connection, the tables through
 pyiceberg, the objects on disk).
 
-  I1 acked rows:   every acked bundle is covered by exactly one registered file (the
-                   catalog's coverage rows of registered files), and no bundle by two;
+  I1 acked rows:   every acked bundle is covered by a registered file (the catalog's
+                   coverage rows of registered files), and no piece of a bundle (its
+                   slot, in one hour's directory) by two;
                    every registered file's object is in the store.
   I2 projection:   per table and source, with T = the source's files in the current
                    snapshot, R = its registered files:
@@ -150,25 +151,30 @@ class Checker:
             "FROM files") if r["source_id"] in mine}
 
     def _acked_rows_once(self) -> None:
+        """Each piece of a bundle (its slot, and the hour directory of the file: a slot's
+        rows may span hours) in one registered file at most; an acked bundle in one at
+        least (one per slot and hour: the final scan counts its rows)."""
         assert self.db is not None
         marks = ",".join("?" * len(REGISTERED_VALUES))
         held: Counter[tuple[str, int, int]] = Counter()
-        holders: dict[tuple[str, int, int], list[str]] = {}
+        pieces: dict[tuple[str, int, str, int, int], list[str]] = {}
         for r in self.db.execute(
-                "SELECT c.file_id, c.source_id, c.segment_seq, c.bundle_indexes FROM coverage c "
+                "SELECT c.file_id, c.source_id, c.slot, c.segment_seq, c.bundle_indexes, "
+                "f.object_key FROM coverage c "
                 f"JOIN files f ON f.file_id = c.file_id WHERE f.state IN ({marks})",
                 REGISTERED_VALUES):
+            part = str(r["object_key"] or "").rsplit("/", 1)[0]
             for idx in decode_indexes(r["bundle_indexes"]):
-                key = (str(r["source_id"]), int(r["segment_seq"]), idx)
-                held[key] += 1
-                holders.setdefault(key, []).append(str(r["file_id"]))
-        twice = sorted(k for k, n in held.items() if n > 1)
+                held[(str(r["source_id"]), int(r["segment_seq"]), idx)] += 1
+                piece = (str(r["source_id"]), int(r["slot"]), part, int(r["segment_seq"]), idx)
+                pieces.setdefault(piece, []).append(str(r["file_id"]))
+        twice = sorted(k for k, files in pieces.items() if len(files) > 1)
         if twice:
             raise InvariantViolated(f"I1: bundles covered by two registered files: "
-                                    f"{[(k, holders[k]) for k in twice[:5]]}")
+                                    f"{[(k, pieces[k]) for k in twice[:5]]}")
         for d in self.world.daemons:
             for seg, idx in d.dispatcher.acked:
-                if held[(d.source_id, seg, idx)] != 1:
+                if not held[(d.source_id, seg, idx)]:
                     raise InvariantViolated(
                         f"I1: acked bundle {d.source_id}/0/{seg}/{idx} is in "
                         f"{held[(d.source_id, seg, idx)]} registered files")
