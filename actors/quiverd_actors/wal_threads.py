@@ -190,7 +190,7 @@ class WalPipeline:
             pending = pending[refused:]
 
     def _slots(self, bundle: Bundle) -> tuple[Any, ...]:
-        return (*bundle.slots, self.meta.encode(bundle.client, bundle.txn))
+        return (*bundle.slots, self.meta.encode(bundle.client, bundle.txn, bundle.producer))
 
     def _no_room(self, pending: list[Any]) -> list[Any]:
         """The WAL is at its size or file bound: refuse the first, or wait for a release."""
@@ -238,7 +238,8 @@ class WalPipeline:
         self.stats.bytes_written.inc(nbytes)
         self.stats.last_sequence.set(entries[-1][0])
         done = [(req, Bundle(client=req.bundle.client, slots=req.bundle.slots,
-                             txn=req.bundle.txn, ingestion_ts_ns=e[1][0], sequence=e[0]), taken)
+                             txn=req.bundle.txn, ingestion_ts_ns=e[1][0], sequence=e[0],
+                             producer=req.bundle.producer), taken)
                 for (req, taken, _), e in zip(chunk, entries, strict=True)]
         if not self.policy.syncs:
             self.post(self.sink.on_durable, done)

@@ -30,26 +30,39 @@ the others is left in the WAL. They are written again after a backoff
 batches queue behind them, so producers wait), or get AT_CAPACITY under
 ``"reject"``. Numbers are given at write time: a refused bundle uses none, so there
 is no gap. Events: ``wal_disk_full`` once, ``wal_disk_space_back``.
+
+A named producer's bundle (protocol v3: its stream and ``producer_seq``) that the shard
+already holds is not written again: it is answered with the first one's ACK, at once
+when that one is acked, else together with it (or with its refusal). The table of
+what is held (``quiverd.kernel.producers``) takes a bundle when it is acked, and is
+written to ``producers.json`` before each WAL release, so a released entry's number
+is never forgotten.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 from anyio import CapacityLimiter
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from quiverd.kernel import fs
 from quiverd.kernel.changes import Changes
 from quiverd.kernel.config import WalConfig
+from quiverd.kernel.durable import atomic_write
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import WalMetrics
+from quiverd.kernel.producers import ProducerTable, StreamKey, stream_of
 from quiverd.protocol.frames import Ack, Error, ErrorCode
+from quiverd.wal.disk import reason_of
 from quiverd.wal.files import WalFiles, WalNoSpace
 from quiverd.wal.flush import FlushPolicy
 from quiverd_actors.inbox import ShardInbox
@@ -81,6 +94,8 @@ async def run(
     drop_oldest: bool = False,
     stopping: anyio.Event | None = None,
     disk_reserve_bytes: int = 0,
+    producers: ProducerTable | None = None,
+    producers_path: Path | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Append, sync and acknowledge until ``inbox`` ends; then release until ``releases`` ends.
@@ -90,9 +105,14 @@ async def run(
     over its size cap; under ``drop_oldest`` it only wakes the gc (``over_cap``).
     ``disk_reserve_bytes``: free space appends leave on the filesystem, so that
     segments (which release the WAL) and ack.log can still be written.
+    ``producers``: the named producers' stored numbers (recovery's), saved to
+    ``producers_path`` before each release.
     """
     wal.reserve_bytes = disk_reserve_bytes
     writer = _Writer(shard, wal, cfg, next_sequence, stats, log, outbox)
+    if producers is not None:
+        writer.producers = producers
+    writer.producers_path = producers_path
     writer.gate, writer.drop_oldest = gate, drop_oldest
     if over_cap is not None:
         writer.over_cap = over_cap
@@ -139,6 +159,11 @@ class _Writer:
         self.wake: anyio.Event | None = None
         self.threads_left = 0
         self.done = anyio.Event()  # threads exited and every commit went to the outbox
+        self.producers = ProducerTable()
+        self.producers_path: Path | None = None
+        # Numbered bundles submitted, not yet acked or refused; and the resends of
+        # them that arrived meanwhile, answered with them.
+        self.numbered: dict[tuple[StreamKey, int], list[AppendRequest]] = {}
         self.pipeline = WalPipeline(wal, FlushPolicy.of(cfg), self, _poster(),
                                     shard=shard, next_sequence=next_sequence,
                                     reject=cfg.at_capacity == "reject", stats=stats, log=log)
@@ -159,12 +184,54 @@ class _Writer:
         """Hand every batch to the writer thread; then let it drain and exit."""
         while (batch := await inbox.take()) is not None:
             taken = time.monotonic()  # the ack latency runs from here
+            if any(req.bundle.producer is not None for req in batch):
+                batch = self._new_only(batch)
             items = [(req, taken) for req in batch]
             if self.gate is not None and self.gate.over():
                 items = [item for item in items if await self._wait_for_retention(item[0])]
             if items:
                 self.pipeline.submit(items)
         self.pipeline.close()
+
+    def _new_only(self, batch: list[AppendRequest]) -> list[AppendRequest]:
+        """The batch without the numbered bundles the shard holds or is storing: those
+        are answered with the first one's outcome."""
+        fresh: list[AppendRequest] = []
+        for req in batch:
+            tag = req.bundle.producer
+            if tag is None:
+                fresh.append(req)
+                continue
+            key = (stream_of(req.bundle.client, tag), tag.seq)
+            waiting = self.numbered.get(key)
+            if waiting is not None:
+                waiting.append(req)  # the first is in flight: answered with it
+                continue
+            sequence = self.producers.sequence_of(*key)
+            if sequence is not None:
+                self.stats.resends.inc()
+                _reply(req, Ack(request_id=req.request_id, shard=self.shard,
+                                sequence=sequence))
+                continue
+            self.numbered[key] = []
+            fresh.append(req)
+        return fresh
+
+    def _settle_numbered(self, req: AppendRequest, reply: ProducerReply | None,
+                         sequence: int = 0) -> None:
+        """A numbered bundle was acked (``reply`` None: an Ack of ``sequence``) or
+        refused: its resends get the same answer."""
+        tag = req.bundle.producer
+        if tag is None:
+            return
+        stream = stream_of(req.bundle.client, tag)
+        if reply is None:
+            self.producers.add(stream, tag.seq, sequence)
+        for again in self.numbered.pop((stream, tag.seq), ()):
+            self.stats.resends.inc()
+            _reply(again, Ack(request_id=again.request_id, shard=self.shard,
+                              sequence=sequence) if reply is None else
+                   msgspec.structs.replace(reply, request_id=again.request_id))
 
     # ---- called on the loop by the pipeline's posts -------------------------------
     def on_durable(self, written: list[Written]) -> None:
@@ -175,6 +242,8 @@ class _Writer:
         for req, bundle, taken in written:
             _reply(req, Ack(request_id=req.request_id, shard=shard, sequence=bundle.sequence))
             stats.ack_latency.observe(now - taken)
+            if bundle.producer is not None:
+                self._settle_numbered(req, None, bundle.sequence)
         stats.acks.inc(len(written))
         stats.acked_bytes.inc(sum(b.payload_bytes for _, b, _ in written))
         batch = DurableBatch(bundles=tuple(b for _, b, _ in written))
@@ -195,7 +264,9 @@ class _Writer:
     def on_refused(self, reqs: list[AppendRequest], why: Refusal, message: str) -> None:
         code = REFUSAL_CODES[why]
         for req in reqs:
-            _reply(req, Error(request_id=req.request_id, code=code, message=message))
+            error = Error(request_id=req.request_id, code=code, message=message)
+            _reply(req, error)
+            self._settle_numbered(req, error)
 
     # ---- loop tasks ----------------------------------------------------------------
     async def _deliver(self) -> None:
@@ -287,6 +358,7 @@ class _Writer:
                 retry.backoff()
             assert upto is not None
             try:
+                await self._save_producers(limiter)
                 freed = await anyio.to_thread.run_sync(self.wal.release, upto,
                                                        limiter=limiter)
             except WalNoSpace as exc:
@@ -299,6 +371,26 @@ class _Writer:
             retry.succeeded("wal_release_done", shard=self.shard, upto_sequence=upto)
             if freed:
                 self.pipeline.space.set()
+
+
+    async def _save_producers(self, limiter: CapacityLimiter) -> None:
+        """producers.json as of now, before a release lets the WAL forget entries whose
+        numbers only it held (WalNoSpace defers the release)."""
+        table, path = self.producers, self.producers_path
+        if path is None:
+            return
+        table.expire()
+        if not table.changed:
+            return
+        raw = table.encode()
+        try:
+            await anyio.to_thread.run_sync(atomic_write, path, raw, limiter=limiter)
+        except OSError as exc:
+            table.changed = True  # written with the next release
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise WalNoSpace(f"no space to write {path}: {exc}", written=0,
+                                 reason=reason_of(exc)) from exc
+            raise
 
 
 def _poster() -> Callable[..., Any]:

@@ -143,6 +143,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--client", required=True,
                    help="the bundles' client name, [A-Za-z0-9._-]{1,255} (the lake's client=)")
     s.add_argument("--json", action="store_true", help="print each ack as a JSON line")
+    s.add_argument("--producer-id", default="", metavar="ID",
+                   help="name this producer ([A-Za-z0-9._-]{1,255}): its bundles are "
+                   "numbered, and a lost connection or a daemon restart is ridden out by "
+                   "reconnecting and resending what was not acked, each bundle stored "
+                   "exactly once (protocol v3)")
     s.add_argument("files", nargs="+", metavar="FILE",
                    help="Arrow IPC (file or stream) or Parquet files")
     s.set_defaults(func=_send)

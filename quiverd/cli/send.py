@@ -84,7 +84,7 @@ def send_files_cli(args: argparse.Namespace) -> int:
     splits: list[FileSplit] = []
     try:
         for _ in send_files(args.socket, args.files, client=args.client, progress=progress,
-                            splits=splits):
+                            splits=splits, producer_id=args.producer_id):
             acks += 1
     finally:
         if bar is not None:

@@ -85,6 +85,9 @@ class Requests:
         """Requests sent and not answered yet (BUNDLE and JOB alike)."""
         return len(self._inflight)
 
+    def inflight_ids(self) -> list[int]:
+        return list(self._inflight)
+
     def start(self, request_id: int, expect: type[Ack] | type[JobReply] = Ack) -> None:
         """``request_id`` is about to be sent; an ``expect`` (or ERROR) will answer it."""
         self.check_usable()
@@ -134,6 +137,14 @@ class Requests:
         bad = ProtocolError(ErrorCode.MALFORMED, f"unexpected {type(msg).__name__} from server")
         return self.fail(bad)
 
+    def fail_some(self, request_ids: Collection[int], exc: BaseException) -> list[int]:
+        """These requests in flight fail with ``exc`` (the connection goes on)."""
+        failed = [r for r in request_ids if r in self._inflight]
+        for request_id in failed:
+            del self._inflight[request_id]
+            self._store(request_id, exc)
+        return failed
+
     def fail(self, exc: BaseException) -> list[int]:
         """The connection is unusable: every request in flight fails with ``exc``."""
         if self.broken is None:
@@ -167,7 +178,8 @@ class Requests:
 
 
 def encode_request(
-    request_id: int, data: SendData, client: str, txn: TxnTag | None, server: HelloOk
+    request_id: int, data: SendData, client: str, txn: TxnTag | None, server: HelloOk,
+    producer_seq: int = 0,
 ) -> list[Buffer]:
     """A BUNDLE frame for ``data`` (a table/batch/payload goes to slot 0)."""
     tables = {0: data} if isinstance(data, pa.Table | pa.RecordBatch | IpcPayload) else data
@@ -196,7 +208,7 @@ def encode_request(
         )
     rows = {slot: t.rows if isinstance(t, IpcPayload) else t.num_rows
             for slot, t in tables.items()}
-    return encode_bundle(request_id, client, payloads, rows, txn)
+    return encode_bundle(request_id, client, payloads, rows, txn, producer_seq)
 
 
 def split_item(item: SendItem) -> tuple[SendData, TxnTag | None]:
@@ -215,7 +227,8 @@ def handshake_result(messages: list[Message]) -> HelloOk:
     return first
 
 
-def connect_blocking(path: StrPath, role: Role, *, timeout: float | None
+def connect_blocking(path: StrPath, role: Role, *, timeout: float | None,
+                     producer: str = "", incarnation: int = 0,
                      ) -> tuple[socket.socket, HelloOk, FrameDecoder]:
     """A blocking connection that said HELLO as ``role`` and got HELLO_OK: the socket,
     the server's HELLO_OK and the decoder that read it (more frames may follow in it).
@@ -228,7 +241,7 @@ def connect_blocking(path: StrPath, role: Role, *, timeout: float | None
             sock.connect(str(path))
         except OSError as exc:
             raise DaemonUnreachable.from_os_error(path, exc) from exc
-        sock.sendall(encode_hello(role))
+        sock.sendall(encode_hello(role, producer=producer, incarnation=incarnation))
         decoder = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
         while True:
             data = sock.recv(HANDSHAKE_RECV_BYTES)

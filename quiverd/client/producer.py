@@ -8,6 +8,14 @@ exceptions (``AtCapacity``, ``ShuttingDown``, ``Unauthorized``, ``JobConflict``,
 its (client, slot)'s; not retryable), else ``ProtocolError`` with ``.code``); a lost
 connection is ``ConnectionError``.
 
+A *named producer* (``Client.connect(path, producer_id="collector-7")``, protocol v3) is
+sent exactly once: each bundle is numbered per client name, and on a lost connection
+(or a daemon that stops or restarts) the client reconnects, with backoff from 50 ms to
+2 s for at most ``reconnect_s`` (60 s), and resends every bundle not yet answered; the
+daemon answers one it already holds with its first ACK instead of storing it again.
+The numbering is this process's (a random incarnation): a new process starts anew, so
+what an earlier process sent and never saw answered is its own to resend or drop.
+
 Transactional writes (SPEC §7, ``quiverd.client.jobs``) are JOB requests on the same
 connection, in the same request-id space and window as bundles: ``end_partition``
 after an attempt's tagged bundles, then ``commit_job`` / ``abort_job`` on the driver,
@@ -22,7 +30,9 @@ and ``wait_visible`` until a committed job's rows are in the lake's catalog.
 
 from __future__ import annotations
 
+import secrets
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -65,17 +75,20 @@ from quiverd.client.jobs import (
     visible_body,
 )
 from quiverd.kernel.bundle import TxnTag
-from quiverd.kernel.errors import DaemonUnreachable, ProtocolError
+from quiverd.kernel.errors import DaemonUnreachable, ProtocolError, QuiverError
 from quiverd.kernel.jobs import Winner
 from quiverd.protocol.codec import (
     REPLY_FRAME_MAX,
     Ack,
+    Error,
+    ErrorCode,
     FrameDecoder,
     HelloOk,
     JobReply,
     Role,
     encode_hello,
     encode_job_request,
+    exception_for,
 )
 
 __all__ = [
@@ -86,6 +99,13 @@ __all__ = [
 
 _END = object()  # end of the items iterator
 RECV_BYTES = 64 * 1024  # server frames to producers are small: acks, errors, JOB_OK
+RECONNECT_S = 60.0  # a named producer's reconnect attempts, at most this long
+BACKOFF_S = (0.05, 2.0)  # first and longest pause between them
+# Connection-level ERRORs after which a named producer reconnects and resends.
+RESUMABLE = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.TIMEOUT})
+# Refusals that another connection would get too: reconnecting cannot help.
+FINAL = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.UNSUPPORTED_VERSION,
+                   ErrorCode.MALFORMED, ErrorCode.TOO_LARGE})
 
 
 class AsyncClient:
@@ -286,11 +306,33 @@ class Client:
         self._decoder = decoder
         self._requests = Requests()
         self._recv_buf = bytearray(RECV_BYTES)
+        self._path: StrPath = ""
+        self._timeout: float | None = None
+        self._producer: tuple[str, int] | None = None  # (producer_id, incarnation)
+        self.reconnect_s = RECONNECT_S
+        self.reconnects = 0  # connections made again (a named producer's)
+        self._numbered: dict[int, list[Buffer]] = {}  # request id -> frame, not answered
+        self._pseq: dict[str, int] = {}  # client name -> the last producer_seq given
 
     @classmethod
-    def connect(cls, path: StrPath, *, timeout: float | None = None) -> Client:
-        sock, hello, decoder = connect_blocking(path, Role.PRODUCER, timeout=timeout)
-        return cls(sock, hello, decoder)
+    def connect(cls, path: StrPath, *, timeout: float | None = None, producer_id: str = "",
+                reconnect_s: float = RECONNECT_S) -> Client:
+        """Connect and say HELLO. ``producer_id`` names this producer: its bundles are
+        then numbered, and a lost connection is made again and what was not answered
+        is resent (at most ``reconnect_s`` of attempts), exactly once in all."""
+        incarnation = (secrets.randbits(64) or 1) if producer_id else 0
+        sock, hello, decoder = connect_blocking(path, Role.PRODUCER, timeout=timeout,
+                                                producer=producer_id,
+                                                incarnation=incarnation)
+        c = cls(sock, hello, decoder)
+        c._path, c._timeout, c.reconnect_s = path, timeout, reconnect_s
+        if producer_id:
+            c._producer = (producer_id, incarnation)
+        return c
+
+    @property
+    def producer_id(self) -> str:
+        return self._producer[0] if self._producer is not None else ""
 
     def __enter__(self) -> Self:
         return self
@@ -419,14 +461,64 @@ class Client:
     def _submit(self, item: SendItem, client: str) -> int:
         data, txn = split_item(item)
         request_id = self._requests.next_id()
-        parts = encode_request(request_id, data, client, txn, self.server)
+        # A named producer numbers its bundles (a txn-tagged one has its own tag).
+        pseq = self._pseq.get(client, 0) + 1 if self._producer and txn is None else 0
+        parts = encode_request(request_id, data, client, txn, self.server, pseq)
         self._requests.start(request_id, Ack)
+        if pseq:
+            self._pseq[client] = pseq
+            self._numbered[request_id] = parts
         try:
             self._sendall(parts)
+        except OSError as exc:
+            if not self._resumable(exc):
+                self._requests.fail(ConnectionError(f"send failed: {exc!r}"))
+                raise
+            self._reconnect(exc)  # sends it again, with every other one not answered
         except BaseException as exc:
             self._requests.fail(ConnectionError(f"send failed: {exc!r}"))
             raise
         return request_id
+
+    def _resumable(self, exc: BaseException) -> bool:
+        """May a named producer reconnect after ``exc``? Not after a timeout (the
+        caller's own deadline) nor for a bare connection."""
+        return self._producer is not None and not isinstance(exc, TimeoutError)
+
+    def _reconnect(self, cause: BaseException) -> None:
+        """Connect again (same producer id and incarnation) and resend every numbered
+        bundle not answered yet, in order; a JOB in flight fails (ask it again). Gives up
+        after ``reconnect_s``: then every request in flight fails."""
+        assert self._producer is not None
+        jobs = [r for r in self._requests.inflight_ids() if r not in self._numbered]
+        self._requests.fail_some(jobs, ConnectionError(
+            f"the connection was lost before the JOB was answered ({cause}); ask again"))
+        deadline = time.monotonic() + self.reconnect_s
+        delay = BACKOFF_S[0]
+        while True:
+            self._sock.close()
+            try:
+                sock, hello, decoder = connect_blocking(
+                    self._path, Role.PRODUCER, timeout=self._timeout,
+                    producer=self._producer[0], incarnation=self._producer[1])
+                self._sock, self.server, self._decoder = sock, hello, decoder
+                for parts in list(self._numbered.values()):
+                    self._sendall(parts)
+            except (OSError, QuiverError) as exc:
+                final = isinstance(exc, ProtocolError) and exc.code in FINAL
+                if final or time.monotonic() + delay > deadline:
+                    self._sock.close()
+                    self._requests.fail(ConnectionError(
+                        f"the connection to quiverd was lost ({cause}) and could not be "
+                        f"made again within {self.reconnect_s:g} s: {exc}"))
+                    self._numbered.clear()
+                    return
+                time.sleep(delay)
+                delay = min(BACKOFF_S[1], delay * 2)
+                cause = exc
+                continue
+            self.reconnects += 1
+            return
 
     def _sendall(self, parts: list[Buffer]) -> None:
         # sendmsg gathers the buffers in one syscall; payloads are never joined.
@@ -444,14 +536,25 @@ class Client:
         try:
             n = self._sock.recv_into(self._recv_buf)
         except OSError as exc:
+            if self._resumable(exc):
+                self._reconnect(exc)
+                return
             self._requests.fail(ConnectionError(f"connection lost: {exc!r}"))
             return
         if n == 0:
+            if self._producer is not None:
+                self._reconnect(ConnectionError("quiverd closed the connection"))
+                return
             self._requests.fail(ConnectionError("quiverd closed the connection"))
             return
         try:
             for msg in self._decoder.feed(memoryview(self._recv_buf)[:n]):
-                self._requests.on_message(msg)
+                if self._producer is not None and isinstance(msg, Error) and \
+                        msg.request_id == 0 and msg.code in RESUMABLE:
+                    self._reconnect(exception_for(msg))  # the server closes after it
+                    return
+                for request_id in self._requests.on_message(msg):
+                    self._numbered.pop(request_id, None)
         except ProtocolError as exc:
             self._requests.fail(exc)
 
@@ -483,6 +586,7 @@ def send_files(
     progress: Callable[[FileProgress], None] | None = None,
     timeout: float | None = None,
     splits: list[FileSplit] | None = None,
+    producer_id: str = "",
 ) -> Iterator[Ack]:
     """Send every file as bundles; yields acks in order.
 
@@ -491,6 +595,8 @@ def send_files(
     daemon's ``max_bundle_bytes`` is cut into row slices that fit. ``splits``, when
     given, receives one ``FileSplit`` per file saying how it was cut. ``progress``
     is called once per acked bundle (the CLI draws its progress line from it).
+    ``producer_id`` makes it a named producer (``Client.connect``): exactly once across
+    lost connections and daemon restarts.
     """
     # (path, batch index, rows) of each batch in flight, oldest first; bounded
     # by max_inflight because iter_send yields acks in input order.
@@ -506,7 +612,7 @@ def send_files(
                 sent.append((str(path), index, batch.num_rows))
                 yield batch
 
-    with Client.connect(socket_path, timeout=timeout) as conn:
+    with Client.connect(socket_path, timeout=timeout, producer_id=producer_id) as conn:
         for ack in conn.iter_send(batches(conn.server.max_bundle_bytes), client=client):
             path, index, rows = sent.popleft()
             if progress is not None:

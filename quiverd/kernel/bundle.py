@@ -2,14 +2,15 @@
 
 A bundle is a fixed table of up to 64 optional slots; a present slot holds one
 Arrow IPC *stream* (schema + batches + EOS) exactly as the producer sent it.
-Bundle metadata that has no fixed WAL field (client name, transactional tag)
-travels in the reserved slot ``META_SLOT`` (SPEC §3 allows "a reserved slot"),
+Bundle metadata that has no fixed WAL field (client name, transactional tag,
+producer tag) travels in the reserved slot ``META_SLOT`` (SPEC §3 allows "a reserved slot"),
 so the producer's slot payloads are stored byte for byte, untouched:
 
     slot 0..62   producer data          payload_type_id = slot id
     slot 63      bundle metadata        payload_type_id = 0xFFFF
                  one-row IPC stream: client utf8, job_id utf8?, partition u32?,
-                 attempt u32?, row_offset u64?
+                 attempt u32?, row_offset u64?, and for a numbered producer's bundle
+                 also producer utf8, incarnation u64, producer_seq u64
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pyarrow as pa
 
 from quiverd.kernel import flatbuf
 from quiverd.kernel.names import reserved_column_problem
+from quiverd.kernel.producers import ProducerTag
 
 Buffer = bytes | bytearray | memoryview
 
@@ -41,6 +43,13 @@ META_SCHEMA = pa.schema(
         pa.field("row_offset", pa.uint64()),
     ]
 )
+# A numbered producer's bundle (protocol v3): the same, and its stream and number.
+PRODUCER_META_SCHEMA = pa.schema([
+    *META_SCHEMA,
+    pa.field("producer", pa.utf8(), nullable=False),
+    pa.field("incarnation", pa.uint64(), nullable=False),
+    pa.field("producer_seq", pa.uint64(), nullable=False),
+])
 
 
 class TxnTag(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +89,7 @@ class Bundle(msgspec.Struct, frozen=True, kw_only=True):
     txn: TxnTag | None = None
     ingestion_ts_ns: int = 0
     sequence: int = 0
+    producer: ProducerTag | None = None  # a numbered producer's (never with txn)
 
     @property
     def row_count(self) -> int:
@@ -247,57 +257,67 @@ class MetaCodec:
         self._capacity = capacity
         self._cache: OrderedDict[str, Slot] = OrderedDict()
 
-    def encode(self, client: str, txn: TxnTag | None) -> Slot:
-        if txn is None:
+    def encode(self, client: str, txn: TxnTag | None,
+               producer: ProducerTag | None = None) -> Slot:
+        if txn is None and producer is None:
             hit = self._cache.get(client)
             if hit is not None:
                 self._cache.move_to_end(client)
                 return hit
-        batch = pa.record_batch(
-            [
-                pa.array([client], pa.utf8()),
-                pa.array([txn.job_id if txn else None], pa.utf8()),
-                pa.array([txn.partition if txn else None], pa.uint32()),
-                pa.array([txn.attempt if txn else None], pa.uint32()),
-                pa.array([txn.row_offset if txn else None], pa.uint64()),
-            ],
-            schema=META_SCHEMA,
-        )
+        columns = [
+            pa.array([client], pa.utf8()),
+            pa.array([txn.job_id if txn else None], pa.utf8()),
+            pa.array([txn.partition if txn else None], pa.uint32()),
+            pa.array([txn.attempt if txn else None], pa.uint32()),
+            pa.array([txn.row_offset if txn else None], pa.uint64()),
+        ]
+        schema, fp = META_SCHEMA, META_FINGERPRINT
+        if producer is not None:
+            columns += [pa.array([producer.producer], pa.utf8()),
+                        pa.array([producer.incarnation], pa.uint64()),
+                        pa.array([producer.seq], pa.uint64())]
+            schema, fp = PRODUCER_META_SCHEMA, PRODUCER_META_FINGERPRINT
         slot = Slot(
-            slot=META_SLOT, fingerprint=META_FINGERPRINT, row_count=1,
-            ipc=encode_ipc_stream(batch), payload_type_id=META_PAYLOAD_TYPE,
+            slot=META_SLOT, fingerprint=fp, row_count=1,
+            ipc=encode_ipc_stream(pa.record_batch(columns, schema=schema)),
+            payload_type_id=META_PAYLOAD_TYPE,
         )
-        if txn is None:
+        if txn is None and producer is None:
             self._cache[client] = slot
             if len(self._cache) > self._capacity:
                 self._cache.popitem(last=False)
         return slot
 
     @staticmethod
-    def decode(payload: Buffer) -> tuple[str, TxnTag | None]:
+    def decode(payload: Buffer) -> tuple[str, TxnTag | None, ProducerTag | None]:
         table = read_ipc_stream(payload)
         if table.num_rows != 1 or table.schema.names[:1] != ["client"]:
             raise ValueError("metadata slot must hold one row starting with 'client'")
         row = table.to_pylist()[0]
-        txn = None
+        txn = producer = None
         if row.get("job_id") is not None:
             txn = TxnTag(
                 job_id=row["job_id"], partition=row["partition"],
                 attempt=row["attempt"], row_offset=row["row_offset"],
             )
-        return row["client"], txn
+        if row.get("producer") is not None:
+            producer = ProducerTag(producer=row["producer"], incarnation=row["incarnation"],
+                                   seq=row["producer_seq"])
+        return row["client"], txn, producer
 
 
 META_FINGERPRINT = fingerprint(META_SCHEMA)
+PRODUCER_META_FINGERPRINT = fingerprint(PRODUCER_META_SCHEMA)
 
 
-def split_meta(slots: list[Slot] | tuple[Slot, ...]) -> tuple[str, TxnTag | None, tuple[Slot, ...]]:
+def split_meta(slots: list[Slot] | tuple[Slot, ...]
+               ) -> tuple[str, TxnTag | None, ProducerTag | None, tuple[Slot, ...]]:
     """Separate META_SLOT from user slots (as read back from the WAL)."""
-    client, txn = "", None
+    client, txn, producer = "", None, None
     user: list[Slot] = []
     for s in slots:
         if s.slot == META_SLOT:
-            client, txn = MetaCodec.decode(s.ipc)
+            client, txn, producer = MetaCodec.decode(s.ipc)
         else:
             user.append(s)
-    return client, txn, tuple(user)
+    return client, txn, producer, tuple(user)

@@ -47,6 +47,9 @@ class IngestConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fro
     # The most of it one peer uid may hold (0 = half of max_pending_bytes), so a peer that
     # stalls its frames cannot keep the others' bundles waiting (quiverd/net/budget.py).
     max_pending_bytes_per_uid: int = 0
+    # A named producer's stream (protocol v3) idle this long is forgotten: a bundle of it
+    # resent later is stored again (quiverd/kernel/producers.py).
+    producer_retain_s: int = 7 * 86_400
 
 
 class AdminConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -322,6 +325,8 @@ def validate(cfg: Config) -> None:
         (1 <= cfg.ingest.max_inflight_per_connection <= 4096,
          "ingest.max_inflight_per_connection", "must be between 1 and 4096"),
         (cfg.ingest.max_connections >= 1, "ingest.max_connections", "must be >= 1"),
+        (cfg.ingest.producer_retain_s >= 60, "ingest.producer_retain_s",
+         "must be >= 60 (seconds a named producer's idle stream is remembered)"),
         (1 <= cfg.ingest.max_connections_per_uid <= cfg.ingest.max_connections,
          "ingest.max_connections_per_uid", "must be between 1 and ingest.max_connections"),
         (cfg.ingest.handshake_timeout_ms >= 1, "ingest.handshake_timeout_ms", "must be >= 1"),

@@ -13,6 +13,7 @@
         segments/DELETED                highest WAL sequence of a deleted segment
         ack.log                         subscriber outcomes + checkpoints
         lost.json                       losses already reported (reported once)
+        producers.json                  named producers' stored bundle numbers
         quarantine/                     bytes cut out during recovery
       lake.id                           this data directory's incarnation (a ULID)
       lake.scrub                        when the last lake scrub pass started (ns, text)
@@ -45,6 +46,7 @@ FLOOR = "FLOOR"
 DELETED = "DELETED"
 ACK_LOG = "ack.log"
 LOST_RECORD = "lost.json"
+PRODUCERS = "producers.json"
 QUARANTINE_DIR = "quarantine"
 LAKE_ID = "lake.id"
 LAKE_SCRUB = "lake.scrub"
@@ -131,6 +133,10 @@ class ShardLayout:
     @property
     def lost_record(self) -> Path:
         return self.dir / LOST_RECORD
+
+    @property
+    def producers(self) -> Path:
+        return self.dir / PRODUCERS
 
     @property
     def floor(self) -> Path:

@@ -112,6 +112,9 @@ class Metrics:
                                     "appends that waited for WAL space", sh)
         self.ingest_rejected = c("quiver_ingest_rejected_total",
                                  "bundles refused with AT_CAPACITY", sh)
+        self.ingest_resends = c("quiver_ingest_resends_total",
+                                "named producers' bundles sent again and answered with the "
+                                "first one's outcome, not stored again", sh)
         self.ingest_throttle = c("quiver_ingest_throttle_total",
                                  "appends held back by the retention size cap", sh)
         self.wal_disk_full = g("quiver_wal_disk_full",
@@ -341,6 +344,7 @@ class WalMetrics:
         self.last_sequence = m.wal_last_sequence.labels(shard)
         self.capacity_waits = m.wal_capacity_waits.labels(shard)
         self.rejected = m.ingest_rejected.labels(shard)
+        self.resends = m.ingest_resends.labels(shard)
         self.throttled = m.ingest_throttle.labels(shard)
         self.disk_full = m.wal_disk_full.labels(shard)
         self.no_space = m.disk_full.labels(shard, "wal")

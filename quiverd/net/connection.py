@@ -33,6 +33,7 @@ import anyio
 from quiverd.kernel.bundle import Bundle
 from quiverd.kernel.crc import crc32c
 from quiverd.kernel.errors import ProtocolError, QuiverError
+from quiverd.kernel.producers import ProducerTag
 from quiverd.net import jobs
 from quiverd.net.consumers import serve_subscriber
 from quiverd.net.rawsock import RawStream
@@ -64,6 +65,7 @@ class Connection:
         self.reader = FrameReader(stream, self.decoder, server.cfg,
                                   contention=self._contention)
         self.window_size = server.cfg.max_inflight_per_connection
+        self.producer: tuple[str, int] | None = None  # (id, incarnation) its HELLO named
         self.room: anyio.Event | None = None  # set when a full window frees a slot
         self.replies: Batches[ProducerReply] = Batches()  # the WAL writers answer here
         self.reserved: deque[int] = deque()  # budget per frame not yet submitted, in order
@@ -149,6 +151,8 @@ class Connection:
         if not isinstance(hello, protocol.Hello):  # the decoder already insists on it
             raise ProtocolError(ErrorCode.MALFORMED, "the first frame must be HELLO")
         version = protocol.negotiate(hello)  # raises UNSUPPORTED_VERSION
+        if hello.producer:  # a named producer: its bundles are numbered (version 3)
+            self.producer = (hello.producer, hello.incarnation)
         cfg = self.server.cfg
         async with self.send_lock:
             await self.stream.send(protocol.encode_hello_ok(
@@ -229,7 +233,14 @@ class Connection:
                         request_id=frame.request_id, code=ErrorCode.SCHEMA_CONFLICT,
                         message=conflict))
                     continue
-                bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn)
+                tag = None
+                if frame.producer_seq:
+                    if self.producer is None:
+                        raise ProtocolError(ErrorCode.MALFORMED, "BUNDLE has a producer_seq, "
+                                            "but this connection's HELLO named no producer")
+                    tag = ProducerTag(producer=self.producer[0], incarnation=self.producer[1],
+                                      seq=frame.producer_seq)
+                bundle = Bundle(client=frame.client, slots=slots, txn=frame.txn, producer=tag)
                 by_shard.setdefault(shard_of(frame.client, shards), []).append(AppendRequest(
                     request_id=frame.request_id, bundle=bundle, reply=self.replies))
         finally:

@@ -40,7 +40,9 @@ from quiverd.protocol.frames import (
     JOB_HEAD,
     MAGIC,
     MAX_JOB_BODY_BYTES,
+    PRODUCER_SINCE,
     SLOT_HEAD,
+    TAG_PRODUCER,
     TXN_FIXED,
     U8,
     U16,
@@ -81,6 +83,8 @@ def decode_body(frame_type: FrameType, body: memoryview) -> Message:
         case FrameType.HELLO:
             magic, lo, hi, role = r.unpack(HELLO_BODY)
             msg = _hello(magic, lo, hi, role)
+            if r.left:  # a named producer (version 3)
+                msg = _producer_hello(r, msg)
         case FrameType.HELLO_OK:
             version, max_bundle_bytes, max_inflight = r.unpack(HELLO_OK_BODY)
             if max_inflight == 0:
@@ -147,6 +151,10 @@ class _Reader:
     def unpack(self, st: struct.Struct) -> tuple[Any, ...]:
         return st.unpack(self.take(st.size))
 
+    @property
+    def left(self) -> int:
+        return len(self._view) - self._pos
+
     def finish(self) -> None:
         if self._pos != len(self._view):
             raise ProtocolError(
@@ -163,6 +171,17 @@ def _hello(magic: bytes, lo: int, hi: int, role: int) -> Hello:
     if role not in Role._value2member_map_:
         raise ProtocolError(ErrorCode.MALFORMED, f"HELLO: unknown role {role}")
     return Hello(min_version=lo, max_version=hi, role=Role(role))
+
+
+def _producer_hello(r: _Reader, hello: Hello) -> Hello:
+    if hello.role is not Role.PRODUCER or hello.max_version < PRODUCER_SINCE:
+        raise ProtocolError(ErrorCode.MALFORMED, f"HELLO: a producer id needs a producer "
+                            f"HELLO offering protocol version {PRODUCER_SINCE}")
+    producer = _ascii(r, CLIENT_NAME_BYTES, "producer id")
+    (incarnation,) = r.unpack(U64)
+    if incarnation == 0:
+        raise ProtocolError(ErrorCode.MALFORMED, "HELLO: incarnation 0 is reserved")
+    return msgspec.structs.replace(hello, producer=producer, incarnation=incarnation)
 
 
 _JOB_BODY = msgspec.json.Decoder(dict[str, Any])
@@ -255,11 +274,13 @@ def _decode_payload_frame(frame_type: FrameType, body: memoryview) -> BundleFram
         (request_id,) = r.unpack(U32)
         if request_id == 0:
             raise ProtocolError(ErrorCode.MALFORMED, "BUNDLE: request_id 0 is reserved")
-        client, txn = _ascii(r, CLIENT_NAME_BYTES, "client name"), _txn(r)
+        client = _ascii(r, CLIENT_NAME_BYTES, "client name")
+        txn, producer_seq = _txn(r, numbered=True)
         slots = _slots(r, total_rows)
-        return BundleFrame(request_id=request_id, client=client, txn=txn, slots=slots)
+        return BundleFrame(request_id=request_id, client=client, txn=txn, slots=slots,
+                           producer_seq=producer_seq)
     shard, seq, index = r.unpack(BUNDLE_ID)
-    client, txn = _ascii(r, CLIENT_NAME_BYTES, "client name"), _txn(r)
+    client, (txn, _) = _ascii(r, CLIENT_NAME_BYTES, "client name"), _txn(r)
     (ts,) = r.unpack(I64)
     slots = _slots(r, total_rows)
     return Delivery(
@@ -276,19 +297,27 @@ def _ascii(r: _Reader, pattern: re.Pattern[bytes], what: str) -> str:
     return raw.decode("ascii")
 
 
-def _txn(r: _Reader) -> TxnTag | None:
+def _txn(r: _Reader, *, numbered: bool = False) -> tuple[TxnTag | None, int]:
+    """The tag after a client name: (txn tag, 0), or on a BUNDLE (None, producer_seq)."""
     (flag,) = r.unpack(U8)
     if flag == 0:
-        return None
+        return None, 0
+    if flag == TAG_PRODUCER and numbered:
+        (producer_seq,) = r.unpack(U64)
+        if producer_seq == 0:
+            raise ProtocolError(ErrorCode.MALFORMED, "BUNDLE: producer_seq 0 is reserved")
+        return None, producer_seq
     if flag != 1:
-        raise ProtocolError(ErrorCode.MALFORMED, f"transactional tag flag {flag} not 0 or 1")
+        raise ProtocolError(ErrorCode.MALFORMED, f"transactional tag flag {flag} not "
+                            f"{'0, 1 or 2' if numbered else '0 or 1'}")
     (length,) = r.unpack(U16)
     try:
         job_id = bytes(r.take(length)).decode("utf-8")
     except UnicodeDecodeError:
         raise ProtocolError(ErrorCode.MALFORMED, "transactional tag: job_id is not utf-8") from None
     partition, attempt, row_offset = r.unpack(TXN_FIXED)
-    return TxnTag(job_id=job_id, partition=partition, attempt=attempt, row_offset=row_offset)
+    return TxnTag(job_id=job_id, partition=partition, attempt=attempt,
+                  row_offset=row_offset), 0
 
 
 def _slots(r: _Reader, total_rows: int) -> tuple[Slot, ...]:

@@ -37,7 +37,10 @@ __all__ = [
 
 Buffer = bytes | bytearray | memoryview
 
-PROTOCOL_VERSION = 2  # 2: REJECT_BUNDLE (a subscriber's permanent outcome)
+# 2: REJECT_BUNDLE (a subscriber's permanent outcome); 3: named producers (HELLO's
+# producer id and incarnation, BUNDLE's producer_seq: a resend is answered, not stored).
+PROTOCOL_VERSION = 3
+PRODUCER_SINCE = 3
 MIN_PROTOCOL_VERSION = 1  # what servers and clients of this build still speak
 MAGIC = b"QVR"
 
@@ -137,6 +140,8 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     min_version: int
     max_version: int
     role: Role
+    producer: str = ""  # a named producer (version 3): its id, and
+    incarnation: int = 0  # the number its process drew (its streams' numbering)
 
 
 class HelloOk(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,6 +157,7 @@ class BundleFrame(msgspec.Struct, frozen=True, kw_only=True):
     client: str
     txn: TxnTag | None
     slots: tuple[Slot, ...]
+    producer_seq: int = 0  # a named producer's number for it in (producer, client); 0: none
 
     @property
     def row_count(self) -> int:
@@ -249,9 +255,19 @@ Message = (
 
 def encode_hello(
     role: Role, *, min_version: int = MIN_PROTOCOL_VERSION,
-    max_version: int = PROTOCOL_VERSION
+    max_version: int = PROTOCOL_VERSION, producer: str = "", incarnation: int = 0,
 ) -> bytes:
-    return _frame(FrameType.HELLO, HELLO_BODY.pack(MAGIC, min_version, max_version, role))
+    """HELLO; a named producer's (``producer``, ``incarnation``) needs version 3."""
+    body = HELLO_BODY.pack(MAGIC, min_version, max_version, role)
+    if producer:
+        if role is not Role.PRODUCER or max_version < PRODUCER_SINCE or min_version > \
+                max_version:
+            raise ValueError(f"a producer id needs a producer HELLO offering version "
+                             f"{PRODUCER_SINCE}")
+        if not 0 < incarnation < 1 << 64:
+            raise ValueError(f"incarnation {incarnation} outside 1..2**64-1")
+        body += encode_client(producer) + U64.pack(incarnation)
+    return _frame(FrameType.HELLO, body)
 
 
 def encode_hello_ok(*, version: int, max_bundle_bytes: int, max_inflight: int) -> bytes:
@@ -330,13 +346,23 @@ def encode_bundle(
     slots: Mapping[int, Buffer],
     row_counts: Mapping[int, int],
     txn: TxnTag | None = None,
+    producer_seq: int = 0,
 ) -> list[Buffer]:
-    """BUNDLE frame as buffers for ``writelines``; payloads are passed through uncopied."""
+    """BUNDLE frame as buffers for ``writelines``; payloads are passed through uncopied.
+    ``producer_seq`` (a named producer's, version 3) takes the place of a txn tag."""
     if not 1 <= request_id <= MAX_REQUEST_ID:
         raise ValueError(f"request_id {request_id} outside 1..{MAX_REQUEST_ID}")
     if set(slots) != set(row_counts):
         raise ValueError("slots and row_counts must name the same slot ids")
-    head = U32.pack(request_id) + encode_client(client) + encode_txn(txn)
+    if producer_seq:
+        if txn is not None:
+            raise ValueError("a bundle has a txn tag or a producer_seq, not both")
+        if not 0 < producer_seq < 1 << 64:
+            raise ValueError(f"producer_seq {producer_seq} outside 1..2**64-1")
+        tag = U8.pack(TAG_PRODUCER) + U64.pack(producer_seq)
+    else:
+        tag = encode_txn(txn)
+    head = U32.pack(request_id) + encode_client(client) + tag
     items = ((n, row_counts[n], (slots[n],)) for n in sorted(slots))
     return _with_slots(FrameType.BUNDLE, head, items)
 
@@ -385,6 +411,9 @@ def encode_client(client: str) -> bytes:
         raise ValueError(problem)
     raw = client.encode("ascii")
     return U8.pack(len(raw)) + raw
+
+
+TAG_PRODUCER = 2  # the txn flag's value for a named producer's u64 producer_seq
 
 
 def encode_txn(txn: TxnTag | None) -> bytes:

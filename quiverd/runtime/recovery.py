@@ -42,13 +42,21 @@ from quiverd.acks import format as ackformat
 from quiverd.acks.log import AckLogFile
 from quiverd.acks.recovery import gone_segments, replay_acks, settle_acks
 from quiverd.acks.state import AckState
-from quiverd.kernel.bundle import Bundle, split_meta
+from quiverd.kernel import fs
+from quiverd.kernel.bundle import (
+    META_SLOT,
+    PRODUCER_META_FINGERPRINT,
+    Bundle,
+    MetaCodec,
+    split_meta,
+)
 from quiverd.kernel.config import Config
 from quiverd.kernel.durable import fsync_dir, make_dirs
 from quiverd.kernel.errors import CorruptRecord
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.layout import ShardLayout
 from quiverd.kernel.logs import Logger
+from quiverd.kernel.producers import ProducerTable, stream_of
 from quiverd.kernel.ranges import merge as merge_ranges
 from quiverd.runtime.loss import (
     Coverage,
@@ -104,6 +112,8 @@ class Recovered(msgspec.Struct, kw_only=True):
     known_lost_sequences: list[tuple[int, int]] = msgspec.field(default_factory=list)
     known_lost_bundles: list[tuple[int, int | None]] = msgspec.field(default_factory=list)
     replay: dict[str, int] = msgspec.field(default_factory=dict)
+    # Named producers' stored bundle numbers: producers.json and the WAL's entries.
+    producers: ProducerTable = msgspec.field(default_factory=ProducerTable)
 
 
 def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
@@ -172,6 +182,7 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
             acks.file.close()
         raise
     segments = sorted(by_seq.values(), key=lambda s: s.segment_seq)
+    producers = load_producers(shard, state.entries, cfg.ingest.producer_retain_s, log)
     log.info("shard_recovered", segments=len(segments), open_bundles=len(open_bundles),
              wal_entries=len(state.entries), corrupt_entries=state.corrupt_entries,
              torn_tail_bytes=state.torn_tail_bytes, lost_bundles=loss.count)
@@ -182,7 +193,7 @@ def recover_shard(index: int, shard: ShardLayout, cfg: Config, faults: Hooks,
         unverified={s.segment_seq for s in segments} & scan.unverified,
         quarantined_segments=[str(q) for q in quarantined], lost_sequences=new.sequences,
         lost_bundles=new.segments, known_lost_sequences=old.sequences,
-        known_lost_bundles=known_segments,
+        known_lost_bundles=known_segments, producers=producers,
         replay={"entries": len(state.entries), "corrupt_entries": state.corrupt_entries,
                 "torn_tail_bytes": state.torn_tail_bytes,
                 "resynced_bytes": state.resynced_bytes, "bundles_lost": new.count,
@@ -261,6 +272,38 @@ def _covered_through(shard: ShardLayout, open_bundles: list[Bundle], next_sequen
     return max(upto, 0)
 
 
+def load_producers(shard: ShardLayout, entries: list[ReplayedEntry], retain_s: float,
+                   log: Logger) -> ProducerTable:
+    """producers.json, then every numbered bundle the WAL still holds. A damaged file is
+    moved to quarantine/ and reported: resends of bundles only it remembered are then
+    stored again (duplicates, never a loss)."""
+    table = ProducerTable(retain_s)
+    path = shard.producers
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raw = None
+    if raw is not None:
+        try:
+            table = ProducerTable.decode(raw, retain_s)
+        except ValueError as exc:
+            dest = shard.quarantine_dir / f"{path.name}.{len(raw)}.bad"
+            fs.active().rename(path, dest)
+            fsync_dir(shard.quarantine_dir)
+            fsync_dir(shard.dir)
+            log.error("producers_file_unreadable", path=str(path), error=str(exc),
+                      moved_to=str(dest),
+                      hint="named producers' resends of bundles acked before the last WAL "
+                      "release may be stored twice; nothing acknowledged is lost")
+    for e in entries:
+        for s in e.slots:
+            if s.slot == META_SLOT and s.fingerprint == PRODUCER_META_FINGERPRINT:
+                client, _txn, tag = MetaCodec.decode(s.ipc)
+                if tag is not None:
+                    table.add(stream_of(client, tag), tag.seq, e.sequence, e.ts_ns)
+    return table  # changed when the WAL added to it: saved before the first release
+
+
 def _read_known(shard: ShardLayout, log: Logger) -> LostRecord:
     """lost.json; a damaged one only means known losses are reported once more."""
     try:
@@ -316,6 +359,6 @@ def _report_loss(index: int, loss: Loss, log: Logger) -> None:
 
 
 def _bundle_of(entry: ReplayedEntry) -> Bundle:
-    client, txn, slots = split_meta(entry.slots)
+    client, txn, producer, slots = split_meta(entry.slots)
     return Bundle(client=client, slots=slots, txn=txn, ingestion_ts_ns=entry.ts_ns,
-                  sequence=entry.sequence)
+                  sequence=entry.sequence, producer=producer)

@@ -196,6 +196,7 @@ class Shard:
                 stats=self.wal_stats, log=self.log, gate=self.gate, over_cap=self.over_cap,
                 drop_oldest=self.cfg.retention.size_cap_policy == "drop_oldest",
                 stopping=self.stopping, disk_reserve_bytes=self.disk_reserve_bytes,
+                producers=rec.producers, producers_path=self.layout.producers,
                 task_status=task_status))
             task_status.started()
 

@@ -161,6 +161,7 @@ class StatusView:
         return {
             "quiver_gc_evictions_total": _ints(m.gc_evictions.by_label("reason")),
             "quiver_ingest_throttle_total": int(m.ingest_throttle.total()),
+            "quiver_ingest_resends_total": int(m.ingest_resends.total()),
             "quiver_subscriber_dropped_bundles_total":
                 _ints(m.subscriber_dropped.by_label("subscriber")),
             "quiver_subscriber_rejects_total":

@@ -50,7 +50,7 @@ def decode_one(wire: bytes, decoder: p.FrameDecoder) -> p.Message:
 
 
 def test_encode_hello_matches_vector() -> None:
-    assert p.encode_hello(p.Role.SUBSCRIBER) == struct.pack("<IB3sHHB", 9, 1, b"QVR", 1, 2, 2)
+    assert p.encode_hello(p.Role.SUBSCRIBER) == struct.pack("<IB3sHHB", 9, 1, b"QVR", 1, 3, 2)
     assert p.encode_hello(p.Role.PRODUCER, min_version=1, max_version=3) == bytes.fromhex(
         "09000000" "01" "515652" "0100" "0300" "01"
     )
@@ -352,17 +352,48 @@ def test_end_check_total_rows_mismatch_rejected() -> None:
 
 
 def test_negotiate_rejects_unsupported_version() -> None:
-    hello = p.Hello(min_version=3, max_version=4, role=p.Role.PRODUCER)
-    with pytest.raises(ProtocolError, match="versions 3..4, this server 1..2") as info:
+    hello = p.Hello(min_version=4, max_version=5, role=p.Role.PRODUCER)
+    with pytest.raises(ProtocolError, match="versions 4..5, this server 1..3") as info:
         p.hello_reply(hello, max_bundle_bytes=1, max_inflight=1)
     assert info.value.code == p.ErrorCode.UNSUPPORTED_VERSION
     ok = p.Hello(min_version=1, max_version=9, role=p.Role.PRODUCER)
-    assert p.negotiate(ok) == 2
+    assert p.negotiate(ok) == 3
     assert p.hello_reply(ok, max_bundle_bytes=10, max_inflight=2) == p.encode_hello_ok(
-        version=2, max_bundle_bytes=10, max_inflight=2
+        version=3, max_bundle_bytes=10, max_inflight=2
     )
     old_client = p.Hello(min_version=1, max_version=1, role=p.Role.SUBSCRIBER)
     assert p.negotiate(old_client) == 1  # a version-1 client keeps working
+
+
+def test_named_producer_hello_and_numbered_bundle_round_trip() -> None:
+    hello = p.encode_hello(p.Role.PRODUCER, producer="collector-7", incarnation=2**64 - 1)
+    assert hello == struct.pack("<IB3sHHB", 29, 1, b"QVR", 1, 3, 1) + b"\x0bcollector-7" \
+        + struct.pack("<Q", 2**64 - 1)
+    table = pa.table({"v": [1, 2]})
+    bundle = b"".join(p.encode_bundle(5, "web", {0: encode_ipc_stream(table)}, {0: 2},
+                                      producer_seq=42))
+    dec = p.FrameDecoder(1 << 20)
+    got_hello, frame = dec.feed(hello + bundle)
+    assert (got_hello.producer, got_hello.incarnation) == ("collector-7", 2**64 - 1)
+    assert (frame.request_id, frame.client, frame.txn, frame.producer_seq) == (5, "web", None, 42)
+    plain = dec.feed(b"".join(p.encode_bundle(6, "web", {0: encode_ipc_stream(table)}, {0: 2})))
+    assert plain[0].producer_seq == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_version": 2}, "a producer id needs a producer HELLO offering version 3"),
+    ({"incarnation": 0}, "incarnation 0 outside"),
+])
+def test_named_producer_hello_refuses_what_it_cannot_say(kwargs: dict[str, int],
+                                                         message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        p.encode_hello(p.Role.PRODUCER, producer="c", **{"incarnation": 1, **kwargs})
+
+
+def test_numbered_bundle_refuses_a_txn_tag_too() -> None:
+    txn = TxnTag(job_id="j", partition=0, attempt=0, row_offset=0)
+    with pytest.raises(ValueError, match="not both"):
+        p.encode_bundle(1, "web", {0: b""}, {0: 0}, txn=txn, producer_seq=1)
 
 
 def test_reject_bundle_round_trips_and_matches_vector() -> None:
@@ -371,7 +402,7 @@ def test_reject_bundle_round_trips_and_matches_vector() -> None:
     dec = p.FrameDecoder(1 << 20)
     msgs = dec.feed(p.encode_hello(p.Role.SUBSCRIBER) + p.encode_subscribe("s", 4) + wire)
     assert msgs[-1] == p.RejectBundle(shard=1, segment_seq=2, bundle_index=3)
-    assert dec.version == 2
+    assert dec.version == 3
 
 
 def test_reject_bundle_on_a_version_1_connection_is_malformed() -> None:
@@ -397,7 +428,9 @@ def test_reject_bundle_is_not_a_producer_frame() -> None:
         (struct.pack("<IB3sHHB", 9, 1, b"QVR", 2, 1, 1), "min_version 2 > max_version 1"),
         (struct.pack("<IB3sHHB", 9, 1, b"QVR", 1, 1, 9), "unknown role 9"),
         (struct.pack("<IB3sHH", 8, 1, b"QVR", 1, 1), "HELLO frame truncated"),
-        (struct.pack("<IB3sHHBB", 10, 1, b"QVR", 1, 1, 1, 0), "1 unexpected trailing bytes"),
+        (struct.pack("<IB3sHHBB", 10, 1, b"QVR", 1, 1, 1, 0), "a producer id needs a producer "
+         "HELLO offering protocol version 3"),
+        (struct.pack("<IB3sHHBB", 10, 1, b"QVR", 1, 3, 1, 0), "invalid producer id"),
         (struct.pack("<IB", 1, 0x7F), "unknown frame type 0x7f"),
         (struct.pack("<I", 0), "frame_len 0"),
         (p.encode_ack(1, 1, 1), "expected HELLO as the first frame, got ACK"),
@@ -428,7 +461,8 @@ def raw_bundle(body_head: bytes, bitmap: int = 0) -> bytes:
         (struct.pack("<IB", 0, 1) + b"a\x00", "request_id 0 is reserved"),
         (struct.pack("<IB", 1, 2) + b"a " + b"\x00", "invalid client name"),
         (struct.pack("<IB", 1, 0) + b"\x00", "invalid client name"),
-        (struct.pack("<IB", 1, 1) + b"a\x02", "transactional tag flag 2"),
+        (struct.pack("<IB", 1, 1) + b"a\x03", "transactional tag flag 3 not 0, 1 or 2"),
+        (struct.pack("<IB", 1, 1) + b"a\x02" + bytes(8), "producer_seq 0 is reserved"),
         (struct.pack("<IB", 1, 1) + b"a\x01\x01\x00\xff" + bytes(16), "job_id is not utf-8"),
     ],
 )

@@ -31,6 +31,10 @@ ICEBERG_MODEL = "tests/lake/test_iceberg_model.py::test_iceberg_projection_model
 DETSIM = "tests/sim/test_detsim.py::test_detsim_seeds_hold_every_invariant"
 CORE_SIM = "tests/sim/test_detsim_core.py::test_detsim_core_seeds_hold_every_invariant"
 UPLOADER_SIM = "tests/sim/test_uploader_sim.py::test_uploader_sim_seeds_hold_every_row_once"
+NAMED_CUTS = ("tests/daemon/test_named_producers.py::"
+              "test_named_producer_cut_between_fdatasync_and_ack_stores_each_bundle_once")
+NAMED_KILL9 = ("tests/daemon/test_named_producers.py::"
+               "test_named_producer_through_kill9_of_the_daemon_stores_each_bundle_once")
 DAEMON_SIM = "tests/sim/test_detsim_daemon.py::test_detsim_daemon_seeds_hold_every_invariant"
 
 
@@ -136,6 +140,20 @@ MUTATIONS = (
         "        if held:  # redelivered while files in flight hold some of its pieces\n",
         "        if False:  # redelivered while files in flight hold some of its pieces\n",
         (UPLOADER_SIM,)),
+    Mutation(
+        "producer_resends_stored_again",
+        "the WAL writer stores a named producer's resent bundle again",
+        "actors/quiverd_actors/wal_writer.py",
+        "            if any(req.bundle.producer is not None for req in batch):\n",
+        "            if False:\n",
+        (NAMED_CUTS, NAMED_KILL9)),
+    Mutation(
+        "producer_numbers_not_replayed",
+        "a start forgets the numbers of the bundles the WAL still holds (producers.json only)",
+        "quiverd/runtime/recovery.py",
+        "            if s.slot == META_SLOT and s.fingerprint == PRODUCER_META_FINGERPRINT:\n",
+        "            if False:\n",
+        (NAMED_KILL9,)),
     Mutation(
         "janitor_deletes_registered_objects",
         "the janitor counts registered files' objects as orphans and its catalog recheck "
