@@ -125,27 +125,28 @@ class AsyncClient:
         self._window = anyio.Semaphore(hello_ok.max_inflight)
         self._send_lock = anyio.Lock()
         self._tg: anyio.abc.TaskGroup | None = None
+        self._path: StrPath = ""
+        self._producer: tuple[str, int] | None = None  # (producer_id, incarnation)
+        self.reconnect_s = RECONNECT_S
+        self.reconnects = 0
+        self._numbered: dict[int, list[Buffer]] = {}  # request id -> frame, not answered
+        self._pseq: dict[str, int] = {}
 
     @classmethod
-    async def connect(cls, path: StrPath) -> AsyncClient:
-        try:
-            stream = await anyio.connect_unix(path)
-        except OSError as exc:
-            raise DaemonUnreachable.from_os_error(path, exc) from exc
-        try:
-            tune_socket(stream.extra(anyio.abc.SocketAttribute.raw_socket))
-            await stream.send(encode_hello(Role.PRODUCER))
-            decoder = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
-            while True:
-                messages = decoder.feed(await stream.receive(RECV_BYTES))
-                if messages:
-                    return cls(stream, handshake_result(messages), decoder)
-        except anyio.EndOfStream:
-            await anyio.aclose_forcefully(stream)
-            raise ConnectionError("quiverd closed the connection during the handshake") from None
-        except BaseException:
-            await anyio.aclose_forcefully(stream)
-            raise
+    async def connect(cls, path: StrPath, *, producer_id: str = "",
+                      reconnect_s: float = RECONNECT_S) -> AsyncClient:
+        """Connect and say HELLO; ``producer_id``: a named producer, as ``Client``."""
+        incarnation = (secrets.randbits(64) or 1) if producer_id else 0
+        stream, hello, decoder = await _handshake(path, producer_id, incarnation)
+        c = cls(stream, hello, decoder)
+        c._path, c.reconnect_s = path, reconnect_s
+        if producer_id:
+            c._producer = (producer_id, incarnation)
+        return c
+
+    @property
+    def producer_id(self) -> str:
+        return self._producer[0] if self._producer is not None else ""
 
     async def __aenter__(self) -> Self:
         self._tg = anyio.create_task_group()
@@ -236,12 +237,15 @@ class AsyncClient:
         # Encoding is CPU work at memcpy speed, done before waiting for a window slot.
         self._requests.check_usable()
         request_id = self._requests.next_id()
-        parts = encode_request(request_id, data, client, txn, self.server)
-        await self._start(request_id, Ack, parts)
+        pseq = self._pseq.get(client, 0) + 1 if self._producer and txn is None else 0
+        parts = encode_request(request_id, data, client, txn, self.server, pseq)
+        if pseq:
+            self._pseq[client] = pseq
+        await self._start(request_id, Ack, parts, numbered=bool(pseq))
         return request_id
 
     async def _start(self, request_id: int, expect: type[Ack] | type[JobReply],
-                     parts: list[Buffer]) -> None:
+                     parts: list[Buffer], *, numbered: bool = False) -> None:
         """Take a window place for the request and send its frame."""
         await self._window.acquire()
         try:
@@ -251,11 +255,19 @@ class AsyncClient:
             raise
         self._events[request_id] = anyio.Event()
         async with self._send_lock:
+            if numbered:  # under the lock: a reconnect resends it, or this send does
+                self._numbered[request_id] = parts
             try:
                 for part in parts:
                     # anyio's socket streams send any buffer (they wrap it in a
                     # memoryview); the annotation just says bytes.
                     await self._stream.send(cast(bytes, part))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                if not numbered:
+                    self._resolve(self._requests.fail(ConnectionError("send failed")))
+                    raise
+                # The reader sees the connection gone, reconnects and resends it.
+                await anyio.aclose_forcefully(self._stream)
             except BaseException as exc:
                 # A frame cut mid-way (cancelled or failed) leaves the stream unusable.
                 self._resolve(self._requests.fail(ConnectionError(f"send failed: {exc!r}")))
@@ -275,19 +287,70 @@ class AsyncClient:
             raise
 
     async def _read_loop(self) -> None:
-        try:
+        while True:
+            try:
+                await self._read()
+                return
+            except anyio.EndOfStream:
+                cause: BaseException = ConnectionError("quiverd closed the connection")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                cause = ConnectionError(f"connection lost: {exc!r}")
+            except ProtocolError as exc:
+                self._resolve(self._requests.fail(exc))
+                return
+            except _Resume as resume:
+                cause = resume.cause
+            if self._producer is None or not await self._reconnect(cause):
+                self._resolve(self._requests.fail(cause))
+                return
+
+    async def _read(self) -> None:
+        while True:
+            data = await self._stream.receive(RECV_BYTES)
+            resolved: list[int] = []
+            for msg in self._decoder.feed(data):
+                if self._producer is not None and isinstance(msg, Error):
+                    if msg.request_id == 0 and msg.code in RESUMABLE:
+                        self._resolve(resolved)
+                        raise _Resume(exception_for(msg))
+                    if msg.code == ErrorCode.SHUTTING_DOWN and \
+                            msg.request_id in self._numbered:
+                        continue  # not stored: resent once the daemon is back
+                done = self._requests.on_message(msg)
+                for request_id in done:
+                    self._numbered.pop(request_id, None)
+                resolved += done
+            self._resolve(resolved)
+
+    async def _reconnect(self, cause: BaseException) -> bool:
+        """As ``Client._reconnect``; False when it gave up (after ``reconnect_s``)."""
+        assert self._producer is not None
+        async with self._send_lock:
+            jobs = [r for r in self._requests.inflight_ids() if r not in self._numbered]
+            self._resolve(self._requests.fail_some(jobs, ConnectionError(
+                f"the connection was lost before the JOB was answered ({cause}); ask again")))
+            deadline = anyio.current_time() + self.reconnect_s
+            delay = BACKOFF_S[0]
             while True:
-                data = await self._stream.receive(RECV_BYTES)
-                resolved: list[int] = []
-                for msg in self._decoder.feed(data):
-                    resolved += self._requests.on_message(msg)
-                self._resolve(resolved)
-        except anyio.EndOfStream:
-            self._resolve(self._requests.fail(ConnectionError("quiverd closed the connection")))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            self._resolve(self._requests.fail(ConnectionError(f"connection lost: {exc!r}")))
-        except ProtocolError as exc:
-            self._resolve(self._requests.fail(exc))
+                await anyio.aclose_forcefully(self._stream)
+                try:
+                    self._stream, self.server, self._decoder = await _handshake(
+                        self._path, *self._producer)
+                    for parts in list(self._numbered.values()):
+                        for part in parts:
+                            await self._stream.send(cast(bytes, part))
+                except (OSError, QuiverError, anyio.BrokenResourceError,
+                        anyio.EndOfStream, ConnectionError) as exc:
+                    final = isinstance(exc, ProtocolError) and exc.code in FINAL
+                    if final or anyio.current_time() + delay > deadline:
+                        self._numbered.clear()
+                        return False
+                    await anyio.sleep(delay)
+                    delay = min(BACKOFF_S[1], delay * 2)
+                    cause = exc
+                    continue
+                self.reconnects += 1
+                return True
 
     def _resolve(self, request_ids: list[int]) -> None:
         for request_id in request_ids:
@@ -295,6 +358,35 @@ class AsyncClient:
             if event is not None:
                 event.set()
                 self._window.release()
+
+
+class _Resume(Exception):  # noqa: N818 - a signal inside the reader, never raised out
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+
+async def _handshake(path: StrPath, producer: str = "", incarnation: int = 0
+                     ) -> tuple[anyio.abc.SocketStream, HelloOk, FrameDecoder]:
+    """A connected stream that said HELLO and got HELLO_OK (or the error raised)."""
+    try:
+        stream = await anyio.connect_unix(path)
+    except OSError as exc:
+        raise DaemonUnreachable.from_os_error(path, exc) from exc
+    try:
+        tune_socket(stream.extra(anyio.abc.SocketAttribute.raw_socket))
+        await stream.send(encode_hello(Role.PRODUCER, producer=producer,
+                                       incarnation=incarnation))
+        decoder = FrameDecoder(REPLY_FRAME_MAX, from_client=False)
+        while True:
+            messages = decoder.feed(await stream.receive(RECV_BYTES))
+            if messages:
+                return stream, handshake_result(messages), decoder
+    except anyio.EndOfStream:
+        await anyio.aclose_forcefully(stream)
+        raise ConnectionError("quiverd closed the connection during the handshake") from None
+    except BaseException:
+        await anyio.aclose_forcefully(stream)
+        raise
 
 
 class Client:
@@ -549,10 +641,13 @@ class Client:
             return
         try:
             for msg in self._decoder.feed(memoryview(self._recv_buf)[:n]):
-                if self._producer is not None and isinstance(msg, Error) and \
-                        msg.request_id == 0 and msg.code in RESUMABLE:
-                    self._reconnect(exception_for(msg))  # the server closes after it
-                    return
+                if self._producer is not None and isinstance(msg, Error):
+                    if msg.request_id == 0 and msg.code in RESUMABLE:
+                        self._reconnect(exception_for(msg))  # the server closes after it
+                        return
+                    if msg.code == ErrorCode.SHUTTING_DOWN and msg.request_id in \
+                            self._numbered:
+                        continue  # not stored: resent once the daemon is back
                 for request_id in self._requests.on_message(msg):
                     self._numbered.pop(request_id, None)
         except ProtocolError as exc:

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import pyarrow as pa
 
-from quiverd.client import Client
+from quiverd.client import AsyncClient, Client
 from quiverd.client.consumer import subscribe
 from quiverd.kernel.bundle import encode_ipc_stream
 from quiverd.protocol import codec as p
@@ -271,3 +271,68 @@ def test_named_producer_through_kill9_of_the_daemon_stores_each_bundle_once(
     twice = sorted(i for i, k in got.items() if k > 1)
     lost = sorted(set(range(total)) - set(got))
     assert not twice and not lost, f"{len(twice)} twice {twice[:10]}, {len(lost)} lost {lost[:10]}"
+
+
+def test_named_producer_rides_out_graceful_restarts(daemon_factory: Any) -> None:
+    """A stop answers what is in flight SHUTTING_DOWN and closes: a named producer waits
+    for the daemon to come back and resends, the application sees no error."""
+    d = daemon_factory(FAST, in_process=True).start()
+    add(d, "check")
+    total, restarts = 2000, 2
+    sent: list[int] = []
+    failure: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            with Client.connect(d.socket, producer_id="collector-3", reconnect_s=60) as c:
+                for start in range(0, total, 50):
+                    c.send_many([table(i) for i in range(start, start + 50)],
+                                client="telemetry")
+                    sent.append(start + 50)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failure.append(exc)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    for k in range(restarts):
+        deadline = time.monotonic() + 60
+        while (sent[-1] if sent else 0) < (k + 1) * total // (restarts + 1):
+            assert time.monotonic() < deadline and not failure, failure
+            time.sleep(0.01)
+        assert d.stop() == 0
+        d.start()
+    t.join(120)
+    assert not t.is_alive() and not failure, failure
+    got = consume_ids(d, "check", want=total)
+    assert sorted(got) == list(range(total)) and set(got.values()) == {1}
+
+
+def test_async_named_producer_cut_between_fdatasync_and_ack_stores_each_bundle_once(
+        daemon_factory: Any, short_dir: Path) -> None:
+    d = daemon_factory(FAST, in_process=True).start()
+    add(d, "check")
+    cuts = max(50, CUTS // 5)
+    proxy = CuttingProxy(short_dir / "proxy.sock", d.socket, seed=31, limit=cuts)
+    n = 0
+
+    async def run() -> int:
+        nonlocal n
+        async with await AsyncClient.connect(proxy.path, producer_id="collector-8",
+                                             reconnect_s=30) as c:
+            started = time.monotonic()
+            while sum(proxy.cuts.values()) < cuts:
+                assert time.monotonic() - started < 300, (n, proxy.cuts)
+                acks = await c.send_many([table(n + i) for i in range(64)],
+                                         client="telemetry")
+                assert len(acks) == 64
+                n += 64
+            return c.reconnects
+
+    try:
+        reconnects = anyio.run(run)
+    finally:
+        proxy.close()
+    got = consume_ids(d, "check", want=n)
+    assert sorted(got) == list(range(n)) and set(got.values()) == {1}, (
+        sorted(i for i, k in got.items() if k > 1)[:10], sorted(set(range(n)) - set(got))[:10])
+    assert reconnects >= cuts // 2
