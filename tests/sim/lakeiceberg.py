@@ -37,6 +37,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -184,26 +185,40 @@ class BundleCache:
 
 
 # ---- the checks of one crash state ------------------------------------------------------
-def iceberg_problems(db: CatalogDb, store_root: Path, cache: BundleCache
-                     ) -> tuple[list[str], int]:
-    """The module doc's checks of the state restored at ``db`` and ``store_root``; and
-    how many data files the tables' current snapshots hold (-1: no table yet)."""
+@dataclass
+class TableFacts:
+    """What the checks of one (catalog, store) pair found."""
+
+    problems: list[str]
+    files: int = -1  # data files in the tables' current snapshots (-1: no table yet)
+    behind: bool = False  # some table's files are not its registered files (T != R)
+
+
+def iceberg_problems(db: CatalogDb, store_root: Path, cache: BundleCache) -> TableFacts:
+    """The module doc's checks of the state restored at ``db`` and ``store_root``."""
     rows = file_rows(db)
     problems = _registered_once(rows, store_root, cache)
+    registered: dict[str, set[str]] = {}
+    for fid, r in rows.items():
+        if r.state in REGISTERED_VALUES:
+            registered.setdefault(r.table, set()).add(fid)
     if not db.has_table("iceberg_namespace_properties") and db.rows(
             "SELECT table_name FROM iceberg_tables"):
         problems.append("Iceberg: tables in a catalog without its namespace table")
     with iceberg_reader(db, store_root) as catalog:
         if catalog is None:
-            return problems, -1
+            return TableFacts(problems, behind=bool(registered))
         try:
             tables = current_files(catalog)
         except Exception as exc:  # noqa: BLE001 - an unreadable table is the finding
-            return [*problems, f"Iceberg: a table does not load: {type(exc).__name__}: "
-                               f"{exc}"], 0
+            return TableFacts([*problems, f"Iceberg: a table does not load: "
+                                          f"{type(exc).__name__}: {exc}"], 0)
     for table, paths in sorted(tables.items()):
         problems += _table_problems(table, paths, rows, cache)
-    return problems, sum(len(p) for p in tables.values()) if tables else -1
+    behind = any({file_id_of(p) for p in tables.get(t, [])} != ids
+                 for t, ids in registered.items())
+    return TableFacts(problems, sum(len(p) for p in tables.values()) if tables else -1,
+                      behind)
 
 
 def _table_problems(table: str, paths: list[str], rows: dict[str, Row],

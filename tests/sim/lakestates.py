@@ -84,6 +84,7 @@ from tests.sim.lakedb import CatalogDb, PgDb, PgSnapshots, SqliteDb, SqliteSnaps
 from tests.sim.lakeiceberg import (
     ICEBERG_SETTINGS,
     BundleCache,
+    TableFacts,
     iceberg_of,
     iceberg_problems,
     projection_watched,
@@ -373,6 +374,7 @@ class LakeReport:
     images: int = 0
     checked: int = 0  # distinct states checked statically
     iceberg_pairs: int = 0  # distinct (catalog, store) pairs with Iceberg data files checked
+    behind: int = 0  # distinct states whose tables lag the catalog (the restarts' pool)
     restarted: int = 0  # of them, restarted and run to the end
     violations: list[str] = field(default_factory=list)
 
@@ -427,8 +429,13 @@ def check_lake_crash_states(run: LakeRun, *, seed: int, restarts: int = 2,
             told.note(op)
     report.iceberg_pairs = tables.with_files
     # The restarts: the last state (everything done) and a seeded sample of the others.
-    picks = [candidates[-1], *rng.sample(candidates[:-1], min(restarts - 1,
-                                                              len(candidates) - 1))]
+    # With Iceberg the drawn ones come from the states whose tables lag the catalog
+    # (a compaction or a registration not yet synced), when there are such: the restart's
+    # reconcile must bring them to T == R.
+    pool = [c for c in candidates[:-1] if tables.behind(c[3])]
+    report.behind = len(pool)
+    pool = pool or candidates[:-1]
+    picks = [candidates[-1], *rng.sample(pool, min(restarts - 1, len(pool)))]
     for i, cut, image, svc, acked in picks if restarts else []:
         problems = _check_restart(run, image, svc, acked)
         report.restarted += 1
@@ -489,16 +496,22 @@ class _TableChecks:
 
     def __init__(self, run: LakeRun) -> None:
         self.run = run
-        self.done: dict[tuple[int, int], list[str]] = {}
+        self.done: dict[tuple[int, int], TableFacts] = {}
         self.cache = BundleCache()
         self.with_files = 0  # pairs whose tables' current snapshots hold data files
 
     def problems(self, services: Services, db: CatalogDb) -> list[str]:
         key = (services.catalog, services.store)
         if key not in self.done:
-            self.done[key], files = iceberg_problems(db, self.run.root / "objects", self.cache)
-            self.with_files += files > 0
-        return self.done[key]
+            self.done[key] = facts = iceberg_problems(db, self.run.root / "objects",
+                                                      self.cache)
+            self.with_files += facts.files > 0
+        return self.done[key].problems
+
+    def behind(self, services: Services) -> bool:
+        """The pair's tables lag their registered files (a sync is due)."""
+        facts = self.done.get((services.catalog, services.store))
+        return facts is not None and facts.behind
 
 
 def _check_static(run: LakeRun, image: Image, durable: Image, services: Services,

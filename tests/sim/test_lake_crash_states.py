@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(max(120, 30 * WORKLOADS))
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_lake_crash_states_keep_every_acked_row_once(chunk: int,
                                                     request: pytest.FixtureRequest) -> None:
-    points = images = checked = restarted = pairs = on_pg = 0
+    points = images = checked = restarted = pairs = behind = on_pg = 0
     seeds = range(FIRST_SEED + chunk, FIRST_SEED + WORKLOADS, CHUNKS)
     for seed in seeds:
         dsn = _database(request) if on_postgresql(seed) else ""
@@ -47,6 +47,7 @@ def test_lake_crash_states_keep_every_acked_row_once(chunk: int,
         checked += report.checked
         restarted += report.restarted
         pairs += report.iceberg_pairs
+        behind += report.behind
         if report.violations:
             pytest.fail(f"lake workload seed {seed}: {report.violations[0]} "
                         f"({len(report.violations)} in all; the run is kept at {run.root})")
@@ -59,7 +60,8 @@ def test_lake_crash_states_keep_every_acked_row_once(chunk: int,
           + (f", {no_server} meant for it on SQLite: no server" if no_server else "")
           + f"), {points} crash points, {images} "
           f"states, {checked} distinct checked, {restarted} restarted to the end; "
-          f"{pairs} distinct (catalog, store) pairs with Iceberg data files checked")
+          f"{pairs} distinct (catalog, store) pairs with Iceberg data files checked, "
+          f"{behind} states with a table behind the catalog (restarts drawn from them)")
     assert checked > 0
     assert pairs > 0 or not any(iceberg_of(s) for s in seeds), "no Iceberg state checked"
 
