@@ -76,6 +76,16 @@ def add_parsers(sub: Any, default_config: str) -> None:
     _common(s, default_config)
     s.set_defaults(func=files_forget)
 
+    s = sub.add_parser("dead-letters", help="bundles the lake could not write, set aside "
+                       "and rejected (lake.dead_letter_after); --replay sends them again")
+    s.add_argument("--client", help="only this client's")
+    s.add_argument("--replay", metavar="SOCKET", default=None,
+                   help="send each listed dead letter's rows again, as new bundles of its "
+                   "client, to the daemon at this ingest socket (once the cause is fixed); "
+                   "a replayed dead letter's object is deleted once its bundle is acked")
+    _common(s, default_config)
+    s.set_defaults(func=dead_letters_cmd)
+
     s = sub.add_parser("janitor", help="reconcile the object store with the catalog: "
                        "orphan objects, rows without objects, replaced and stale files")
     s.add_argument("--dry-run", action="store_true", help="report, delete nothing")
@@ -215,6 +225,47 @@ def files_forget(args: argparse.Namespace) -> int:
           "are not in the lake; reads no longer fail on it and `quiverd fsck --lake` lists "
           "it as KNOWN; the damaged copy stays under quarantine/ in the store, and `quiverd "
           "files restore FILE_ID --from PATH` still brings the file back")
+    return 0
+
+
+def dead_letters_cmd(args: argparse.Namespace) -> int:
+    from quiverd.lake import dead_letters as dl
+
+    async def go(tier: Tier) -> list[dl.DeadLetter]:
+        prefix = dl.PREFIX + (f"client={args.client}/" if args.client else "")
+        found: list[dl.DeadLetter] = []
+        for obj in sorted(await tier.store.list(prefix), key=lambda o: o.key):
+            found += dl.read(obj.key, await tier.store.read(obj.key))
+        return found
+
+    found = _with_tier(args, go)
+    if args.json and not args.replay:
+        print(json.dumps([{k: v for k, v in vars(d).items() if k != "payload"}
+                          | {"payload_bytes": len(d.payload)} for d in found], indent=2))
+    elif not args.replay:
+        for d in found:
+            print(f"{d.client}  bundle ({d.shard}, {d.segment_seq}, {d.bundle_index}) slot "
+                  f"{d.slot}  rows {d.rows}  attempts {d.attempts}  {d.error[:160]}")
+        print(f"({len(found)} dead letters)")
+    if not args.replay:
+        return 0
+    from quiverd.client import Client
+
+    by_key: dict[str, list[dl.DeadLetter]] = {}
+    for d in found:
+        by_key.setdefault(d.key, []).append(d)
+    sent = 0
+    with Client.connect(args.replay, producer_id="dead-letter-replay") as c:
+        for key, slots in by_key.items():
+            c.send({d.slot: d.table() for d in slots}, client=slots[0].client)
+            sent += 1
+
+            async def drop(tier: Tier, key: str = key) -> None:
+                await tier.store.delete(key)
+
+            _with_tier(args, drop)
+            print(f"replayed {key}")
+    print(f"({sent} dead letters sent again and deleted)")
     return 0
 
 

@@ -189,6 +189,9 @@ class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
 
 
 class CatalogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    # A bundle no Parquet file can take is set aside (quiverd/lake/dead_letters.py) and
+    # rejected after this many failed attempts (0 = never: it is retried for ever).
+    dead_letter_after: int = 3
     """[catalog]: PostgreSQL when ``dsn`` is set, else SQLite in <data_dir>/catalog.sqlite."""
 
     dsn: str = ""  # postgresql://user@host:port/db (libpq URI); "" = embedded
@@ -436,6 +439,7 @@ def _lake_checks(cfg: Config) -> list[tuple[bool, str, str]]:
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """``[metrics] listen``: ``"127.0.0.1:9464"`` -> (host, port); ``"[::1]:9464"`` for IPv6."""
+        (lake.dead_letter_after >= 0, "lake.dead_letter_after", "must be >= 0 (0 = never)"),
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError("metrics.listen", f"{listen!r} is not host:port, e.g. "

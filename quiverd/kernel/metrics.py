@@ -234,6 +234,9 @@ class Metrics:
                              ("kind",))
         self.lake_bundles_skipped = c("quiver_lake_bundles_already_registered_total",
                                       "redelivered bundles acked without a second upload "
+        self.lake_dead_letters = c("quiver_lake_dead_letters_total",
+                                   "bundles the lake could not write, set aside as dead "
+                                   "letters and rejected, by client", ("client",))
                                       "(a registered file holds them)", ())
         self.lake_buffered_bytes = g("quiver_lake_buffered_bytes",
                                      "Arrow bytes waiting for their row group", ())

@@ -36,7 +36,7 @@ async def eventually(done: Callable[[], bool]) -> None:
 
 
 # (shard, client, slot, partition column, hour): test_uploader's deliveries' hour.
-KEY = (0, "app", 0, INGESTED_AT, hour_of_ns(1_700_000_000_000_000_000))
+KEY = (0, "app", 0, INGESTED_AT, hour_of_ns(1_700_000_000_000_000_000), "")
 
 
 def open_file() -> OpenFile:

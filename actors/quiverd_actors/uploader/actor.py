@@ -41,6 +41,8 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Protocol
 
 import anyio
@@ -49,10 +51,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ulid import ULID
 
 from quiverd.acks import format as ackfmt
-from quiverd.kernel.errors import LakeError
+from quiverd.kernel import fs
+from quiverd.kernel.errors import LakeError, QuiverError
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
+from quiverd.lake import dead_letters
 from quiverd.lake.bundles import (
     EXTRA_FIELDS,
     close_to_stable,
@@ -117,6 +121,10 @@ class Uploader:
         # many: a bundle nacked through one slot's failed file comes back while another
         # slot's file still holds it, and that piece must not be added again.
         self.held: dict[BundleKey, dict[tuple[int, Hour], int]] = {}
+        # Bundles whose file failed on their data (not the disk): how often, the last
+        # error. Such a bundle is written in a file of its own, and set aside as a dead
+        # letter after lake.dead_letter_after failures.
+        self.failures: dict[BundleKey, tuple[int, str]] = {}
         self.covered = PartsCache(COVERAGE_CACHE)
         self.rushes: dict[str, set[BundleKey]] = {}  # job_id -> its bundles not taken yet
         self.intake: BundleKey | None = None  # the bundle ``_take`` is adding
@@ -188,6 +196,11 @@ class Uploader:
     async def _take_slots(self, d: LocalDelivery, key: BundleKey) -> bool:
         """Put the bundle's slots into their files, one piece per hour of the partition
         column; False when there was nothing to add (every piece already registered)."""
+        failed = self.failures.get(key)
+        if failed is not None and 0 < self.lake.dead_letter_after <= failed[0]:
+            await self._dead_letter(d, key, *failed)
+            return False
+        isolated = "" if failed is None else f"{d.segment_seq}.{d.bundle_index}"
         covered = await self._covered(d.shard, d.segment_seq)
         try:
             pieces = [(slot, column, hour, table)
@@ -219,7 +232,7 @@ class Uploader:
         self.m.lake_unacked.labels().set(len(self.outstanding))
         for slot, column, hour, table in pieces:
             try:
-                await self._add(d, (d.shard, d.client, slot, column, hour), table)
+                await self._add(d, (d.shard, d.client, slot, column, hour, isolated), table)
             except (pa.ArrowException, ValueError) as exc:
                 # A schema no Parquet file here can take (e.g. a column named twice):
                 # nack it; it comes back after a backoff and is reported each time.
@@ -227,7 +240,48 @@ class Uploader:
                 if self.outstanding.pop(key, None) is not None:
                     await self._feedback(key, ackfmt.NACK)
                 break
+        if isolated:  # its files hold it alone: written now, not after file_duration_ms
+            for slot, column, hour, _ in pieces:
+                f = self.files.get((d.shard, d.client, slot, column, hour, isolated))
+                if f is not None:
+                    self._start_rotation(f, "isolated")
         return True
+
+    def _failed_on_data(self, key: BundleKey, exc: BaseException) -> None:
+        n = self.failures.get(key, (0, ""))[0]
+        self.failures[key] = (n + 1, f"{type(exc).__name__}: {exc}")
+
+    async def _dead_letter(self, d: LocalDelivery, key: BundleKey, attempts: int,
+                           error: str) -> None:
+        """Write the bundle to the dead letters and reject it; on a failure (the store,
+        the disk) nack it: it comes back and is tried again."""
+        shard, seg, idx = key
+        path = self.tier.data.staging_stable / f"dead-{shard}-{seg}-{idx}.parquet"
+        dkey = dead_letters.object_key(self.tier.node_id, d.client, shard, seg, idx,
+                                       d.ingestion_ts_ns)
+        try:
+            size, crc = await anyio.to_thread.run_sync(partial(
+                dead_letters.write_local, path, shard=shard, segment_seq=seg,
+                bundle_index=idx, client=d.client, ingestion_ts_ns=d.ingestion_ts_ns,
+                tables=d.tables, error=error, attempts=attempts), limiter=self.limiter)
+            await self.tier.store.put_file(dkey, path, size=size, crc32c=crc)
+        except (OSError, QuiverError, pa.ArrowException) as exc:
+            self.log.error("lake_dead_letter_failed", shard=shard, segment_seq=seg,
+                           bundle_index=idx, client=d.client, key=dkey,
+                           error=f"{type(exc).__name__}: {exc}",
+                           hint="the bundle is nacked and tried again")
+            await self._feedback(key, ackfmt.NACK)
+            return
+        finally:
+            await anyio.to_thread.run_sync(_unlink_quietly, path)
+        self.m.lake_dead_letters.labels(d.client).inc()
+        self.log.error("lake_bundle_dead_lettered", shard=shard, segment_seq=seg,
+                       bundle_index=idx, client=d.client, attempts=attempts, error=error,
+                       key=dkey, hint="the lake could not write it; it is set aside and "
+                       "rejected. List with `quiverd dead-letters`, send again with "
+                       "--replay once the cause is fixed")
+        del self.failures[key]
+        await self._feedback(key, ackfmt.REJECTED)
 
     def _pieces(self, d: LocalDelivery, table: pa.Table) -> list[tuple[str, Hour, pa.Table]]:
         """The slot's rows by hour of its partition column (``lake.partitions``): one
@@ -239,6 +293,7 @@ class Uploader:
         return [(column, hour, piece) for hour, piece in split_by_hour(table, column)]
 
     def _refused(self, d: LocalDelivery, slot: int | None, exc: Exception) -> None:
+        self._failed_on_data((d.shard, d.segment_seq, d.bundle_index), exc)
         self.m.lake_errors.labels("schema").inc()
         self.log.error("lake_bundle_refused", shard=d.shard, segment_seq=d.segment_seq,
                        bundle_index=d.bundle_index, client=d.client, slot=slot,
@@ -430,6 +485,9 @@ class Uploader:
         if self.files.get(f.key) is f:
             del self.files[f.key]
         self.m.lake_errors.labels("write").inc()
+        if not isinstance(exc, OSError | LakeError):  # its data: a bundle of it is the cause
+            for seg, idx in f.bundles:
+                self._failed_on_data((f.shard, seg, idx), exc)
         if isinstance(exc, OSError):  # the staging filesystem (full, read-only, failing)
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
             self.health.fail("staging", "no_space" if full else "io", exc,
@@ -492,6 +550,7 @@ class Uploader:
                 await self._feedback(key, ackfmt.NACK)
             elif left <= 1:
                 del self.outstanding[key]
+                self.failures.pop(key, None)
                 await self._feedback(key, ackfmt.ACK)
             else:
                 self.outstanding[key] = left - 1
@@ -522,6 +581,10 @@ class Uploader:
             if f.active is not None:
                 await anyio.to_thread.run_sync(f.active.abort)
         self.live.clear()
+
+
+def _unlink_quietly(path: Path) -> None:
+    fs.active().unlink(path, missing_ok=True)
 
 
 __all__ = ["EXTRA_FIELDS", "INGESTED_AT", "MAX_OPEN_FILES", "SUBSCRIBER", "FeedbackSink",

@@ -40,7 +40,9 @@ from quiverd.lake.tier import Tier
 P = ParamSpec("P")
 T = TypeVar("T")
 
-FileKey = tuple[int, str, int, str, Hour]  # (shard, client, slot, partition column, hour)
+# (shard, client, slot, partition column, hour, isolated): ``isolated`` names the one
+# bundle a file of its own holds (one that failed a file before), else "".
+FileKey = tuple[int, str, int, str, Hour, str]
 SlotPart = tuple[int, str]  # (slot, hour partition: ``key_partition``; "" a whole slot)
 
 
