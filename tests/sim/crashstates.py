@@ -223,6 +223,7 @@ def _check(data_dir: Path, durable_acks: AckState | None, known: _Known, facts: 
             if seg in present and not _done(rec.acks, seg, idx):
                 problems.append(f"bundle {(seg, idx)} (tag {tag}) was acked or dropped "
                                 "durably and is pending again")
+        _check_numbers(rec, known, facts, held, problems)
         if known.acked and rec.next_sequence <= max(known.acked):
             problems.append(f"next sequence {rec.next_sequence} reuses an acked one "
                             f"(max {max(known.acked)})")
@@ -235,6 +236,24 @@ def _check(data_dir: Path, durable_acks: AckState | None, known: _Known, facts: 
         rec.wal.close()
         rec.ack_file.close()
     return problems
+
+
+def _check_numbers(rec: Any, known: _Known, facts: Facts, held: dict[int, list[str]],
+                   problems: list[str]) -> None:
+    """A named producer's numbers: each acked bundle's is remembered (a resend would be
+    answered, not stored twice), and no number is claimed for a sequence that was
+    neither acked nor is held (that resend would be lost)."""
+    for tag, (stream, pseq) in facts.number_of_tag.items():
+        seq = facts.seq_of_tag[tag]
+        if seq in known.acked and rec.producers.sequence_of(stream, pseq) is None:
+            problems.append(f"acked bundle tag {tag} (sequence {seq}, producer_seq {pseq}) "
+                            "is not remembered: its resend would be stored twice")
+    for state in rec.producers.streams.values():
+        for pseq, seq in state.recent.items():
+            if seq and seq not in known.acked and seq not in held:
+                problems.append(f"producer_seq {pseq} is remembered as sequence {seq}, "
+                                "which was never acked and is not held: its resend would "
+                                "be answered and the bundle lost")
 
 
 def reported_loss(rec: Any, acked: set[int] | frozenset[int]) -> str:

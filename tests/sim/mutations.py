@@ -148,12 +148,19 @@ MUTATIONS = (
         "            if False:\n",
         (NAMED_CUTS, NAMED_KILL9)),
     Mutation(
+        "producer_numbers_not_saved_before_release",
+        "the WAL is released without writing producers.json first",
+        "actors/quiverd_actors/wal_writer.py",
+        "                await self._save_producers(limiter)\n",
+        "                pass\n",
+        (CRASH_STATES,)),
+    Mutation(
         "producer_numbers_not_replayed",
         "a start forgets the numbers of the bundles the WAL still holds (producers.json only)",
         "quiverd/runtime/recovery.py",
         "            if s.slot == META_SLOT and s.fingerprint == PRODUCER_META_FINGERPRINT:\n",
         "            if False:\n",
-        (NAMED_KILL9,)),
+        (NAMED_KILL9, CRASH_STATES)),
     Mutation(
         "janitor_deletes_registered_objects",
         "the janitor counts registered files' objects as orphans and its catalog recheck "

@@ -49,6 +49,9 @@ SETTINGS: dict[str, Any] = {
 }
 
 
+PRODUCER = "w"  # the workload's producer id
+
+
 def tagged(tag: int, rows: int) -> pa.Table:
     """A bundle whose rows all carry ``tag`` (how a recovered bundle is recognized)."""
     return pa.table({"tag": pa.array([tag] * rows, pa.int64()),
@@ -60,6 +63,8 @@ class Facts:
     """What clients were told: the ground truth the invariants check recovery against."""
 
     seq_of_tag: dict[int, int] = field(default_factory=dict)  # producer ACK: tag -> sequence
+    # A named producer's bundles: tag -> ((producer, incarnation, client), producer_seq).
+    number_of_tag: dict[int, tuple[tuple[str, int, str], int]] = field(default_factory=dict)
     tag_of_id: dict[tuple[int, int], int] = field(default_factory=dict)  # delivered bundle
 
 
@@ -96,12 +101,17 @@ def produce(d: InProcessDaemon, facts: Facts, tags: list[int], rows: int, *,
     refusal (retention's backpressure under ``wal.at_capacity = "reject"``) ends the
     send early instead of failing."""
     acked = 0
-    with Client.connect(d.socket) as c:
+    # A named producer (its numbers must survive every crash state: producers.json and
+    # the WAL's metadata slot); the k-th ack answers producer_seq k.
+    with Client.connect(d.socket, producer_id=PRODUCER) as c:
+        assert c._producer is not None
+        stream = (PRODUCER, c._producer[1], "p")
         try:
             for tag, ack in zip(tags, c.iter_send([tagged(t, rows) for t in tags],
                                                   client="p"), strict=True):
                 facts.seq_of_tag[tag] = ack.sequence
                 acked += 1
+                facts.number_of_tag[tag] = (stream, acked)
         except AtCapacity:
             if not refusable:
                 raise
