@@ -40,7 +40,7 @@ ACK a cut lost may still be in the lake, once). The same seed gives the same tra
 
     PYTHONHASHSEED=0 .venv/bin/python -m tests.sim.detsim.daemon SEED [SEED ...] [--json]
         [--daemons N] [--bundles N] [--smoke] [--harsh] [--trace N] [--plant NAME]
-        [--no-faults] [--janitor-grace-s S] [--janitor-interval-s S]
+        [--no-faults] [--janitor-grace-s S] [--janitor-interval-s S] [--size-cap-bytes N]
 
 Planted bugs (tests/sim/mutations.py) it catches: lake_ack_before_register (I1 at the
 first ack), ack_before_fdatasync (C1), acklog_append_not_synced (C2),
@@ -139,6 +139,7 @@ class DaemonSize(CoreSize):
     # The last life runs on at least this long after the faults stop: compaction, expiry
     # and the janitor's deletes of replaced files (what I3 guards) come minutes later.
     linger_s: float = 200.0
+    size_cap_bytes: int = 0  # retention.size_cap_bytes (backpressure): 0, no cap
 
 
 SMOKE = DaemonSize(bundles=16, span_s=80.0, faults_s=110.0, max_cuts=2)
@@ -448,9 +449,12 @@ class Node:
         self.node_id = f"n{index}"
         self.source_id = ""  # lake.id, read at each start of the lake
         self.data_dir = data_dir
+        base = _config(data_dir)
         self.cfg = msgspec.structs.replace(
-            _config(data_dir), catalog=CatalogConfig(),
-            lake=lake_config(sim.run.root, self.node_id, cast(Any, sim.size)))
+            base, catalog=CatalogConfig(),
+            lake=lake_config(sim.run.root, self.node_id, cast(Any, sim.size)),
+            retention=msgspec.structs.replace(base.retention,
+                                              size_cap_bytes=sim.size.size_cap_bytes))
         # The uploader's acks, as the Checker reads them: (segment_seq, bundle_index).
         self.dispatcher = SimpleNamespace(acked=set(), bundles={})
         self.projections: list[Any] = []
@@ -854,6 +858,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--janitor-grace-s", type=int, default=0,
                         help="lake.janitor.grace_s (orphans younger are kept)")
     parser.add_argument("--janitor-interval-s", type=int, default=0)
+    parser.add_argument("--size-cap-bytes", type=int, default=0,
+                        help="retention.size_cap_bytes (backpressure: ingest waits)")
     parser.add_argument("--plant", choices=[p for p in PLANTS if p], default="")
     parser.add_argument("--trace", type=int, default=0, help="print the last N steps")
     parser.add_argument("--json", action="store_true", help="one line of counts per seed")
@@ -869,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         size = DaemonSize(**{**size.__dict__, "bundles": args.bundles})
     if args.harsh:
         size = DaemonSize(**{**size.__dict__, "fault_scale": 3.0})
-    for knob in ("janitor_grace_s", "janitor_interval_s"):
+    for knob in ("janitor_grace_s", "janitor_interval_s", "size_cap_bytes"):
         if getattr(args, knob):
             size = DaemonSize(**{**size.__dict__, knob: getattr(args, knob)})
     failed = 0
