@@ -353,6 +353,10 @@ def _status(args: argparse.Namespace) -> int:
         for shard, held in sorted((staging.get("holding") or {}).items()):
             print(f"  shard {shard} delivery waits for undecided job {held['job_id']} "
                   f"(age {held['age_s']} s; `quiverd jobs list`, `quiverd jobs abort`)")
+    for r in result.get("retired_subscribers") or []:
+        print(f"retired subscriber {r['name']}  reason {r['reason']}  lag_bytes "
+              f"{r['lag_bytes']}  idle_s {r['idle_s']}  at {r['retired_at']}  "
+              f"(no consumer; `quiverd subscribers add {r['name']}` brings it back)")
     return 0
 
 

@@ -79,6 +79,15 @@ class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     size_cap_bytes: int = 0  # 0 = no cap
     size_cap_policy: Literal["backpressure", "drop_oldest"] = "backpressure"
     max_age_s: int = 0  # 0 = keep until acked
+    # Retiring abandoned subscribers (quiverd.runtime.retirement): one with no live
+    # consumer (no SUBSCRIBE session, no ranged reader's lease) is removed, loudly, once
+    # its lag in a shard reaches retire_after_lag_bytes / shards (after retire_grace_s
+    # without a consumer, at once when that shard is at its cap), or once it has had no
+    # consumer for retire_idle_s while lagging. None = half of size_cap_bytes, so it
+    # comes before the cap's backpressure; 0 = never.
+    retire_after_lag_bytes: int | None = None
+    retire_grace_s: float = 60.0
+    retire_idle_s: int = 7 * 86_400  # Kafka forgets an empty group's offsets after 7 days
 
 
 class ScrubConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -180,6 +189,9 @@ class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     parallelism: int = 2  # Parquet encoders at once (threads; zstd releases the GIL)
     delete_after_upload: bool = True  # evict the local copy once registered and indexed
     local_retention_s: int = 0  # when not deleting right away: keep local copies this long
+    # A bundle no Parquet file can take is set aside (quiverd/lake/dead_letters.py) and
+    # rejected after this many failed attempts (0 = never: it is retried for ever).
+    dead_letter_after: int = 3
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
     janitor: JanitorConfig = msgspec.field(default_factory=JanitorConfig)
@@ -189,9 +201,6 @@ class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
 
 
 class CatalogConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    # A bundle no Parquet file can take is set aside (quiverd/lake/dead_letters.py) and
-    # rejected after this many failed attempts (0 = never: it is retried for ever).
-    dead_letter_after: int = 3
     """[catalog]: PostgreSQL when ``dsn`` is set, else SQLite in <data_dir>/catalog.sqlite."""
 
     dsn: str = ""  # postgresql://user@host:port/db (libpq URI); "" = embedded
@@ -231,6 +240,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     lake: LakeConfig = msgspec.field(default_factory=LakeConfig)
     catalog: CatalogConfig = msgspec.field(default_factory=CatalogConfig)
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
+
+    @property
+    def retire_lag_bytes(self) -> int:
+        """The daemon-wide lag that retires a subscriber without a consumer (0: never)."""
+        r = self.retention
+        return r.size_cap_bytes // 2 if r.retire_after_lag_bytes is None \
+            else r.retire_after_lag_bytes
 
     @property
     def shard_count(self) -> int:
@@ -356,6 +372,11 @@ def validate(cfg: Config) -> None:
          "must be >= 1"),
         (cfg.retention.size_cap_bytes >= 0, "retention.size_cap_bytes", "must be >= 0"),
         (cfg.retention.max_age_s >= 0, "retention.max_age_s", "must be >= 0"),
+        (cfg.retire_lag_bytes >= 0, "retention.retire_after_lag_bytes",
+         "must be >= 0 (0 = never retire for lag)"),
+        (cfg.retention.retire_grace_s >= 0, "retention.retire_grace_s", "must be >= 0"),
+        (cfg.retention.retire_idle_s >= 0, "retention.retire_idle_s",
+         "must be >= 0 (0 = never retire for idleness)"),
         (0 <= cfg.scrub.rate_mb_per_s <= 100_000, "scrub.rate_mb_per_s",
          "must be between 0 (no background passes) and 100000"),
         (cfg.scrub.pass_interval_s >= 0, "scrub.pass_interval_s", "must be >= 0"),
@@ -418,6 +439,7 @@ def _lake_checks(cfg: Config) -> list[tuple[bool, str, str]]:
          "must be 0..100000 (0 = off)"),
         (lake.scrub.pass_interval_s >= 0, "lake.scrub.pass_interval_s", "must be >= 0"),
         (comp.interval_s >= 0, "lake.compaction.interval_s", "must be >= 0 (0 = off)"),
+        (lake.dead_letter_after >= 0, "lake.dead_letter_after", "must be >= 0 (0 = never)"),
         (2 <= comp.min_files <= comp.max_files, "lake.compaction.min_files",
          "must be >= 2 and <= lake.compaction.max_files"),
         (1 <= comp.parallelism <= 64, "lake.compaction.parallelism", "must be 1..64"),
@@ -439,7 +461,6 @@ def _lake_checks(cfg: Config) -> list[tuple[bool, str, str]]:
 
 def parse_listen(listen: str) -> tuple[str, int]:
     """``[metrics] listen``: ``"127.0.0.1:9464"`` -> (host, port); ``"[::1]:9464"`` for IPv6."""
-        (lake.dead_letter_after >= 0, "lake.dead_letter_after", "must be >= 0 (0 = never)"),
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise ConfigError("metrics.listen", f"{listen!r} is not host:port, e.g. "

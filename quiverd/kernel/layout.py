@@ -15,6 +15,7 @@
         lost.json                       losses already reported (reported once)
         producers.json                  named producers' stored bundle numbers
         quarantine/                     bytes cut out during recovery
+      retired.json                      subscribers retired for having no consumer, and why
       lake.id                           this data directory's incarnation (a ULID)
       lake.scrub                        when the last lake scrub pass started (ns, text)
       staging/active/                   Parquet files being appended (Active)
@@ -49,6 +50,7 @@ LOST_RECORD = "lost.json"
 PRODUCERS = "producers.json"
 QUARANTINE_DIR = "quarantine"
 LAKE_ID = "lake.id"
+RETIRED = "retired.json"
 LAKE_SCRUB = "lake.scrub"
 STAGING_DIR = "staging"
 ACTIVE_DIR = "active"
@@ -86,6 +88,10 @@ class DataDir:
     @property
     def lake_id(self) -> Path:
         return self.root / LAKE_ID
+
+    @property
+    def retired(self) -> Path:
+        return self.root / RETIRED
 
     @property
     def staging_active(self) -> Path:

@@ -167,6 +167,10 @@ class Metrics:
         self.subscriber_dropped = c("quiver_subscriber_dropped_bundles_total",
                                     "bundles a subscriber never got (retention)",
                                     ("shard", "subscriber"))
+        self.subscribers_retired = c("quiver_subscribers_retired_total",
+                                     "subscribers removed for having no live consumer "
+                                     "(retention.retire_*), by reason: lag_bytes, idle",
+                                     ("reason",))
         self.gc_sweeps = c("quiver_gc_sweeps_total", "gc sweeps", sh)
         self.gc_delete_batches = c("quiver_gc_delete_batches_total",
                                    "deletion batches (one marker write, one dir fsync each)", sh)
@@ -230,13 +234,13 @@ class Metrics:
         self.lake_rotations = c("quiver_lake_rotations_total",
                                 "Active files closed to Stable, by reason", ("reason",))
         self.lake_rows = c("quiver_lake_rows_total", "rows appended to Parquet files", ())
+        self.lake_dead_letters = c("quiver_lake_dead_letters_total",
+                                   "bundles the lake could not write, set aside as dead "
+                                   "letters and rejected, by client", ("client",))
         self.lake_errors = c("quiver_lake_errors_total", "storage tier errors, by kind",
                              ("kind",))
         self.lake_bundles_skipped = c("quiver_lake_bundles_already_registered_total",
                                       "redelivered bundles acked without a second upload "
-        self.lake_dead_letters = c("quiver_lake_dead_letters_total",
-                                   "bundles the lake could not write, set aside as dead "
-                                   "letters and rejected, by client", ("client",))
                                       "(a registered file holds them)", ())
         self.lake_buffered_bytes = g("quiver_lake_buffered_bytes",
                                      "Arrow bytes waiting for their row group", ())

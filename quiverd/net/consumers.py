@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any, Literal
 
 import anyio
@@ -55,10 +56,18 @@ class SubscriberHub:
     def __init__(self) -> None:
         self.dispatchers: list[Dispatcher] = []  # one per shard, set once they run
         self.leases = StreamLeases()  # which query reads each subscriber (STREAM)
+        # Why a subscriber is gone if it was retired (runtime.retirement), else None.
+        self.refusal: Callable[[str], str | None] = lambda name: None
 
     def known(self, name: str) -> bool:
         return bool(self.dispatchers) and all(name in d.state.registry
                                               for d in self.dispatchers)
+
+    def unknown(self, name: str) -> ProtocolError:
+        """The error for a name not registered: the retirement's reason if it was retired."""
+        text = self.refusal(name) or (f"no subscriber named {name!r}; register it with "
+                                      f"`quiverd subscribers add {name}`")
+        return ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER, text)
 
 
 async def serve_subscriber(hub: SubscriberHub, reader: FrameReader,
@@ -84,9 +93,7 @@ async def serve_subscriber(hub: SubscriberHub, reader: FrameReader,
     if not isinstance(first, protocol.Subscribe):
         raise ProtocolError(ErrorCode.MALFORMED, "a subscriber must send SUBSCRIBE first")
     if not hub.known(first.name):
-        raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER,
-                            f"no subscriber named {first.name!r}; register it with "
-                            f"`quiverd subscribers add {first.name}`")
+        raise hub.unknown(first.name)
     window = max(1, min(first.window or 64, MAX_WINDOW))
     deliveries_tx, deliveries_rx = anyio.create_memory_object_stream[OutgoingDelivery](window)
     session = Session(name=first.name, window=window, deliveries=deliveries_tx)
@@ -107,7 +114,8 @@ async def serve_subscriber(hub: SubscriberHub, reader: FrameReader,
         if error is not None:
             raise error
         if session.ended:
-            raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER, session.ended)
+            raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER,
+                                hub.refusal(first.name) or session.ended)
     finally:
         for d in hub.dispatchers:
             d.detach(session)
@@ -253,15 +261,14 @@ async def _run(hub: SubscriberHub, reader: FrameReader, req: _Request, log: Logg
         raise ShuttingDown("quiverd is starting or stopping: no shard serves yet")
     check_numbers(req, len(shards))  # MALFORMED for a number naming nothing (issue 26)
     registered = False
-    if isinstance(req, _Open) and req.register and not hub.known(req.subscriber):
+    if (isinstance(req, _Open) and req.register and not hub.known(req.subscriber)
+            and hub.refusal(req.subscriber) is None):  # a retired one is not brought back
         await _register(hub, req.subscriber, req.start)
         registered = True
         log.info("subscriber_added", subscriber=req.subscriber, start=req.start,
                  by="stream")
     if not hub.known(req.subscriber):
-        raise ProtocolError(ErrorCode.UNKNOWN_SUBSCRIBER,
-                            f"no subscriber named {req.subscriber!r}; register it with "
-                            f"`quiverd subscribers add {req.subscriber}`")
+        raise hub.unknown(req.subscriber)
     if isinstance(req, _Release):
         return {"released": hub.leases.release(req.subscriber, holder_text(req.holder))}
     _lease(hub, reader, req, log)

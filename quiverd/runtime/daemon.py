@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
 
+from quiverd.acks import retired
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config
 from quiverd.kernel.errors import ConfigError
@@ -41,6 +42,7 @@ from quiverd.net.ingest import IngestServer
 from quiverd.net.metrics_http import MetricsServer
 from quiverd.net.rawsock import BoundSocket
 from quiverd.net.whereabouts import lake_reply
+from quiverd.runtime.retirement import Retirement
 from quiverd.runtime.sdnotify import Notifier
 from quiverd.runtime.shard import Shard
 from quiverd.runtime.staging import Staging
@@ -78,6 +80,7 @@ class Daemon:
         self.ingest: IngestServer | None = None
         self.lake: Lake | None = None  # imported only when the lake is on
         self.staging: Staging | None = None
+        self.retirement: Retirement | None = None  # once the shards run
         self.stopping = False
         self.view = StatusView(self, self.metrics)
 
@@ -141,6 +144,7 @@ class Daemon:
                                            metrics=IngestMetrics(self.metrics),
                                            bound=self.bound.get(cfg.ingest_socket))
                 self.ingest.jobs = staging
+                self.retirement = await self._retirement(self.ingest)
                 self.ingest.lake = lake_reply(cfg)
                 if cfg.lake.schema_mode == "strict":
                     self.ingest.established = EstablishedSchemas(Path(cfg.data_dir),
@@ -159,6 +163,7 @@ class Daemon:
                                                         ready=self.view.readiness)
                     await root.start(self.metrics_server.serve)
                 await root.start(admin.serve)
+                await root.start(self.retirement.run)
                 self.log.info("quiverd_ready", shards=len(self.shards), data_dir=cfg.data_dir,
                               ingest_socket=str(cfg.ingest_socket))
                 self.notifier.ready(f"{len(self.shards)} shards")
@@ -175,6 +180,8 @@ class Daemon:
         self.stopping = True
         self.notifier.stopping()
         self.log.info("quiverd_stopping")
+        if self.retirement is not None:
+            self.retirement.stop()
         if self.lake is not None:
             self.lake.stop()  # first: its acks need the shards' ack loggers
         for shard in self.shards:
@@ -197,6 +204,30 @@ class Daemon:
         self.lake = Lake(self.cfg, self.shards, subscribe=self.subscriber_op,
                          metrics=self.metrics, faults=self.faults)
         await group.start(self.lake.run)
+
+    async def _retirement(self, ingest: IngestServer) -> Retirement:
+        """Retirement of abandoned subscribers (``runtime.retirement``), its marks loaded;
+        a mark of a name registered again is void and leaves the file."""
+        path = DataDir(Path(self.cfg.data_dir)).retired
+        try:
+            marks = await anyio.to_thread.run_sync(retired.load, path)
+        except (OSError, ValueError) as exc:
+            marks = retired.RetiredMarks(path)
+            self.log.warning("retired_file_unreadable", path=str(path), error=str(exc),
+                             hint="it only holds why subscribers were retired; it is "
+                             "rewritten at the next retirement")
+        void = [m.name for m in marks if any(m.name in s.acks.registry for s in self.shards)]
+        for name in void:
+            marks.discard(name)
+        if void:
+            await anyio.to_thread.run_sync(marks.save)
+        exempt = {LAKE_SUBSCRIBER, *(sub.name for sub in self.cfg.subscribers)}
+        retirement = Retirement(self.cfg, self.shards, ingest.hub, marks,
+                                remove=lambda name: self.subscriber_op("remove", name),
+                                exempt=exempt, metrics=self.metrics,
+                                log=logs.get("retirement"))
+        ingest.hub.refusal = retirement.refusal
+        return retirement
 
     async def _signals(self, root_scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -285,6 +316,8 @@ class Daemon:
             raise errors[0]
         self.log.info("subscriber_" + ("added" if op == "add" else "removed"), subscriber=name,
                       start=start)
+        if op == "add" and self.retirement is not None:
+            await self.retirement.readded(name)
         return {"name": name, "op": op, "shards": len(self.shards) - len(errors)}
 
 

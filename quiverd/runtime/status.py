@@ -35,6 +35,7 @@ from quiverd.wal import format as walformat
 if TYPE_CHECKING:
     from quiverd.net.ingest import IngestServer
     from quiverd.runtime.lake import Lake
+    from quiverd.runtime.retirement import Retirement
     from quiverd.runtime.shard import Shard
     from quiverd.runtime.staging import Staging
 
@@ -52,6 +53,7 @@ class Parts(Protocol):
     ingest: IngestServer | None
     lake: Lake | None
     staging: Staging | None
+    retirement: Retirement | None
     stopping: bool
 
 
@@ -74,6 +76,7 @@ class StatusView:
             "shards": [s.status() for s in p.shards],
             "lake": p.lake.status() if p.lake else {"enabled": False},
             "staging": p.staging.status() if p.staging else {},
+            "retired_subscribers": p.retirement.status() if p.retirement else [],
             "ready": self.readiness(),
             "storage": self.storage(),
             "build": self.versions,
@@ -166,6 +169,8 @@ class StatusView:
                 _ints(m.subscriber_dropped.by_label("subscriber")),
             "quiver_subscriber_rejects_total":
                 _ints(m.subscriber_rejects.by_label("subscriber")),
+            "quiver_subscribers_retired_total":
+                _ints(m.subscribers_retired.by_label("reason")),
             "quiver_segment_dropped_total": int(m.segments_dropped.total()),
             "quiver_wal_corrupt_entries_total": int(m.wal_corrupt_entries.total()),
             "quiver_bundles_lost_total": int(m.bundles_lost.total()),
