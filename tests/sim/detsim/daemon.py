@@ -320,6 +320,7 @@ class _Run:
         self.world = DaemonWorld(root, self, plan, plant)
         self.nodes: list[_DaemonSim] = []
         self.final = anyio.Event()
+        self.rows = 0  # in the final scan
 
     def add_node(self, index: int, trace: list[tuple[float, str]]) -> None:
         node_root = self.root / f"n{index}"
@@ -410,7 +411,7 @@ class _Run:
             result.cuts += [f"d{n.index} {c}" if many else c for c in r.cuts]
             checks.update(n.checks.counts)
         result.checks = dict(sorted(checks.items()))
-        result.rows = getattr(self, "rows", 0)
+        result.rows = self.rows
         result.lake_checks, result.commits = w.checker.checks, w.checker.commits_seen
         result.uploader_acks = sum(len(d.dispatcher.acked) for d in w.daemons)
         result.lake_faults = dict(sorted(w.plan.counts.items()))
