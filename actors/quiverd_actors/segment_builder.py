@@ -223,5 +223,6 @@ class _Builder:
 
     def _show(self, segment: OpenSegment) -> None:
         self.stats.open_bundles.set(segment.bundle_count)
+        self.stats.open_min_ts_ns = segment.min_ts or 0
         self.stats.open_bytes.set(segment.bytes)
         self.stats.open_streams.set(segment.stream_count)

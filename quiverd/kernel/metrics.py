@@ -366,6 +366,7 @@ class SegmentMetrics:
     def __init__(self, m: Metrics, shard: int) -> None:
         self._m, self._shard = m, shard
         self.open_bundles = m.open_bundles.labels(shard)
+        self.open_min_ts_ns = 0  # the open segment's oldest ingestion time (0: empty)
         self.open_bytes = m.open_bytes.labels(shard)
         self.open_streams = m.open_streams.labels(shard)
         self.finalized = m.segments_finalized.labels(shard)

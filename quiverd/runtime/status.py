@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from quiverd.kernel.config import Config
 from quiverd.kernel.metrics import Metrics, build_versions
 from quiverd.wal import format as walformat
+from quiverd_actors.uploader import SUBSCRIBER as UPLOADER
 
 if TYPE_CHECKING:
     from quiverd.net.ingest import IngestServer
@@ -74,7 +75,8 @@ class StatusView:
             "connections": int(ingest.connections.value) if ingest else 0,
             "ingest": ingest.as_dict() if ingest else {},
             "shards": [s.status() for s in p.shards],
-            "lake": p.lake.status() if p.lake else {"enabled": False},
+            "lake": {**p.lake.status(), "freshness_s": self.freshness_s()} if p.lake
+            else {"enabled": False},
             "staging": p.staging.status() if p.staging else {},
             "retired_subscribers": p.retirement.status() if p.retirement else [],
             "ready": self.readiness(),
@@ -147,16 +149,38 @@ class StatusView:
 
     def _lag(self, name: str) -> dict[str, Any]:
         segments = bundles = nbytes = 0
+        oldest: list[int] = []
         for shard in self.parts.shards:
             if name not in shard.acks.registry:
                 continue
             lag = shard.acks.lag(name)
             segments += lag.segments_behind
             bundles += lag.bundles_pending
-            nbytes += shard.segments.bytes_from(shard.acks.covered_below(name))
+            below = shard.acks.covered_below(name)
+            nbytes += shard.segments.bytes_from(below)
+            if lag.bundles_pending:
+                first = next((s for s in shard.segments if s.segment_seq >= below), None)
+                if first is not None:
+                    oldest.append(first.min_ts_ns)
+            if shard.segment_stats.open_min_ts_ns:
+                oldest.append(shard.segment_stats.open_min_ts_ns)
         dropped = int(self.metrics.subscriber_dropped.by_label("subscriber").get(name, 0))
+        age = max(0.0, (time.time_ns() - min(oldest)) / 1e9) if oldest else 0.0
         return {"lag_segments": segments, "lag_bytes": nbytes, "lag_bundles": bundles,
-                "dropped_bundles": dropped}
+                "dropped_bundles": dropped, "oldest_pending_s": round(age, 3)}
+
+    def freshness_s(self) -> float | None:
+        """How far the lake is behind: the age of the oldest acked bundle not yet in its
+        Iceberg table (not yet registered: the uploader's oldest pending bundle, by its
+        segment's oldest ingestion time; registered, not yet projected: the projector's
+        oldest file). None without a lake."""
+        lake = self.parts.lake
+        if lake is None:
+            return None
+        pending = next((s["oldest_pending_s"] for s in self.subscribers()
+                        if s["name"] == UPLOADER), 0.0)
+        iceberg = float(self.metrics.lake_iceberg_lag_seconds.total())
+        return round(max(pending, iceberg), 3)
 
     def metrics_summary(self) -> dict[str, Any]:
         """The registry's design-document series, summed over shards, for `status --json`."""
@@ -222,9 +246,16 @@ class StatusView:
                                                  if s.checks.pass_bytes else 1.0))
         for key, doc in (("lag_bundles", "bundles a subscriber has not acked"),
                          ("lag_segments", "segments a subscriber's mark is behind"),
-                         ("lag_bytes", "bytes of the segments a subscriber still needs")):
+                         ("lag_bytes", "bytes of the segments a subscriber still needs"),
+                         ("oldest_pending_s", "age of the oldest bundle a subscriber has "
+                          "not acked (its segment's oldest ingestion time, or the open "
+                          "segment's)")):
             m.derive(f"quiver_subscriber_{key}", doc, ("subscriber",),
                      functools.partial(self._lag_gauge, key))
+        m.derive("quiver_lake_freshness_seconds", "age of the oldest acked bundle not "
+                 "yet in an Iceberg snapshot (not yet registered, or registered and not "
+                 "yet projected); absent without a lake", (),
+                 lambda: {} if (f := self.freshness_s()) is None else {(): f})
         m.derive("quiver_delivery_held_seconds", "age of the undecided job at which a "
                  "shard's deliveries and streams wait (absent: none waits)", ("shard", "job_id"),
                  self._held_gauge)

@@ -27,8 +27,13 @@ from tests.daemon.test_io_errors import SMALL_WAL
 from tests.daemon.test_lake_degraded import s3_settings
 from tests.daemon.test_metrics import scrape
 from tests.daemon.test_recovery_loss import two_segments_released
-from tests.daemon.test_retention import BUNDLE, SMALL, Producer
+from tests.daemon.test_retention import BUNDLE, Producer
+from tests.daemon.test_retention import SMALL as RETAINED
 from tests.daemon.test_subscribers import add, consume, produce, wait_for
+
+# Their stalled subscriber must stay (retention.retire_* would retire it, by design,
+# before the cap these tests reach: tests/daemon/test_retirement.py covers that).
+SMALL = {**RETAINED, "retention.retire_after_lag_bytes": 0}
 
 pytestmark = pytest.mark.timeout(120)
 
