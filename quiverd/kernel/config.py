@@ -80,11 +80,12 @@ class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     size_cap_policy: Literal["backpressure", "drop_oldest"] = "backpressure"
     max_age_s: int = 0  # 0 = keep until acked
     # Retiring abandoned subscribers (quiverd.runtime.retirement): one with no live
-    # consumer (no SUBSCRIBE session, no ranged reader's lease) is removed, loudly, once
-    # its lag in a shard reaches retire_after_lag_bytes / shards (after retire_grace_s
-    # without a consumer, at once when that shard is at its cap), or once it has had no
-    # consumer for retire_idle_s while lagging. None = half of size_cap_bytes, so it
-    # comes before the cap's backpressure; 0 = never.
+    # consumer (no SUBSCRIBE session, no ranged reader's lease) for retire_grace_s is
+    # removed, loudly, once its lag in a shard reaches retire_after_lag_bytes / shards, or
+    # once it has had no consumer for retire_idle_s while lagging. None = half of
+    # size_cap_bytes under backpressure, so it comes before the cap holds ingest back
+    # (under drop_oldest: never, the cap drops instead; without a cap: half of what the
+    # data directory's filesystem could hold at start, before the disk is full); 0 = never.
     retire_after_lag_bytes: int | None = None
     retire_grace_s: float = 60.0
     retire_idle_s: int = 7 * 86_400  # Kafka forgets an empty group's offsets after 7 days
@@ -242,11 +243,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
 
     @property
-    def retire_lag_bytes(self) -> int:
-        """The daemon-wide lag that retires a subscriber without a consumer (0: never)."""
+    def retire_lag_bytes(self) -> int | None:
+        """The daemon-wide lag that retires a subscriber without a consumer (0: never;
+        None: no cap and none set, half of what the filesystem could hold)."""
         r = self.retention
-        return r.size_cap_bytes // 2 if r.retire_after_lag_bytes is None \
-            else r.retire_after_lag_bytes
+        if r.retire_after_lag_bytes is not None:
+            return r.retire_after_lag_bytes
+        if not r.size_cap_bytes:
+            return None
+        return r.size_cap_bytes // 2 if r.size_cap_policy == "backpressure" else 0
 
     @property
     def shard_count(self) -> int:
@@ -372,7 +377,7 @@ def validate(cfg: Config) -> None:
          "must be >= 1"),
         (cfg.retention.size_cap_bytes >= 0, "retention.size_cap_bytes", "must be >= 0"),
         (cfg.retention.max_age_s >= 0, "retention.max_age_s", "must be >= 0"),
-        (cfg.retire_lag_bytes >= 0, "retention.retire_after_lag_bytes",
+        ((cfg.retention.retire_after_lag_bytes or 0) >= 0, "retention.retire_after_lag_bytes",
          "must be >= 0 (0 = never retire for lag)"),
         (cfg.retention.retire_grace_s >= 0, "retention.retire_grace_s", "must be >= 0"),
         (cfg.retention.retire_idle_s >= 0, "retention.retire_idle_s",

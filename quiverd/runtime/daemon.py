@@ -222,10 +222,14 @@ class Daemon:
         if void:
             await anyio.to_thread.run_sync(marks.save)
         exempt = {LAKE_SUBSCRIBER, *(sub.name for sub in self.cfg.subscribers)}
+        disk = 0
+        if self.cfg.retire_lag_bytes is None:  # no cap, no limit: half of what fits
+            st = await anyio.to_thread.run_sync(os.statvfs, self.cfg.data_dir)
+            disk = st.f_bavail * st.f_frsize + sum(s.usage_bytes() for s in self.shards)
         retirement = Retirement(self.cfg, self.shards, ingest.hub, marks,
                                 remove=lambda name: self.subscriber_op("remove", name),
                                 exempt=exempt, metrics=self.metrics,
-                                log=logs.get("retirement"))
+                                log=logs.get("retirement"), disk_bytes=disk)
         ingest.hub.refusal = retirement.refusal
         return retirement
 

@@ -10,9 +10,14 @@ left alone, however far behind it is: a slow consumer is what the size cap's
 backpressure is for. One without a consumer is retired when
 
 - ``lag_bytes``: its lag in some shard (bytes of the segments from its mark on) reached
-  ``retention.retire_after_lag_bytes / shards`` (by default half the shard's size cap),
-  and it has been without a consumer for ``retire_grace_s`` (a consumer restarting is
-  not retired), or at once while that shard is at its cap (ingest would wait for it);
+  ``retention.retire_after_lag_bytes / shards`` and it has been without a consumer for
+  ``retire_grace_s`` (a consumer restarting, or one that connects now and then, keeps
+  its subscriber). The default limit is half the shard's size cap under
+  ``backpressure``, so the retirement comes before the cap holds ingest back (if the
+  cap fills within the grace, ingest waits for the rest of it, then goes on); none
+  under ``drop_oldest`` (the cap drops its bundles instead); without a cap, half of what
+  the data directory's filesystem could hold at start (its free bytes plus the shards'
+  own), so the disk does not fill for it either;
 - ``idle``: it has been without a consumer for ``retire_idle_s`` and is behind at all.
 
 Retiring writes the reason to ``retired.json`` (``quiverd.acks.retired``), then removes
@@ -58,11 +63,15 @@ Remove = Callable[[str], Awaitable[Any]]
 class Retirement:
     def __init__(self, cfg: Config, shards: Sequence[Shard], hub: SubscriberHub,
                  marks: RetiredMarks, *, remove: Remove, exempt: set[str],
-                 metrics: Metrics, log: Logger) -> None:
+                 metrics: Metrics, log: Logger, disk_bytes: int = 0) -> None:
+        """``disk_bytes``: what the data directory could hold (free + the shards' bytes),
+        half of which is the lag limit when neither a cap nor a limit is configured."""
         self.cfg, self.shards, self.hub, self.marks = cfg, shards, hub, marks
         self.remove, self.exempt, self.log = remove, exempt, log
         self.retired = metrics.subscribers_retired
-        self.lag_bytes = cfg.retire_lag_bytes // max(len(shards), 1)  # per shard
+        limit = cfg.retire_lag_bytes
+        self.lag_limit_bytes = disk_bytes // 2 if limit is None else limit  # daemon-wide
+        self.lag_bytes = self.lag_limit_bytes // max(len(shards), 1)  # per shard
         self.grace_s = cfg.retention.retire_grace_s
         self.idle_s = float(cfg.retention.retire_idle_s)
         self.started = time.monotonic()
@@ -77,6 +86,9 @@ class Retirement:
                   ) -> None:
         """Check on every change and once a second, until cancelled or ``stop``."""
         task_status.started()
+        self.log.info("subscriber_retirement", lag_limit_bytes=self.lag_limit_bytes,
+                      grace_s=self.grace_s, idle_limit_s=self.idle_s,
+                      exempt=sorted(self.exempt))
         if not self.enabled:
             return
         while not self.stopped:
@@ -133,8 +145,7 @@ class Retirement:
             lag = s.segments.bytes_from(s.acks.covered_below(name))
             total += lag
             behind = behind or lag > 0 or s.acks.lag(name).bundles_pending > 0
-            if self.lag_bytes and lag >= self.lag_bytes and (
-                    idle >= self.grace_s or s.gate.over()):
+            if self.lag_bytes and lag >= self.lag_bytes and idle >= self.grace_s:
                 due = "lag_bytes"
         if not due and self.idle_s and idle >= self.idle_s and behind:
             due = "idle"
@@ -154,7 +165,7 @@ class Retirement:
         self.retired.labels(reason).inc()
         self.last_live.pop(name, None)
         self.log.error("subscriber_retired", subscriber=name, reason=reason, lag_bytes=lag,
-                       idle_s=round(idle, 1), lag_limit_bytes=self.cfg.retire_lag_bytes,
+                       idle_s=round(idle, 1), lag_limit_bytes=self.lag_limit_bytes,
                        grace_s=self.grace_s, idle_limit_s=self.idle_s,
                        hint=f"no consumer read subscriber {name!r}, so it was removed before "
                        "it could stop ingest (retention.retire_after_lag_bytes, retire_idle_s; "

@@ -159,20 +159,32 @@ def test_connected_consumer_that_lags_is_not_retired(daemon_factory):
     assert d.stop() == 0
 
 
-def test_abandoned_subscriber_at_the_cap_is_retired_at_once_and_ingest_resumes(
+def test_cap_filled_within_the_grace_holds_ingest_only_until_the_retirement(
         daemon_factory):
-    """A grace longer than the time to fill the cap: the cap retires it, without it."""
-    d = daemon_factory({**SMALL, "retention.retire_grace_s": 3600}, in_process=True).start()
+    """Abandoned and at the cap within its grace: ingest waits for the rest of the grace
+    (a consumer coming back in it keeps its subscriber), then goes on by itself."""
+    grace_s = 3.0
+    d = daemon_factory({**SMALL, "retention.retire_grace_s": grace_s},
+                       in_process=True).start()
     add(d, "live")
     add(d, "abandoned")
     live = Consumer(d, "live")
     live.start()
+    started = time.monotonic()
+    gaps = []
     with Client.connect(d.socket) as c:
+        last = started
         for _ in range(120):  # unpaced: the cap is reached within the grace
             c.send(BUNDLE, client="p")
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
     metrics = d.status()["metrics"]
     assert metrics["quiver_subscribers_retired_total"] == {"lag_bytes": 1}
-    print(f"\nat the cap: throttled appends {metrics['quiver_ingest_throttle_total']}")
+    assert metrics["quiver_ingest_throttle_total"] >= 1
+    assert max(gaps) < grace_s + 2.0  # held back at most for the grace (and a sweep)
+    print(f"\nat the cap within a {grace_s} s grace: longest wait for an ack "
+          f"{max(gaps):.2f} s, 120 bundles in {time.monotonic() - started:.1f} s, "
+          f"throttled appends {metrics['quiver_ingest_throttle_total']}")
     live.stop.set()
     live.join(10)
     assert d.stop() == 0

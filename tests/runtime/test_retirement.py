@@ -61,10 +61,10 @@ class FakeShard:
             self.used += SEGMENT_BYTES
 
 
-def setup(tmp_path: Path, *, exempt: set[str] | None = None, **retention: Any
-          ) -> tuple[Retirement, FakeShard, SubscriberHub]:
-    cfg = Config(data_dir=str(tmp_path), retention=RetentionConfig(
-        size_cap_bytes=8 * MiB, **retention))
+def setup(tmp_path: Path, *, exempt: set[str] | None = None, disk_bytes: int = 0,
+          **retention: Any) -> tuple[Retirement, FakeShard, SubscriberHub]:
+    retention.setdefault("size_cap_bytes", 8 * MiB)
+    cfg = Config(data_dir=str(tmp_path), retention=RetentionConfig(**retention))
     shard, hub = FakeShard(), SubscriberHub()
 
     async def remove(name: str) -> None:
@@ -72,7 +72,8 @@ def setup(tmp_path: Path, *, exempt: set[str] | None = None, **retention: Any
 
     shards: list[Any] = [shard]
     r = Retirement(cfg, shards, hub, RetiredMarks(tmp_path / "retired.json"), remove=remove,
-                   exempt=exempt or set(), metrics=Metrics(), log=structlog.get_logger("t"))
+                   exempt=exempt or set(), metrics=Metrics(), log=structlog.get_logger("t"),
+                   disk_bytes=disk_bytes)
     return r, shard, hub
 
 
@@ -86,16 +87,16 @@ def names(shard: FakeShard) -> list[str]:
     return [s.name for s in shard.acks.registry]
 
 
-def test_retirement_lag_waits_for_the_grace_unless_the_shard_is_at_its_cap(tmp_path):
+def test_retirement_lag_waits_for_the_grace_even_at_the_cap(tmp_path):
     r, shard, _ = setup(tmp_path, retire_grace_s=60.0)
     shard.add("exp")
-    shard.write(4)  # 4 MiB: half the 8 MiB cap
+    shard.write(8)  # 8 MiB: past half the 8 MiB cap, at the cap
     anyio.run(r.check)
     assert names(shard) == ["exp"]  # without a consumer for less than the grace
-    shard.used = 8 * MiB  # the gate would hold ingest back for it
+    r.last_live["exp"] -= 60  # a consumer that comes back within it keeps the subscriber
     anyio.run(r.check)
     assert names(shard) == []
-    assert "its lag reached 4194304 bytes" in (r.refusal("exp") or "")
+    assert "its lag reached 8388608 bytes" in (r.refusal("exp") or "")
     assert r.retired.by_label("reason") == {"lag_bytes": 1}
 
 
@@ -146,6 +147,25 @@ def test_retirement_mark_is_void_once_readded_and_cleared(tmp_path):
     anyio.run(r.readded, "exp")
     assert r.marks.get("exp") is None
     assert b'"retired":[]' in (tmp_path / "retired.json").read_bytes()
+
+
+def test_retirement_lag_limit_without_a_cap_is_half_the_disk(tmp_path):
+    r, shard, _ = setup(tmp_path, size_cap_bytes=0, disk_bytes=10 * MiB, retire_grace_s=0.0)
+    assert r.lag_limit_bytes == 5 * MiB
+    shard.add("exp")
+    shard.write(4)
+    anyio.run(r.check)
+    assert names(shard) == ["exp"]
+    shard.write(1)
+    anyio.run(r.check)
+    assert names(shard) == []
+    explicit, _, _ = setup(tmp_path, size_cap_bytes=0, disk_bytes=10 * MiB,
+                           retire_after_lag_bytes=0)
+    assert explicit.lag_limit_bytes == 0  # 0 = never, whatever the disk
+    dropping, _, _ = setup(tmp_path, size_cap_policy="drop_oldest")
+    assert dropping.lag_limit_bytes == 0  # the cap drops for it: ingest never waits
+    set_, _, _ = setup(tmp_path, size_cap_policy="drop_oldest", retire_after_lag_bytes=MiB)
+    assert set_.lag_limit_bytes == MiB
 
 
 def test_retirement_off_with_both_limits_zero(tmp_path):
