@@ -22,7 +22,7 @@ from quiverd.client.consumer import RangedReader
 from quiverd.kernel.errors import ProtocolError
 from quiverd.net.admin import request
 from tests.daemon.test_retention import BUNDLE, CAP, SMALL, Sampler
-from tests.daemon.test_subscribers import add, wait_for
+from tests.daemon.test_subscribers import add
 
 RETIRE = {**SMALL, "retention.retire_grace_s": 0.2}
 SEND_EVERY_S = 0.04  # ~5 MB/s of ~200 KB bundles: a steady producer, not a burst
@@ -54,7 +54,7 @@ class Consumer(threading.Thread):
     def __init__(self, d: Any, name: str, *, ack: bool = True) -> None:
         super().__init__(daemon=True)
         self.d, self.name, self.ack = d, name, ack
-        self.got, self.stop = 0, threading.Event()
+        self.got, self.stop, self.attached = 0, threading.Event(), threading.Event()
 
     def run(self) -> None:
         async def main() -> None:
@@ -69,6 +69,7 @@ class Consumer(threading.Thread):
 
     async def _read(self) -> None:
         async with subscribe(self.d.socket, self.name, window=256) as deliveries:
+            self.attached.set()
             async for b in deliveries:
                 self.got += 1
                 if self.ack:
@@ -96,6 +97,7 @@ def test_abandoned_subscriber_is_retired_before_the_cap_holds_ingest(daemon_fact
     add(d, "abandoned")
     live = Consumer(d, "live")
     live.start()
+    assert live.attached.wait(10)
     sampler, producer = Sampler(d.data_dir), Producer(d, 120)  # ~24 MB through 6 MiB
     sampler.start()
     started = time.time()
@@ -144,7 +146,7 @@ def test_connected_consumer_that_lags_is_not_retired(daemon_factory):
     add(d, "slow")
     slow = Consumer(d, "slow", ack=False)  # attached, never acks: lags like an abandoned one
     slow.start()
-    wait_for(lambda: d.status()["metrics"]["quiver_subscriber_lag"] != {})
+    assert slow.attached.wait(10)
     producer = Producer(d, 20)  # ~4 MB: past the 3 MiB lag threshold, below the cap
     producer.start()
     producer.join(60)
@@ -170,6 +172,7 @@ def test_cap_filled_within_the_grace_holds_ingest_only_until_the_retirement(
     add(d, "abandoned")
     live = Consumer(d, "live")
     live.start()
+    assert live.attached.wait(10)
     started = time.monotonic()
     gaps = []
     with Client.connect(d.socket) as c:

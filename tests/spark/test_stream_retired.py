@@ -42,6 +42,7 @@ def test_stream_query_on_a_retired_subscriber_fails_with_the_reason(spark, daemo
     add(d, "live")  # the subscriber that stays: the lake's, or a real job's
     live = Consumer(d, "live")
     live.start()
+    assert live.attached.wait(10)
     producer = Producer(d, 40)  # ~8 MB into the 6 MiB cap while "exp" is left
     producer.start()
     producer.join(120)
