@@ -191,3 +191,48 @@ def test_cap_filled_within_the_grace_holds_ingest_only_until_the_retirement(
     live.stop.set()
     live.join(10)
     assert d.stop() == 0
+
+
+def test_retirement_survives_kill_9(daemon_factory):
+    d = daemon_factory(RETIRE).start()  # a process of its own, to kill
+    add(d, "live")
+    add(d, "abandoned")
+    live = Consumer(d, "live")
+    live.start()
+    assert live.attached.wait(10)
+    producer = Producer(d, 30)  # ~6 MB: past the 3 MiB lag limit
+    producer.start()
+    producer.join(60)
+    assert producer.error is None
+    assert d.status()["metrics"]["quiver_subscribers_retired_total"] == {"lag_bytes": 1}
+    d.kill()  # the remove is durable in ack.log, the reason in retired.json
+    live.stop.set()
+    live.join(10)
+    d.start()
+    assert [s["name"] for s in request(d.admin_socket, "subscribers.list")] == ["live"]
+    assert "was retired" in refusal(d, "abandoned")
+    d.stop()
+
+
+def test_retired_file_mark_of_a_registered_name_is_void_and_damage_is_reported(
+        daemon_factory):
+    """A crash between the mark and the removes leaves the subscriber registered: the mark
+    is dropped at the next start; an unreadable file is reported and does not stop it."""
+    d = daemon_factory(RETIRE, in_process=True).start()
+    add(d, "kept")
+    assert d.stop() == 0
+    path = d.data_dir / "retired.json"
+    path.write_text('{"version":1,"retired":[{"name":"kept","reason":"lag_bytes",'
+                    '"lag_bytes":1,"idle_s":1.0,"retired_at_ns":1}]}\n')
+    d.start()
+    assert d.status()["retired_subscribers"] == []
+    assert json.loads(path.read_text())["retired"] == []
+    with RangedReader.connect(d.socket) as r:
+        assert r.open("kept")["shards"] == 1
+    assert d.stop() == 0
+    path.write_text("{not json")
+    d.start()
+    [event] = d.events("retired_file_unreadable")
+    assert event["level"] == "warning" and "rewritten" in event["hint"]
+    assert [s["name"] for s in request(d.admin_socket, "subscribers.list")] == ["kept"]
+    assert d.stop() == 0
