@@ -165,6 +165,10 @@ class Retirement:
             await self.remove(name)
         except UnknownSubscriber:
             pass  # removed meanwhile (an operator): the mark still says why it would be
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            # The shards stop (a shutdown): the mark is void while the name is registered.
+            self.stopped = True
+            return
         self.retired.labels(reason).inc()
         self.last_live.pop(name, None)
         self.log.error("subscriber_retired", subscriber=name, reason=reason, lag_bytes=lag,
