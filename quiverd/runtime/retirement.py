@@ -31,9 +31,10 @@ Exempt: the lake's own subscriber (``uploader``) and the subscribers the config 
 declares (``[[subscribers]]``): the operator declared those for good, and every start
 registers them again.
 
-"Without a consumer since" is kept in memory: a start counts as the moment every
-subscriber was last seen, so a restart gives each the grace again (never a retirement
-sooner than configured). Bounded by the registered subscribers (one entry each).
+"Without a consumer since" is kept in memory, from the first check that sees the name:
+a start, or a registration, counts as the moment it was last seen, so a restart gives
+each the grace again (never a retirement sooner than configured). Bounded by the
+registered subscribers (one entry each).
 """
 
 from __future__ import annotations
@@ -77,7 +78,6 @@ class Retirement:
         self.lag_bytes = self.lag_limit_bytes // max(len(shards), 1)  # per shard
         self.grace_s = cfg.retention.retire_grace_s
         self.idle_s = float(cfg.retention.retire_idle_s)
-        self.started = time.monotonic()
         self.last_live: dict[str, float] = {}
         self.stopped = False
 
@@ -123,7 +123,9 @@ class Retirement:
             if self._live(name):
                 self.last_live[name] = now
                 continue
-            idle = now - self.last_live.setdefault(name, self.started)
+            # First seen now (registered since the last check, or this is the first
+            # check of this start): its time without a consumer starts now.
+            idle = now - self.last_live.setdefault(name, now)
             reason, lag = self._due(name, idle)
             if reason:
                 await self._retire(name, reason, lag, idle)

@@ -136,6 +136,18 @@ def test_retirement_idle_needs_lag_and_spares_the_exempt(tmp_path):
     assert (tmp_path / "retired.json").exists()
 
 
+def test_retirement_counts_a_new_subscribers_time_from_its_registration(tmp_path):
+    r, shard, _ = setup(tmp_path, retire_idle_s=10, retire_grace_s=10.0)
+    shard.add("early")
+    shard.write(8)
+    anyio.run(r.check)  # the daemon's first check: "early" is seen
+    r.last_live["early"] -= 11  # eleven seconds later...
+    shard.add("late")  # ...an operator adds "late" before starting its consumer
+    shard.write(8)
+    anyio.run(r.check)
+    assert names(shard) == ["late"]  # "early" is retired, "late" has its whole grace
+
+
 def test_retirement_mark_is_void_once_readded_and_cleared(tmp_path):
     r, shard, _ = setup(tmp_path, retire_grace_s=0.0)
     shard.add("exp")
