@@ -55,6 +55,7 @@ def test_stream_query_on_a_retired_subscriber_fails_with_the_reason(spark, daemo
     text = str(failed)
     assert "subscriber 'exp' was retired at" in text and "its lag reached" in text
     assert "quiverd subscribers add exp" in text
+    print("\n" + next(line for line in text.splitlines() if "was retired" in line)[:400])
     live.stop.set()
     live.join(10)
     assert d.stop() == 0
