@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from quiverd.kernel.config import Config
 from quiverd.kernel.metrics import Metrics, build_versions
 from quiverd.wal import format as walformat
-from quiverd_actors.uploader import SUBSCRIBER as UPLOADER
+
+UPLOADER = "uploader"  # quiverd_actors.uploader.SUBSCRIBER (not imported: it loads the lake)
 
 if TYPE_CHECKING:
     from quiverd.net.ingest import IngestServer
