@@ -243,7 +243,8 @@ def _check_numbers(rec: Any, known: _Known, facts: Facts, held: dict[int, list[s
     """A named producer's numbers: each acked bundle's is remembered (a resend would be
     answered, not stored twice), and no number is claimed for a sequence that was
     neither acked nor is held (that resend would be lost)."""
-    for tag, (stream, pseq) in facts.number_of_tag.items():
+    # A crash state recorded before named producers (tests/sim/regressions) has none.
+    for tag, (stream, pseq) in getattr(facts, "number_of_tag", {}).items():
         seq = facts.seq_of_tag[tag]
         if seq in known.acked and rec.producers.sequence_of(stream, pseq) is None:
             problems.append(f"acked bundle tag {tag} (sequence {seq}, producer_seq {pseq}) "
