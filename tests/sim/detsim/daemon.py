@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import inspect
 import json
 import os
 import random
@@ -583,8 +584,6 @@ class _Powered:
 
 
 def _is_async(fn: Any) -> bool:
-    import inspect
-
     return inspect.iscoroutinefunction(fn)
 
 
