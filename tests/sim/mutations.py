@@ -116,7 +116,7 @@ MUTATIONS = (
         "    return (f\"UPDATE files SET state = '{FileState.COMPACTED.value}', "
         "compacted_into = ?, \"\n",
         "    return (f\"UPDATE files SET compacted_into = ?, \"\n",
-        (LAKE_CRASH_STATES, DETSIM)),
+        (LAKE_CRASH_STATES, DETSIM, DAEMON_SIM)),
     Mutation(
         "expiry_of_the_current_snapshot",
         "expiry no longer protects the snapshot main points at",
