@@ -113,15 +113,17 @@ def test_a_killed_writers_job_expires_within_the_writer_timeout_and_the_stream_m
 
 def test_a_slow_live_writer_keeps_its_job_with_keepalives_past_the_idle_timeout(
         daemon_factory):
+    # An idle timeout of 2 s: at 1 s a loaded clean-clone run (4 workers, 2 cores) once
+    # let a 250 ms keepalive cadence slip past it and the connection was closed.
     d = daemon_factory({**FAST, "staging.writer_timeout_s": 1,
-                        "ingest.idle_timeout_ms": 1000}, in_process=True).start()
+                        "ingest.idle_timeout_ms": 2000}, in_process=True).start()
     with Client.connect(d.socket) as c:
         first = c.keepalive("slow")  # before any row: the job is held
         assert first.keepalive_ms == 250 and first.state == "unknown"
         table = tagged_table(1)
         c.send(table, client="p", txn=TxnTag(job_id="slow", partition=0, attempt=3,
                                               row_offset=0))
-        deadline = time.monotonic() + 4  # 4 x writer_timeout_s, 4 x the idle timeout
+        deadline = time.monotonic() + 8  # 8 x writer_timeout_s, 4 x the idle timeout
         while time.monotonic() < deadline:
             time.sleep(first.keepalive_ms / 1000)
             assert c.keepalive("slow").state == "staged"  # waiting for input
