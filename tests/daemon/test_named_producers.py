@@ -238,53 +238,16 @@ def test_a_damaged_producers_file_is_set_aside_and_the_daemon_starts(
     assert numbered(d, "collector-7", 5, [(2, 2)])[0].sequence > 0
 
 
-def test_named_producer_through_kill9_of_the_daemon_stores_each_bundle_once(
-        daemon_factory: Any) -> None:
-    d = daemon_factory(FAST).start()
-    add(d, "check")
-    total, kills = 3000, 3
+def through_restarts(d: Any, producer: str, total: int, restarts: int,
+                     restart: Any) -> Counter[int]:
+    """A named producer sends ``total`` bundles from a thread while ``restart(d)`` is done
+    ``restarts`` times at even points of it; then every id subscriber "check" gets."""
     sent: list[int] = []
     failure: list[BaseException] = []
 
     def produce() -> None:
         try:
-            with Client.connect(d.socket, producer_id="collector-9", reconnect_s=60) as c:
-                for start in range(0, total, 50):
-                    c.send_many([table(i) for i in range(start, start + 50)],
-                                client="telemetry")
-                    sent.append(start + 50)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            failure.append(exc)
-
-    t = threading.Thread(target=produce)
-    t.start()
-    for k in range(kills):
-        deadline = time.monotonic() + 60
-        while (sent[-1] if sent else 0) < (k + 1) * total // (kills + 1):
-            assert time.monotonic() < deadline and not failure, failure
-            time.sleep(0.01)
-        d.kill()  # SIGKILL, mid-stream
-        d.start()
-    t.join(120)
-    assert not t.is_alive() and not failure, failure
-    got = consume_ids(d, "check", want=total)
-    twice = sorted(i for i, k in got.items() if k > 1)
-    lost = sorted(set(range(total)) - set(got))
-    assert not twice and not lost, f"{len(twice)} twice {twice[:10]}, {len(lost)} lost {lost[:10]}"
-
-
-def test_named_producer_rides_out_graceful_restarts(daemon_factory: Any) -> None:
-    """A stop answers what is in flight SHUTTING_DOWN and closes: a named producer waits
-    for the daemon to come back and resends, the application sees no error."""
-    d = daemon_factory(FAST, in_process=True).start()
-    add(d, "check")
-    total, restarts = 2000, 2
-    sent: list[int] = []
-    failure: list[BaseException] = []
-
-    def produce() -> None:
-        try:
-            with Client.connect(d.socket, producer_id="collector-3", reconnect_s=60) as c:
+            with Client.connect(d.socket, producer_id=producer, reconnect_s=60) as c:
                 for start in range(0, total, 50):
                     c.send_many([table(i) for i in range(start, start + 50)],
                                 client="telemetry")
@@ -299,12 +262,39 @@ def test_named_producer_rides_out_graceful_restarts(daemon_factory: Any) -> None
         while (sent[-1] if sent else 0) < (k + 1) * total // (restarts + 1):
             assert time.monotonic() < deadline and not failure, failure
             time.sleep(0.01)
-        assert d.stop() == 0
-        d.start()
+        restart(d)
     t.join(120)
     assert not t.is_alive() and not failure, failure
-    got = consume_ids(d, "check", want=total)
-    assert sorted(got) == list(range(total)) and set(got.values()) == {1}
+    return consume_ids(d, "check", want=total)
+
+
+def test_named_producer_through_kill9_of_the_daemon_stores_each_bundle_once(
+        daemon_factory: Any) -> None:
+    d = daemon_factory(FAST).start()
+    add(d, "check")
+
+    def kill9(d: Any) -> None:
+        d.kill()  # SIGKILL, mid-stream
+        d.start()
+
+    got = through_restarts(d, "collector-9", 3000, 3, kill9)
+    twice = sorted(i for i, k in got.items() if k > 1)
+    lost = sorted(set(range(3000)) - set(got))
+    assert not twice and not lost, f"{len(twice)} twice {twice[:10]}, {len(lost)} lost {lost[:10]}"
+
+
+def test_named_producer_rides_out_graceful_restarts(daemon_factory: Any) -> None:
+    """A stop answers what is in flight SHUTTING_DOWN and closes: a named producer waits
+    for the daemon to come back and resends, the application sees no error."""
+    d = daemon_factory(FAST, in_process=True).start()
+    add(d, "check")
+
+    def restart(d: Any) -> None:
+        assert d.stop() == 0
+        d.start()
+
+    got = through_restarts(d, "collector-3", 2000, 2, restart)
+    assert sorted(got) == list(range(2000)) and set(got.values()) == {1}
 
 
 def test_async_named_producer_cut_between_fdatasync_and_ack_stores_each_bundle_once(
