@@ -25,6 +25,13 @@ file are deleted and the inputs are left as they are. When the outcome of ``repl
 is unknown (the catalog kept failing), the new object and file are left: a committed
 replace names them, and otherwise the janitor finds an orphan object and a stale file.
 
+Before its output is written, the task inserts the output's row as Received (unfinished):
+the janitor never judges an object or a staging file named after an unfinished row an
+orphan, so a sweep with a short ``lake.janitor.grace_s`` cannot delete them in flight
+(it did at ``grace_s = 0``: the lake crash states). A task that fails or conflicts
+abandons that row; one whose replace has an unknown outcome leaves it (a start abandons
+an unfinished row).
+
 The new file keeps its local copy (``local_path``) like a freshly uploaded one: the
 indexer reads its zone maps from it, then evicts it under ``lake.delete_after_upload`` /
 ``local_retention_s``. Inputs are read from task-private files named after their own
@@ -216,19 +223,25 @@ async def _merge(tier: Tier, task: Task, paths: list[Path], schema: pa.Schema,
     settings = ParquetSettings(compression_level=lake.compression_level,
                                bloom_filter_columns=tuple(lake.index.bloom_filter_columns),
                                bloom_filter_fpp=lake.index.bloom_filter_fpp)
-    facts = await anyio.to_thread.run_sync(
-        _write, paths, schema, active, stable, settings, metadata, time_column,
-        lake.row_group_bytes, limiter=limiter)
+    received = FileRow(file_id=new_id, client_name=client, node_id=tier.node_id,
+                       source_id=tier.source_id, shard=shard, slot=slot,
+                       state=FileState.RECEIVED, local_path=str(active), created_at=now,
+                       updated_at=now)
+    await tier.catalog.insert_file(received)  # the janitor keeps what it names
     key = tier.object_key(client, slot, stable.name, parsed.hour)
     try:
+        facts = await anyio.to_thread.run_sync(
+            _write, paths, schema, active, stable, settings, metadata, time_column,
+            lake.row_group_bytes, limiter=limiter)
         expected = sum(r.row_count for r in rows)
         if facts.rows != expected:
             raise LakeError(f"compacted file {new_id} holds {facts.rows} rows, its inputs "
                             f"{expected}: not registered")
         await tier.store.put_file(key, stable, size=facts.compressed_size, crc32c=facts.crc32c)
-    except BaseException:
+    except BaseException as exc:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(_unlink_all, [stable])
+            await anyio.to_thread.run_sync(_unlink_all, [active, stable])
+            await _abandon(tier, received, key, f"compaction failed: {exc!r}")
         raise
     new_row = _new_row(tier, rows, facts, new_id=new_id, key=key, local=stable, now_ns=now)
     old_ids = [r.file_id for r in rows]
@@ -236,8 +249,8 @@ async def _merge(tier: Tier, task: Task, paths: list[Path], schema: pa.Schema,
         await _replace(tier, old_ids, new_row)
     except ReplaceConflict as exc:
         with anyio.CancelScope(shield=True):
-            await tier.store.delete(key)
             await anyio.to_thread.run_sync(_unlink_all, [stable])
+            await _abandon(tier, received, key, f"compaction conflict: {exc}")
         log.warning("lake_compaction_conflict", client=client, slot=slot, shard=shard,
                     inputs=old_ids, output=new_id, error=str(exc), hint=exc.hint)
         return _result("conflict", task.key, rows, output=new_id, error=str(exc),
@@ -248,6 +261,18 @@ async def _merge(tier: Tier, task: Task, paths: list[Path], schema: pa.Schema,
              file_id=new_id, rows=facts.rows, bytes=facts.compressed_size,
              input_bytes=result.input_bytes, uri=new_row.uri, duration_ms=result.duration_ms)
     return result
+
+
+async def _abandon(tier: Tier, row: FileRow, key: str, reason: str) -> None:
+    """The output's Received row -> Abandoned, its object (if written) deleted; a catalog
+    or store still failing leaves them to the next start and the janitor."""
+    try:
+        await tier.abandon(msgspec.structs.replace(row, object_key=key, local_path=""),
+                           reason=reason)
+    except (CatalogUnavailable, LakeError, OSError) as exc:
+        tier.log.warning("lake_compaction_output_left", file_id=row.file_id, key=key,
+                         error=str(exc), hint="a start abandons it; the janitor deletes "
+                         "its object after the grace")
 
 
 async def _replace(tier: Tier, old_ids: list[str], new_row: FileRow) -> None:

@@ -177,7 +177,8 @@ async def test_compact_lost_replace_race_deletes_the_new_object(
 
         assert result.outcome == "conflict" and "not registered" in result.error
         assert await keys(tier) == before  # the new object is gone again
-        assert await tier.catalog.get(result.output) is None
+        lost = await tier.catalog.get(result.output)  # its Received row, abandoned
+        assert lost is not None and lost.state is FileState.ABANDONED
         assert not any(result.output in p.name for p in tier.data.staging_stable.iterdir())
         for r in rows[2:]:
             got = await tier.catalog.get(r.file_id)
@@ -241,3 +242,37 @@ def lake_with(lake: LakeConfig, *, file_size_bytes: int | None = None,
     comp = msgspec.structs.replace(lake.compaction, **compaction_fields)
     return msgspec.structs.replace(lake, compaction=comp,
                                    file_size_bytes=file_size_bytes or lake.file_size_bytes)
+
+
+@pytest.mark.asyncio
+async def test_a_janitor_sweep_with_no_grace_keeps_a_compaction_in_flight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep with ``grace_s = 0`` between the output's write and its upload, and again
+    between the upload and the replace, finds the output named after its Received row:
+    not an orphan (it deleted the output's files, and the task failed: found by the lake
+    crash states)."""
+    from quiverd.kernel.config import JanitorConfig
+    from quiverd.lake.janitor import sweep
+
+    async with open_test_tier(tmp_path / "d", janitor=JanitorConfig(grace_s=0)) as tier:
+        rows, tables = await six_files(tier)
+        real_put, real_replace = tier.store.put_file, tier.catalog.replace
+        swept: list[Any] = []
+
+        async def put_after_a_sweep(key: str, path: Path, **kw: Any) -> None:
+            swept.append(await sweep(tier))
+            await real_put(key, path, **kw)
+
+        async def replace_after_a_sweep(old_ids: list[str], new_row: FileRow) -> None:
+            swept.append(await sweep(tier))
+            await real_replace(old_ids, new_row)
+
+        monkeypatch.setattr(tier.store, "put_file", put_after_a_sweep)
+        monkeypatch.setattr(tier.catalog, "replace", replace_after_a_sweep)
+        [result] = await run(tier)
+        assert result.outcome == "compacted", result
+        assert all(not r.orphan_objects and not r.stale_staging_files for r in swept), swept
+        out = await tier.catalog.get(result.output)
+        assert out is not None and out.state is FileState.META_REGISTERED
+        assert out.object_key in await keys(tier)
+        assert sum(r.row_count for r in rows) == out.row_count
