@@ -47,6 +47,7 @@ from ulid import ULID
 
 from quiverd.kernel import fs
 from quiverd.kernel.errors import CatalogUnavailable, LakeError
+from quiverd.kernel.layout import TMP_SUFFIX
 from quiverd.lake.model import (
     REGISTERED,
     RESTORABLE,
@@ -286,7 +287,9 @@ def _clear_stale(dirs: Iterable[Path], live_ids: set[str], cutoff_ns: int,
                 continue
             if not stat.S_ISREG(st.st_mode) or st.st_mtime_ns >= cutoff_ns:
                 continue
-            parsed = parse_file_name(entry.name)
+            # A download's or a crash-safe write's temp file (<name>.tmp) is its file's.
+            name = entry.name.removesuffix(TMP_SUFFIX)
+            parsed = parse_file_name(name)
             if parsed is not None and parsed.ulid in live_ids:
                 continue
             if not dry_run:

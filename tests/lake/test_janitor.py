@@ -231,16 +231,23 @@ async def test_sweep_stale_staging_file_removed_live_ones_kept(tmp_path: Path) -
         stale_stable = data.staging_stable / file_name("app", 1, str(ULID()), "stable")
         junk = data.staging_stable / "leftover.tmp"
         fresh = data.staging_stable / file_name("app", 1, str(ULID()), "stable")
-        for path in (open_active, stale_active, stale_stable, junk, fresh):
+        # A download of a live file in progress (compaction's), and a dead one's.
+        downloading = data.staging_active / (file_name("app", 1, live.file_id, "active")
+                                             + ".tmp")
+        dead_download = data.staging_active / (stale_active.name + ".tmp")
+        for path in (open_active, stale_active, stale_stable, junk, fresh, downloading,
+                     dead_download):
             path.write_bytes(b"x")
-        for path in (open_active, stale_active, stale_stable, junk, Path(live.local_path)):
+        for path in (open_active, stale_active, stale_stable, junk, Path(live.local_path),
+                     downloading, dead_download):
             age(path, 2 * GRACE_S)
 
         report = await sweep(tier)
 
         assert sorted(report.stale_staging_files) == sorted(
-            str(p) for p in (stale_active, stale_stable, junk))
-        assert {p.name for p in data.staging_active.iterdir()} == {open_active.name}
+            str(p) for p in (stale_active, stale_stable, junk, dead_download))
+        assert {p.name for p in data.staging_active.iterdir()} == {open_active.name,
+                                                                   downloading.name}
         assert {p.name for p in data.staging_stable.iterdir()} == {
             Path(live.local_path).name, fresh.name}
 
