@@ -108,7 +108,21 @@ FINAL = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.UNSUPPORTED_VERSION,
                    ErrorCode.MALFORMED, ErrorCode.TOO_LARGE})
 
 
-class AsyncClient:
+class _Named:
+    """A producer client that may be named (protocol v3: numbered, resent exactly once)."""
+
+    _producer: tuple[str, int] | None  # (producer_id, incarnation)
+
+    def _named(self, producer_id: str, incarnation: int) -> None:
+        if producer_id:
+            self._producer = (producer_id, incarnation)
+
+    @property
+    def producer_id(self) -> str:
+        return self._producer[0] if self._producer is not None else ""
+
+
+class AsyncClient(_Named):
     """anyio producer client; use ``async with await AsyncClient.connect(path) as c``.
 
     A background reader task (in a task group living inside ``async with``)
@@ -140,13 +154,8 @@ class AsyncClient:
         stream, hello, decoder = await _handshake(path, producer_id, incarnation)
         c = cls(stream, hello, decoder)
         c._path, c.reconnect_s = path, reconnect_s
-        if producer_id:
-            c._producer = (producer_id, incarnation)
+        c._named(producer_id, incarnation)
         return c
-
-    @property
-    def producer_id(self) -> str:
-        return self._producer[0] if self._producer is not None else ""
 
     async def __aenter__(self) -> Self:
         self._tg = anyio.create_task_group()
@@ -389,7 +398,7 @@ async def _handshake(path: StrPath, producer: str = "", incarnation: int = 0
         raise
 
 
-class Client:
+class Client(_Named):
     """Blocking producer client over a plain socket; same API as ``AsyncClient``."""
 
     def __init__(self, sock: socket.socket, hello_ok: HelloOk, decoder: FrameDecoder) -> None:
@@ -418,13 +427,8 @@ class Client:
                                                 incarnation=incarnation)
         c = cls(sock, hello, decoder)
         c._path, c._timeout, c.reconnect_s = path, timeout, reconnect_s
-        if producer_id:
-            c._producer = (producer_id, incarnation)
+        c._named(producer_id, incarnation)
         return c
-
-    @property
-    def producer_id(self) -> str:
-        return self._producer[0] if self._producer is not None else ""
 
     def __enter__(self) -> Self:
         return self
