@@ -254,18 +254,21 @@ def dead_letters_cmd(args: argparse.Namespace) -> int:
     by_key: dict[str, list[dl.DeadLetter]] = {}
     for d in found:
         by_key.setdefault(d.key, []).append(d)
-    sent = 0
-    with Client.connect(args.replay, producer_id="dead-letter-replay") as c:
-        for key, slots in by_key.items():
-            c.send({d.slot: d.table() for d in slots}, client=slots[0].client)
-            sent += 1
-
-            async def drop(tier: Tier, key: str = key) -> None:
+    sent: list[str] = []
+    try:
+        with Client.connect(args.replay, producer_id="dead-letter-replay") as c:
+            for key, slots in by_key.items():
+                c.send({d.slot: d.table() for d in slots}, client=slots[0].client)
+                sent.append(key)  # acked: its object may go
+                print(f"replayed {key}")
+    finally:
+        async def drop(tier: Tier) -> None:  # one store connection for every delete
+            for key in sent:
                 await tier.store.delete(key)
 
+        if sent:
             _with_tier(args, drop)
-            print(f"replayed {key}")
-    print(f"({sent} dead letters sent again and deleted)")
+    print(f"({len(sent)} dead letters sent again and deleted)")
     return 0
 
 

@@ -178,8 +178,8 @@ class StatusView:
         lake = self.parts.lake
         if lake is None:
             return None
-        pending = next((s["oldest_pending_s"] for s in self.subscribers()
-                        if s["name"] == UPLOADER), 0.0)
+        registered = any(UPLOADER in s.acks.registry for s in self.parts.shards)
+        pending = self._lag(UPLOADER)["oldest_pending_s"] if registered else 0.0
         iceberg = float(self.metrics.lake_iceberg_lag_seconds.total())
         return round(max(pending, iceberg), 3)
 
