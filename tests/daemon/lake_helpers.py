@@ -152,8 +152,9 @@ def produce_through_kills(d: DaemonProcess, bundle: Callable[[int, int], Any], *
                           rounds: int | None = None, seed: int = 9, producers: int = 2
                           ) -> set[tuple[int, int]]:
     """``rounds`` (default: 2 in the smoke tier, 4 in the full one) times: ``producers``
-    threads send ``bundle(k, b)`` as client-k until the
-    daemon is SIGKILLed at a random moment (0.3-1.5 s), then it restarts. Returns the
+    threads send ``bundle(k, b)`` as client-k until the daemon is SIGKILLed at a random
+    moment (0.3-1.5 s after the round's first acknowledgement: a loaded machine's first
+    fdatasync can take longer than the whole window), then it restarts. Returns the
     (k, b) the daemon acknowledged; a send the kill cut off does not count."""
     import random
     import threading
@@ -162,21 +163,32 @@ def produce_through_kills(d: DaemonProcess, bundle: Callable[[int, int], Any], *
     rng = random.Random(seed)
     for round_no in range(size(2, 4) if rounds is None else rounds):
         stop = threading.Event()
+        first_ack = threading.Event()
+        errors: list[BaseException] = []
 
-        def produce(k: int, round_no: int = round_no, stop: threading.Event = stop) -> None:
+        def produce(k: int, round_no: int = round_no, stop: threading.Event = stop,
+                    first_ack: threading.Event = first_ack,
+                    errors: list[BaseException] = errors) -> None:
             try:
                 with Client.connect(d.socket) as c:
                     b = round_no * 100_000
                     while not stop.is_set():
                         c.send(bundle(k, b), client=f"client-{k}")
                         acked.add((k, b))  # only once the daemon acknowledged it
+                        first_ack.set()
                         b += 1
-            except Exception:
-                pass  # the daemon died under us: unacknowledged sends do not count
+            except Exception as e:  # the daemon died under us: unacknowledged sends
+                errors.append(e)    # do not count
 
         threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 60
+        while not first_ack.wait(0.05):
+            if len(errors) == producers or time.monotonic() > deadline:
+                stop.set()
+                raise AssertionError(f"round {round_no}: no acknowledgement; producers' "
+                                     f"errors {errors!r}; log {d.log()[-2000:]}")
         time.sleep(rng.uniform(0.3, 1.5))
         d.kill()
         stop.set()

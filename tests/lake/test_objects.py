@@ -343,7 +343,8 @@ async def test_objects_commit_landing_after_its_timeout_counts(s3_faults: Any,
 @pytest.mark.asyncio
 async def test_objects_failure_mid_upload_leaves_no_object(s3_faults: Any,
                                                            tmp_path: Path) -> None:
-    store = fault_store(s3_faults, tmp_path, max_attempts=2)
+    # 20 MiB through the fault proxy: a loaded machine needs more than the default 2 s.
+    store = fault_store(s3_faults, tmp_path, max_attempts=2, timeout_ms=60_000)
     size = 20 * MiB
     path, crc = sealed(tmp_path, size)
     s3_faults.fail(500, match="partNumber=2")  # every attempt dies after part 1 went in
