@@ -7,6 +7,7 @@ so they work whether or not the daemon runs.
     quiverd files forget FILE_ID [--json]
     quiverd janitor [--dry-run] [--json]
     quiverd compact [--client C] [--dry-run] [--json]
+    quiverd dead-letters [--client C] [--json] [--replay SOCKET]
 
 Times are ISO-8601 (``2026-11-24T10:00:00Z``; no zone means UTC) or integer
 nanoseconds since the epoch.
@@ -82,7 +83,8 @@ def add_parsers(sub: Any, default_config: str) -> None:
     s.add_argument("--replay", metavar="SOCKET", default=None,
                    help="send each listed dead letter's rows again, as new bundles of its "
                    "client, to the daemon at this ingest socket (once the cause is fixed); "
-                   "a replayed dead letter's object is deleted once its bundle is acked")
+                   "a replayed dead letter leaves its Iceberg table, and its object is "
+                   "deleted, once its bundle is acked")
     _common(s, default_config)
     s.set_defaults(func=dead_letters_cmd)
 
@@ -231,21 +233,24 @@ def files_forget(args: argparse.Namespace) -> int:
 def dead_letters_cmd(args: argparse.Namespace) -> int:
     from quiverd.lake import dead_letters as dl
 
-    async def go(tier: Tier) -> list[dl.DeadLetter]:
+    async def go(tier: Tier) -> tuple[list[dl.DeadLetter], dict[str, bool]]:
         prefix = dl.PREFIX + (f"client={args.client}/" if args.client else "")
         found: list[dl.DeadLetter] = []
         for obj in sorted(await tier.store.list(prefix), key=lambda o: o.key):
             found += dl.read(obj.key, await tier.store.read(obj.key))
-        return found
+        return found, await _in_tables(tier, found)
 
-    found = _with_tier(args, go)
+    found, in_table = _with_tier(args, go)
     if args.json and not args.replay:
         print(json.dumps([{k: v for k, v in vars(d).items() if k != "payload"}
-                          | {"payload_bytes": len(d.payload)} for d in found], indent=2))
+                          | {"payload_bytes": len(d.payload), "in_table": in_table.get(d.key)}
+                          for d in found], indent=2))
     elif not args.replay:
         for d in found:
+            table = {True: "", False: "  NOT IN TABLE"}.get(in_table.get(d.key, True), "")
             print(f"{d.client}  bundle ({d.shard}, {d.segment_seq}, {d.bundle_index}) slot "
-                  f"{d.slot}  rows {d.rows}  attempts {d.attempts}  {d.error[:160]}")
+                  f"{d.slot}  rows {d.rows}  attempts {d.attempts}  {d.reason}{table}  "
+                  f"{d.error[:160]}")
         print(f"({len(found)} dead letters)")
     if not args.replay:
         return 0
@@ -263,6 +268,8 @@ def dead_letters_cmd(args: argparse.Namespace) -> int:
                 print(f"replayed {key}")
     finally:
         async def drop(tier: Tier) -> None:  # one store connection for every delete
+            # Out of the table first: a reader of it never finds a file without its object.
+            await _drop_from_tables(tier, {k: by_key[k][0].client for k in sent})
             for key in sent:
                 await tier.store.delete(key)
 
@@ -270,6 +277,47 @@ def dead_letters_cmd(args: argparse.Namespace) -> int:
             _with_tier(args, drop)
     print(f"({len(sent)} dead letters sent again and deleted)")
     return 0
+
+
+async def _in_tables(tier: Tier, found: list[Any]) -> dict[str, bool]:
+    """object key -> whether its client's dead-letter table holds it ({} when the
+    Iceberg projection is off: there are no tables)."""
+    tables = await _dead_letter_tables(tier)
+    if tables is None:
+        return {}
+    try:
+        held: dict[str, set[str]] = {}
+        for client in sorted({d.client for d in found}):
+            held[client] = await anyio.to_thread.run_sync(tables.locations, client)
+    finally:
+        await anyio.to_thread.run_sync(tables.close)
+    return {d.key: tier.store.location(d.key) in held[d.client] for d in found}
+
+
+async def _drop_from_tables(tier: Tier, clients: dict[str, str]) -> None:
+    """Delete the dead letters ``clients`` (object key -> client) from their tables."""
+    tables = await _dead_letter_tables(tier) if clients else None
+    if tables is None:
+        return
+    try:
+        by_client: dict[str, list[str]] = {}
+        for key, client in clients.items():
+            by_client.setdefault(client, []).append(tier.store.location(key))
+        for client, locations in sorted(by_client.items()):
+            await anyio.to_thread.run_sync(tables.remove, client, locations)
+    finally:
+        await anyio.to_thread.run_sync(tables.close)
+
+
+async def _dead_letter_tables(tier: Tier) -> Any:
+    if not tier.cfg.lake.iceberg.enabled:
+        return None
+    from quiverd.lake.iceberg.dead_letters import DeadLetterTables, settings_of
+
+    s = settings_of(tier.cfg, tier.store.location(""), tier.store.iceberg_io_properties())
+    return await anyio.to_thread.run_sync(lambda: DeadLetterTables(
+        catalog_uri=s.catalog_uri, warehouse=s.warehouse, io_properties=s.io_properties,
+        cfg=s.cfg))
 
 
 def janitor(args: argparse.Namespace) -> int:

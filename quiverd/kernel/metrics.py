@@ -236,7 +236,8 @@ class Metrics:
         self.lake_rows = c("quiver_lake_rows_total", "rows appended to Parquet files", ())
         self.lake_dead_letters = c("quiver_lake_dead_letters_total",
                                    "bundles the lake could not write, set aside as dead "
-                                   "letters and rejected, by client", ("client",))
+                                   "letters and rejected, by client and reason (schema, "
+                                   "encode, cast, other)", ("client", "reason"))
         self.lake_errors = c("quiver_lake_errors_total", "storage tier errors, by kind",
                              ("kind",))
         self.lake_bundles_skipped = c("quiver_lake_bundles_already_registered_total",

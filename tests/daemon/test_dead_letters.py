@@ -1,17 +1,23 @@
 """Dead letters (issue 29, item 2): a bundle the lake cannot write (a column type Parquet
 cannot hold) is set aside in the store and rejected, within a minute; the bundles it
 shared files with, and every later one of its client, land; the janitor keeps it;
-``quiverd dead-letters`` lists it and ``--replay`` sends it again."""
+``quiverd dead-letters`` lists it and ``--replay`` sends it again. With the Iceberg
+projection on, it is also a data file of ``quiver_dead_letters.<client>``, readable with
+pyiceberg, once, also when the daemon is killed around that step."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from quiverd.client import Client
+from quiverd.kernel.bundle import read_ipc_stream
+from tests.daemon.iceberg_helpers import catalog, wait_projected
 from tests.daemon.lake_helpers import (
     FAST_LAKE,
     assert_exactly_once,
@@ -20,6 +26,11 @@ from tests.daemon.lake_helpers import (
     quiverd_cli,
     wait_for_lake,
 )
+from tests.daemon.test_metrics import scrape
+
+FAST_ICEBERG = {**FAST_LAKE, "lake.iceberg.enabled": True,
+                "lake.iceberg.reconcile_interval_s": 0.5, "lake.iceberg.linger_ms": 50}
+DEAD_NS = "quiver_dead_letters"
 
 
 def poison() -> pa.Table:
@@ -84,6 +95,109 @@ def test_a_bundle_the_lake_cannot_write_is_a_dead_letter_and_the_rest_lands(
 
 
 def Counter_of(sent: dict[Any, int]) -> Any:  # noqa: N802 - reads as the type it builds
-    from collections import Counter
-
     return Counter(sent)
+
+
+def table_files(d: Any, client: str) -> list[str]:
+    """The data files of the client's dead-letter table ([] before it exists)."""
+    cat = catalog(d)
+    if not cat.table_exists((DEAD_NS, client)):
+        return []
+    files: list[str] = cat.load_table((DEAD_NS, client)).inspect.files()["file_path"].to_pylist()
+    return files
+
+
+def dead_rows(d: Any, client: str) -> pa.Table:
+    # A tuple: "quiver_dead_letters.bad.x" as a string is table x of namespace ...bad.
+    return catalog(d).load_table((DEAD_NS, client)).scan().to_arrow()
+
+
+def wait_table_files(d: Any, client: str, until: Any, timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while not until(files := table_files(d, client)):
+        assert time.monotonic() < deadline, (files, d.log()[-3000:])
+        time.sleep(0.3)
+    return files
+
+
+def location_of(d: Any, key: str) -> str:
+    return f"file://{d.data_dir / 'objects'}/{key}"
+
+
+def test_a_dead_letter_is_a_file_of_its_clients_iceberg_table_and_replay_removes_it(
+        daemon_factory: Any) -> None:
+    """The dead letter of client ``bad.x`` (a dot: one name, not a namespace level) is
+    in ``quiver_dead_letters.bad.x`` within a minute, its payload decoding to the poison
+    rows; the client's good rows land in ``quiver.bad.x`` (the projection's table, which
+    the reconciler keeps syncing beside it); the metric has client and reason; a replay
+    takes the old file out of the table (here the cause is not fixed: the replayed
+    bundle is a dead letter again, the table's only file)."""
+    d = daemon_factory({**FAST_ICEBERG, "metrics.listen": "127.0.0.1:0"},
+                       in_process=True).start()
+    [listening] = d.events("metrics_listening")
+    client = "bad.x"
+    sent: Counter[tuple[str, int]] = Counter()
+    started = time.monotonic()
+    with Client.connect(d.socket) as c:
+        for i, t in enumerate((logs_table(0, 0), poison(), logs_table(0, 1))):
+            c.send(t, client=client)
+            if i != 1:
+                sent[(client, 0)] += t.num_rows
+        c.send(logs_table(1, 0), client="good")
+        sent[("good", 0)] += 50
+    [first] = wait_table_files(d, client, bool)
+    took_s = time.monotonic() - started
+    assert took_s < 60
+    [letter] = dead_letters(d)
+    assert first == location_of(d, letter["key"]) and letter["in_table"] is True
+    rows = dead_rows(d, client).to_pylist()
+    assert [(r["client"], r["slot"], r["rows"], r["reason"], r["attempts"]) for r in rows] == [
+        (client, 0, 2, "encode", 3)]
+    assert "dense_union" in rows[0]["error"]
+    assert read_ipc_stream(rows[0]["payload"]).equals(poison())
+    with Client.connect(d.socket) as c:  # the client goes on
+        c.send(logs_table(0, 2), client=client)
+        sent[(client, 0)] += 50
+    wait_for_lake(d, sent)
+    assert_exactly_once(*lake_contents(d), sent)
+    wait_projected(d)
+    main = catalog(d).load_table(("quiver", client))  # the projection's own table
+    assert main.scan().to_arrow().num_rows == 150
+    assert table_files(d, client) == [first]  # ... and the reconciler left this one alone
+    assert [i[-1] for i in catalog(d).list_tables(DEAD_NS)] == [client]
+    samples = scrape(listening["address"])
+    assert samples["quiver_lake_dead_letters_total"] == {
+        (("client", client), ("reason", "encode")): 1.0}, samples["quiver_lake_dead_letters_total"]
+    out = quiverd_cli("dead-letters", "--config", str(d.config_path), "--replay",
+                      str(d.socket))
+    assert out.returncode == 0 and "1 dead letters sent again" in out.stdout, out.stderr
+    [again] = wait_table_files(d, client, lambda files: files and files != [first])
+    assert again != first
+    [letter] = dead_letters(d)
+    assert again == location_of(d, letter["key"])
+    print(f"dead letter in its Iceberg table {took_s:.1f} s after its send")
+
+
+@pytest.mark.parametrize("step", ["dead_letter_written", "dead_letter_committed"])
+def test_a_dead_letter_is_in_its_table_once_after_a_kill_around_its_commit(
+        daemon_factory: Any, step: str) -> None:
+    """kill -9 after the object is written (before the Iceberg commit), or after the
+    commit (before the REJECT): the bundle comes back after the restart, fails again and
+    is set aside again, and the table holds its file exactly once."""
+    d = daemon_factory(FAST_ICEBERG).start(faults=f"lake=kill:{step}")
+    with Client.connect(d.socket) as c:
+        c.send(poison(), client="bad")
+    assert d.wait(60) == -9, d.log()[-3000:]
+    if step == "dead_letter_committed":
+        assert len(table_files(d, "bad")) == 1  # it landed; the REJECT did not
+    else:
+        assert table_files(d, "bad") == []
+    d.start()
+    deadline = time.monotonic() + 60
+    while d.status()["metrics"]["quiver_subscriber_rejects_total"].get("uploader") != 1:
+        assert time.monotonic() < deadline, d.log()[-3000:]
+        time.sleep(0.3)
+    [letter] = dead_letters(d)
+    assert table_files(d, "bad") == [location_of(d, letter["key"])]
+    assert [r["slot"] for r in dead_rows(d, "bad").to_pylist()] == [0]
+    assert d.stop() == 0

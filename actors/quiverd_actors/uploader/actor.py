@@ -41,8 +41,6 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
-from pathlib import Path
 from typing import Protocol
 
 import anyio
@@ -51,7 +49,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ulid import ULID
 
 from quiverd.acks import format as ackfmt
-from quiverd.kernel import fs
 from quiverd.kernel.errors import LakeError, QuiverError
 from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
@@ -109,6 +106,8 @@ class Uploader:
         self.limiter, self.log, self.m, self.health = limiter, log, metrics, health
         self.steps = WatchedSteps(tier, log=log, metrics=metrics, hook=hook, health=health)
         self.publisher = Publisher(tier, self.steps, log=log, metrics=metrics, health=health)
+        self.set_aside = dead_letters.SetAside(tier, limiter=limiter, fault=self.steps.fault,
+                                               log=log)
         self.pending_bytes = 0  # sealed files waiting for upload + registration
         self.settings = ParquetSettings(
             compression_level=lake.compression_level,
@@ -122,9 +121,9 @@ class Uploader:
         # slot's file still holds it, and that piece must not be added again.
         self.held: dict[BundleKey, dict[tuple[int, Hour], int]] = {}
         # Bundles whose file failed on their data (not the disk): how often, the last
-        # error. Such a bundle is written in a file of its own, and set aside as a dead
-        # letter after lake.dead_letter_after failures.
-        self.failures: dict[BundleKey, tuple[int, str]] = {}
+        # error and its class (dead_letters.reason_of). Such a bundle is written in a file
+        # of its own, and set aside as a dead letter after lake.dead_letter_after failures.
+        self.failures: dict[BundleKey, tuple[int, str, str]] = {}
         self.covered = PartsCache(COVERAGE_CACHE)
         self.rushes: dict[str, set[BundleKey]] = {}  # job_id -> its bundles not taken yet
         self.intake: BundleKey | None = None  # the bundle ``_take`` is adding
@@ -247,38 +246,33 @@ class Uploader:
                     self._start_rotation(f, "isolated")
         return True
 
-    def _failed_on_data(self, key: BundleKey, exc: BaseException) -> None:
-        n = self.failures.get(key, (0, ""))[0]
-        self.failures[key] = (n + 1, f"{type(exc).__name__}: {exc}")
+    def _failed_on_data(self, key: BundleKey, exc: BaseException, reason: str) -> None:
+        n = self.failures.get(key, (0, "", ""))[0]
+        self.failures[key] = (n + 1, f"{type(exc).__name__}: {exc}", reason)
 
     async def _dead_letter(self, d: LocalDelivery, key: BundleKey, attempts: int,
-                           error: str) -> None:
-        """Write the bundle to the dead letters and reject it; on a failure (the store,
-        the disk) nack it: it comes back and is tried again."""
+                           error: str, reason: str) -> None:
+        """Set the bundle aside (its object, then its dead-letter table's data file:
+        dead_letters.SetAside) and reject it; on a failure (the store, the disk, the
+        Iceberg catalog) nack it: it comes back and is tried again."""
         shard, seg, idx = key
-        path = self.tier.data.staging_stable / f"dead-{shard}-{seg}-{idx}.parquet"
-        dkey = dead_letters.object_key(self.tier.node_id, d.client, shard, seg, idx,
-                                       d.ingestion_ts_ns)
         try:
-            size, crc = await anyio.to_thread.run_sync(partial(
-                dead_letters.write_local, path, shard=shard, segment_seq=seg,
-                bundle_index=idx, client=d.client, ingestion_ts_ns=d.ingestion_ts_ns,
-                tables=d.tables, error=error, attempts=attempts), limiter=self.limiter)
-            await self.tier.store.put_file(dkey, path, size=size, crc32c=crc)
+            dkey = await self.set_aside.write(
+                shard=shard, segment_seq=seg, bundle_index=idx, client=d.client,
+                ingestion_ts_ns=d.ingestion_ts_ns, tables=d.tables, error=error,
+                reason=reason, attempts=attempts)
         except (OSError, QuiverError, pa.ArrowException) as exc:
             self.log.error("lake_dead_letter_failed", shard=shard, segment_seq=seg,
-                           bundle_index=idx, client=d.client, key=dkey,
+                           bundle_index=idx, client=d.client,
                            error=f"{type(exc).__name__}: {exc}",
                            hint="the bundle is nacked and tried again")
             await self._feedback(key, ackfmt.NACK)
             return
-        finally:
-            await anyio.to_thread.run_sync(_unlink_quietly, path)
-        self.m.lake_dead_letters.labels(d.client).inc()
+        self.m.lake_dead_letters.labels(d.client, reason).inc()
         self.log.error("lake_bundle_dead_lettered", shard=shard, segment_seq=seg,
                        bundle_index=idx, client=d.client, attempts=attempts, error=error,
-                       key=dkey, hint="the lake could not write it; it is set aside and "
-                       "rejected. List with `quiverd dead-letters`, send again with "
+                       reason=reason, key=dkey, hint="the lake could not write it; it is "
+                       "set aside and rejected. List with `quiverd dead-letters`, send again with "
                        "--replay once the cause is fixed")
         del self.failures[key]
         await self._feedback(key, ackfmt.REJECTED)
@@ -293,7 +287,8 @@ class Uploader:
         return [(column, hour, piece) for hour, piece in split_by_hour(table, column)]
 
     def _refused(self, d: LocalDelivery, slot: int | None, exc: Exception) -> None:
-        self._failed_on_data((d.shard, d.segment_seq, d.bundle_index), exc)
+        self._failed_on_data((d.shard, d.segment_seq, d.bundle_index), exc,
+                             dead_letters.reason_of(exc, schema=True))
         self.m.lake_errors.labels("schema").inc()
         self.log.error("lake_bundle_refused", shard=d.shard, segment_seq=d.segment_seq,
                        bundle_index=d.bundle_index, client=d.client, slot=slot,
@@ -367,7 +362,7 @@ class Uploader:
             self._start_rotation(oldest, "window")
 
     async def _timer(self) -> None:
-        tick = min(1.0, self.lake.file_duration_ms / 4000)
+        tick = min(1.0, self.lake.file_duration_ms / 10_000)  # 100 ms late at most at 1 s
         while True:
             await anyio.sleep(tick)
             now = anyio.current_time()
@@ -487,7 +482,7 @@ class Uploader:
         self.m.lake_errors.labels("write").inc()
         if not isinstance(exc, OSError | LakeError):  # its data: a bundle of it is the cause
             for seg, idx in f.bundles:
-                self._failed_on_data((f.shard, seg, idx), exc)
+                self._failed_on_data((f.shard, seg, idx), exc, dead_letters.reason_of(exc))
         if isinstance(exc, OSError):  # the staging filesystem (full, read-only, failing)
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
             self.health.fail("staging", "no_space" if full else "io", exc,
@@ -581,10 +576,6 @@ class Uploader:
             if f.active is not None:
                 await anyio.to_thread.run_sync(f.active.abort)
         self.live.clear()
-
-
-def _unlink_quietly(path: Path) -> None:
-    fs.active().unlink(path, missing_ok=True)
 
 
 __all__ = ["EXTRA_FIELDS", "INGESTED_AT", "MAX_OPEN_FILES", "SUBSCRIBER", "FeedbackSink",
