@@ -5,11 +5,29 @@
          .option("client", "web")                    # only this client's bundles (default: all)
          .option("slot", 0)                          # default 0
          .option("maxBundlesPerTrigger", 1000)       # admission control (default: all)
-         .option("from", "earliest")                 # where a new subscriber starts
+         .option("from", "lake")                     # where a new query starts (below)
          .option("failOnDataLoss", "true")           # default true (see "Loss" below)
          .option("socket", "/run/quiverd/ingest.sock")
          .schema(schema)                             # or the lake's, as for spark.read
          .load())
+
+Where a new query starts (option ``from``; a query restarted from its checkpoint goes
+on from there, whatever ``from`` says):
+
+    "lake"      the default: every row of the client already in the lake, then on with
+                what the daemon still holds and all that comes later, with no gap and no
+                duplicate at the seam (quiverd/spark/stream_history.py): a streaming
+                read of a table starts with the table's content, as Delta's and
+                Iceberg's do. The daemon's lake off: as "earliest".
+    "earliest"  the bundles still in the daemon's segments, then all later ones (Kafka's
+                startingOffsets earliest: what the log still retains, not the lake)
+    "latest"    only bundles finalized after the query started (Kafka's latest)
+
+The subscriber is registered at "earliest" for "lake" and "earliest". "lake" and a
+subscriber that already exists: the segments part starts at its oldest unacked bundle,
+and the lake part holds the bundles before it that the lake held when the query started
+(a bundle it acked that the uploader had not registered yet is in neither): give a new
+query a new subscriber name.
 
 Offsets. One position per shard, ``{"0": [segment_seq, bundle_index], ...}``, each
 meaning "after that bundle" (``[s, 4294967295]``: after all of segment s, as the
@@ -17,6 +35,8 @@ daemon ends a range that reaches a segment's end; docs/protocol.md "Ranged reads
 micro-batch is the range ``(start, end]`` of every shard. Positions are exact (bundle
 ids never repeat, segments are finalized read-only files), so a batch Spark re-runs
 after a crash reads the same bundles. The daemon computes every offset; the driver never scans data.
+While the lake part lasts, an offset also holds the seam (``"lake_through"``), and the
+positions before it name bundles read from lake files (stream_history.py).
 
     driver   initialOffset()   STREAM open (registers the subscriber on first use):
                                just before its oldest unacked bundle, per shard
@@ -99,6 +119,18 @@ from quiverd.kernel.names import client_name_problem, subscriber_name_problem
 from quiverd.lake.bundles import slot_table
 from quiverd.spark.locator import Locator, defaults
 from quiverd.spark.options import STREAM_READ, lowered, refuse_unknown
+from quiverd.spark.stream_history import (
+    BEFORE_ALL,
+    LAKE_THROUGH,
+    HistoryPartition,
+    LakeSide,
+    StreamOffset,
+    buffer_ranges,
+    has_history,
+    lake_end,
+    lake_ranges,
+    read_history,
+)
 from quiverd.spark.types import to_spark
 
 WHERE = 'spark.readStream.format("quiver")'
@@ -107,7 +139,8 @@ BATCH_ROWS = 64 * 1024  # rows per RecordBatch handed to Spark (bundles are conc
 TIMEOUT_S = 300.0  # no byte from the daemon for this long fails the call
 END_OF_SEGMENT = 0xFFFF_FFFF  # bundle_index u32: (s, END_OF_SEGMENT) is after all of s
 
-Offset = dict[str, list[int]]  # shard (as a string) -> [segment_seq, bundle_index]
+Offset = dict[str, Any]  # shard (as a string) -> [segment_seq, bundle_index]; LAKE_THROUGH
+STARTS = ("lake", "earliest", "latest")  # option "from"; the first is the default
 
 
 @dataclass(frozen=True)
@@ -119,8 +152,14 @@ class StreamOptions:
     client: str | None = None
     slot: int = 0
     max_bundles: int = 0  # 0: no limit
-    start: str = "earliest"
+    start: str = "lake"
     fail_on_data_loss: bool = True
+    config: str = ""  # the config file the options name (the lake read from it), if any
+
+    @property
+    def register_from(self) -> str:
+        """Where the daemon starts a new subscriber: the lake part ends where it starts."""
+        return "latest" if self.start == "latest" else "earliest"
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> StreamOptions:
@@ -142,20 +181,28 @@ class StreamOptions:
             raise ValueError(f'option "client": {problem}')
         slot = _int(opts, "slot", 0, low=0, high=62)
         max_bundles = _int(opts, "maxbundlespertrigger", 0, low=1, high=2**31 - 1)
-        start = opts.get("from", "earliest").strip().lower()
-        if start not in ("earliest", "latest"):
-            raise ValueError(f'option "from" must be earliest or latest, not {start!r}')
+        start = opts.get("from", STARTS[0]).strip().lower()
+        if start not in STARTS:
+            raise ValueError(f'option "from" must be lake (the default: the lake\'s rows '
+                             f'first), earliest or latest, not {start!r}')
         fail = opts.get("failondataloss", "true").strip().lower()
         if fail not in ("true", "false"):
             raise ValueError(f'option "failOnDataLoss" must be true or false, not {fail!r}')
-        return cls(socket=socket_of(opts), subscriber=subscriber, client=client, slot=slot,
-                   max_bundles=max_bundles, start=start, fail_on_data_loss=fail == "true")
+        socket, config = located(opts)
+        return cls(socket=socket, subscriber=subscriber, client=client, slot=slot,
+                   max_bundles=max_bundles, start=start, fail_on_data_loss=fail == "true",
+                   config=config)
 
 
 def socket_of(opts: Mapping[str, str]) -> str:
     """The ingest socket the options name, or the locator's defaults name."""
+    return located(opts)[0]
+
+
+def located(opts: Mapping[str, str]) -> tuple[str, str]:
+    """(ingest socket, config file or "") the options or the locator's defaults name."""
     socket, config, _ = defaults(Locator.parse(opts))
-    return socket or str(load(config).ingest_socket)
+    return socket or str(load(config).ingest_socket), config
 
 
 @dataclass(frozen=True)
@@ -181,9 +228,20 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                        f"{socketlib.gethostname()}")
 
     def initialOffset(self) -> Offset:  # noqa: N802 - Spark's name
+        """The subscriber's start (registered now if new); with ``from = "lake"`` and
+        lake rows before it, every shard before its first bundle and that start as the
+        seam. Spark asks again when it restarts a first batch: the answer is the same
+        (nothing is acked before a commit, the lake's rows before the seam are fixed)."""
         with self._connect() as r:
-            return _canon(r.open(self.opts.subscriber, register=True, start=self.opts.start,
-                                 holder=self.holder)["start"])
+            seam = _canon(r.open(self.opts.subscriber, register=True,
+                                 start=self.opts.register_from, holder=self.holder)["start"])
+        if self.opts.start != "lake":
+            return seam
+        lake = self._lake()
+        at = StreamOffset.parse(seam).positions
+        if lake is None or not has_history(lake.files(self.opts.client, self.opts.slot), at):
+            return seam
+        return StreamOffset(positions=dict.fromkeys(at, BEFORE_ALL), seam=at).json()
 
     def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802 - Spark's name
         if self.opts.max_bundles:
@@ -192,12 +250,25 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:  # noqa: N802
         max_bundles = limit.max_files if isinstance(limit, ReadMaxFiles) else 0
+        begin = StreamOffset.parse(start)
+        if begin.in_lake():
+            return self._lake_latest(begin, max_bundles)
         with self._connect() as r:
             reply = r.latest(self.opts.subscriber, start, cap=self.target,
                              max_bundles=max_bundles, holder=self.holder)
         self._lost(reply.get("lost", []), f"planning the batch after {start}")
         self._waiting(reply.get("waiting") or {})
         self.latest = _canon(reply["end"])
+        return self.latest
+
+    def _lake_latest(self, begin: StreamOffset, max_bundles: int) -> Offset:
+        """The next batch of the lake part (planned from catalog rows), the lease renewed."""
+        with self._connect() as r:
+            r.open(self.opts.subscriber, holder=self.holder)
+        lake = self._lake()
+        rows = [] if lake is None else lake.files(self.opts.client, self.opts.slot)
+        self.waiting: dict[str, dict[str, Any]] = {}
+        self.latest = lake_end(rows, begin, max_bundles).json()
         return self.latest
 
     def reportLatestOffset(self) -> dict[str, Any] | None:  # noqa: N802 - Spark's name
@@ -230,28 +301,33 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 - Spark's name
         """Trigger.AvailableNow: stop at what is finalized now."""
         with self._connect() as r:
-            start = r.open(self.opts.subscriber, register=True, start=self.opts.start,
-                           holder=self.holder)["start"]
+            start = r.open(self.opts.subscriber, register=True,
+                           start=self.opts.register_from, holder=self.holder)["start"]
             self.target = _canon(r.latest(self.opts.subscriber, start,
                                           holder=self.holder)["end"])
 
-    def partitions(self, start: Offset, end: Offset) -> list[StreamPartition]:
-        parts: list[StreamPartition] = []
-        for key in sorted(end, key=int):
-            through = (end[key][0], end[key][1])
-            if key not in start:
-                raise ValueError(f"offset {end} names shard {key}, not in start {start}")
-            after = (start[key][0], start[key][1])
+    def partitions(self, start: Offset, end: Offset) -> list[InputPartition]:
+        """The lake part's files (one partition each), then the buffer's spans."""
+        first, last = StreamOffset.parse(start), StreamOffset.parse(end)
+        parts: list[InputPartition] = []
+        if ranges := lake_ranges(first, last):
+            lake = self._lake()
+            if lake is not None:
+                parts.extend(lake.partitions(ranges, self.opts.client, self.opts.slot))
+        for shard, (after, through) in sorted(buffer_ranges(first, last).items()):
             while after < through:
                 last_seg = after[0] + SEGMENTS_PER_PARTITION - 1
                 upto = through if last_seg >= through[0] else (last_seg, END_OF_SEGMENT)
-                parts.append(StreamPartition(shard=int(key), after=after, through=upto))
+                parts.append(StreamPartition(shard=shard, after=after, through=upto))
                 after = upto
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, StreamPartition), partition
         target = to_arrow_schema(self.schema, timezone="UTC")
+        if isinstance(partition, HistoryPartition):
+            yield from read_history(partition, target)
+            return
+        assert isinstance(partition, StreamPartition), partition
         pending: list[pa.Table] = []
         rows = 0
         lost: list[dict[str, Any]] = []
@@ -279,7 +355,10 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def commit(self, end: Offset) -> None:
         """Ack through ``end``. A daemon that cannot be reached now is not an error of
-        the query: the bundles stay retained, and the next commit acks them too."""
+        the query: the bundles stay retained, and the next commit acks them too. An end
+        in the lake part acks nothing: the subscriber's bundles all follow the seam."""
+        if LAKE_THROUGH in end:
+            return
         try:
             with self._connect() as r:
                 r.ack_through(self.opts.subscriber, end, holder=self.holder)
@@ -310,6 +389,10 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _connect(self) -> RangedReader:
         return RangedReader.connect(self.opts.socket, timeout=TIMEOUT_S)
+
+    def _lake(self) -> LakeSide | None:
+        """The daemon's lake (None: it is off), asked on the driver when planning."""
+        return LakeSide.open(self.opts.socket, self.opts.config)
 
 
 class StreamDataLoss(QuiverError):

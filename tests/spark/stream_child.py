@@ -1,12 +1,13 @@
 """A streaming query in its own process (its own local Spark), for kill tests.
 
-    python -m tests.spark.stream_child SOCKET SUBSCRIBER CHECKPOINT OUT MODE [MAX_BUNDLES]
+    python -m tests.spark.stream_child SOCKET SUBSCRIBER CHECKPOINT OUT MODE [MAX_BUNDLES [FROM]]
 
 MODE ``forever``: processing-time trigger, runs until killed; ``available``:
 Trigger.AvailableNow, exits 0 once it caught up, after writing ``OUT.rows.json``: the
 (tag, i) of every row the file sink committed, read back by this Spark through the
 sink's _spark_metadata log (so the test needs no Spark session of its own and runs
 beside the Spark group, tests/xdist_groups.py). quiver → Parquet (Spark's file sink).
+MAX_BUNDLES "" is no limit; FROM is the source's option ``from`` (default: not given).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SCHEMA = "tag long, i long, s string, _quiver_shard int, _quiver_bundle long"
 def main(argv: list[str]) -> int:
     socket, subscriber, checkpoint, out, mode = argv[:5]
     max_bundles = argv[5] if len(argv) > 5 else ""
+    start = argv[6] if len(argv) > 6 else ""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     from pyspark.sql import SparkSession
@@ -37,6 +39,8 @@ def main(argv: list[str]) -> int:
               .option("socket", socket).option("subscriber", subscriber))
     if max_bundles:
         reader = reader.option("maxBundlesPerTrigger", max_bundles)
+    if start:
+        reader = reader.option("from", start)
     writer = (reader.load().writeStream.format("parquet")
               .option("checkpointLocation", checkpoint).option("path", out))
     if mode == "available":
