@@ -205,7 +205,7 @@ class Daemon:
         self.admin_socket = DataDir(self.data_dir).admin_socket
         suffix = f"-{tag}" if tag else ""
         self.log_path = self.dir / f"daemon{suffix}.log"
-        config = self.dir / f"quiverd{suffix}.toml"
+        config = self.config_path = self.dir / f"quiverd{suffix}.toml"
         # segment.max_open_duration_ms and every key not set here keep their defaults.
         tables: dict[str, dict[str, Any]] = {
             "": {"data_dir": str(self.data_dir), "shards": shards},

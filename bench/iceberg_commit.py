@@ -9,7 +9,7 @@ quiverd's catalog opens it) and the fs store. Each round commits ``--files-per-c
 small lake-style Parquet files (1,000 rows, one hour of 24 each) as one snapshot; every
 ``--replace-every`` rounds a compaction-like commit removes two live files and adds one
 (an overwrite snapshot); every ``--expire-every`` rounds snapshots older than
-``--keep-s`` are expired (the daemon's keep_snapshots_s is 3600: a shorter bound here
+``--keep-s`` are expired (the daemon's keep_snapshots_s is 600: a shorter bound here
 makes expiry run within the bench). Files are written before the clock starts; a commit
 is timed from the call to its return (footer reads, schema check, manifest writes,
 metadata.json, the catalog's compare-and-swap). Printed: p50/p99/max of commits over the

@@ -66,13 +66,16 @@ class JobResult(msgspec.Struct, frozen=True, kw_only=True):
 
 class JobVisibility(msgspec.Struct, frozen=True, kw_only=True):
     """One daemon's answer to ``visible``: ``visible`` once every row of the committed
-    job published there is in a registered lake file. ``lake`` False: that daemon runs
-    no lake, so no catalog will hold them. Otherwise ``reason`` says what is pending."""
+    job published there is in a registered lake file, ``iceberg`` once also in a
+    committed Iceberg snapshot (None: that daemon's projection is off, or an older
+    daemon). ``lake`` False: that daemon runs no lake, so no catalog will hold them.
+    Otherwise ``reason`` says what is pending."""
 
     job_id: str
     node_id: str = ""
     lake: bool = True
     visible: bool = False
+    iceberg: bool | None = None
     bundles: int = 0  # the job's published bundles on that daemon
     pending: int = 0  # of them, not in the catalog yet
     waited_ms: float = 0.0

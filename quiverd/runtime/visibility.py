@@ -9,9 +9,14 @@
       3. the job's published bundles here: its staged bundles whose verdict is PUBLISH
       4. until the uploader has acked each of them (acked = its files are registered):
          ``Uploader.rush`` rotates the files holding them once all have arrived
-    ◀── JOB_OK {"visible": true, "bundles", "waited_ms"}
+      5. with the Iceberg projection on: until every file registered by then is in a
+         committed snapshot (``Projector.projected_through``), so Iceberg readers see
+         the rows too
+    ◀── JOB_OK {"visible": true, "iceberg": true (null: projection off), "bundles",
+        "waited_ms"}
         or, at the timeout: {"visible": false, "pending", "reason": committed and durable,
-        the lake's state, what to check}
+        the lake's state, what to check}; {"visible": true, "iceberg": false, "reason"}
+        when the catalog holds the rows and the snapshot is late
 
 Each step waits on the shards' ``Changes`` (the ack_logger's commits, staging's
 decisions) and the builder's; nothing polls, and nothing here touches a bundle's
@@ -22,6 +27,7 @@ daemons is visible when each of them says so.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +53,11 @@ class _Progress:
     """How far one request got, for the answer at the timeout."""
 
     def __init__(self) -> None:
-        self.step = "sealing"  # sealing, deciding, publishing, visible
+        self.step = "sealing"  # sealing, deciding, publishing, projecting, visible
         self.bundles = 0
         self.pending = 0
+        self.catalog = False  # every published bundle here is in a registered file
+        self.iceberg: bool | None = None  # ... and in an Iceberg snapshot (None: off)
 
 
 class Visibility:
@@ -93,11 +101,12 @@ class Visibility:
                         uploader.unrush(job_id)
                 tg.cancel_scope.cancel()
         waited_ms = round((anyio.current_time() - started) * 1000, 1)
-        out = {**base, "visible": progress.step == "visible", "bundles": progress.bundles,
-               "pending": progress.pending, "waited_ms": waited_ms}
-        if out["visible"]:
+        out = {**base, "visible": progress.catalog, "iceberg": progress.iceberg,
+               "bundles": progress.bundles, "pending": progress.pending,
+               "waited_ms": waited_ms}
+        if progress.step == "visible":
             self.log.info("job_visible", job_id=job_id, bundles=progress.bundles,
-                          waited_ms=waited_ms)
+                          iceberg=progress.iceberg, waited_ms=waited_ms)
             return out
         out.update(self._not_yet(job_id, progress, waited_ms, stopped))
         self.log.warning("job_not_visible_yet", job_id=job_id, bundles=progress.bundles,
@@ -123,12 +132,19 @@ class Visibility:
             left = self._left(left)
             progress.pending = len(left)
             if not left:
-                progress.step = "visible"
-                return
+                break
             uploader = self._uploader()
             if uploader is not None:  # None while the lake (re)starts: asked again then
                 uploader.rush(job_id, set(left))
             await self._any_change(versions)
+        progress.catalog = True
+        lake = self.lake()
+        projector = lake.projector if lake is not None else None
+        if projector is not None:
+            progress.step, progress.iceberg = "projecting", False
+            await projector.projected_through(time.time_ns())
+            progress.iceberg = True
+        progress.step = "visible"
 
     async def sealed(self, job_id: str, timeout_s: float) -> bool:
         """Until every bundle of ``job_id`` acked before now (its end markers among them)
@@ -215,6 +231,9 @@ class Visibility:
             what = f"its bundles were not all in finalized segments after {seconds:.1f} s"
         elif progress.step == "deciding":
             what = f"the commit had not reached this daemon's staging after {seconds:.1f} s"
+        elif progress.step == "projecting":
+            what = (f"its rows are in the catalog (spark.read.format(\"quiver\") reads them) "
+                    f"but not yet in an Iceberg snapshot after {seconds:.1f} s")
         else:
             what = (f"{progress.pending} of its {progress.bundles} bundles here are not in "
                     f"the catalog after {seconds:.1f} s")

@@ -1,8 +1,11 @@
-"""Read your writes: the driver's commit waits until the catalog holds the job's rows.
+"""Read your writes: the driver's commit waits until the catalog holds the job's rows,
+and, where the Iceberg projection is on, a committed snapshot too.
 
     driver  commit ──▶ JOB visible(job_id, timeout_ms) ──▶ each daemon holding a winner,
                        in parallel (one thread and connection per daemon)
             ◀── visible on every daemon: commit returns, the next read sees every row
+                (spark.read.format("quiver"), and pyiceberg, DuckDB or any Iceberg
+                reader loading the table after it)
 
 Bounded by the writer option ``visible_timeout_s`` (default 60 s; 0: not asked). When a
 daemon does not answer ``visible`` in time (its lake is degraded, slow, or the daemon
@@ -52,6 +55,6 @@ def _ask(path: str, job_id: str, timeout_s: float) -> str:
     except (QuiverError, OSError) as exc:  # ConnectionError, a socket timeout
         return (f"{path}: job {job_id!r} is committed and durable, but whether its rows "
                 f"are visible could not be asked: {type(exc).__name__}: {exc}")
-    if seen.visible or not seen.lake:
+    if (seen.visible and seen.iceberg is not False) or not seen.lake:
         return ""
     return f"{path}: {seen.reason}"

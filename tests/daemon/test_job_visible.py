@@ -1,9 +1,11 @@
 """Read your writes (SPEC §7): the JOB op ``visible`` on real daemons, no Spark.
 
-A committed job's rows reach the catalog when the driver asks, with the default lake
-config (``lake.file_duration_ms`` 5 min, ``segment.max_open_duration_ms`` 1 s): nothing
-waits for a timer. A daemon without a lake says so at once; a lake that cannot publish
-(an unreachable store) gets an answer at the timeout saying the job is committed.
+A committed job's rows reach the catalog when the driver asks, with a 5 min
+``lake.file_duration_ms`` (the default is 1 s; the long timer shows nothing waits for
+it) and the default ``segment.max_open_duration_ms`` (1 s); with the Iceberg projection
+on, they are also in a committed snapshot when the answer comes. A daemon without a
+lake says so at once; a lake that cannot publish (an unreachable store) gets an
+answer at the timeout saying the job is committed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tests.daemon.test_staging import write_attempt
 
 pytestmark = pytest.mark.timeout(120)
 DEFAULT_LAKE = {"lake.enabled": True, "lake.janitor.interval_s": 0,
-                "lake.compaction.interval_s": 0}
+                "lake.compaction.interval_s": 0, "lake.file_duration_ms": 300_000}
 
 
 def rows_in_catalog(d: Any, client: str) -> int:
@@ -44,6 +46,7 @@ def test_visible_after_commit_with_the_default_lake_config(daemon_factory: Any) 
         seen = c.wait_visible("ryw", timeout_s=30)
         took = time.monotonic() - started
     assert seen.visible and seen.lake and seen.pending == 0, seen
+    assert seen.iceberg is None, seen  # the projection is off here
     assert seen.bundles == 5 and seen.job_id == "ryw", seen
     assert took < 10, took  # not the 5 min file timer, nor a segment's 1 s per step
     assert rows_in_catalog(d, "spark") == 500  # every row of the job, at once
@@ -55,6 +58,28 @@ def test_visible_after_commit_with_the_default_lake_config(daemon_factory: Any) 
         assert again.visible and again.waited_ms < 3000, again
         with pytest.raises(JobConflict, match="not committed"):
             c.wait_visible("never-committed", timeout_s=1)
+    assert d.stop() == 0
+
+
+def test_visible_waits_for_the_iceberg_snapshot_too(daemon_factory: Any) -> None:
+    """With the projection on, ``visible`` answers once the job's files are in a committed
+    snapshot: a pyiceberg reader loading the table right after sees every row (it saw
+    none before the answer waited for the snapshot: the projection lingers 200 ms and
+    commits after the registration)."""
+    from tests.daemon.iceberg_helpers import scan
+
+    d = daemon_factory({**DEFAULT_LAKE, "lake.iceberg.enabled": True,
+                        "lake.iceberg.linger_ms": 1000}, in_process=True).start()
+    for job in ("ice-1", "ice-2"):
+        with Client.connect(d.socket) as c:
+            w0 = write_attempt(c, job, 0, 1, [1, 2, 3])
+            assert w0
+            c.commit_job(job, [w0])
+            seen = c.wait_visible(job, timeout_s=30)
+        assert seen.visible and seen.iceberg is True and seen.pending == 0, seen
+        t = scan(d, "quiver.spark")  # right after the answer, as a driver's next read
+        assert t.num_rows == 300 * (1 + (job == "ice-2")), (job, t.num_rows)
+    assert [e for e in d.events("job_visible") if e.get("iceberg") is True]
     assert d.stop() == 0
 
 
