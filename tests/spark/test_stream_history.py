@@ -151,6 +151,31 @@ def test_stream_history_seam_bundles_in_lake_and_segments_read_once(spark, daemo
 
 
 @pytest.mark.timeout(600)
+def test_stream_history_file_across_the_seam_read_in_part(spark, daemon_factory, tmp_path):
+    """One lake file holding bundles on both sides of the seam (its first segments
+    deleted, its last ones held by another subscriber): the lake part reads only the
+    rows at or before the seam, the segments the rest."""
+    d = daemon_factory({**LAKE, "lake.file_duration_ms": 4000}).start()
+    produce(d, range(20))
+    wait_for(lambda: segment_bundles(d) == 20, what="the first 20 bundles finalized")
+    request(d.admin_socket, "subscribers.add", {"name": "holder", "start": "latest"})
+    produce(d, range(20, 40))  # the same open lake file (4 s), segments after the holder's start
+    landed(d, range(40), collected=False)
+    wait_for(lambda: segment_bundles(d) == 20, what="the first segments deleted")
+    held = min(s["segment_seq"] for s in request(d.admin_socket, "segments"))
+    across = [r for r in registered_rows(d)
+              if r.first_segment < held <= r.last_segment]
+    assert across, "no lake file across the seam: the test proves nothing"
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    q = run_available(spark, d, "across", out, ckpt)
+    got = sink_rows(spark, out)
+    once(got)
+    assert sorted(got) == expect(range(40))
+    sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+    assert sizes[:2] == [200, 200]
+
+
+@pytest.mark.timeout(600)
 def test_stream_history_max_bundles_batches_and_initial_offset_repeats(spark, daemon_factory,
                                                                        tmp_path):
     d = daemon_factory(LAKE).start()
