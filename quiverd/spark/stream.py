@@ -129,6 +129,7 @@ from quiverd.spark.stream_history import (
     has_history,
     lake_end,
     lake_ranges,
+    lost_text,
     read_history,
 )
 from quiverd.spark.types import to_spark
@@ -313,7 +314,9 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if ranges := lake_ranges(first, last):
             lake = self._lake()
             if lake is not None:
-                parts.extend(lake.partitions(ranges, self.opts.client, self.opts.slot))
+                files, lost = lake.partitions(ranges, self.opts.client, self.opts.slot)
+                self._lost_files(lost)
+                parts.extend(files)
         for shard, (after, through) in sorted(buffer_ranges(first, last).items()):
             while after < through:
                 last_seg = after[0] + SEGMENTS_PER_PARTITION - 1
@@ -384,6 +387,19 @@ class QuiverStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         text = loss_text(self.opts.subscriber, runs, doing)
         if self.opts.fail_on_data_loss:
             raise StreamDataLoss(f"{text} ({StreamDataLoss.hint})")
+        print(f"quiver stream source: {text}; going on (failOnDataLoss is false)",
+              file=sys.stderr)
+
+    def _lost_files(self, rows: list[Any]) -> None:
+        """Lost lake files in a batch of the lake part: fail naming them, or
+        (failOnDataLoss false) say so on stderr and go on without their rows."""
+        if not rows:
+            return
+        text = lost_text(self.opts.subscriber, rows)
+        if self.opts.fail_on_data_loss:
+            raise StreamDataLoss(f"{text} (to go on without their rows, restart the query "
+                                 'with .option("failOnDataLoss", "false"); `quiverd files '
+                                 "restore FILE_ID --from PATH` puts a backup back)")
         print(f"quiver stream source: {text}; going on (failOnDataLoss is false)",
               file=sys.stderr)
 

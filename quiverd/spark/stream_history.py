@@ -212,16 +212,18 @@ class LakeSide:
         return rows
 
     def partitions(self, ranges: Mapping[int, tuple[Position, Position]], client: str | None,
-                   slot: int) -> list[HistoryPartition]:
-        """One partition per lake file meeting a shard's range; quarantined files there
-        fail the batch, naming them (their rows cannot be read: never a smaller batch)."""
+                   slot: int) -> tuple[list[HistoryPartition], list[FileRow]]:
+        """One partition per lake file meeting a shard's range, and the Lost files there
+        (`quiverd files forget`: their rows are gone). Quarantined files there fail the
+        batch, naming them (their rows cannot be read: never a silently smaller batch)."""
         if not ranges:
-            return []
+            return [], []
         bad = [r for r in self.files(client, slot, [FileState.QUARANTINED])
                if _meets(r, ranges)]
         if bad:
             raise quarantined_error(f"the lake part of the stream of client {client!r} slot "
                                     f"{slot}", bad)
+        lost = [r for r in self.files(client, slot, [FileState.LOST]) if _meets(r, ranges)]
         store = self.cfg.lake.store
         out = []
         for row in sorted(self.files(client, slot), key=lambda r: (r.shard, _first(r),
@@ -233,7 +235,16 @@ class LakeSide:
                     timeout_ms=store.timeout_ms, max_attempts=store.max_attempts,
                     file_id=row.file_id, uri=row.uri, size=row.compressed_size,
                     shard=row.shard, after=after, through=through))
-        return out
+        return out, lost
+
+
+def lost_text(subscriber: str, rows: Sequence[FileRow]) -> str:
+    """One sentence naming the Lost lake files of a batch of the lake part."""
+    files = ", ".join(f"{r.file_id} (shard {r.shard}, {r.row_count} rows)" for r in rows[:10])
+    more = f" and {len(rows) - 10} more" if len(rows) > 10 else ""
+    return (f"data lost while planning the lake part of subscriber {subscriber!r}'s stream: "
+            f"lake file{'s' * (len(rows) > 1)} {files}{more} "
+            f"{'were' if len(rows) > 1 else 'was'} recorded as lost (`quiverd files forget`)")
 
 
 def has_history(rows: Sequence[FileRow], seam: Mapping[int, Position]) -> bool:

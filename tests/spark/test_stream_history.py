@@ -176,6 +176,62 @@ def test_stream_history_file_across_the_seam_read_in_part(spark, daemon_factory,
 
 
 @pytest.mark.timeout(600)
+def test_stream_history_quarantined_file_fails_lost_file_is_data_loss(spark, daemon_factory,
+                                                                      tmp_path):
+    """A lake file of the lake part that cannot be read fails the batch naming it, never
+    a smaller batch: quarantined (the scrub's verdict), then, once an operator recorded
+    it as lost, data loss as for retention's (failOnDataLoss false goes on without it)."""
+    import anyio
+
+    from quiverd.kernel.config import load as load_config
+    from quiverd.kernel.logs import get as get_logger
+    from quiverd.lake.scrub import quarantine_file
+    from quiverd.lake.tier import open_tier
+    from tests.daemon.lake_helpers import quiverd_cli
+
+    d = daemon_factory({**LAKE, "lake.file_duration_ms": 200}).start()
+    for r in range(3):
+        produce(d, range(r * 20, r * 20 + 20))
+        time.sleep(0.5)
+    landed(d, range(60))
+    files = sorted(registered_rows(d), key=lambda r: (r.first_segment, r.first_bundle))
+    assert len(files) >= 2
+    bad = files[0]
+    assert d.stop() == 0
+
+    async def quarantine() -> None:  # what the lake scrub does on finding damage
+        async with open_tier(load_config(d.config_path), get_logger("test")) as tier:
+            assert await quarantine_file(tier, bad, "CRC-32C mismatch (test)")
+
+    anyio.run(quarantine)
+    d.start()
+
+    def run(name: str, **options: Any) -> Any:
+        q = (stream(spark, d, name, **options).writeStream.format("parquet")
+             .option("path", str(tmp_path / name)).option("checkpointLocation",
+                                                          str(tmp_path / f"{name}.c"))
+             .trigger(availableNow=True).start())
+        try:
+            q.awaitTermination(120)
+        except Exception:  # noqa: BLE001 - q.exception() has it
+            pass
+        return q
+
+    failed = run("quarantined").exception()
+    assert failed is not None and f"lake file {bad.file_id}" in str(failed)
+    assert "quarantined" in str(failed)
+    assert quiverd_cli("files", "forget", bad.file_id, "--config",
+                       str(d.config_path)).returncode == 0
+    lost = run("lost").exception()
+    assert lost is not None and "data lost" in str(lost) and bad.file_id in str(lost)
+    assert 'failOnDataLoss", "false"' in str(lost)
+    assert run("gone-on", failOnDataLoss="false").exception() is None
+    got = sink_rows(spark, tmp_path / "gone-on")
+    once(got)
+    assert len(got) == 600 - bad.row_count
+
+
+@pytest.mark.timeout(600)
 def test_stream_history_max_bundles_batches_and_initial_offset_repeats(spark, daemon_factory,
                                                                        tmp_path):
     d = daemon_factory(LAKE).start()
