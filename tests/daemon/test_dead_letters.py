@@ -98,23 +98,24 @@ def Counter_of(sent: dict[Any, int]) -> Any:  # noqa: N802 - reads as the type i
     return Counter(sent)
 
 
-def table_files(d: Any, client: str) -> list[str]:
+def table_files(d: Any, client: str, **kw: Any) -> list[str]:
     """The data files of the client's dead-letter table ([] before it exists)."""
-    cat = catalog(d)
+    cat = catalog(d, **kw)
     if not cat.table_exists((DEAD_NS, client)):
         return []
     files: list[str] = cat.load_table((DEAD_NS, client)).inspect.files()["file_path"].to_pylist()
     return files
 
 
-def dead_rows(d: Any, client: str) -> pa.Table:
+def dead_rows(d: Any, client: str, **kw: Any) -> pa.Table:
     # A tuple: "quiver_dead_letters.bad.x" as a string is table x of namespace ...bad.
-    return catalog(d).load_table((DEAD_NS, client)).scan().to_arrow()
+    return catalog(d, **kw).load_table((DEAD_NS, client)).scan().to_arrow()
 
 
-def wait_table_files(d: Any, client: str, until: Any, timeout: float = 60) -> list[str]:
+def wait_table_files(d: Any, client: str, until: Any, timeout: float = 60,
+                     **kw: Any) -> list[str]:
     deadline = time.monotonic() + timeout
-    while not until(files := table_files(d, client)):
+    while not until(files := table_files(d, client, **kw)):
         assert time.monotonic() < deadline, (files, d.log()[-3000:])
         time.sleep(0.3)
     return files
@@ -165,6 +166,7 @@ def test_a_dead_letter_is_a_file_of_its_clients_iceberg_table_and_replay_removes
     assert main.scan().to_arrow().num_rows == 150
     assert table_files(d, client) == [first]  # ... and the reconciler left this one alone
     assert [i[-1] for i in catalog(d).list_tables(DEAD_NS)] == [client]
+    assert sorted(i[-1] for i in catalog(d).list_tables("quiver")) == [client, "good"]
     samples = scrape(listening["address"])
     assert samples["quiver_lake_dead_letters_total"] == {
         (("client", client), ("reason", "encode")): 1.0}, samples["quiver_lake_dead_letters_total"]
@@ -201,3 +203,79 @@ def test_a_dead_letter_is_in_its_table_once_after_a_kill_around_its_commit(
     assert table_files(d, "bad") == [location_of(d, letter["key"])]
     assert [r["slot"] for r in dead_rows(d, "bad").to_pylist()] == [0]
     assert d.stop() == 0
+
+
+def test_a_dead_letter_waits_for_a_file_in_flight_holding_a_slot_of_it(
+        daemon_factory: Any, short_dir: Any) -> None:
+    """Slot 0's file is held before its upload (a gate) while slot 1 fails its third
+    time: the bundle is not set aside (nor rejected) until that file settles, so the
+    dead letter neither holds slot 0's rows (they land) nor loses them (had the file
+    failed, they would be in it)."""
+    gate = short_dir / "gate"
+    gate.touch()
+    d = daemon_factory({**FAST_LAKE, "lake.janitor.grace_s": 0}, in_process=True).start(
+        faults=f"lake.object_written=gate:{gate}")
+    try:
+        with Client.connect(d.socket) as c:
+            c.send({0: logs_table(0, 0), 1: poison()}, client="bad")
+        deadline = time.monotonic() + 60
+        while len([e for e in d.events("lake_file_failed") if e["slot"] == 1]) < 3:
+            assert time.monotonic() < deadline, d.log()[-3000:]
+            time.sleep(0.2)
+        time.sleep(3)  # several redeliveries (the dead letter came 1.6 s after the send)
+        assert dead_letters(d) == []
+    finally:
+        gate.unlink()
+    deadline = time.monotonic() + 60
+    while not (found := dead_letters(d)):
+        assert time.monotonic() < deadline, d.log()[-3000:]
+        time.sleep(0.3)
+    assert [(x["slot"], x["rows"]) for x in found] == [(1, 2)]
+    sent = Counter({("bad", 0): 50})
+    wait_for_lake(d, sent)
+    assert_exactly_once(*lake_contents(d), sent)
+
+
+def test_a_dead_letter_lands_in_its_table_on_postgresql_and_s3(
+        daemon_factory: Any, pg_catalog_dsn: str, s3_bucket: dict[str, str],
+        s3_server: Any) -> None:
+    """The same through a PostgreSQL catalog and an S3 store (moto): the table's file is
+    the object's s3:// location, read back through pyiceberg's S3 FileIO."""
+    from tests.daemon.test_lake_pg_s3 import _s3_settings
+
+    d = daemon_factory({**FAST_ICEBERG, "catalog.dsn": pg_catalog_dsn,
+                        **_s3_settings(s3_bucket)}, in_process=True).start()
+    kw = {"dsn": pg_catalog_dsn, "s3": s3_bucket}
+    with Client.connect(d.socket) as c:
+        c.send({0: logs_table(0, 0), 1: poison()}, client="bad")
+    [location] = wait_table_files(d, "bad", bool, **kw)
+    letter, *_ = dead_letters(d)
+    assert location == f"s3://{s3_bucket['bucket']}/lake/{letter['key']}"
+    [row] = dead_rows(d, "bad", **kw).to_pylist()  # slot 0 landed: not a dead letter
+    assert (row["slot"], row["rows"], row["reason"]) == (1, 2, "encode")
+    assert read_ipc_stream(row["payload"]).equals(poison())
+
+
+def test_a_dead_letter_holds_only_the_slots_not_in_the_lake(daemon_factory: Any) -> None:
+    """A bundle whose slot 0 lands and slot 1 cannot: the dead letter holds slot 1 only,
+    so a replay sends no row twice (it held slot 0 too, and the replay wrote those 50
+    rows into the lake again)."""
+    d = daemon_factory({**FAST_LAKE, "lake.janitor.grace_s": 0}, in_process=True).start()
+    with Client.connect(d.socket) as c:
+        c.send({0: logs_table(0, 0), 1: poison()}, client="bad")
+    deadline = time.monotonic() + 60
+    while not (found := dead_letters(d)):
+        assert time.monotonic() < deadline, d.log()[-3000:]
+        time.sleep(0.3)
+    assert [(x["slot"], x["rows"]) for x in found] == [(1, 2)]
+    sent = Counter({("bad", 0): 50})
+    wait_for_lake(d, sent)
+    out = quiverd_cli("dead-letters", "--config", str(d.config_path), "--replay",
+                      str(d.socket))
+    assert out.returncode == 0 and "1 dead letters sent again" in out.stdout, out.stderr
+    deadline = time.monotonic() + 60
+    while [x["key"] for x in dead_letters(d)] in ([], [found[0]["key"]]):
+        assert time.monotonic() < deadline, d.log()[-2000:]
+        time.sleep(0.3)
+    time.sleep(1)  # a replayed slot 0 would have landed by now (files rotate every 0.4 s)
+    assert_exactly_once(*lake_contents(d), sent)

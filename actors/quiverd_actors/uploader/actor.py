@@ -196,11 +196,11 @@ class Uploader:
         """Put the bundle's slots into their files, one piece per hour of the partition
         column; False when there was nothing to add (every piece already registered)."""
         failed = self.failures.get(key)
+        covered = await self._covered(d.shard, d.segment_seq)
         if failed is not None and 0 < self.lake.dead_letter_after <= failed[0]:
-            await self._dead_letter(d, key, *failed)
+            await self._dead_letter(d, key, covered, *failed)
             return False
         isolated = "" if failed is None else f"{d.segment_seq}.{d.bundle_index}"
-        covered = await self._covered(d.shard, d.segment_seq)
         try:
             pieces = [(slot, column, hour, table)
                       for slot in sorted(d.tables)
@@ -250,17 +250,28 @@ class Uploader:
         n = self.failures.get(key, (0, "", ""))[0]
         self.failures[key] = (n + 1, f"{type(exc).__name__}: {exc}", reason)
 
-    async def _dead_letter(self, d: LocalDelivery, key: BundleKey, attempts: int,
-                           error: str, reason: str) -> None:
-        """Set the bundle aside (its object, then its dead-letter table's data file:
-        dead_letters.SetAside) and reject it; on a failure (the store, the disk, the
-        Iceberg catalog) nack it: it comes back and is tried again."""
+    async def _dead_letter(self, d: LocalDelivery, key: BundleKey,
+                           covered: dict[SlotPart, set[int]], attempts: int, error: str,
+                           reason: str) -> None:
+        """Set the bundle's rows not in the lake aside (its object, then its dead-letter
+        table's data file: dead_letters.SetAside) and reject it; on a failure (the store,
+        the disk, the Iceberg catalog) nack it: it comes back and is tried again. While a
+        file in flight holds a piece of it, nack it too: that piece is in the lake once
+        the file registers, or must be in the dead letter if the file fails."""
+        if self.held.get(key):
+            await self._feedback(key, ackfmt.NACK)
+            return
+        left = self._not_in_lake(d, covered)
+        if not left:  # every piece landed after all
+            del self.failures[key]
+            await self._feedback(key, ackfmt.ACK)
+            return
         shard, seg, idx = key
         try:
             dkey = await self.set_aside.write(
                 shard=shard, segment_seq=seg, bundle_index=idx, client=d.client,
-                ingestion_ts_ns=d.ingestion_ts_ns, tables=d.tables, error=error,
-                reason=reason, attempts=attempts)
+                ingestion_ts_ns=d.ingestion_ts_ns, tables=left, error=error, reason=reason,
+                attempts=attempts)
         except (OSError, QuiverError, pa.ArrowException) as exc:
             self.log.error("lake_dead_letter_failed", shard=shard, segment_seq=seg,
                            bundle_index=idx, client=d.client,
@@ -276,6 +287,27 @@ class Uploader:
                        "--replay once the cause is fixed")
         del self.failures[key]
         await self._feedback(key, ackfmt.REJECTED)
+
+    def _not_in_lake(self, d: LocalDelivery, covered: dict[SlotPart, set[int]]
+                     ) -> dict[int, pa.Table]:
+        """The bundle's slots without the pieces registered files hold (a replay of the
+        dead letter must not send those rows again); a slot with none of them as sent."""
+        left: dict[int, pa.Table] = {}
+        for slot, table in d.tables.items():
+            if d.bundle_index in covered.get((slot, ""), ()):
+                continue
+            try:
+                pieces = self._pieces(d, table)
+            except (pa.ArrowException, ValueError):
+                left[slot] = table  # not split: no piece of it can be in the lake
+                continue
+            kept = [t for _, hour, t in pieces
+                    if d.bundle_index not in covered.get((slot, hour_dirs(hour)), ())]
+            if len(kept) == len(pieces):
+                left[slot] = table
+            elif kept:
+                left[slot] = pa.concat_tables(kept)
+        return left
 
     def _pieces(self, d: LocalDelivery, table: pa.Table) -> list[tuple[str, Hour, pa.Table]]:
         """The slot's rows by hour of its partition column (``lake.partitions``): one
