@@ -232,6 +232,31 @@ def test_stream_history_quarantined_file_fails_lost_file_is_data_loss(spark, dae
 
 
 @pytest.mark.timeout(600)
+def test_stream_history_every_client_one_client_and_from_latest(spark, daemon_factory,
+                                                                tmp_path):
+    d = daemon_factory(LAKE).start()
+    produce(d, range(30), client="a")
+    produce(d, range(100, 120), client="b")
+    landed(d, range(30), "a")
+    landed(d, range(100, 120), "b")
+    run_available(spark, d, "every", tmp_path / "every", tmp_path / "every.c")
+    every = sink_rows(spark, tmp_path / "every")
+    once(every)
+    assert sorted(every) == sorted(expect(range(30)) + expect(range(100, 120)))
+    run_available(spark, d, "only-b", tmp_path / "b", tmp_path / "b.c", client="b")
+    assert sorted(sink_rows(spark, tmp_path / "b")) == expect(range(100, 120))
+    # from = "latest" (Kafka's): nothing of what is there, only what comes after.
+    run_available(spark, d, "new-only", tmp_path / "new", tmp_path / "new.c",
+                  **{"from": "latest"})
+    assert sink_rows(spark, tmp_path / "new") == []
+    produce(d, range(200, 205), client="a")
+    wait_for(lambda: segment_bundles(d) >= 5, what="the new bundles finalized")
+    run_available(spark, d, "new-only", tmp_path / "new", tmp_path / "new.c",
+                  **{"from": "latest"})
+    assert sorted(sink_rows(spark, tmp_path / "new")) == expect(range(200, 205))
+
+
+@pytest.mark.timeout(600)
 def test_stream_history_max_bundles_batches_and_initial_offset_repeats(spark, daemon_factory,
                                                                        tmp_path):
     d = daemon_factory(LAKE).start()
