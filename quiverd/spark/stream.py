@@ -39,15 +39,20 @@ While the lake part lasts, an offset also holds the seam (``"lake_through"``), a
 positions before it name bundles read from lake files (stream_history.py).
 
     driver   initialOffset()   STREAM open (registers the subscriber on first use):
-                               just before its oldest unacked bundle, per shard
-    driver   latestOffset()    STREAM latest: the end of what is finalized after start,
+                               just before its oldest unacked bundle, per shard; with
+                               from = "lake" that is the seam, and the catalog says
+                               whether the lake holds bundles before it
+    driver   latestOffset()    in the lake part: the next lake batch's end (catalog rows);
+                               else STREAM latest: the end of what is finalized after start,
                                at most maxBundlesPerTrigger bundles (ReadMaxFiles: one
                                bundle counts as one "file"), never past the target
                                of Trigger.AvailableNow, never over an undecided
                                exactly-once job's bundles
-    driver   partitions()      one StreamPartition per shard and span of at most
-                               SEGMENTS_PER_PARTITION segment numbers (no daemon call)
-    executor read(p)           STREAM fetch over the ingest socket: the daemon reads
+    driver   partitions()      in the lake part one HistoryPartition per lake file (catalog
+                               rows); then one StreamPartition per shard and span of at
+                               most SEGMENTS_PER_PARTITION segment numbers (no STREAM call)
+    executor read(HistoryP.)   the file's rows in the range (OpenDAL + pyarrow, as spark.read)
+    executor read(StreamP.)    STREAM fetch over the ingest socket: the daemon reads
                                the segment files (one worker hop per 64 bundles) and
                                sends DELIVERY frames → Arrow → the lake's four
                                _quiver_ columns → Spark's Arrow
@@ -63,7 +68,8 @@ subscriber's registration and acks are in ack.log. Spark calls ``commit(end)`` w
 plans the next batch, so the acks trail the checkpoint by one batch: the last batch of
 an AvailableNow or stopped query is acked only when the query runs again (from its
 checkpoint, which starts after it); a new checkpoint on the same subscriber starts at
-the oldest unacked bundle and reads that batch again.
+the oldest unacked bundle (with ``from = "lake"``: after the lake's rows before it) and
+reads that batch again.
 
 Latency: only finalized segments are read; a bundle reaches a micro-batch within
 ``segment.max_open_duration_ms`` (1 s by default) of its ack, plus the trigger interval.
