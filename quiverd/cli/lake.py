@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -282,15 +283,22 @@ def dead_letters_cmd(args: argparse.Namespace) -> int:
 async def _in_tables(tier: Tier, found: list[Any]) -> dict[str, bool]:
     """object key -> whether its client's dead-letter table holds it ({} when the
     Iceberg projection is off: there are no tables)."""
-    tables = await _dead_letter_tables(tier)
-    if tables is None:
-        return {}
+    from quiverd.kernel.errors import LakeError
+
+    held: dict[str, set[str]] = {}
     try:
-        held: dict[str, set[str]] = {}
-        for client in sorted({d.client for d in found}):
-            held[client] = await anyio.to_thread.run_sync(tables.locations, client)
-    finally:
-        await anyio.to_thread.run_sync(tables.close)
+        tables = await _dead_letter_tables(tier)
+        if tables is None:
+            return {}
+        try:
+            for client in sorted({d.client for d in found}):
+                held[client] = await anyio.to_thread.run_sync(tables.locations, client)
+        finally:
+            await anyio.to_thread.run_sync(tables.close)
+    except LakeError as exc:  # the objects are the list; the tables only mirror them
+        print(f"warning: the dead-letter tables could not be read ({exc}); listing the "
+              "objects only", file=sys.stderr)
+        return {}
     return {d.key: tier.store.location(d.key) in held[d.client] for d in found}
 
 

@@ -151,6 +151,8 @@ def test_a_dead_letter_is_a_file_of_its_clients_iceberg_table_and_replay_removes
     assert took_s < 60
     [letter] = dead_letters(d)
     assert first == location_of(d, letter["key"]) and letter["in_table"] is True
+    out = quiverd_cli("dead-letters", "--config", str(d.config_path))
+    assert " encode " in out.stdout and "NOT IN TABLE" not in out.stdout, out
     rows = dead_rows(d, client).to_pylist()
     assert [(r["client"], r["slot"], r["rows"], r["reason"], r["attempts"]) for r in rows] == [
         (client, 0, 2, "encode", 3)]
