@@ -33,10 +33,11 @@ def write_letter(data_dir: Path, client: str, bundle: int, table: pa.Table) -> s
     return location(where, key)
 
 
-def tables(data_dir: Path, **cfg: float) -> DeadLetterTables:
+def tables(data_dir: Path, *, keep_snapshots_s: float = 3600.0) -> DeadLetterTables:
     where, io = warehouse(StoreConfig(), data_dir)
     return DeadLetterTables(catalog_uri=f"sqlite:///{data_dir / 'catalog.sqlite'}",
-                            warehouse=where, io_properties=io, cfg=IcebergConfig(**cfg))
+                            warehouse=where, io_properties=io,
+                            cfg=IcebergConfig(keep_snapshots_s=keep_snapshots_s))
 
 
 @pytest.fixture
