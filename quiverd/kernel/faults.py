@@ -29,7 +29,8 @@ Points (component.step):
                unlinked_first, unlinked, dir_fsynced (a deletion batch's files)
     lake       received, appended, rotated, object_written, uploaded, registered, acked,
                indexed, evicted (after that lifecycle step of a lake file; e.g.
-               ``lake=kill:registered``)
+               ``lake=kill:registered``), dead_letter_written, dead_letter_committed
+               (after a dead letter's object is in the store / in its Iceberg table)
 
 Hooks run in worker threads, never on the event loop. The daemon logs a
 warning at startup when any rule is active.
