@@ -297,17 +297,19 @@ def _source_id(data_dir: Path) -> str:
     """The daemon's own lake source (``<data_dir>/lake.id``); "" if its lake never ran.
     The driver must see the data_dir: bundle ids are positions of that data directory."""
     data = DataDir(data_dir)
-    if not data_dir.is_dir():
+    try:
+        if not data_dir.is_dir():
+            raise FileNotFoundError(f"no directory {data_dir} here")
+        if not data.lake_id.exists():
+            return ""
+        return data.lake_id.read_text().strip()
+    except OSError as exc:  # not on this host, or not readable by the driver's user
         raise ConfigError("", f'.option("from", "lake") needs the daemon\'s data_dir '
                           f"{data_dir} on the query's driver: its lake.id names the lake "
-                          "files whose bundle ids are this daemon's",
-                          hint='run the driver on the daemon\'s host, or start the stream '
-                          'with .option("from", "earliest") and read the lake with '
-                          "spark.read")
-    try:
-        return data.lake_id.read_text().strip()
-    except FileNotFoundError:
-        return ""
+                          f"files whose bundle ids are this daemon's ({exc})",
+                          hint='run the driver on the daemon\'s host as a user who may read '
+                          'lake.id, or start the stream with .option("from", "earliest") and '
+                          "read the lake with spark.read") from None
 
 
 def _ask(socket: str) -> dict[str, Any]:

@@ -395,3 +395,16 @@ def test_stream_history_in_range_compares_segment_and_bundle_as_a_pair():
     assert keep == [False, False, True, True, True, False]
     assert in_range(batch, (0, -1), (2, END)).to_pylist() == [True] * 4 + [False] * 2
     assert in_range(batch, (2, -1), (2, 4)).to_pylist() == [False, True, True] + [False] * 3
+
+
+def test_stream_history_driver_without_the_data_dir_refused_saying_what_to_do(tmp_path):
+    from quiverd.kernel.errors import ConfigError
+    from quiverd.spark.stream_history import _source_id
+
+    with pytest.raises(ConfigError, match=r"needs the daemon's data_dir .*/elsewhere on the "
+                       "query's driver") as caught:
+        _source_id(tmp_path / "elsewhere")
+    assert 'option("from", "earliest")' in caught.value.hint
+    assert _source_id(tmp_path) == ""  # its lake never ran: no file of it exists
+    (tmp_path / "lake.id").write_text("01JABCDEFGHJKMNPQRSTVWXYZ0\n")
+    assert _source_id(tmp_path) == "01JABCDEFGHJKMNPQRSTVWXYZ0"
