@@ -288,6 +288,70 @@ def test_stream_history_max_bundles_batches_and_initial_offset_repeats(spark, da
     assert max(sizes) <= (60 + biggest) * ROWS  # cut at file ends: at most one file over
 
 
+def read_rows(reader: Any, start: dict[str, Any], end: dict[str, Any]
+              ) -> tuple[list[tuple[int, int]], set[str]]:
+    """What Spark's tasks of the batch (start, end] read, called as the executors do;
+    and the lake files they opened."""
+    got: list[tuple[int, int]] = []
+    parts = reader.partitions(start, end)
+    for p in parts:
+        for batch in reader.read(p):
+            got += zip(batch.column("tag").to_pylist(), batch.column("i").to_pylist(),
+                       strict=True)
+    return got, {p.file_id for p in parts if getattr(p, "file_id", "")}
+
+
+@pytest.mark.timeout(600)
+def test_stream_history_batch_replanned_after_compaction_reads_the_same_rows(
+        spark_installed, daemon_factory):
+    """A batch of the lake part planned again (Spark's re-run from the checkpoint) after
+    a compaction replaced its files, their objects deleted: the same rows, from the
+    compacted file."""
+    from pyspark.sql import types as st
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxFiles
+
+    from quiverd.spark.stream import QuiverStreamReader, StreamOptions
+    from tests.daemon.lake_helpers import quiverd_cli, uri_path
+
+    d = daemon_factory({**LAKE, "lake.compaction.min_files": 2,
+                        "lake.compaction.delete_grace_s": 0, "lake.janitor.grace_s": 0}).start()
+    for r in range(6):
+        produce(d, range(r * 50, r * 50 + 50))
+        time.sleep(0.6)
+    landed(d, range(300))
+    uris = {r.file_id: r.uri for r in registered_rows(d)}
+    before = set(uris)
+    assert len(before) >= 3
+    schema = st.StructType([st.StructField("tag", st.LongType()),
+                            st.StructField("i", st.LongType())])
+    reader = QuiverStreamReader(StreamOptions.parse(
+        {"socket": str(d.socket), "subscriber": "compacted"}), schema)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, ReadMaxFiles(120))
+    assert LAKE_THROUGH in end, "one batch took all of the lake part: nothing to re-plan"
+    first, opened = read_rows(reader, start, end)
+    assert opened <= before and first
+    for cmd in ("compact", "janitor"):
+        out = quiverd_cli(cmd, "--config", str(d.config_path), "--json")
+        assert out.returncode == 0, out.stderr
+    after = {r.file_id for r in registered_rows(d)}
+    assert after.isdisjoint(opened), "the batch's files were not compacted"
+    assert not any(Path(uri_path(uris[f])).exists() for f in opened)  # objects deleted
+    again, reopened = read_rows(reader, start, end)
+    assert reopened <= after
+    assert sorted(again) == sorted(first)
+    every = list(first)
+    while True:  # the rest of the lake part, then the buffer (nothing): each row once
+        nxt = reader.latestOffset(end, ReadAllAvailable())
+        if nxt == end:
+            break
+        every += read_rows(reader, end, nxt)[0]
+        end = nxt
+    reader.stop()
+    once(every)
+    assert sorted(every) == expect(range(300))
+
+
 @pytest.mark.timeout(900)  # two local Sparks in child processes, on a busy machine
 def test_stream_history_killed_mid_batch_restarts_exactly_once(spark_installed,
                                                                daemon_factory, tmp_path):
