@@ -44,6 +44,9 @@ SESSIONLESS = (  # node-id prefixes under tests/spark/ that need no Spark sessio
     "tests/spark/test_spark_types.py",
     "tests/spark/test_stream_source.py::test_stream_killed_mid_stream_restarts_exactly_once",
     "tests/spark/test_writer_faults.py::test_driver_killed_before_the_commit_leaves_nothing_",
+    "tests/spark/test_stream_history.py::test_stream_history_killed_mid_batch_restarts_exactly",
+    "tests/spark/test_stream_history.py::test_stream_history_batch_replanned_after_compaction",
+    "tests/spark/test_stream_history.py::test_stream_history_source_id_comes_from_the_daemon",
 )
 SESSION_FIXTURE = "spark"
 

@@ -39,8 +39,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio
 import msgspec
 
 from quiverd.kernel.bundle import Bundle, TxnTag, make_slot
@@ -54,6 +56,7 @@ from quiverd.kernel.jobs import (
     check_job_id,
     end_marker_table,
 )
+from quiverd.kernel.layout import DataDir
 from quiverd.kernel.names import client_name_problem
 from quiverd.protocol.frames import ErrorCode
 from quiverd.segments.table import SegmentView, StagedRef
@@ -274,7 +277,10 @@ async def answer(service: JobService | None,
     if isinstance(req, Lake):
         if lake is None:
             raise QuiverError("this daemon does not say where its lake is")
-        return lake
+        # The lake's source id names this data directory's files (a stream's lake part
+        # takes only those): read when asked, as the tier creates lake.id on a first start.
+        source_id = await anyio.to_thread.run_sync(_lake_id, Path(lake["data_dir"]))
+        return {**lake, "source_id": source_id}
     if service is None:
         raise QuiverError("this daemon takes no job requests (staging is not running)")
     if isinstance(req, Commit):
@@ -287,6 +293,14 @@ async def answer(service: JobService | None,
     if isinstance(req, KeepAlive):
         return service.keepalive(req.job_id, holder)
     return await service.lookup(req.job_id)
+
+
+def _lake_id(data_dir: Path) -> str:
+    """``<data_dir>/lake.id``, "" while the lake never ran there."""
+    try:
+        return DataDir(data_dir).lake_id.read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def error_code(exc: Exception) -> ErrorCode:

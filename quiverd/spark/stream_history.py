@@ -28,8 +28,9 @@ whose bundle ids are in (a, b]: the same rows whenever it is planned again from 
 checkpoint. Bundles after the seam are read from the segments only (their rows may be in
 the lake too, and are filtered out of the lake part by the same position test). Bundle
 ids are positions of one data directory: only files of the daemon's own ``source_id``
-(``<data_dir>/lake.id``) are this part; files other daemons sharing a PostgreSQL
-catalog registered are theirs.
+(``<data_dir>/lake.id``, which JOB lake answers as ``source_id``: the driver need not see
+the data directory; an older daemon's driver reads the file itself) are this part;
+files other daemons sharing a PostgreSQL catalog registered are theirs.
 
 Batches. Without a limit the lake part is one micro-batch (the seam on every shard),
 the buffer's batches follow. With ``maxBundlesPerTrigger`` the lake part is cut at lake
@@ -43,6 +44,7 @@ The driver plans from the catalog rows (first/last bundle of each file), never f
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +57,7 @@ import pyarrow.compute as pc
 
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config, load
-from quiverd.kernel.errors import ConfigError, LakeFileCorrupt, ProtocolError
+from quiverd.kernel.errors import ConfigError, LakeFileCorrupt, ProtocolError, QuiverError
 from quiverd.kernel.layout import DataDir
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.model import (
@@ -176,6 +178,7 @@ class LakeSide:
     def open(cls, socket: str, config: str) -> LakeSide | None:
         """None when the daemon's lake is off. The config file if the options named one
         (secrets included), else the daemon's answer to JOB lake (secrets withheld)."""
+        info: dict[str, Any] = {}
         if config:
             cfg = load(config)
             enabled = cfg.lake.enabled
@@ -185,7 +188,14 @@ class LakeSide:
             cfg = config_of(info)
         if not enabled:
             return None
-        return cls(cfg=cfg, source_id=_source_id(Path(cfg.data_dir)),
+        if "source_id" not in info:  # named config: ask the daemon too, if it answers
+            with contextlib.suppress(QuiverError, OSError):
+                info = _ask(socket)
+        # The daemon says its source id (JOB lake); an older one does not: then the
+        # driver reads the data_dir's lake.id itself, so it must see the data_dir.
+        source_id = info["source_id"] if "source_id" in info else \
+            _source_id(Path(cfg.data_dir))
+        return cls(cfg=cfg, source_id=source_id,
                    store_options=opendal_options(cfg.lake.store, data_dir=Path(cfg.data_dir)))
 
     def files(self, client: str | None, slot: int,

@@ -472,3 +472,31 @@ def test_stream_history_driver_without_the_data_dir_refused_saying_what_to_do(tm
     assert _source_id(tmp_path) == ""  # its lake never ran: no file of it exists
     (tmp_path / "lake.id").write_text("01JABCDEFGHJKMNPQRSTVWXYZ0\n")
     assert _source_id(tmp_path) == "01JABCDEFGHJKMNPQRSTVWXYZ0"
+
+
+def test_stream_history_source_id_comes_from_the_daemon_not_the_drivers_disk(
+        daemon_factory, monkeypatch):
+    """JOB lake says the daemon's lake source (its lake.id, read when asked): a driver on
+    another host (here: one that cannot read the data_dir) still gets the lake part."""
+    from quiverd.spark import stream_history
+    from quiverd.spark.stream_history import LakeSide
+
+    d = daemon_factory(LAKE).start()
+    with Client.connect(d.socket) as c:
+        c.send(tagged_table(1), client="h")
+        deadline = time.monotonic() + 30
+        while not (d.data_dir / "lake.id").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        info = c.lake_info()
+    assert info["source_id"] == (d.data_dir / "lake.id").read_text().strip() != ""
+
+    def elsewhere(data_dir: Path) -> str:
+        raise AssertionError("the driver read the data_dir")
+
+    monkeypatch.setattr(stream_history, "_source_id", elsewhere)
+    side = LakeSide.open(str(d.socket), "")
+    assert side is not None and side.source_id == info["source_id"]
+    side = LakeSide.open(str(d.socket), str(d.config_path))  # a named config asks too
+    assert side is not None and side.source_id == info["source_id"]
+    assert d.stop() == 0
