@@ -48,6 +48,7 @@ import pyarrow as pa
 
 from quiverd.kernel.crc import crc32c
 from quiverd.segments.dictionaries import needs_solo_stream, unify_batches
+from quiverd.segments.ipc_slices import file_pieces
 from quiverd.segments.open_segment import BundleEntry, OpenSegment, Stream
 from quiverd.segments.schema import representative_schema
 
@@ -91,8 +92,12 @@ def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int
                    arena: Arena | None = None) -> list[Piece]:
     """The whole segment file as pieces to write in order (blocking, pure).
 
-    Batches are serialized once into one IPC file per stream; only dictionary
-    columns are rebuilt. The last piece carries the footer, trailer and CRC.
+    A stream without dictionaries is its chunks' record batch messages as stored
+    (views of the WAL page cache or of held payloads, ``Stream.stored_messages``),
+    copied behind a new IPC file head and footer (``ipc_slices.file_pieces``): no
+    decode, no encode. Other streams are serialized once into one IPC file each;
+    only dictionary columns are rebuilt. The last piece carries the footer, trailer
+    and CRC.
     """
     pieces: list[Piece] = []
     if arena is not None:
@@ -102,6 +107,14 @@ def encode_segment(open_segment: OpenSegment, *, max_dictionary_cardinality: int
     chunk_maps: list[list[list[pa.Array | None]]] = []
     for stream_id, stream in enumerate(open_segment.streams):
         schema = stream.schemas[0]
+        stored = stream.stored_messages()
+        if stored is not None:
+            parts, size = file_pieces(schema.serialize().to_pybytes(), stored)
+            pieces.extend(parts)
+            stream_rows.append(_directory_row(stream_id, stream, offset, size))
+            chunk_maps.append([[] for _ in stored])
+            offset = _pad(pieces, offset + size)
+            continue
         if needs_solo_stream(schema):
             stored_schema, batches = schema, stream.batches
             maps: list[list[pa.Array | None]] = [[] for _ in batches]

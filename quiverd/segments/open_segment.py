@@ -17,6 +17,12 @@ Two ways to hold a bundle's data:
   (memory-mapped page cache, still there: the WAL region is released only after the
   segment is durable) and fills the streams in arrival order.
 
+A stream whose schema holds no dictionary is never decoded for its segment: each
+chunk keeps its record batch message as the slot's IPC stream holds it (a view of the
+WAL page cache or of the held payload, ``Stream.messages``), and the finalizer copies
+those bytes into the segment's IPC file (``ipc_slices.file_pieces``): no decode, no
+second encode. Streams with dictionaries are decoded and unified as before.
+
 The ingest path adds one commit batch at a time (``add_batch``): stream extension,
 counters and the schema checks (solo stream, schema variant) run once per
 ``(slot, fingerprint)`` group of the batch and once per schema object; per bundle
@@ -33,7 +39,8 @@ import pyarrow as pa
 
 from quiverd.kernel.bundle import META_SLOT, Buffer, Bundle, Slot, TxnTag
 from quiverd.kernel.jobs import END_OFFSET, read_end_marker
-from quiverd.segments.dictionaries import needs_solo_stream
+from quiverd.segments.dictionaries import has_dictionary, needs_solo_stream
+from quiverd.segments.ipc_slices import stream_messages
 from quiverd.segments.table import StagedRef
 
 
@@ -49,16 +56,23 @@ class Stream:
     rows: int = 0
     min_ts: int | None = None
     max_ts: int | None = None
+    # Per chunk, beside ``batches``: its record batch message as stored (a view of the
+    # slot's IPC stream), for streams whose schema has no dictionary (``copyable``);
+    # the segment copies these bytes. None where the chunk is known only decoded.
+    messages: list[memoryview | None] = field(default_factory=list)
+    copyable: bool | None = None  # set by the first schema: no dictionary anywhere
 
     def extend(
         self, stream_id: int, schema: pa.Schema, batches: list[pa.RecordBatch | None],
-        ts: int, rows: int,
+        ts: int, rows: int, messages: tuple[memoryview, ...] | None = None,
     ) -> list[ChunkRef]:
         """Append one bundle's batches (None: a batch still in the WAL, filled by
-        ``OpenSegment.load``); returns their manifest refs."""
+        ``OpenSegment.load``); returns their manifest refs. ``messages``: the same
+        batches as record batch messages (``copyable`` streams)."""
         variant = self.variant(schema)
         first = len(self.batches)
-        self.batches.extend(batches)  # no None after load()
+        self.batches.extend(batches)  # None for batches still in the WAL
+        self.messages.extend(messages if messages is not None else [None] * len(batches))
         self.rows += rows
         self.min_ts = ts if self.min_ts is None else min(self.min_ts, ts)
         self.max_ts = ts if self.max_ts is None else max(self.max_ts, ts)
@@ -75,7 +89,23 @@ class Stream:
                 raise ValueError(f"slot {self.slot}: fingerprint does not match the schema")
             found = self.schema_index[key] = len(self.schemas)
             self.schemas.append(schema)
+            if self.copyable is None:
+                self.copyable = not any(has_dictionary(f.type) for f in schema)
         return found
+
+    def decode_stored(self) -> None:
+        """Decode the chunks known only as stored messages (a stream some of whose
+        slots could not be cut, so it is encoded from batches after all)."""
+        for k, batch in enumerate(self.batches):
+            if batch is None and self.messages[k] is not None:
+                self.batches[k] = pa.ipc.read_record_batch(pa.py_buffer(self.messages[k]),
+                                                           self.schemas[0])
+
+    def stored_messages(self) -> list[memoryview] | None:
+        """Every chunk's record batch message, if the stream is copied as stored."""
+        if not self.copyable or None in self.messages:
+            return None
+        return self.messages  # type: ignore[return-value]  # no None: checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +189,7 @@ class OpenSegment:
         for slot, schema, batches in decoded:
             assert slot.slot < META_SLOT, "metadata slot must be split off before a segment"
             refs.extend(self._append(slot.slot, slot.fingerprint, schema, batches, ts,
-                                     slot.row_count))
+                                     slot.row_count, None if lazy else slot.ipc))
         self.entries.append(BundleEntry(
             client=bundle.client, ingestion_ts_ns=ts, sequence=seq, txn=bundle.txn,
             refs=tuple(refs), in_wal=lazy,
@@ -288,8 +318,11 @@ class OpenSegment:
 
     def _append(
         self, slot: int, fp: bytes, schema: pa.Schema, batches: list[pa.RecordBatch | None],
-        ts: int, rows: int,
+        ts: int, rows: int, payload: Buffer | None = None,
     ) -> list[ChunkRef]:
+        """``payload``: the held slot's IPC stream (its batches decoded), whose record
+        batch messages a stream without dictionaries keeps to copy them at finalize."""
+        messages = None
         if needs_solo_stream(schema):
             groups = [[b] for b in batches]
             ids = [self._new_stream(slot, fp) for _ in batches]
@@ -302,18 +335,26 @@ class OpenSegment:
             if found is None:
                 found = self._by_key[(slot, fp)] = self._new_stream(slot, fp)
             groups, ids, counts = [batches], [found], [rows]
+            if payload is not None:
+                cut = stream_messages(memoryview(payload))
+                if cut is not None and len(cut.batches) == len(batches):
+                    messages = cut.batches
         refs: list[ChunkRef] = []
         for stream_id, group, n in zip(ids, groups, counts, strict=True):
-            refs.extend(self._streams[stream_id].extend(stream_id, schema, group, ts, n))
+            refs.extend(self._streams[stream_id].extend(stream_id, schema, group, ts, n,
+                                                        messages))
         return refs
 
     def load(self, fetch: Fetch) -> None:
         """Fill in the batches of bundles added ``from_wal`` (worker thread).
 
-        ``fetch`` reads WAL entries back by sequence. Each slot's stream is decoded
-        zero copy over the returned bytes; its batches go exactly where ``add``
-        numbered them. A payload that no longer matches what ingest validated
-        (batch count) raises ValueError: the WAL was damaged in between.
+        ``fetch`` reads WAL entries back by sequence. A slot of a stream without
+        dictionaries is cut into its record batch messages (views of the returned
+        bytes, not decoded: ``Stream.messages``); any other slot's stream is decoded
+        zero copy over them. Either way its chunks go exactly where ``add`` numbered
+        them. A payload that no longer matches what ingest validated (batch count)
+        raises ValueError: the WAL was damaged in between. Afterwards every stream is
+        either copied whole (``stored_messages``) or decoded whole.
         """
         if not self.unloaded:
             return
@@ -334,15 +375,25 @@ class OpenSegment:
                     j += 1
                 if slot_id not in slots:
                     raise ValueError(f"WAL entry {e.sequence} has no slot {slot_id}")
-                _, batches = _decode(slots[slot_id])
-                if len(batches) != j - i:
-                    raise ValueError(f"WAL entry {e.sequence} slot {slot_id}: {len(batches)} "
-                                     f"batches read back, {j - i} validated at ingest")
-                for ref, batch in zip(refs[i:j], batches, strict=True):
-                    streams[ref.stream].batches[ref.chunk] = batch
+                payload = slots[slot_id]
+                cut = (stream_messages(memoryview(payload)) if streams[refs[i].stream].copyable
+                       else None)
+                if cut is not None:
+                    _check_count(e.sequence, slot_id, len(cut.batches), j - i)
+                    for ref, message in zip(refs[i:j], cut.batches, strict=True):
+                        streams[ref.stream].messages[ref.chunk] = message
+                else:
+                    _, batches = _decode(payload)
+                    _check_count(e.sequence, slot_id, len(batches), j - i)
+                    for ref, batch in zip(refs[i:j], batches, strict=True):
+                        streams[ref.stream].batches[ref.chunk] = batch
                 i = j
         self.unloaded = 0  # in_wal stays on the entries: it is only read by load()
-        for stream in self._streams:  # solo streams learn their per-batch rows only now
+        for stream in self._streams:
+            if stream.stored_messages() is not None:
+                continue  # copied as stored: its rows are the validated counts
+            stream.decode_stored()
+            # Solo streams learn their per-batch rows only now.
             stream.rows = sum(b.num_rows for b in stream.batches)
 
     def drop_batches(self) -> None:
@@ -350,6 +401,7 @@ class OpenSegment:
         regions that are about to be released."""
         for stream in self._streams:
             stream.batches = []
+            stream.messages = []
 
     def _new_stream(self, slot: int, fp: bytes) -> int:
         self._streams.append(Stream(slot, fp))
@@ -389,11 +441,18 @@ class _Group:
             return
         s = self.stream
         s.batches.extend([None] * self.count)  # load() fills them
+        s.messages.extend([None] * self.count)
         s.rows += self.rows
         s.min_ts = self.min_ts if s.min_ts is None else min(s.min_ts, self.min_ts)
         s.max_ts = self.max_ts if s.max_ts is None else max(s.max_ts, self.max_ts)
         self.base += self.count
         self.count = self.rows = 0
+
+
+def _check_count(sequence: int, slot: int, found: int, validated: int) -> None:
+    if found != validated:
+        raise ValueError(f"WAL entry {sequence} slot {slot}: {found} batches read back, "
+                         f"{validated} validated at ingest")
 
 
 def _facts(slot: Slot) -> tuple[pa.Schema, list[pa.RecordBatch | None]]:

@@ -228,18 +228,22 @@ def test_file_blocks_damaged_footer_raises_value_error_only() -> None:
 def test_stored_slots_damaged_stream_footer_is_corrupt(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream whose IPC footer is damaged before the segment's CRCs were computed
-    (a bug, not a disk error) reads as CorruptRecord, not as wrong bytes."""
-    real = segment_format._ipc_file
-    calls = []
+    (a bug, not a disk error) reads as CorruptRecord, not as wrong bytes. Stream 0 has
+    no dictionary: its IPC file is built from the stored messages (``file_pieces``)."""
+    real = segment_format.file_pieces
+    calls: list[bytes] = []
 
-    def damaged_first(schema: pa.Schema, batches: list[pa.RecordBatch]) -> pa.Buffer:
-        data = bytearray(real(schema, batches).to_pybytes())
+    def damaged_first(schema: bytes, batches: list[memoryview]
+                      ) -> tuple[list[bytes | memoryview], int]:
+        pieces, size = real(schema, batches)
         if not calls:  # stream 0 only: directory and manifest stay readable
-            struct.pack_into("<i", data, len(data) - 10, 1 << 30)  # footer_len beyond it
+            tail = bytearray(pieces[-1])
+            struct.pack_into("<i", tail, len(tail) - 10, 1 << 30)  # footer_len beyond it
+            pieces[-1] = bytes(tail)
         calls.append(schema)
-        return pa.py_buffer(bytes(data))
+        return pieces, size
 
-    monkeypatch.setattr(segment_format, "_ipc_file", damaged_first)
+    monkeypatch.setattr(segment_format, "file_pieces", damaged_first)
     path = write(tmp_path / "s.qseg", three_slot_bundles()[:2])
     with SegmentReader.open(path) as reader, pytest.raises(CorruptRecord, match="stream 0"):
         reader.stored_slots(0)
