@@ -2,7 +2,9 @@
 
     catalog ──file_id (NOTIFY quiver_files / in-process event)──▶ indexer
         ├─ zone maps (min/max/null count of the time column and lake.index.zone_map_columns)
-        │  read from the Parquet footer, recorded in the catalog; state Indexed
+        │  from the Parquet footer, recorded in the catalog; state Indexed. The footer is
+        │  the writer's (lake.footers, handed over by the uploader) when this daemon
+        │  still holds it, else read from the local copy (a restart, a compaction)
         └─ eviction: the local Stable copy is deleted (lake.delete_after_upload) or kept
            lake.local_retention_s; state Evicted. The object stays authoritative.
 
@@ -27,6 +29,7 @@ from quiverd.kernel.faults import Hook
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.catalog import StateConflict
+from quiverd.lake.footers import Footers
 from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import zone_maps
 from quiverd.lake.tier import Tier
@@ -37,9 +40,11 @@ SCAN_LIMIT = 1000
 
 class Indexer:
     def __init__(self, tier: Tier, *, limiter: anyio.CapacityLimiter, log: Logger,
-                 metrics: Metrics, time_column: str, hook: Hook | None = None) -> None:
+                 metrics: Metrics, time_column: str, hook: Hook | None = None,
+                 footers: Footers | None = None) -> None:
         self.tier, self.limiter, self.log, self.m = tier, limiter, log, metrics
         self.hook = hook
+        self.footers = footers  # the uploader's footers, reader "indexer"
         self.time_column = time_column
         self.columns = list(dict.fromkeys([time_column, INGESTED_AT,
                                            *tier.cfg.lake.index.zone_map_columns]))
@@ -87,17 +92,21 @@ class Indexer:
             self.log.warning("lake_index_skipped", file_id=row.file_id,
                              reason="no local copy", uri=row.uri)
             return
-        maps = await anyio.to_thread.run_sync(zone_maps, path, self.columns,
+        footer = self.footers.peek(row.file_id) if self.footers is not None else b""
+        maps = await anyio.to_thread.run_sync(zone_maps, path, self.columns, footer,
                                               limiter=self.limiter)
         try:
             await self.tier.catalog.record_index(row.file_id, maps, sorted(set(row.indexes)))
         except StateConflict:
+            self._footer_done(row)
             return  # replaced by compaction since it was listed: nothing to index
+        self._footer_done(row)  # kept while recording may fail: the sweep indexes again
 
         self.m.lake_transitions.labels(FileState.INDEXED.value).inc()
         self.log.info("lake_file_indexed", file_id=row.file_id, client=row.client_name,
                       uri=row.uri, rows=row.row_count, bytes=row.compressed_size,
                       zone_maps=len(maps), indexes=row.indexes,
+                      footer="writer" if footer else "file",
                       duration_ms=round((anyio.current_time() - started) * 1000, 2))
         await self._fault("indexed")
         if self.tier.cfg.lake.delete_after_upload:
@@ -133,6 +142,10 @@ class Indexer:
                       uri=row.uri, rows=row.row_count, bytes=row.compressed_size,
                       duration_ms=round((anyio.current_time() - started) * 1000, 2))
         await self._fault("evicted")
+
+    def _footer_done(self, row: FileRow) -> None:
+        if self.footers is not None:
+            self.footers.done(row.file_id, "indexer")
 
     async def _fault(self, step: str) -> None:
         if self.hook is not None:

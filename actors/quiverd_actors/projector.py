@@ -54,6 +54,7 @@ from quiverd.kernel.config import IcebergConfig
 from quiverd.kernel.errors import IcebergCommitFailed
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
+from quiverd.lake.footers import Footers
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.iceberg import CommitResult, DataFileRef, table_name
 from quiverd.lake.iceberg.held import held_ids
@@ -102,8 +103,11 @@ class Pending:
 
 class Projector:
     def __init__(self, tier: Tier, projection: RemoteProjection, *, log: Logger,
-                 metrics: Metrics, health: LakeHealth) -> None:
+                 metrics: Metrics, health: LakeHealth, footers: Footers | None = None) -> None:
         self.tier, self.log, self.m = tier, log, metrics
+        # The uploader's footers (reader "projector"): sent with the refs, so the worker
+        # does not read the objects back.
+        self.footers = footers
         self.projection = projection  # in a worker process (lake.iceberg.remote)
         self.health = health
         self.cfg: IcebergConfig = tier.cfg.lake.iceberg
@@ -267,6 +271,7 @@ class Projector:
             raise
         if result.stale:
             return result
+        self._footers_done(want, result)
         self.commit_counts[table] = result.commits
         if result.snapshot_id is not None:
             self._committed(table, result, "replace" if result.removed else kind)
@@ -312,9 +317,21 @@ class Projector:
                                  "object can be read")
 
     def _ref(self, row: FileRow) -> DataFileRef:
+        footer = self.footers.peek(row.file_id) if self.footers is not None else b""
         return DataFileRef(file_id=row.file_id, location=self.tier.store.location(row.object_key),
                            client=row.client_name, slot=row.slot,
-                           partition_column=self.time_column)
+                           partition_column=self.time_column, footer=footer,
+                           size=row.compressed_size if footer else 0)
+
+    def _footers_done(self, want: list[DataFileRef], result: CommitResult) -> None:
+        """After a sync that was not fenced off every wanted file is in the table or
+        skipped, except the missing ones: their footers are needed no more."""
+        if self.footers is None:
+            return
+        missing = {fid for fid, _ in result.missing}
+        for ref in want:
+            if ref.footer and ref.file_id not in missing:
+                self.footers.done(ref.file_id, "projector")
 
     # ---- the reconciler ----------------------------------------------------------------
     async def reconcile(self) -> None:

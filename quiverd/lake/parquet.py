@@ -33,21 +33,27 @@ Layout of one file, as pyarrow's writer lays it out with ``ParquetSettings``:
                               slot, file_id)
     footer length (4, LE)  "PAR1"
 
-``ActiveFile`` does blocking I/O (writes, fsync, reading the file back for its CRC):
-callers run it in a worker thread. Renaming Active -> Stable and fsyncing the directory
-is the caller's job.
+Nothing is read back (issue 30, "read back never"): the CRC-32C is taken over the
+bytes as they go to the file (``_Checksummed``, under the writer's 1 MiB buffer, so one
+CRC call per MiB), and the footer is the writer's own FileMetaData, serialized
+(``FileFacts.footer``, byte for byte the file's footer) for the indexer's zone maps and
+the Iceberg DataFile (``lake.footers`` hands it over).
+
+``ActiveFile`` does blocking I/O (writes, fsync): callers run it in a worker thread.
+Renaming Active -> Stable and fsyncing the directory is the caller's job.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import re
 import struct
 import weakref
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 import pyarrow as pa
@@ -104,6 +110,9 @@ class FileFacts(msgspec.Struct, frozen=True, kw_only=True):
     end_ts: int  # max of the time column, ns; 0 when the file holds no time value
     schema_hash: str
     indexes: tuple[str, ...]  # "zonemap", "bloom:<column>" for each filter written
+    # The file's footer as the writer wrote it, in the form of a Parquet ``_metadata``
+    # file ("PAR1" FileMetaData length "PAR1": ``footer_metadata`` reads it back).
+    footer: bytes = b""
 
 
 class ActiveFile:
@@ -112,8 +121,10 @@ class ActiveFile:
 
     def __init__(self, path: Path, file: io.BufferedWriter, writer: pq.ParquetWriter,
                  schema: pa.Schema, settings: ParquetSettings, time_column: str) -> None:
+        assert isinstance(file.raw, _Checksummed), "create() opens the file"
         self.path = path
         self._file = file
+        self._sum: _Checksummed = file.raw
         self._writer = writer
         self._schema = schema
         self._settings = settings
@@ -142,7 +153,7 @@ class ActiveFile:
         blooms = bloom_columns(schema, settings.bloom_filter_columns)
         ndv = min(settings.row_group_rows, BLOOM_NDV_MAX)
         # "xb": two writers racing for one name must not clobber each other's file.
-        file = fs.create_binary(path)  # the ActiveFile owns the handle until close/abort
+        file = _checksummed(fs.create_binary(path))  # owned until close/abort
         try:
             writer = pq.ParquetWriter(
                 file, schema.with_metadata(metadata), compression="zstd",
@@ -196,25 +207,31 @@ class ActiveFile:
         return self._end_ts
 
     def close(self) -> FileFacts:
-        """Write the footer, fsync, and return the file's facts (CRC read back from disk)."""
+        """Write the footer, fsync, and return the file's facts: its CRC-32C taken as it
+        was written and its footer from the writer, neither read back from disk."""
         assert not self._closed, "close after close/abort"
         self._closed = True
         try:
             self._writer.close()
             fs.fsync_file(self._file)
+            on_disk = os.fstat(self._file.fileno()).st_size
         finally:
             self._file.close()
-        self._final_size = self.path.stat().st_size
-        meta = pq.read_metadata(self.path)
+        # Every byte passed through the checksum: a write that bypassed it (or a seek
+        # back) would leave the sums of a different file.
+        assert self._sum.size == on_disk, (self._sum.size, on_disk)
+        self._final_size = on_disk
+        meta = self._writer.writer.metadata
         assert meta.num_rows == self._rows, (meta.num_rows, self._rows)
         blooms = [c for c in bloom_columns(self._schema, self._settings.bloom_filter_columns)
                   if _has_bloom(meta, c)]
         return FileFacts(
             rows=self._rows, uncompressed_size=self._uncompressed_bytes,
-            compressed_size=self._final_size, crc32c=crc32c_file(self.path),
+            compressed_size=self._final_size, crc32c=self._sum.crc,
             start_ts=self._start_ts or 0, end_ts=self._end_ts or 0,
             schema_hash=schema_hash(self._schema),
-            indexes=("zonemap", *(f"bloom:{c}" for c in blooms)))
+            indexes=("zonemap", *(f"bloom:{c}" for c in blooms)),
+            footer=footer_bytes(meta))
 
     def abort(self) -> None:
         """Close the handle and delete the file (no footer). Safe after close or abort."""
@@ -228,6 +245,66 @@ class ActiveFile:
             except OSError:
                 pass  # the file is being thrown away; its bytes do not matter
         fs.active().unlink(self.path, missing_ok=True)
+
+
+class _Checksummed(io.RawIOBase):
+    """The raw file under the writer's buffer, summing every byte written to it: the
+    buffer hands it 1 MiB at a time, so the CRC costs one call (GIL released,
+    ``kernel.crc``) per MiB. Parquet files are written front to back, never rewritten,
+    so the running CRC is the file's."""
+
+    def __init__(self, raw: io.RawIOBase) -> None:
+        super().__init__()
+        self._raw = raw
+        self.crc = 0
+        self.size = 0  # bytes written
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True  # position queries only (BufferedWriter.tell)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._raw.seek(offset, whence)
+
+    def write(self, b: Any, /) -> int:  # any buffer (3.12's collections.abc.Buffer)
+        n = self._raw.write(b)
+        assert n is not None, "the file is blocking"
+        # A short write sums what was written: the buffer passes the rest again.
+        self.crc = crc32c(memoryview(b).cast("B")[:n], self.crc)
+        self.size += n
+        return n
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._raw.close()
+            finally:
+                super().close()
+
+
+def _checksummed(file: io.BufferedWriter, buffer_size: int = 1 << 20) -> io.BufferedWriter:
+    """``file`` (from ``fs.create_binary``, nothing written yet) with its raw file summed."""
+    raw = file.detach()
+    assert isinstance(raw, io.RawIOBase), raw
+    return io.BufferedWriter(_Checksummed(raw), buffer_size=buffer_size)
+
+
+def footer_bytes(meta: pq.FileMetaData) -> bytes:
+    """A footer as a Parquet ``_metadata`` file: "PAR1" + FileMetaData + its length + "PAR1"
+    (the FileMetaData part is byte for byte the one at the end of the file)."""
+    out = pa.BufferOutputStream()
+    meta.write_metadata_file(out)
+    return out.getvalue().to_pybytes()
+
+
+def footer_metadata(footer: bytes) -> pq.FileMetaData:
+    """The FileMetaData of ``footer_bytes`` read back (in memory)."""
+    return pq.read_metadata(pa.BufferReader(footer))
 
 
 def _discard(file: io.BufferedWriter, writer: pq.ParquetWriter) -> None:
@@ -333,13 +410,17 @@ ZoneValue = int | float | str | bool | None
 _Native = int | float | str | bool | Decimal
 
 
-def zone_maps(path: Path, columns: list[str]) -> list[ZoneMap]:
+def zone_maps(path: Path, columns: list[str], footer: bytes = b"") -> list[ZoneMap]:
     """Min/max/null count of each requested flat column the file has, combined over its
     row groups from the footer statistics (computed from the data when a row group has
     none). Values are JSON scalars: timestamps and times as ns ints, dates as day ints,
-    decimals as str; binary columns are skipped (no JSON form that keeps their order)."""
-    pf = open_verified(path, file_id="", uri=path.as_uri())
-    meta, arrow = pf.metadata, pf.schema_arrow
+    decimals as str; binary columns are skipped (no JSON form that keeps their order).
+
+    ``footer`` (``FileFacts.footer``) is the file's footer as the writer gave it: then
+    the file is opened only for a column whose statistics are missing."""
+    pf = None if footer else open_verified(path, file_id="", uri=path.as_uri())
+    meta = footer_metadata(footer) if pf is None else pf.metadata
+    arrow = meta.schema.to_arrow_schema()  # what ParquetFile.schema_arrow gives
     out: list[ZoneMap] = []
     for name in dict.fromkeys(columns):
         if name not in arrow.names:
@@ -354,6 +435,8 @@ def zone_maps(path: Path, columns: list[str]) -> list[ZoneMap]:
             continue
         bounds = _from_statistics(meta, leaf, kind, arrow.field(name).type)
         if bounds is None:
+            if pf is None:
+                pf = open_verified(path, file_id="", uri=path.as_uri())
             bounds = _from_data(pf, name, kind, path)
         lo, hi, nulls = bounds
         out.append(ZoneMap(column=name, min_value=_json(lo), max_value=_json(hi),

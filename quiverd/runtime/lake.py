@@ -36,6 +36,7 @@ from quiverd.kernel.errors import (
 )
 from quiverd.kernel.faults import Hooks
 from quiverd.kernel.metrics import Metrics
+from quiverd.lake.footers import Footers
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.iceberg import catalog_uri
 from quiverd.lake.iceberg.remote import RemoteProjection, Settings
@@ -113,13 +114,18 @@ class Lake:
         session = Session(name=SUBSCRIBER, window=cfg.window_bundles, deliveries=tx, local=True)
         encoders = anyio.CapacityLimiter(cfg.parallelism)
         self.projector = self._projector(tier)
+        # The footers the uploader's writer made, for the indexer and the projector.
+        footers = Footers(["indexer", "projector"] if self.projector else ["indexer"])
+        if self.projector is not None:
+            self.projector.footers = footers
         self.uploader = Uploader(tier, dispatchers, session, limiter=encoders,
                                  log=self.log, metrics=self.m, health=self.health,
                                  hook=self.faults.get("lake"),
-                                 registered=self.projector.registered if self.projector else None)
+                                 registered=self.projector.registered if self.projector else None,
+                                 footers=footers)
         indexer = Indexer(tier, limiter=encoders, log=self.log, metrics=self.m,
                           time_column=cfg.time_column or INGESTED_AT,
-                          hook=self.faults.get("lake"))
+                          hook=self.faults.get("lake"), footers=footers)
         self.janitor = Janitor(tier, log=self.log, metrics=self.m,
                                held=self.projector.referenced if self.projector else None,
                                replaced=self.projector.nudge if self.projector else None)

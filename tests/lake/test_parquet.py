@@ -97,11 +97,12 @@ def test_active_file_close_facts_match_file_when_closed(tmp_path: Path) -> None:
     facts = active.close()
     meta = pq.read_metadata(path)
     data = path.read_bytes()
+    footer_len = int.from_bytes(data[-8:-4], "little")
     assert facts == FileFacts(
         rows=meta.num_rows, uncompressed_size=sum(t.nbytes for t in tables),
         compressed_size=len(data), crc32c=int.from_bytes(google_crc32c.Checksum(data).digest()),
         start_ts=0, end_ts=1_059_000, schema_hash=schema_hash(SCHEMA),
-        indexes=("zonemap",))
+        indexes=("zonemap",), footer=b"PAR1" + data[-8 - footer_len:])
     assert active.bytes_written == len(data)
     assert facts.rows == 70
 

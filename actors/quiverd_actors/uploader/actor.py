@@ -61,6 +61,7 @@ from quiverd.lake.bundles import (
     with_extras,
 )
 from quiverd.lake.drift import micros_where_lossless, normalize, unify
+from quiverd.lake.footers import Footers
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import INGESTED_AT, FileRow, FileState
 from quiverd.lake.parquet import ActiveFile, ParquetSettings, file_name
@@ -99,13 +100,15 @@ class Uploader:
     def __init__(self, tier: Tier, dispatchers: Sequence[FeedbackSink], session: Session, *,
                  limiter: anyio.CapacityLimiter, log: Logger, metrics: Metrics,
                  health: LakeHealth, hook: Hook | None = None,
-                 registered: Callable[[FileRow], None] | None = None) -> None:
+                 registered: Callable[[FileRow], None] | None = None,
+                 footers: Footers | None = None) -> None:
         lake = tier.cfg.lake
         self.registered = registered  # told of every registered file (the projector)
         self.tier, self.lake, self.dispatchers, self.session = tier, lake, dispatchers, session
         self.limiter, self.log, self.m, self.health = limiter, log, metrics, health
         self.steps = WatchedSteps(tier, log=log, metrics=metrics, hook=hook, health=health)
-        self.publisher = Publisher(tier, self.steps, log=log, metrics=metrics, health=health)
+        self.publisher = Publisher(tier, self.steps, log=log, metrics=metrics, health=health,
+                                   footers=footers)
         self.set_aside = dead_letters.SetAside(tier, limiter=limiter, fault=self.steps.fault,
                                                log=log)
         self.pending_bytes = 0  # sealed files waiting for upload + registration

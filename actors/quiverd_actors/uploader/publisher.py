@@ -1,6 +1,7 @@
 """Publisher: a sealed Stable file in, an uploaded, verified, registered lake file out.
 
     Sealed ──▶ put_file (conditional create, CRC32C in metadata, verify) ──▶ Uploaded
+           ──▶ footer to ``lake.footers`` (the indexer and the projector read it there)
            ──▶ catalog.register (row + coverage, one transaction, NOTIFY) ──▶ MetaRegistered
 
 ``publish`` returns the file's row once it is registered (its bundles may be acked) and
@@ -40,6 +41,7 @@ from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.bundles import coverage
 from quiverd.lake.catalog import DuplicateCoverage
+from quiverd.lake.footers import Footers
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import FileRow, FileState
 from quiverd.lake.parquet import FileFacts
@@ -52,9 +54,10 @@ T = TypeVar("T")
 
 class Publisher:
     def __init__(self, tier: Tier, steps: Steps, *, log: Logger, metrics: Metrics,
-                 health: LakeHealth) -> None:
+                 health: LakeHealth, footers: Footers | None = None) -> None:
         self.tier, self.steps, self.log, self.m = tier, steps, log, metrics
         self.health = health
+        self.footers = footers
         self.denied_retry_s = max(1.0, tier.cfg.lake.store.retry_max_ms / 1000)
 
     async def publish(self, s: Sealed) -> FileRow | None:
@@ -70,9 +73,14 @@ class Publisher:
         row = file_row(self.tier, f, facts, uri=uri, key=key, local=s.path,
                        uploaded_at=uploaded_at)
         started = anyio.current_time()
+        if self.footers is not None:
+            # Before the registration's NOTIFY, so that the indexer finds it.
+            self.footers.put(f.file_id, facts.footer)
         try:
             await self.steps.catalog(self.tier.catalog.register, row, coverage(f.bundles))
         except DuplicateCoverage as exc:
+            if self.footers is not None:
+                self.footers.forget(f.file_id)
             self.m.lake_errors.labels("duplicate").inc()
             await self.steps.catalog(self.tier.abandon, row,
                                      reason=f"duplicate coverage: {exc}")

@@ -1,6 +1,8 @@
 """Lake files as Iceberg DataFiles: what a file's footer says, and whether Iceberg can hold it.
 
     DataFileRef ──read_footer──▶ Footer (Parquet FileMetaData, size, Arrow schema)
+      │ footer + size given (the writer's, lake.footers): no read of the object
+      │ else one ranged read through the table's FileIO
                                    │ schema_problem   cached per schema
                                    │ partition_of     per file, from row-group statistics
                                    ▼
@@ -26,6 +28,8 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from quiverd.lake.parquet import footer_metadata
+
 SCHEMA_CACHE = 256  # distinct (schema, partition column) pairs whose verdict is kept
 US_PER_HOUR = 3_600_000_000
 _UNITS_PER_S = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}
@@ -39,6 +43,10 @@ class DataFileRef(msgspec.Struct, frozen=True, kw_only=True):
     client: str
     slot: int
     partition_column: str  # the column the table is partitioned by hour(...) on
+    # The file's footer as its writer gave it (``FileFacts.footer``) and the object's
+    # size, when the daemon still holds them: then the object is not read. b"": read it.
+    footer: bytes = b""
+    size: int = 0
 
 
 class Footer(NamedTuple):
@@ -49,8 +57,13 @@ class Footer(NamedTuple):
 
 
 def read_footer(io: Any, ref: DataFileRef) -> Footer:
-    """The file's Parquet footer through the table's FileIO (one ranged read on S3).
-    FileNotFoundError when the object is not there; other OSErrors propagate."""
+    """The file's Parquet footer: the one the ref carries (its writer's, no I/O), else
+    read through the table's FileIO (one ranged read on S3). FileNotFoundError when the
+    object is not there; other OSErrors propagate."""
+    if ref.footer:
+        assert ref.size > 0, "a ref with a footer carries its object's size"
+        metadata = footer_metadata(ref.footer)
+        return Footer(ref, metadata, ref.size, metadata.schema.to_arrow_schema())
     input_file = io.new_input(ref.location)
     with input_file.open() as stream:
         metadata = pq.read_metadata(stream)
