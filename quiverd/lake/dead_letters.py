@@ -194,10 +194,10 @@ def _unlink_quietly(path: Path) -> None:
 
 def read(key: str, data: bytes) -> list[DeadLetter]:
     t = pq.read_table(pa.BufferReader(data))
+    # The integer microseconds as stored (datetime.timestamp() * 1e6 went through a float).
+    at_us = t["ingested_at"].cast(pa.int64()).to_pylist()
     return [DeadLetter(key=key, shard=r["shard"], segment_seq=r["segment_seq"],
                        bundle_index=r["bundle_index"], client=r["client"], slot=r["slot"],
-                       ingested_at_us=int(r["ingested_at"].timestamp() * 1e6),
-                       error=r["error"], reason=r.get("reason") or "", attempts=r["attempts"],
-                       rows=r["rows"],
-                       payload=r["payload"])
-            for r in t.to_pylist()]
+                       ingested_at_us=us, error=r["error"], reason=r.get("reason") or "",
+                       attempts=r["attempts"], rows=r["rows"], payload=r["payload"])
+            for r, us in zip(t.to_pylist(), at_us, strict=True)]
