@@ -140,6 +140,7 @@ def _blocks(footer: memoryview, root: int, index: int, data: memoryview,
 
 _MESSAGE_VERSION, _MESSAGE_BODY_LENGTH = 0, 3
 _HEADER_SCHEMA = 1
+_SCHEMA_ENDIANNESS = 0  # Schema{endianness, fields, custom_metadata, features}: 0 = Little
 _BATCH_COMPRESSION = 3
 FOOTER_TABLE = 16
 _FOOTER_HEAD = struct.Struct("<I6H")  # root + vtable: 4 + 12 = 16 bytes
@@ -193,7 +194,7 @@ def _stream_messages(data: memoryview) -> StreamMessages | None:
         if body < 0 or body % 8 or end > size:
             return None
         if schema is None:
-            if kind != _HEADER_SCHEMA or body:
+            if kind != _HEADER_SCHEMA or body or _big_endian(meta, root):
                 return None
             schema = data[pos:end]
         elif kind == _HEADER_RECORD_BATCH:
@@ -207,6 +208,15 @@ def _stream_messages(data: memoryview) -> StreamMessages | None:
     if schema is None or not batches:
         return None
     return StreamMessages(schema=schema, batches=tuple(batches))
+
+
+def _big_endian(meta: memoryview, root: int) -> bool:
+    """Does the schema message declare big-endian bodies? Arrow's reader swaps those to
+    native order on decode; copied as stored under a little-endian file schema they
+    would read as other values, so such a stream is decoded instead."""
+    schema = flatbuf.table_field(meta, root, _MESSAGE_HEADER)
+    at = None if schema is None else flatbuf.field(meta, schema, _SCHEMA_ENDIANNESS)
+    return at is not None and flatbuf.read(meta, "<h", at) != 0
 
 
 def file_pieces(schema_message: bytes | memoryview,

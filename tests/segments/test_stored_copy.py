@@ -8,6 +8,7 @@ subscriber, byte for byte.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pyarrow as pa
@@ -184,3 +185,24 @@ def test_daemon_segment_holds_the_producers_batch_messages_byte_for_byte(daemon_
         for ipc, ack in zip(payloads, acks, strict=True):
             [slot] = reader.stored_slots(by_sequence[ack.sequence]) or []
             assert [bytes(p) for p in slot.parts[1:-1]] == _batch_messages(ipc)
+
+
+def _schema_message(endianness: int) -> bytes:
+    """A minimal Schema message whose Schema table sets ``endianness`` (pyarrow itself
+    writes only little-endian streams, leaving the field out)."""
+    meta = bytearray(48)
+    struct.pack_into("<I", meta, 0, 24)  # root: the Message table
+    struct.pack_into("<5H", meta, 4, 10, 12, 8, 10, 4)  # Message vtable: version, type, header
+    struct.pack_into("<3H", meta, 16, 6, 8, 4)  # Schema vtable: endianness
+    struct.pack_into("<iIhB", meta, 24, 20, 8, 4, 1)  # Message: header at 36, V5, Schema
+    struct.pack_into("<ih", meta, 36, 20, endianness)  # Schema
+    return struct.pack("<Ii", 0xFFFFFFFF, len(meta)) + bytes(meta)
+
+
+def test_stream_messages_refuses_a_big_endian_stream() -> None:
+    """Arrow's reader swaps big-endian bodies on decode; copied under the file's
+    little-endian schema they would read as other values: such a stream is decoded."""
+    batch = _batch_messages(encode_ipc_stream(_table(3)))[0]
+    little = _schema_message(0) + batch
+    assert stream_messages(memoryview(little)) is not None  # the crafted message parses
+    assert stream_messages(memoryview(_schema_message(1) + batch)) is None
