@@ -1,12 +1,13 @@
 """Seconds-fresh (issue 29): from a plain producer's bundle to the Iceberg snapshot that
 first holds it, with the default config, and the lake's file sizes after compaction.
 
-    python bench/freshness.py [--rates 1 20 100] [--seconds S] [--json out.json]
-                              [--set key=value ...]
+    python bench/freshness.py [--rates 1 20 100] [--seconds S] [--clients N]
+                              [--json out.json] [--set key=value ...]
 
 Per rate (MB/s of Arrow IPC, 1 MB = 10^6 bytes): a fresh daemon with the default config
-(only its data directory, log format and ``--set`` keys given); one producer process
-sends the logs-like 1 MiB bundles of bench/lake.py, paced, for ``--seconds``. While it
+(only its data directory, log format and ``--set`` keys given); ``--clients`` producer
+processes (1), each its own client (so its own Iceberg table), send the logs-like 1 MiB
+bundles of bench/lake.py, paced to the rate in all, for ``--seconds``. While it
 runs, a watcher reads every file the catalog registers (its four ``_quiver_`` columns,
 from the local store) before compaction can replace it. After the last ACK: until the
 lake's freshness is 0 (every acked bundle in a committed snapshot). Then per bundle:
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--rates", type=float, nargs="+", default=[1.0, 20.0, 100.0])
     p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--clients", type=int, default=1)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config key by dotted name (value as JSON, else a string)")
     p.add_argument("--no-compact", action="store_true")
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"meta": meta, "runs": []}
     for rate in args.rates:
         run = one_rate(pool, rate, args.seconds, root, settings, compact=not args.no_compact,
-                       keep=args.keep)
+                       keep=args.keep, clients=args.clients)
         out["runs"].append(run)
         print(line(run), flush=True)
     print()
@@ -160,12 +162,15 @@ def first_snapshots(db: Path) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def one_rate(pool: Pool, rate_mb_s: float, seconds: float, root: Path,
-             settings: dict[str, Any], *, compact: bool, keep: bool) -> dict[str, Any]:
+             settings: dict[str, Any], *, compact: bool, keep: bool, clients: int = 1
+             ) -> dict[str, Any]:
     directory = Path(tempfile.mkdtemp(prefix="qd-fresh-", dir=root))
     bundles_s = rate_mb_s * 1e6 / pool.mean_bytes
-    plan = {0: pool.sequence(0, max(round(bundles_s * seconds), 1))}
-    print(f"\n# {rate_mb_s:g} MB/s: {len(plan[0])} bundles of {pool.mean_bytes / 1e6:.2f} MB "
-          f"in {seconds:.0f} s", flush=True)
+    each = max(round(bundles_s * seconds / clients), 1)
+    plan = {c: pool.sequence(c, each) for c in range(clients)}
+    sent = each * clients
+    print(f"\n# {rate_mb_s:g} MB/s: {sent} bundles of {pool.mean_bytes / 1e6:.2f} MB "
+          f"in {seconds:.0f} s from {clients} client(s)", flush=True)
     try:
         daemon = LakeDaemon(directory, tag="fresh", settings=settings)
         watcher = Watcher(daemon.data_dir)
@@ -196,8 +201,8 @@ def one_rate(pool: Pool, rate_mb_s: float, seconds: float, root: Path,
                 for bundle, at_us in ids.items():
                     lag = added_ms[fid] / 1e3 - at_us / 1e6
                     lags[bundle] = min(lags.get(bundle, lag), lag)
-            if len(lags) != len(plan[0]):
-                raise AssertionError(f"{len(lags)} bundles in the lake, {len(plan[0])} sent")
+            if len(lags) != sent:
+                raise AssertionError(f"{len(lags)} bundles in the lake, {sent} sent")
             before = _live(db)
             compacted = _compact(daemon) if compact else None
             after = _live(db)
@@ -211,7 +216,7 @@ def one_rate(pool: Pool, rate_mb_s: float, seconds: float, root: Path,
         else:
             _remove(directory, None)
     values = sorted(lags.values())
-    return {"rate_mb_s": rate_mb_s, "bundles": len(values), "send_s": sent_s,
+    return {"rate_mb_s": rate_mb_s, "clients": clients, "bundles": len(values), "send_s": sent_s,
             "p50_s": percentile(values, 50), "p99_s": percentile(values, 99),
             "max_s": values[-1], "status_freshness_max_s": fresh_max,
             "files_before": len(before), "median_before_bytes": _median(before),
@@ -241,7 +246,8 @@ def _compact(daemon: LakeDaemon) -> dict[str, Any]:
 
 def line(run: dict[str, Any]) -> str:
     ok = "met" if run["p99_s"] <= TARGET_P99_S else "NOT met"
-    return (f"  {run['rate_mb_s']:g} MB/s, {run['bundles']} bundles: bundle -> snapshot p50 "
+    return (f"  {run['rate_mb_s']:g} MB/s, {run.get('clients', 1)} client(s), {run['bundles']} "
+            f"bundles: bundle -> snapshot p50 "
             f"{run['p50_s']:.2f} s, p99 {run['p99_s']:.2f} s, max {run['max_s']:.2f} s "
             f"(p99 <= {TARGET_P99_S:g} s: {ok}); status freshness max "
             f"{run['status_freshness_max_s']:.2f} s; live files {run['files_before']} "
