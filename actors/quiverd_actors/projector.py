@@ -324,13 +324,16 @@ class Projector:
                            size=row.compressed_size if footer else 0)
 
     def _footers_done(self, want: list[DataFileRef], result: CommitResult) -> None:
-        """After a sync that was not fenced off every wanted file is in the table or
-        skipped, except the missing ones: their footers are needed no more."""
+        """After a sync that was not fenced off every wanted file is in the table, skipped
+        or missing: the footers are needed no more. A file sent with its footer is
+        missing only when that footer did not decode: the next sync reads the object."""
         if self.footers is None:
             return
         missing = {fid for fid, _ in result.missing}
         for ref in want:
-            if ref.footer and ref.file_id not in missing:
+            if ref.file_id in missing:
+                self.footers.forget(ref.file_id)
+            elif ref.footer:
                 self.footers.done(ref.file_id, "projector")
 
     # ---- the reconciler ----------------------------------------------------------------
