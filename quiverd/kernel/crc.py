@@ -21,7 +21,7 @@ CHECK_VALUE = 0xE3069283
 # twice as long as one), so a 1 MiB payload's CRC stalls the event loop and every other
 # worker. The same library's C function called through ctypes releases the GIL; its
 # call costs ~0.5 µs more, so only large buffers take that way.
-NO_GIL_MIN_BYTES = 64 * 1024
+NO_GIL_MIN_BYTES = 16 * 1024  # a 64 KiB bundle's batch message is just under 64 KiB
 
 
 def _c_extend() -> Callable[[int, int, int], int] | None:

@@ -116,16 +116,24 @@ def install(fs: FileSystem) -> FileSystem:
     return previous
 
 
+IOV_MAX = 1024  # Linux's limit on the buffers of one writev
+
+
 def write_all(fd: int, chunks: Iterable[Buffer], seam: FileSystem | None = None) -> int:
-    """Write every chunk fully (a write may be short); returns bytes written."""
-    write = (seam or _active).write
-    total = 0
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        while view:
-            n = write(fd, view)
-            view = view[n:]
-            total += n
+    """Write every chunk fully (a write may be short); returns bytes written. Up to
+    IOV_MAX chunks per writev: a segment is hundreds of stored-message pieces, and one
+    write each cost 3-6 ms more CPU per 32 MiB segment (a GIL hand-off each)."""
+    writev = (seam or _active).writev
+    views = [v for v in (memoryview(c).cast("B") for c in chunks) if v.nbytes]
+    total = i = 0
+    while i < len(views):
+        n = writev(fd, views[i:i + IOV_MAX])
+        total += n
+        while i < len(views) and n >= views[i].nbytes:
+            n -= views[i].nbytes
+            i += 1
+        if n:  # a short write ended inside views[i]
+            views[i] = views[i][n:]
     return total
 
 
