@@ -15,6 +15,7 @@ mode. ``unlink``/``mkdir``/``rename`` pass only on the seam itself: ``fs.active(
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,29 @@ def test_fs_seam_checker_follows_aliases() -> None:
 ])
 def test_fs_seam_checker_passes_reads_and_the_seam(line: str) -> None:
     assert direct_writes(f"import os\n{line}\n") == []
+
+
+def test_write_all_writes_every_chunk_through_short_writevs_and_past_iov_max(tmp_path):
+    """write_all hands the seam's writev up to IOV_MAX chunks at a time and goes on
+    after a short write that ends inside a chunk (empty chunks are skipped)."""
+    from quiverd.kernel import fs as fsmod
+
+    class Short(fsmod.FileSystem):
+        calls: list[int] = []
+
+        def writev(self, fd, buffers):  # type: ignore[override]
+            self.calls.append(len(buffers))
+            assert len(buffers) <= fsmod.IOV_MAX
+            first = bytes(buffers[0])
+            return os.write(fd, first[: max(1, len(first) // 2)] if len(buffers) % 3 else first)
+
+    chunks = [bytes([i % 251]) * (i % 7) for i in range(2500)]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        n = fsmod.write_all(fd, chunks, Short())
+    finally:
+        os.close(fd)
+    want = b"".join(chunks)
+    assert n == len(want) and path.read_bytes() == want
+    assert max(Short.calls) == fsmod.IOV_MAX  # batched, not one call per chunk
