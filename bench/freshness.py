@@ -13,7 +13,9 @@ from the local store) before compaction can replace it. After the last ACK: unti
 lake's freshness is 0 (every acked bundle in a committed snapshot). Then per bundle:
 
     freshness = timestamp-ms of the first snapshot naming a file that holds the bundle
-                (the summary's ``quiverd.file-ids``) - the bundle's ``_quiver_ingested_at``
+                (the summary's ``quiverd.file-ids``; a file compaction replaced before
+                the projection committed it: its output's) - the bundle's
+                ``_quiver_ingested_at``
 
 The ingestion time is taken before the WAL's fdatasync and the ACK, so this is an upper
 bound on ACK -> snapshot (by the ack's own latency, a few ms). p50 / p99 / max over
@@ -56,6 +58,7 @@ MEDIAN_TARGET_BYTES = 32 << 20
 WATCH_S = 0.5
 DRAIN_TIMEOUT_S = 300.0
 Bundle = tuple[int, int, int]
+WATCHED = frozenset(REGISTERED) | {FileState.COMPACTED}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,19 +125,23 @@ class Watcher(threading.Thread):
             return
         rows = anyio.run(_rows, db)
         for r in rows:
-            if r.file_id in self.bundles or r.state not in REGISTERED:
+            # A compaction input too: one registered and replaced between two scans
+            # (its object stays for lake.compaction.delete_grace_s).
+            if r.file_id in self.bundles or r.state not in WATCHED:
                 continue
-            path = self.data_dir / "objects" / r.object_key
-            t = pq.read_table(path, columns=["_quiver_shard", "_quiver_segment",
-                                             "_quiver_bundle", "_quiver_ingested_at"])
-            ids: dict[Bundle, int] = {}
-            for s, g, b, at in zip(t["_quiver_shard"].to_pylist(),
-                                   t["_quiver_segment"].to_pylist(),
-                                   t["_quiver_bundle"].to_pylist(),
-                                   t["_quiver_ingested_at"].cast(pa.int64()).to_pylist(),
-                                   strict=True):
-                ids.setdefault((s, g, b), at)
-            self.bundles[r.file_id] = ids
+            self.bundles[r.file_id] = bundle_ids(self.data_dir / "objects" / r.object_key)
+
+
+def bundle_ids(path: Path) -> dict[Bundle, int]:
+    """The bundles of one lake file, each with its ingestion time (µs)."""
+    t = pq.read_table(path, columns=["_quiver_shard", "_quiver_segment", "_quiver_bundle",
+                                     "_quiver_ingested_at"])
+    ids: dict[Bundle, int] = {}
+    for s, g, b, at in zip(t["_quiver_shard"].to_pylist(), t["_quiver_segment"].to_pylist(),
+                           t["_quiver_bundle"].to_pylist(),
+                           t["_quiver_ingested_at"].cast(pa.int64()).to_pylist(), strict=True):
+        ids.setdefault((s, g, b), at)
+    return ids
 
 
 async def _rows(db: Path) -> list[FileRow]:
@@ -194,15 +201,27 @@ def one_rate(pool: Pool, rate_mb_s: float, seconds: float, root: Path,
                 raise watcher.error
             db = daemon.data_dir / "catalog.sqlite"
             added_ms, kept = first_snapshots(db)
+            # A file a compaction replaced before the projection committed it reaches the
+            # tables in its output's snapshot: follow compacted_into to it.
+            into = {r.file_id: r.compacted_into for r in anyio.run(_rows, db)}
             lags: dict[Bundle, float] = {}
             for fid, ids in watcher.bundles.items():
-                if fid not in added_ms:
+                seen_ms, at = added_ms.get(fid), fid
+                while seen_ms is None and into.get(at):
+                    at = into[at]
+                    seen_ms = added_ms.get(at)
+                if seen_ms is None:
                     raise AssertionError(f"registered file {fid} is in no snapshot")
                 for bundle, at_us in ids.items():
-                    lag = added_ms[fid] / 1e3 - at_us / 1e6
+                    lag = seen_ms / 1e3 - at_us / 1e6
                     lags[bundle] = min(lags.get(bundle, lag), lag)
             if len(lags) != sent:
-                raise AssertionError(f"{len(lags)} bundles in the lake, {sent} sent")
+                raise AssertionError(f"{len(lags)} bundles seen in lake files, {sent} sent")
+            live = [r for r in anyio.run(_rows, db) if r.state in REGISTERED]
+            held = {b for r in live for b in bundle_ids(daemon.data_dir / "objects" /
+                                                        r.object_key)}
+            if len(held) != sent:  # the lake's own answer: every acked bundle, once
+                raise AssertionError(f"{len(held)} bundles in live lake files, {sent} sent")
             before = _live(db)
             compacted = _compact(daemon) if compact else None
             after = _live(db)
