@@ -37,7 +37,9 @@ indexer reads its zone maps from it, then evicts it under ``lake.delete_after_up
 ``local_retention_s``. Inputs are read from task-private files named after their own
 file ids (hard links of local copies, or downloads): the indexer may evict a local copy
 mid-task without harm, the janitor keeps a staging file whose id is registered, and
-``Tier.recover`` deletes Active-named leftovers after a crash.
+``Tier.recover`` deletes Active-named leftovers after a crash. The task-private names carry the
+task's start time, so two compactions of the same inputs at once (`quiverd compact` beside
+the daemon's own pass) never share one: one replace wins, the other conflicts.
 """
 
 from __future__ import annotations
@@ -154,8 +156,13 @@ async def _run(tier: Tier, task: Task, limiter: anyio.CapacityLimiter, log: Logg
                ) -> list[CompactionResult]:
     """Fetch the inputs once, then write one output per run of unifiable schemas."""
     started = anyio.current_time()
-    paths = [tier.data.staging_active / file_name(tier.node_id, r.created_at, r.file_id,
-                                                  "active") for r in task.rows]
+    # Named after the input's id (the janitor keeps a staging file of a live id) and
+    # stamped with this task's start, not the input's creation: a second compaction of
+    # the same inputs at once (`quiverd compact` beside the daemon's pass) has paths of
+    # its own, so neither deletes the other's inputs; one replace wins, one conflicts.
+    stamp = time.time_ns()
+    paths = [tier.data.staging_active / file_name(tier.node_id, stamp, r.file_id, "active")
+             for r in task.rows]
     try:
         try:
             await _fetch(tier, task.rows, paths, limiter)

@@ -186,6 +186,30 @@ async def test_compact_lost_replace_race_deletes_the_new_object(
 
 
 @pytest.mark.asyncio
+async def test_two_compactions_of_the_same_files_at_once_one_wins_the_other_conflicts(
+        tmp_path: Path) -> None:
+    """`quiverd compact` while the daemon's own pass takes the same files (found by
+    bench/freshness.py: the CLI's task failed with FileNotFoundError): each task reads
+    its inputs from paths of its own, so one replaces them and the other conflicts (its
+    output deleted); the rows are in the lake once."""
+    async with open_test_tier(tmp_path / "d") as tier:
+        rows, tables = await six_files(tier)
+        results: list[list[CompactionResult]] = []
+
+        async def one() -> None:
+            results.append(await run(tier))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one)
+            tg.start_soon(one)
+        outcomes = sorted(r.outcome for rs in results for r in rs)
+        assert outcomes == ["compacted", "conflict"], [r.error for rs in results for r in rs]
+        [won] = [r for rs in results for r in rs if r.outcome == "compacted"]
+        await check_merged(tier, won, rows, tables)
+        assert list(tier.data.staging_active.iterdir()) == []  # no task left a file
+
+
+@pytest.mark.asyncio
 async def test_compact_max_files_and_memory_limit_split_the_work(tmp_path: Path) -> None:
     async with open_test_tier(tmp_path / "d",
                               compaction=CompactionConfig(min_files=2, max_files=3)) as tier:
