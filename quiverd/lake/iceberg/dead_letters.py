@@ -50,7 +50,7 @@ from quiverd.kernel.errors import (
 from quiverd.lake.iceberg import catalog as cat
 from quiverd.lake.iceberg.files import DataFileRef, nullable, read_footer, schema_problem
 from quiverd.lake.iceberg.names import METADATA_PREFIX, NAMESPACE, catalog_uri, location
-from quiverd.lake.iceberg.remote import Settings, die_with_parent
+from quiverd.lake.iceberg.remote import Settings, die_with_parent, failure
 from quiverd.lake.iceberg.snapshot import commit_once
 
 DEAD_LETTER_NAMESPACE = "quiver_dead_letters"
@@ -254,14 +254,8 @@ def call(settings: Settings, method: str, args: tuple[Any, ...]) -> tuple[str, A
                 catalog_uri=settings.catalog_uri, warehouse=settings.warehouse,
                 io_properties=settings.io_properties, cfg=settings.cfg))
         return "ok", getattr(_opened[1], method)(*args)
-    except CatalogUnavailable as exc:
-        return "catalog", str(exc)
-    except StoreUnavailable as exc:
-        return "store", str(exc)
-    except IcebergCommitFailed as exc:
-        return "commit", str(exc)
-    except Exception as exc:  # noqa: BLE001 - a library's error, told to the daemon
-        return "error", f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - every error is told to the daemon
+        return failure(exc)
 
 
 _ERRORS: dict[str, type[LakeError]] = {"catalog": CatalogUnavailable, "store": StoreUnavailable,

@@ -94,14 +94,19 @@ def call(settings: Settings, method: str, args: tuple[Any, ...],
                                             io_properties=settings.io_properties,
                                             cfg=settings.cfg))
         return "ok", getattr(_opened[1], method)(*args, **kwargs)
-    except CatalogUnavailable as exc:
+    except Exception as exc:  # noqa: BLE001 - every error is told to the daemon
+        return failure(exc)
+
+
+def failure(exc: Exception) -> tuple[str, str]:
+    """A worker call's error as (kind, message): exceptions are not pickled back."""
+    if isinstance(exc, CatalogUnavailable):
         return "catalog", str(exc)
-    except StoreUnavailable as exc:
+    if isinstance(exc, StoreUnavailable):
         return "store", str(exc)
-    except IcebergCommitFailed as exc:
+    if isinstance(exc, IcebergCommitFailed):
         return "commit", str(exc)
-    except Exception as exc:  # noqa: BLE001 - a library's error, told to the daemon
-        return "error", f"{type(exc).__name__}: {exc}"
+    return "error", f"{type(exc).__name__}: {exc}"  # a library's error
 
 
 class RemoteProjection:
