@@ -5,16 +5,20 @@ with the hint in the message: Spark shows only the message)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import opendal
 import pyarrow as pa
+import pyarrow.parquet as pq
 from opendal.layers import RetryLayer, TimeoutLayer
 from pyspark.sql.datasource import InputPartition
 
 from quiverd.kernel.errors import LakeFileCorrupt, LakeFileMissing
 from quiverd.lake.model import FileRow
+from quiverd.lake.verified import corrupt_error, is_damage, open_verified
 
 
 @dataclass(frozen=True)
@@ -115,3 +119,27 @@ class FullReads:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.raw, name)
+
+
+@contextmanager
+def verified_file(p: FilePartition) -> Iterator[pq.ParquetFile]:
+    """``p``'s object opened with its page checksums verified (a damaged page fails the
+    read, never wrong values); reading it, a gone object is LakeFileMissing and damage a
+    LakeFileCorrupt naming the file, both with the hint; closed at the end."""
+    reads = open_reads(p)
+    source = pa.PythonFile(reads, mode="r")
+    uri = p.uri or p.key
+    try:
+        yield open_verified(source, file_id=p.file_id, uri=uri)
+    except opendal.exceptions.NotFound:
+        raise missing_error(p) from None
+    except LakeFileCorrupt as exc:  # the footer: open_verified's own error
+        raise with_hint(exc) from None
+    except (OSError, pa.ArrowInvalid) as exc:
+        if reads.gone:
+            raise missing_error(p) from None
+        if not is_damage(exc):
+            raise
+        raise with_hint(corrupt_error(exc, file_id=p.file_id, uri=uri)) from None
+    finally:
+        source.close()

@@ -147,14 +147,14 @@ from quiverd.lake.model import INGESTED_AT, REGISTERED, FileRow, FileState, Zone
 from quiverd.lake.schema_record import established_record
 from quiverd.lake.scrub import QUARANTINE_PREFIX
 from quiverd.lake.store import opendal_options
-from quiverd.lake.verified import corrupt_error, is_damage, open_verified
+from quiverd.lake.verified import open_verified
 from quiverd.spark.locator import Locator, resolve
 from quiverd.spark.objects import (
     FilePartition,
     missing_error,
     open_object,
-    open_reads,
     quarantined_error,
+    verified_file,
     with_hint,
 )
 from quiverd.spark.options import (
@@ -296,11 +296,7 @@ class QuiverReader(DataSourceReader):
             _trace(Path(self.sel.trace_dir), partition.key)
         target = to_arrow_schema(self.schema, timezone="UTC")
         p = partition
-        reads = open_reads(p)
-        source = pa.PythonFile(reads, mode="r")
-        try:
-            # Page checksums verified: a damaged page fails the read, never wrong values.
-            pf = open_verified(source, file_id=p.file_id, uri=p.uri or p.key)
+        with verified_file(p) as pf:
             names = set(pf.schema_arrow.names)
             columns = [n for n in target.names if n in names]
             ranged = self.sel.since_ns is not None or self.sel.until_ns is not None
@@ -319,19 +315,6 @@ class QuiverReader(DataSourceReader):
                     batch = batch.filter(self._in_range(batch))
                 if batch.num_rows:
                     yield from as_target(batch, target, p.file_id, p.uri or p.key).to_batches()
-        except opendal.exceptions.NotFound:
-            raise missing_error(p) from None
-        except LakeFileCorrupt as exc:  # the footer: open_verified's own error
-            raise with_hint(exc) from None
-        except (OSError, pa.ArrowInvalid) as exc:
-            if reads.gone:
-                raise missing_error(p) from None
-            if not is_damage(exc):
-                raise
-            raise with_hint(corrupt_error(exc, file_id=p.file_id, uri=p.uri or p.key)
-                            ) from None
-        finally:
-            source.close()
 
     def _in_range(self, batch: pa.RecordBatch) -> pa.Array:
         """Rows with since <= time < until (the time column in ns, as the catalog has it);

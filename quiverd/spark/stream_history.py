@@ -51,13 +51,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import opendal
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from quiverd.kernel import logs
 from quiverd.kernel.config import Config, load
-from quiverd.kernel.errors import ConfigError, LakeFileCorrupt, ProtocolError, QuiverError
+from quiverd.kernel.errors import ConfigError, ProtocolError, QuiverError
 from quiverd.kernel.layout import DataDir
 from quiverd.lake.catalog import open_catalog
 from quiverd.lake.model import (
@@ -68,15 +67,12 @@ from quiverd.lake.model import (
     FileState,
 )
 from quiverd.lake.store import opendal_options
-from quiverd.lake.verified import corrupt_error, is_damage, open_verified
 from quiverd.protocol.frames import ErrorCode
 from quiverd.spark.locator import config_of
 from quiverd.spark.objects import (
     FilePartition,
-    missing_error,
-    open_reads,
     quarantined_error,
-    with_hint,
+    verified_file,
 )
 from quiverd.spark.types import as_target
 
@@ -342,11 +338,8 @@ def _ask(socket: str) -> dict[str, Any]:
 def read_history(p: HistoryPartition, target: pa.Schema) -> Iterator[pa.RecordBatch]:
     """The rows of ``p``'s file whose bundle is in ``(p.after, p.through]``, as Spark's
     Arrow ``target``; page checksums verified (damage fails, naming the file)."""
-    reads = open_reads(p)
-    source = pa.PythonFile(reads, mode="r")
     uri = p.uri or p.key
-    try:
-        pf = open_verified(source, file_id=p.file_id, uri=uri)
+    with verified_file(p) as pf:
         names = set(pf.schema_arrow.names)
         if SEGMENT_COLUMN not in names or BUNDLE_COLUMN not in names:
             raise ValueError(f"lake file {p.file_id} ({uri}) has no {SEGMENT_COLUMN}/"
@@ -358,18 +351,6 @@ def read_history(p: HistoryPartition, target: pa.Schema) -> Iterator[pa.RecordBa
             batch = batch.filter(in_range(batch, p.after, p.through))
             if batch.num_rows:
                 yield from as_target(batch, target, p.file_id, uri).to_batches()
-    except opendal.exceptions.NotFound:
-        raise missing_error(p) from None
-    except LakeFileCorrupt as exc:  # the footer: open_verified's own error
-        raise with_hint(exc) from None
-    except (OSError, pa.ArrowInvalid) as exc:
-        if reads.gone:
-            raise missing_error(p) from None
-        if not is_damage(exc):
-            raise
-        raise with_hint(corrupt_error(exc, file_id=p.file_id, uri=uri)) from None
-    finally:
-        source.close()
 
 
 def in_range(batch: pa.RecordBatch, after: Position, through: Position) -> pa.Array:
