@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ from quiverd.kernel.errors import (
 from quiverd.lake.iceberg import catalog as cat
 from quiverd.lake.iceberg.files import DataFileRef, nullable, read_footer, schema_problem
 from quiverd.lake.iceberg.names import METADATA_PREFIX, NAMESPACE, catalog_uri, location
+from quiverd.lake.iceberg.projection import translated
 from quiverd.lake.iceberg.remote import Settings, die_with_parent, failure
 from quiverd.lake.iceberg.snapshot import commit_once
 
@@ -89,7 +89,7 @@ class DeadLetterTables:
                  cfg: IcebergConfig) -> None:
         self._cfg = cfg
         self._warehouse = warehouse.rstrip("/")
-        with _translated("the Iceberg catalog"):
+        with translated("the Iceberg catalog"):
             self._catalog = cat.open_sql_catalog(catalog_uri, self._warehouse, io_properties)
         self._lock = threading.Lock()  # one commit at a time (they are rare)
         self._fits: dict[Any, bool] = {}
@@ -101,7 +101,7 @@ class DeadLetterTables:
 
         ref = DataFileRef(file_id=_name_of(location_uri), location=location_uri,
                           client=client, slot=0, partition_column="")
-        with self._lock, _translated(table_name(client)):
+        with self._lock, translated(table_name(client)):
             footer = read_footer(self._io(), ref)
             problem = schema_problem(footer.schema)
             if problem is not None:  # not for SCHEMA: a programming error, told loudly
@@ -130,7 +130,7 @@ class DeadLetterTables:
         snapshot; the locations it held (absent ones are no change)."""
         from pyiceberg.exceptions import CommitFailedException
 
-        with self._lock, _translated(table_name(client)):
+        with self._lock, translated(table_name(client)):
             for attempt in range(self._cfg.commit_retries + 1):
                 tbl = cat.load_table(self._catalog, identifier(client))
                 if tbl is None:
@@ -150,7 +150,7 @@ class DeadLetterTables:
 
     def locations(self, client: str) -> set[str]:
         """The locations of the data files in the client's table's current snapshot."""
-        with self._lock, _translated(table_name(client)):
+        with self._lock, translated(table_name(client)):
             tbl = cat.load_table(self._catalog, identifier(client))
             return set() if tbl is None else self._live(tbl)
 
@@ -158,7 +158,7 @@ class DeadLetterTables:
         """The clients with a dead-letter table."""
         from pyiceberg.exceptions import NoSuchNamespaceError
 
-        with _translated("the Iceberg catalog"):
+        with translated("the Iceberg catalog"):
             try:
                 return sorted(ident[-1] for ident in
                               self._catalog.list_tables(DEAD_LETTER_NAMESPACE))
@@ -220,20 +220,6 @@ class DeadLetterTables:
 
 def _name_of(location_uri: str) -> str:
     return location_uri.rsplit("/", 1)[-1].removesuffix(".parquet")
-
-
-@contextmanager
-def _translated(what: str) -> Iterator[None]:
-    """The catalog's and the store's failures as quiverd's retryable errors."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    try:
-        yield
-    except SQLAlchemyError as exc:
-        raise CatalogUnavailable(f"Iceberg catalog, {what}: {type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
-    except OSError as exc:
-        raise StoreUnavailable(f"Iceberg, {what}: {exc}") from exc
 
 
 # ---- the daemon's bridge: calls in the projection's worker process ----------------------------

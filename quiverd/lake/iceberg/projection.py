@@ -101,7 +101,7 @@ class Projection:
 
         started = time.monotonic()
         footers, skipped = self._footers(add)
-        with self._lock(table), _translated(table):
+        with self._lock(table), translated(table):
             for attempt in range(self._cfg.commit_retries + 1):
                 tbl = self._table(table, footers, refresh=attempt > 0)
                 try:
@@ -148,7 +148,7 @@ class Projection:
         skipped_rows: dict[str, int] = dict(known_skipped or {})
         missing: dict[str, str] = {}
         gone = set(gone)
-        with self._lock(table), _translated(table):
+        with self._lock(table), translated(table):
             for attempt in range(self._cfg.commit_retries + 1):
                 tbl = self._tables.get(table) if attempt == 0 else None
                 tbl = tbl if tbl is not None else self._load(table)
@@ -200,12 +200,12 @@ class Projection:
     def source_commits(self, table: str, source: str) -> int:
         """How many commits of ``source`` the table holds (0 without a table): the
         ``base`` of the source's next ``sync``."""
-        with self._lock(table), _translated(table):
+        with self._lock(table), translated(table):
             return commits_of(self._load(table), COMMITS_PREFIX + source)
 
     def live_locations(self, table: str) -> dict[str, str]:
         """location -> quiverd file id of every data file of the current snapshot."""
-        with self._lock(table), _translated(table):
+        with self._lock(table), translated(table):
             tbl = self._load(table)
             if tbl is None or (snap := tbl.metadata.current_snapshot()) is None:
                 return {}
@@ -213,7 +213,7 @@ class Projection:
 
     def referenced_locations(self, table: str) -> set[str]:
         """Locations of the data files any unexpired snapshot references."""
-        with self._lock(table), _translated(table):
+        with self._lock(table), translated(table):
             tbl = self._load(table)
             return set() if tbl is None else set(cat.data_file_ids(tbl, tbl.metadata.snapshots))
 
@@ -222,7 +222,7 @@ class Projection:
         how many. Deletes their manifest lists and the manifests no kept snapshot uses."""
         from pyiceberg.exceptions import CommitFailedException
 
-        with self._lock(table), _translated(table):
+        with self._lock(table), translated(table):
             for attempt in range(self._cfg.commit_retries + 1):
                 tbl = self._load(table)
                 if tbl is None:
@@ -241,7 +241,7 @@ class Projection:
 
     def tables(self) -> list[str]:
         """Every table of namespace ``quiver``, as ``quiver.<name>``."""
-        with _translated("the Iceberg catalog"):
+        with translated("the Iceberg catalog"):
             return cat.list_tables(self._catalog)
 
     def close(self) -> None:
@@ -329,7 +329,7 @@ class Projection:
 
 
 @contextmanager
-def _translated(what: str) -> Iterator[None]:
+def translated(what: str) -> Iterator[None]:
     """The catalog's and the store's failures as quiverd's retryable errors. A commit
     interrupted so may or may not have landed: the reconciler compares live_locations
     before adding again, so the caller only retries later."""
