@@ -11,7 +11,9 @@ hop per batch. A socket session gets each bundle as a ready DELIVERY frame whose
 slot payloads are the stored IPC messages, sliced from the memory-mapped segment
 file (schema, dictionaries, record batches, EOS: nothing decoded or re-encoded);
 only a bundle whose dictionaries were remapped at finalize is decoded, restored
-and re-encoded. The in-process uploader (``local``) gets decoded tables.
+and re-encoded. The in-process uploader (``local``) gets decoded tables, and with
+``preview`` each staged bundle of an undecided job too, once (``staged=True``: not in
+flight, no outcome expected), so a job's rows become Parquet while it still writes.
 
 A nack is redelivered after ``base * 2**n`` (capped) with jitter; a session that
 goes away gives its in-flight bundles back, so they are delivered again on
@@ -83,6 +85,10 @@ class Dispatcher:
     # Staged bundles (SPEC §7): what to do with one; None delivers them like any other.
     verdict: Callable[[StagedRef], Verdict] | None = None
     checks: SegmentChecks | None = None  # None: every open checks the whole file
+    preview: bool = False  # local sessions get held staged bundles early (lake.convert_staged)
+    # Per local session, the held bundles it was given early: segment -> indexes.
+    _previewed: dict[Session, dict[int, set[int]]] = field(default_factory=dict)
+    _to_preview: list[tuple[int, int]] = field(default_factory=list)  # found by _pick
     discarding: dict[tuple[str, int, int], Reply[None]] = field(default_factory=dict)
     _to_discard: list[tuple[int, int]] = field(default_factory=list)  # found by _pick
     # Per session, where its last pick scan met the first pending bundle not in
@@ -138,6 +144,7 @@ class Dispatcher:
         if session in self.sessions:
             self.sessions.remove(session)
         self._scan_from.pop(session, None)
+        self._previewed.pop(session, None)
         for key in [k for k, s in self.inflight.items() if s is session]:
             del self.inflight[key]  # pending again: redelivered to the next session
             self._rescan(key)
@@ -241,7 +248,31 @@ class Dispatcher:
                 # Only a full batch that went out may leave more to send; unreadable
                 # picks (a segment being deleted) must not spin the loop.
                 more = more or sent == READ_BATCH
+            if self._to_preview:
+                more = await self._preview(session) == READ_BATCH or more
         return more
+
+    async def _preview(self, session: Session) -> int:
+        """Hand the local session the held bundles ``_pick`` found, each once; returns
+        how many went. One that does not fit its stream now is offered again later."""
+        picks, self._to_preview = self._to_preview, []
+        paths = {seg: self.segments[seg].path for seg, _ in picks if seg in self.segments}
+        picks = [p for p in picks if p[0] in paths]
+        live = set(self.segments.seqs())
+        got = await anyio.to_thread.run_sync(self._read, picks, paths, live, True, True,
+                                             limiter=self.limiter)
+        seen = self._previewed.setdefault(session, {})
+        sent = 0
+        for (seg, idx), d in zip(picks, got, strict=True):
+            if d is None or session.closed:
+                continue
+            try:
+                session.deliveries.send_nowait(d)  # type: ignore[arg-type]
+            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                break
+            seen.setdefault(seg, set()).add(idx)
+            sent += 1
+        return sent
 
     def _forget(self, name: str) -> None:
         """A removed subscriber's backoff timers go with it."""
@@ -261,6 +292,12 @@ class Dispatcher:
         self._to_discard = []
         limit = min(session.room, READ_BATCH)
         mark_seg, mark_idx = self._scan_from.get(session, (-1, -1))
+        self._to_preview = []
+        seen: dict[int, set[int]] | None = None
+        if self.preview and session.local:
+            seen = self._previewed.setdefault(session, {})
+            for gone in [s for s in seen if s not in self.segments]:
+                del seen[gone]
         first_free: tuple[int, int] | None = None
         last = (mark_seg, mark_idx)
         for seg, idx in self.state.pending_for(session.name):
@@ -285,7 +322,13 @@ class Dispatcher:
             if ref is not None and self.verdict is not None:
                 verdict = self.verdict(ref)
                 if verdict is Verdict.HOLD:
-                    continue  # its job is undecided: nobody sees it yet
+                    # Its job is undecided: nobody sees it yet, but the uploader may
+                    # start on its rows (published only once the job commits them).
+                    if (seen is not None and not ref.is_end
+                            and len(self._to_preview) < READ_BATCH
+                            and idx not in seen.get(seg, ())):
+                        self._to_preview.append((seg, idx))
+                    continue
                 if verdict is Verdict.DISCARD:
                     if key not in self.discarding and len(self._to_discard) < READ_BATCH:
                         self._to_discard.append((seg, idx))
@@ -352,7 +395,8 @@ class Dispatcher:
         return sent
 
     def _read(self, picks: list[tuple[int, int]], paths: dict[int, Path], live: set[int],
-              local: bool) -> list[OutgoingDelivery | LocalDelivery | None]:
+              local: bool, staged: bool = False
+              ) -> list[OutgoingDelivery | LocalDelivery | None]:
         """Read (and for a socket, frame) the picked bundles (worker thread; owns the
         reader cache)."""
         for seg in [s for s in self.readers if s not in live]:
@@ -365,7 +409,8 @@ class Dispatcher:
                     b = reader.bundle(idx)
                     out.append(LocalDelivery(
                         shard=self.shard, segment_seq=seg, bundle_index=idx, client=b.client,
-                        txn=b.txn, ingestion_ts_ns=b.ingestion_ts_ns, tables=b.slots))
+                        txn=b.txn, ingestion_ts_ns=b.ingestion_ts_ns, tables=b.slots,
+                        staged=staged))
                 else:
                     out.append(self._frame(reader, seg, idx))
             except (OSError, CorruptRecord):

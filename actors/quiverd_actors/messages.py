@@ -6,7 +6,8 @@
     dispatcher ──RecordOutcome(s)───────────┤
     admin ──ChangeSubscriber────────────────┼──▶ ack_logger (one inbox: AckLogRequest)
     gc_sweeper ──RetireSegments, SegmentsDeleted┘
-    dispatcher ──LocalDelivery──▶ uploader (in process; sockets get protocol Delivery)
+    dispatcher ──LocalDelivery──▶ uploader (in process; sockets get protocol Delivery;
+                                  staged ones too, once, before their job is decided)
     subscriber connection, uploader ──Feedback──▶ dispatcher (its inbox, drained per pass)
 
 Requests that need an answer carry a ``Reply`` (``quiverd.kernel.reply``), given
@@ -165,6 +166,9 @@ class LocalDelivery(msgspec.Struct, frozen=True, kw_only=True):
     txn: TxnTag | None
     ingestion_ts_ns: int
     tables: dict[int, pa.Table]  # slot -> table
+    # A bundle of an undecided job, handed over early so its rows become Parquet while
+    # the job still writes (uploader/staged.py): not in flight, never acked or nacked.
+    staged: bool = False
 
 
 AckLogRequest = (SegmentWritten | RecordOutcome | RecordOutcomes | ChangeSubscriber

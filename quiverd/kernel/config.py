@@ -197,6 +197,9 @@ class LakeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froze
     # A bundle no Parquet file can take is set aside (quiverd/lake/dead_letters.py) and
     # rejected after this many failed attempts (0 = never: it is retried for ever).
     dead_letter_after: int = 3
+    # A Spark job's rows become Parquet while its tasks still write (files per attempt,
+    # published only once the job commits them): save() then waits for the last file.
+    convert_staged: bool = True
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
     index: IndexConfig = msgspec.field(default_factory=IndexConfig)
     janitor: JanitorConfig = msgspec.field(default_factory=JanitorConfig)

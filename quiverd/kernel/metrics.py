@@ -234,6 +234,12 @@ class Metrics:
         self.lake_rotations = c("quiver_lake_rotations_total",
                                 "Active files closed to Stable, by reason", ("reason",))
         self.lake_rows = c("quiver_lake_rows_total", "rows appended to Parquet files", ())
+        self.lake_staged_files = c("quiver_lake_staged_files_total",
+                                   "files of a job's rows written while it was undecided, by "
+                                   "outcome: published (every bundle came published), lost "
+                                   "(its attempt was not the winner), stalled, unclaimed, "
+                                   "failed (given up: the bundles took the usual path)",
+                                   ("outcome",))
         self.lake_dead_letters = c("quiver_lake_dead_letters_total",
                                    "bundles the lake could not write, set aside as dead "
                                    "letters and rejected, by client and reason (schema, "

@@ -75,15 +75,17 @@ class Tier:
             self.log.info("lake_recovered", abandoned=len(rows), staging_files_removed=removed)
         return len(rows)
 
-    async def abandon(self, row: FileRow, *, reason: str) -> None:
-        """Delete what an unregistered file left (object, local copy); row -> Abandoned."""
+    async def abandon(self, row: FileRow, *, reason: str, quiet: bool = False) -> None:
+        """Delete what an unregistered file left (object, local copy); row -> Abandoned.
+        ``quiet``: an expected end (a staged file whose attempt lost), logged at info."""
         if row.object_key:
             await self.store.delete(row.object_key)
         if row.local_path:
             await anyio.to_thread.run_sync(_unlink, Path(row.local_path))
         await self.catalog.set_state(row.file_id, FileState.ABANDONED, local_path="")
-        self.log.warning("lake_file_abandoned", file_id=row.file_id, client=row.client_name,
-                         slot=row.slot, reason=reason, object_key=row.object_key or None)
+        (self.log.info if quiet else self.log.warning)(
+            "lake_file_abandoned", file_id=row.file_id, client=row.client_name, slot=row.slot,
+            reason=reason, object_key=row.object_key or None)
 
 
 

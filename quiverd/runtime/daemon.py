@@ -202,7 +202,8 @@ class Daemon:
         from quiverd.runtime.lake import Lake
 
         self.lake = Lake(self.cfg, self.shards, subscribe=self.subscriber_op,
-                         metrics=self.metrics, faults=self.faults)
+                         metrics=self.metrics, faults=self.faults,
+                         decided=self.staging.fate if self.staging else None)
         await group.start(self.lake.run)
 
     async def _retirement(self, ingest: IngestServer) -> Retirement:

@@ -35,6 +35,7 @@ from quiverd.kernel.errors import (
     StoreUnavailable,
 )
 from quiverd.kernel.faults import Hooks
+from quiverd.kernel.jobs import JobDecision
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.footers import Footers
 from quiverd.lake.health import LakeHealth
@@ -56,8 +57,10 @@ Subscribe = Callable[[str, str, str], Awaitable[Any]]  # (op, name, start): Daem
 
 class Lake:
     def __init__(self, cfg: Config, shards: list[Shard], *, subscribe: Subscribe,
-                 metrics: Metrics, faults: Hooks) -> None:
+                 metrics: Metrics, faults: Hooks,
+                 decided: Callable[[str], JobDecision | None] | None = None) -> None:
         self.cfg, self.shards, self.subscribe = cfg, shards, subscribe
+        self.decided = decided  # staging's decisions: what becomes of staged files
         self.m, self.faults = metrics, faults
         self.log = logs.get("lake")
         self.health = LakeHealth(log=self.log)
@@ -122,7 +125,7 @@ class Lake:
                                  log=self.log, metrics=self.m, health=self.health,
                                  hook=self.faults.get("lake"),
                                  registered=self.projector.registered if self.projector else None,
-                                 footers=footers)
+                                 footers=footers, decided=self.decided)
         indexer = Indexer(tier, limiter=encoders, log=self.log, metrics=self.m,
                           time_column=cfg.time_column or INGESTED_AT,
                           hook=self.faults.get("lake"), footers=footers)

@@ -139,7 +139,8 @@ class Shard:
                     self.dispatcher = Dispatcher(
                         self.index, rec.acks, self.segments, self.ack_tx.clone(), self.changes,
                         reads, self.log, self.dispatch_stats, verdict=self.verdict,
-                        checks=self.checks)
+                        checks=self.checks,
+                        preview=self.cfg.lake.enabled and self.cfg.lake.convert_staged)
                     await services.start(self.dispatcher.run)
                     await services.start(lambda task_status: scrubber.run(
                         self.ack_tx.clone(), shard=self.index, layout=self.layout,

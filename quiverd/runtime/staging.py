@@ -160,6 +160,16 @@ class Staging:
         idle_ms = self.cfg.ingest.idle_timeout_ms or 10**12
         return max(10, min(idle_ms, self.scfg.writer_timeout_s * 1000) // 4)
 
+    def fate(self, job_id: str) -> JobDecision | None:
+        """What became of ``job_id`` here (the uploader's staged files ask): its decision,
+        None while it is undecided, and an ``aborted`` stand-in once none of its bundles
+        is left on this daemon (its decision is forgotten with them)."""
+        decision = self.decisions.get(job_id)
+        if decision is None and job_id not in self.jobs:
+            return JobDecision(job_id=job_id, state="aborted",
+                               reason="none of its bundles is left on this daemon")
+        return decision
+
     # ---- the dispatcher's question ----------------------------------------------------
     def verdict(self, ref: StagedRef) -> Verdict:
         decision = self.decisions.get(ref.job_id)

@@ -51,7 +51,7 @@ def test_visible_after_commit_with_the_default_lake_config(daemon_factory: Any) 
     assert took < 10, took  # not the 5 min file timer, nor a segment's 1 s per step
     assert rows_in_catalog(d, "spark") == 500  # every row of the job, at once
     assert rows_in_catalog(d, "other") == 0  # the other client's file waits for its timer
-    rotated = [e for e in d.events("lake_file_rotated") if e.get("reason") == "commit"]
+    rotated = [e for e in d.events("lake_file_rotated") if e.get("reason") in ("commit", "staged")]
     assert rotated, d.log()[-3000:]
     with Client.connect(d.socket) as c:  # asking again: visible at once
         again = c.wait_visible("ryw", timeout_s=5)

@@ -51,6 +51,7 @@ from ulid import ULID
 from quiverd.acks import format as ackfmt
 from quiverd.kernel.errors import LakeError, QuiverError
 from quiverd.kernel.faults import Hook
+from quiverd.kernel.jobs import JobDecision
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake import dead_letters
@@ -79,6 +80,7 @@ from quiverd_actors.uploader.files import (
     row_group,
 )
 from quiverd_actors.uploader.publisher import Publisher, WatchedSteps
+from quiverd_actors.uploader.staged import Fate, PieceKey, StagedFiles, complete
 
 SUBSCRIBER = "uploader"
 MAX_OPEN_FILES = 128
@@ -101,8 +103,11 @@ class Uploader:
                  limiter: anyio.CapacityLimiter, log: Logger, metrics: Metrics,
                  health: LakeHealth, hook: Hook | None = None,
                  registered: Callable[[FileRow], None] | None = None,
-                 footers: Footers | None = None) -> None:
+                 footers: Footers | None = None,
+                 decided: Callable[[str], JobDecision | None] | None = None) -> None:
         lake = tier.cfg.lake
+        self.decided = decided  # a job's decision, if known here (staged files' fate)
+        self.staged = StagedFiles()
         self.registered = registered  # told of every registered file (the projector)
         self.tier, self.lake, self.dispatchers, self.session = tier, lake, dispatchers, session
         self.limiter, self.log, self.m, self.health = limiter, log, metrics, health
@@ -181,9 +186,127 @@ class Uploader:
         for f in list(self.files.values()):
             if job_id in f.jobs:
                 self._start_rotation(f, "commit")
+        # Every bundle of the job is taken: a staged file of it still waiting for some
+        # will not get them (a loser's gets none), so it is given up now.
+        for f in self.staged.of_job(job_id):
+            if not complete(f):
+                self.tg.start_soon(self._give_up, f, "stalled" if f.matched else "lost")
+
+    # ---- staged files: a job's rows converted while it writes (uploader/staged.py) ----
+    async def _preview(self, d: LocalDelivery) -> None:
+        """A bundle of an undecided job: its pieces go into staged files of its attempt
+        now. Nothing is acked; the files wait until the bundle is delivered published.
+        Skipped (the usual path takes the bundle then) when staged files would take the
+        buffer published rows need, or too many are open."""
+        txn = d.txn
+        if txn is None or not self.staged.room():
+            return
+        if (d.shard, d.segment_seq, d.bundle_index) in self.failures:
+            return  # it fails files: it gets one of its own once published
+        try:
+            pieces = [(slot, column, hour, table) for slot in sorted(d.tables)
+                      for column, hour, table in self._pieces(d, d.tables[slot])]
+        except (pa.ArrowException, ValueError):
+            return  # its delivery after the commit reports it
+        attempt = (txn.job_id, txn.partition, txn.attempt)
+        tag = f"{txn.job_id}:{txn.partition}.{txn.attempt}"
+        for slot, column, hour, table in pieces:
+            piece: PieceKey = (d.shard, d.segment_seq, d.bundle_index, slot, hour)
+            if self.staged.holds(piece):
+                continue
+            nbytes = table.nbytes
+            if self.buffered + nbytes > self.lake.max_buffer_bytes // 2:
+                return
+            try:
+                f = await self._staged_file((d.shard, d.client, slot, column, hour, tag),
+                                            attempt, table, nbytes)
+            except (pa.ArrowException, ValueError):
+                return
+            if f is None:
+                return
+            f.parts.append(Part(table=table, segment_seq=d.segment_seq,
+                                bundle_index=d.bundle_index, ingestion_ts_ns=d.ingestion_ts_ns))
+            f.bundles.append((d.segment_seq, d.bundle_index))
+            f.jobs.add(txn.job_id)
+            self.staged.add(f, piece)
+            f.buffered_bytes += nbytes
+            self._buffer(nbytes)
+            if f.buffered_bytes >= self.lake.row_group_bytes:
+                self.tg.start_soon(self._flush_then_check, f)
+
+    async def _staged_file(self, fkey: FileKey, attempt: tuple[str, int, int],
+                           table: pa.Table, nbytes: int) -> OpenFile | None:
+        """The staged file of ``attempt`` that takes ``table``; a new one when it cannot
+        (the old one still waits for its bundles); None when no more may open."""
+        skey = (fkey, attempt)
+        f = self.staged.open.get(skey)
+        if f is not None and f.must_wait(nbytes, self.lake.row_group_bytes,
+                                         self.lake.file_size_bytes):
+            await self._flush_then_check(f)
+            f = self.staged.open.get(skey)
+        if f is not None and f.seen is not None and table.schema.equals(f.seen):
+            return f
+        incoming = with_extras(table.schema)
+        schema = normalize(incoming)
+        if f is not None:
+            rep = unify(f.schema, incoming)
+            if rep is not None and not (f.frozen and rep != f.schema):
+                f.schema, f.seen = rep, table.schema
+                return f
+            self.staged.full(f)
+            schema = schema if rep is None else rep
+        if not self.staged.room():
+            return None
+        f = await self._open(fkey, schema, staged=True)
+        f.attempt, f.matched, f.seen = attempt, set(), table.schema
+        self.staged.open[skey] = f
+        self.staged.every.add(f)
+        return f
+
+    def _match(self, f: OpenFile, key: BundleKey) -> None:
+        """Bundle ``key``, delivered published, has its piece in staged file ``f``: held
+        there like a piece added to a file; the file is published once all are."""
+        assert f.matched is not None
+        f.matched.add((key[1], key[2]))
+        f.matched_at = anyio.current_time()
+        pieces = self.held.setdefault(key, {})
+        pieces[(f.slot, f.hour)] = pieces.get((f.slot, f.hour), 0) + 1
+        if complete(f):
+            self.staged.forget(f)
+            f.frozen = True
+            self.m.lake_staged_files.labels("published").inc()
+            self.tg.start_soon(self._rotate, f, "staged")
+
+    async def _give_up(self, f: OpenFile, fate: Fate) -> None:
+        """A staged file that will not complete: abandoned, and the bundles of it already
+        delivered published nacked, to come back and take the usual path."""
+        if f.failed or f not in self.staged.every:
+            return
+        self.staged.forget(f)
+        f.failed = True
+        async with f.lock:
+            if f.active is not None:
+                await anyio.to_thread.run_sync(f.active.abort)
+            self.live.discard(f)
+            self._buffer(-f.buffered_bytes)
+            f.parts, f.buffered_bytes = [], 0
+        assert f.attempt is not None and f.matched is not None
+        self.m.lake_staged_files.labels(fate).inc()
+        self.log.info("lake_staged_file_given_up", file_id=f.file_id, client=f.client,
+                      slot=f.slot, shard=f.shard, job_id=f.attempt[0],
+                      partition=f.attempt[1], attempt=f.attempt[2], reason=fate,
+                      bundles=len(f.bundles), matched=len(f.matched))
+        row = FileRow(file_id=f.file_id, client_name=f.client, slot=f.slot, shard=f.shard,
+                      local_path=str(f.path))
+        await self.steps.catalog(self.tier.abandon, row, reason=f"staged file {fate}",
+                                 quiet=True)
+        await self._settle(f, ackfmt.NACK)
 
     # ---- intake -------------------------------------------------------------------
     async def _take(self, d: LocalDelivery) -> None:
+        if d.staged:
+            await self._preview(d)
+            return
         key = (d.shard, d.segment_seq, d.bundle_index)
         self.intake = key
         try:
@@ -233,6 +356,11 @@ class Uploader:
             return False
         self.m.lake_unacked.labels().set(len(self.outstanding))
         for slot, column, hour, table in pieces:
+            if self.staged.pieces and not isolated:
+                staged = self.staged.take((d.shard, d.segment_seq, d.bundle_index, slot, hour))
+                if staged is not None:  # its rows are in a staged file already
+                    self._match(staged, key)
+                    continue
             try:
                 await self._add(d, (d.shard, d.client, slot, column, hour, isolated), table)
             except (pa.ArrowException, ValueError) as exc:
@@ -366,13 +494,15 @@ class Uploader:
         f.seen = table.schema
         return f
 
-    async def _open(self, fkey: FileKey, schema: pa.Schema) -> OpenFile:
+    async def _open(self, fkey: FileKey, schema: pa.Schema, *, staged: bool = False
+                    ) -> OpenFile:
         file_id = str(ULID())
         now_ns = time.time_ns()
         name = file_name(self.tier.node_id, now_ns, file_id, "active")
         f = OpenFile(key=fkey, file_id=file_id, path=self.tier.data.staging_active / name,
                      schema=schema, opened_at=anyio.current_time(), created_ns=now_ns)
-        self.files[fkey] = f
+        if not staged:  # a staged file is the caller's to index
+            self.files[fkey] = f
         await self.steps.catalog(self.tier.catalog.insert_file, FileRow(
             file_id=file_id, client_name=fkey[1], node_id=self.tier.node_id,
             source_id=self.tier.source_id, shard=fkey[0], slot=fkey[2],
@@ -404,6 +534,9 @@ class Uploader:
             for f in list(self.files.values()):
                 if (now - f.opened_at) * 1000 >= self.lake.file_duration_ms:
                     self._start_rotation(f, "time")
+            if self.staged.every:
+                for f, fate in self.staged.fates(now, self.decided):
+                    self.tg.start_soon(self._give_up, f, fate)
 
     # ---- Parquet ------------------------------------------------------------------
     def _pending(self, delta: int) -> None:
@@ -419,6 +552,10 @@ class Uploader:
 
     async def _flush_then_check(self, f: OpenFile) -> None:
         await self._flush(f)
+        if f.attempt is not None:  # staged: full, it waits for its bundles
+            if f.active is not None and f.written_bytes >= self.lake.file_size_bytes:
+                self.staged.full(f)
+            return
         # written_bytes, not active.bytes_written: the next row group may be encoding.
         if (f.active is not None and self.files.get(f.key) is f
                 and f.written_bytes >= self.lake.file_size_bytes):
@@ -514,8 +651,13 @@ class Uploader:
         f.failed = True
         if self.files.get(f.key) is f:
             del self.files[f.key]
+        if f.attempt is not None:
+            self.staged.forget(f)
+            self.m.lake_staged_files.labels("failed").inc()
         self.m.lake_errors.labels("write").inc()
-        if not isinstance(exc, OSError | LakeError):  # its data: a bundle of it is the cause
+        if f.attempt is None and not isinstance(exc, OSError | LakeError):
+            # its data: a bundle of it is the cause (a staged file's bundles get an
+            # ordinary file once published, which finds out)
             for seg, idx in f.bundles:
                 self._failed_on_data((f.shard, seg, idx), exc, dead_letters.reason_of(exc))
         if isinstance(exc, OSError):  # the staging filesystem (full, read-only, failing)
@@ -562,7 +704,9 @@ class Uploader:
             return
         f.settled = True
         piece = (f.slot, f.hour)
-        for seg, idx in f.bundles:
+        # A staged file settles only the bundles delivered published (matched) since.
+        bundles = f.bundles if f.matched is None else [b for b in f.bundles if b in f.matched]
+        for seg, idx in bundles:
             key = (f.shard, seg, idx)
             held = self.held.get(key)
             if held is not None and piece in held:

@@ -79,6 +79,13 @@ class OpenFile:
     failed: bool = False  # abandoned: its bundles were nacked
     settled: bool = False  # its bundles were acked or nacked (registered, or abandoned)
     lock: anyio.Lock = field(default_factory=anyio.Lock)
+    # A staged file (uploader/staged.py): the attempt whose rows it holds, the bundles of
+    # it delivered published since (None: an ordinary file), when the last one came, and
+    # when its attempt was first seen to win.
+    attempt: tuple[str, int, int] | None = None
+    matched: set[tuple[int, int]] | None = None
+    matched_at: float = 0.0
+    decided_at: float = 0.0
 
     def must_wait(self, nbytes: int, row_group_bytes: int, file_size_bytes: int) -> bool:
         """Must intake wait for the row group in flight (and the size check) before
