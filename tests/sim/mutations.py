@@ -141,6 +141,14 @@ MUTATIONS = (
         "        if False:  # redelivered while files in flight hold some of its pieces\n",
         (UPLOADER_SIM,)),
     Mutation(
+        "staged_file_published_incomplete",
+        "a staged file (a job's rows written while it was undecided) is published once any "
+        "of its bundles came published, not all of them",
+        "actors/quiverd_actors/uploader/staged.py",
+        "    return f.matched is not None and len(f.matched) == len(f.bundles)\n",
+        "    return bool(f.matched)\n",
+        (UPLOADER_SIM,)),
+    Mutation(
         "producer_resends_stored_again",
         "the WAL writer stores a named producer's resent bundle again",
         "actors/quiverd_actors/wal_writer.py",

@@ -16,6 +16,13 @@ killed and restarted, and every nacked bundle delivered again, as a shard does.
                                          │  delivered again)
                                          └─ settle: the faults stop; every bundle acked
 
+Staged jobs (SPEC §7, ``uploader/staged.py``): about half the bundles belong to a job
+(a partition's winning attempt, some with a losing twin); while the job is undecided the
+shard hands each of them to the uploader early (``staged=True``, most of them, at any
+time), then decides it (committed, or aborted): the winners' bundles are delivered
+published (a few dropped as retention would), the rest never. Only published bundles'
+rows may be in the lake; a ``rush`` (read your writes) comes for some jobs.
+
 Checked at every ack: each slot of the bundle is covered by a registered file (the
 catalog, read directly). At the end: every bundle acked; each (bundle, slot, hour) in
 exactly one registered file, and the registered files' rows, read back with pyarrow,
@@ -46,13 +53,16 @@ from pathlib import Path
 from typing import Any, cast
 
 import anyio
+import msgspec
 import opendal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 import quiverd.lake.parquet as parquet_mod
 from quiverd.acks import format as ackfmt
+from quiverd.kernel.bundle import TxnTag
 from quiverd.kernel.config import CatalogConfig, Config, LakeConfig, StoreConfig
+from quiverd.kernel.jobs import JobDecision, Winner
 from quiverd.kernel.layout import DataDir
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.catalog import sql
@@ -100,6 +110,7 @@ class UploaderResult(Traced):
     kills: int = 0
     staging_faults: int = 0
     files: int = 0
+    staged: dict[str, int] = field(default_factory=dict)  # staged files by outcome
     faults: dict[str, int] = field(default_factory=dict)
     trace: list[tuple[float, str]] = field(default_factory=list)
     error: str = ""
@@ -141,6 +152,8 @@ def run_uploader(seed: int, *, size: UploaderSize = UploaderSize(),
     result.wall_s = round(time.perf_counter() - started, 2)
     result.steps, result.virtual_s = loop.steps, round(loop.vtime, 3)
     result.faults = dict(sorted(sim.plan.counts.items()))
+    result.staged = {k: int(v) for k, v in
+                     sorted(sim.metrics.lake_staged_files.by_label("outcome").items())}
     if result.error:
         raise UploaderSimFailed(result)
     return result
@@ -157,6 +170,14 @@ class _Sim:
         self.plan.note = self.note
         self.log = SimLog()
         self.sent: dict[tuple[int, int], LocalDelivery] = {}
+        # Staged: bundle -> its job; each job's bundles; decisions; what was given early.
+        self.held: dict[tuple[int, int], str] = {}
+        self.jobs: dict[str, list[tuple[int, int]]] = {}
+        self.decisions: dict[str, JobDecision] = {}
+        self.previewed: set[tuple[int, int]] = set()
+        self.published: set[tuple[int, int]] = set()  # staged bundles delivered published
+        self.uploader: Uploader | None = None
+        self.metrics = Metrics()  # every lifetime's: what became of the staged files
         self.expected: Counter[tuple[int, int, int, int]] = Counter()  # (seg, idx, slot, v)
         self.unacked: set[tuple[int, int]] = set()
         self.queue: list[tuple[int, int]] = []
@@ -233,7 +254,7 @@ class _Sim:
                 tg.start_soon(self.lifetimes, tier)
                 await anyio.sleep(self.size.faults_s)
                 deadline = self.loop.vtime + self.size.settle_s
-                while self.unacked or len(self.sent) < self.size.bundles:
+                while self.unacked or self.held or len(self.sent) < self.size.bundles:
                     if self.loop.vtime > deadline:
                         raise NotSettled(f"bundles never acked: {sorted(self.unacked)[:20]} "
                                          f"({len(self.unacked)})")
@@ -258,7 +279,10 @@ class _Sim:
             session = Session(name="uploader", window=WINDOW, deliveries=tx, local=True)
             uploader = Uploader(tier, [cast(Any, self)], session,
                                 limiter=anyio.CapacityLimiter(2), log=cast(Any, self.log),
-                                metrics=Metrics(), health=LakeHealth(log=cast(Any, self.log)))
+                                metrics=self.metrics,
+                                health=LakeHealth(log=cast(Any, self.log)),
+                                decided=self.fate)
+            self.uploader = uploader
             with anyio.CancelScope() as scope:
                 self.attach(session)
                 try:
@@ -279,9 +303,25 @@ class _Sim:
     # ---- producer and the shard's side -----------------------------------------------
     async def produce(self) -> None:
         n = self.size.bundles
+        job: str | None = None
         for i in range(n):
             await anyio.sleep(self.rng.expovariate(n / (self.size.faults_s * 0.9)))
             key = (1 + i // 4, i % 4)
+            if job is None and self.rng.random() < 0.15:
+                job = f"job{i}"
+                self.jobs[job] = []
+            txn = None
+            if job is not None:
+                # Partition 0's winner is attempt 1 (a twin, attempt 2, loses), partition
+                # 1's is 3 (4 loses); the job ends after a few bundles.
+                part = self.rng.randint(0, 1)
+                attempt = 2 * part + 1 + (1 if self.rng.random() < 0.3 else 0)
+                txn = TxnTag(job_id=job, partition=part, attempt=attempt, row_offset=0)
+                self.held[key] = job
+                self.jobs[job].append(key)
+                if self.rng.random() < 0.25 or i == n - 1:
+                    self.loop.call_later(self.rng.uniform(0.5, 20), self.decide, job)
+                    job = None
             now_us = self.loop.wall_ns() // 1000
             tables: dict[int, pa.Table] = {}
             for slot in range(self.rng.choice((1, 2, 2, 3))):
@@ -292,17 +332,60 @@ class _Sim:
                                 else 0) for _ in vs]
                 tables[slot] = pa.table({"v": pa.array(vs, pa.int64()),
                                          "t": pa.array(ts, pa.timestamp("us", tz="UTC"))})
-                for v in vs:
-                    self.expected[(*key, slot, v)] += 1
+                if txn is None:
+                    for v in vs:
+                        self.expected[(*key, slot, v)] += 1
             self.sent[key] = LocalDelivery(shard=0, segment_seq=key[0], bundle_index=key[1],
-                                           client="app", txn=None,
+                                           client="app", txn=txn,
                                            ingestion_ts_ns=self.loop.wall_ns(), tables=tables)
+            if txn is None:
+                self.unacked.add(key)
+                self.queue.append(key)
+            self.changed.set()
+
+    def fate(self, job_id: str) -> JobDecision | None:
+        """Staging's answer: the decision, None while undecided."""
+        return self.decisions.get(job_id)
+
+    def decide(self, job: str) -> None:
+        """Commit (odd attempts win) or abort; the winners' bundles are published, a few
+        of them dropped first as retention would (never delivered, not expected)."""
+        if self.rng.random() < 0.2:
+            decision = JobDecision(job_id=job, state="aborted")
+        else:
+            decision = JobDecision(job_id=job, state="committed", winners=(
+                Winner(partition=0, attempt=1, rows=0, checksum=0),
+                Winner(partition=1, attempt=3, rows=0, checksum=0)))
+        self.decisions[job] = decision
+        published: set[tuple[int, int, int]] = set()
+        for key in self.jobs[job]:
+            del self.held[key]
+            d = self.sent[key]
+            assert d.txn is not None
+            winner = decision.winner(d.txn.partition)
+            if winner is None or winner.attempt != d.txn.attempt:
+                continue
+            if self.rng.random() < 0.05:
+                self.note(f"drop {key} (retention)")
+                continue
+            for slot, table in d.tables.items():
+                for v in table["v"].to_pylist():
+                    self.expected[(*key, slot, v)] += 1
             self.unacked.add(key)
             self.queue.append(key)
-            self.changed.set()
+            self.published.add(key)
+            published.add((0, *key))
+        self.note(f"decide {job}: {decision.state}, {len(published)} published")
+        if published and self.uploader is not None and self.rng.random() < 0.5:
+            try:
+                self.uploader.rush(job, published)
+            except AttributeError:
+                pass  # between lifetimes: not running
+        self.changed.set()
 
     def attach(self, session: Session) -> None:
         self.session = session
+        self.previewed.clear()  # a new uploader: the held bundles are offered again
         self.queue[:0] = sorted(self.inflight)
         self.inflight.clear()
         self.changed.set()
@@ -327,14 +410,33 @@ class _Sim:
                     self.queue.insert(0, key)
                     break
                 self.inflight.add(key)
+            if s is not None:
+                self.offer_held(s)
             await self.changed.wait()
             self.changed = anyio.Event()
+
+    def offer_held(self, s: Session) -> None:
+        """Held bundles not offered to this uploader yet, each given early or skipped by
+        the draw (then offered again on a later pass)."""
+        for key in list(self.held):
+            if key in self.previewed or self.rng.random() < 0.3:
+                continue
+            try:
+                early = msgspec.structs.replace(self.sent[key], staged=True)
+                s.deliveries.send_nowait(early)  # type: ignore[arg-type]
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.WouldBlock):
+                return
+            self.previewed.add(key)
 
     async def feedback(self, session: Session, segment_seq: int, bundle_index: int,
                        outcome: int) -> None:
         key = (segment_seq, bundle_index)
         if session is self.session:
             self.inflight.discard(key)
+        txn = self.sent[key].txn
+        if txn is not None and key not in self.published:
+            raise InvariantViolated(f"bundle {key} of job {txn.job_id} got outcome "
+                                    f"{outcome}, never delivered published")
         if outcome == ackfmt.ACK:
             self.result.acks += 1
             self.check_acked(key)
@@ -433,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"seed {seed}: ok, {r.steps} steps, {r.acks} acks, {r.nacks} nacks, "
               f"{r.kills} kills, {r.staging_faults} staging faults, {r.files} files, "
-              f"faults {r.faults}, {r.wall_s} s, digest {r.digest()}")
+              f"staged files {r.staged}, faults {r.faults}, {r.wall_s} s, "
+              f"digest {r.digest()}")
         if args.trace:
             print(r.tail(args.trace))
     return 1 if failed else 0
