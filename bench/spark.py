@@ -2,7 +2,8 @@
 daemon, against the same job writing ``df.write.parquet`` (plain Spark) in the same run.
 
     python bench/spark.py [--rows N] [--repeat N] [--partitions N] [--cache]
-                          [--file-duration-ms N] [--json out.json] [--logs DIR]
+                          [--file-duration-ms N] [--parquet-codec snappy|zstd]
+                          [--set KEY=VALUE ...] [--json out.json] [--logs DIR]
 
 quiver     ``df.write.format("quiver").option("path", <ingest socket>).option("client",
            <one per write>).mode("append").save()`` into a daemon the bench starts on a
@@ -23,8 +24,9 @@ quiver     ``df.write.format("quiver").option("path", <ingest socket>).option("c
            ``quiverd.spark.paths.read_parquet`` (Spark's Parquet reader on the registered
            files), ``--verify reader`` through ``spark.read.format("quiver")``.
 parquet    ``df.write.mode("overwrite").parquet(<fresh dir>)``: Spark's own writer (snappy,
-           no fsync), same DataFrame, same partitions; read back and counted, untimed.
-           The baseline of the ratio.
+           or ``--parquet-codec zstd``: the codec quiverd writes; no fsync), same
+           DataFrame, same partitions; read back and counted, untimed. The baseline of
+           the ratio.
 sink       ``df.write.format("bench_arrow_sink")``: a Python ``DataSourceArrowWriter``
            (defined here) that drops every batch Spark hands it: what Spark's Python data
            source path costs before the quiver writer does anything (the JVM's rows to
@@ -104,11 +106,19 @@ def main(argv: list[str] | None = None) -> int:
           f"data under {root} ({meta['filesystem']}), pyspark {meta['pyspark']}, "
           f"{args.rows:,} rows in {meta['partitions']} partitions, local[2], "
           f"{'cached' if args.cache else 'recomputed by each write'}, {args.repeat} round(s), "
-          f"lake.file_duration_ms {args.file_duration_ms}", flush=True)
+          f"lake.file_duration_ms {args.file_duration_ms}, baseline Parquet "
+          f"{args.parquet_codec}, daemon settings {args.set or 'defaults'}", flush=True)
     directory = Path(tempfile.mkdtemp(prefix="qd-spark-", dir=root))
     (directory / "daemon").mkdir()
-    daemon = LakeDaemon(directory / "daemon", tag="spark", settings={
-        "lake.file_duration_ms": args.file_duration_ms, "log.level": "info"})
+    settings: dict[str, Any] = {"lake.file_duration_ms": args.file_duration_ms,
+                                "log.level": "info"}
+    for item in args.set:
+        key, value = item.split("=", 1)
+        try:
+            settings[key] = json.loads(value)
+        except ValueError:
+            settings[key] = value
+    daemon = LakeDaemon(directory / "daemon", tag="spark", settings=settings)
     try:
         bench = Bench(spark, daemon, directory, args, meta["partitions"])
         runs = bench.run()
@@ -147,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
                         'spark.read.format("quiver") (reader)')
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra option of the quiver writer (batch_rows=..., what-if runs)")
+    p.add_argument("--parquet-codec", choices=["snappy", "zstd"], default="snappy",
+                   help="the baseline's spark.sql.parquet.compression.codec (default snappy, "
+                        "Spark's; zstd is the codec quiverd writes)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a daemon setting (e.g. lake.convert_staged=false; JSON values)")
     p.add_argument("--json", metavar="PATH", help="also write every figure as JSON")
     p.add_argument("--dir", default=tempfile.gettempdir(),
                    help="where the data directory and Parquet output go (the real disk)")
@@ -163,7 +178,8 @@ def _meta(spark: Any, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "partitions": args.partitions or spark.sparkContext.defaultParallelism,
             "cache": args.cache, "repeat": args.repeat, "warmup_rows": args.warmup_rows,
             "file_duration_ms": args.file_duration_ms, "writer_options": args.option,
-            "verify": args.verify}
+            "verify": args.verify, "parquet_codec": args.parquet_codec,
+            "daemon_settings": args.set}
 
 
 def _dirty() -> bool:
@@ -242,7 +258,8 @@ class Bench:
 
     def parquet(self, df: Any, tag: str, rows: int) -> dict[str, Any]:
         path = self.dir / f"parquet-{tag}"
-        out = timed(lambda: df.write.mode("overwrite").parquet(str(path)), self.daemon.pid)
+        writer = df.write.mode("overwrite").option("compression", self.args.parquet_codec)
+        out = timed(lambda: writer.parquet(str(path)), self.daemon.pid)
         out["bytes"] = sum(f.stat().st_size for f in path.glob("*.parquet"))
         got = self.spark.read.parquet(str(path)).count()
         shutil.rmtree(path)
