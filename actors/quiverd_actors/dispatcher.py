@@ -324,8 +324,7 @@ class Dispatcher:
                 if verdict is Verdict.HOLD:
                     # Its job is undecided: nobody sees it yet, but the uploader may
                     # start on its rows (published only once the job commits them).
-                    if (seen is not None and not ref.is_end
-                            and len(self._to_preview) < READ_BATCH
+                    if (seen is not None and len(self._to_preview) < READ_BATCH
                             and idx not in seen.get(seg, ())):
                         self._to_preview.append((seg, idx))
                     continue

@@ -21,7 +21,7 @@ import pytest
 
 from quiverd.acks import format as ackfmt
 from quiverd.kernel.bundle import TxnTag
-from quiverd.kernel.jobs import JobDecision, Winner
+from quiverd.kernel.jobs import END_OFFSET, JobDecision, Winner, end_marker_table
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake.health import LakeHealth
 from quiverd.lake.model import FileState
@@ -236,3 +236,34 @@ async def test_a_schema_the_staged_file_cannot_take_opens_another_for_the_attemp
         assert sorted(acks.outcomes) == [(1, 0, ackfmt.ACK), (1, 1, ackfmt.ACK)]
         assert sorted(f.row_count for f in await registered(tier)) == [2, 2]
         assert outcome_counts(uploader) == {"published": 2}
+
+
+@pytest.mark.asyncio
+async def test_an_attempts_end_marker_writes_its_staged_rows_before_the_commit(
+        tmp_path: Path) -> None:
+    """The end marker comes early too: the attempt's buffered rows are written as a row
+    group then, so the commit only seals the file."""
+    decisions: dict[str, JobDecision] = {}
+    async with open_test_tier(tmp_path, **NO_TIMERS) as tier, \
+            running(tier, decisions) as (acks, uploader, tx):
+        await tx.send(staged(1, 0, "j", 0, 1, rows(3)))
+        await until(lambda: _wrote(uploader, 1))
+        (f,) = uploader.staged.every
+        assert f.active is None and f.parts  # buffered: under a row group's size
+        marker = LocalDelivery(shard=0, segment_seq=1, bundle_index=1, client="spark",
+                               txn=TxnTag(job_id="j", partition=0, attempt=1,
+                                          row_offset=END_OFFSET),
+                               ingestion_ts_ns=1, tables={0: end_marker_table(3, 0)},
+                               staged=True)
+        await tx.send(marker)
+
+        async def written() -> bool:
+            return f.active is not None and not f.parts
+        await until(written)
+        assert not uploader.staged.open and f in uploader.staged.every
+        assert tier.cfg.lake.row_group_bytes > 3 * 8  # not the size that wrote it
+        decisions["j"] = committed("j", (0, 1))
+        await tx.send(staged(1, 0, "j", 0, 1, rows(3), published=True))
+        await acks.until(lambda o: len(o) == 1)
+        assert acks.outcomes == [(1, 0, ackfmt.ACK)]
+        assert await lake_values(tier) == [0, 1, 2]

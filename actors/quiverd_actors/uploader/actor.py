@@ -51,7 +51,7 @@ from ulid import ULID
 from quiverd.acks import format as ackfmt
 from quiverd.kernel.errors import LakeError, QuiverError
 from quiverd.kernel.faults import Hook
-from quiverd.kernel.jobs import JobDecision
+from quiverd.kernel.jobs import END_OFFSET, JobDecision
 from quiverd.kernel.logs import Logger
 from quiverd.kernel.metrics import Metrics
 from quiverd.lake import dead_letters
@@ -199,6 +199,9 @@ class Uploader:
         Skipped (the usual path takes the bundle then) when staged files would take the
         buffer published rows need, or too many are open."""
         txn = d.txn
+        if txn is not None and txn.row_offset == END_OFFSET:
+            self._attempt_ended(d.shard, (txn.job_id, txn.partition, txn.attempt))
+            return
         if txn is None or not self.staged.room():
             return
         if (d.shard, d.segment_seq, d.bundle_index) in self.failures:
@@ -233,6 +236,15 @@ class Uploader:
             self._buffer(nbytes)
             if f.buffered_bytes >= self.lake.row_group_bytes:
                 self.tg.start_soon(self._flush_then_check, f)
+
+    def _attempt_ended(self, shard: int, attempt: tuple[str, int, int]) -> None:
+        """The attempt's end marker: no more rows come for its staged files, so their
+        last rows are written now, not after the commit (which then only seals them)."""
+        for (fkey, a), f in list(self.staged.open.items()):
+            if a == attempt and fkey[0] == shard:
+                self.staged.full(f)
+                if f.parts:
+                    self.tg.start_soon(self._flush, f)
 
     async def _staged_file(self, fkey: FileKey, attempt: tuple[str, int, int],
                            table: pa.Table, nbytes: int) -> OpenFile | None:
